@@ -1,0 +1,37 @@
+"""nvcomp-checkpoint: lossless compression of training checkpoints, on the GPU or the CPU.
+
+``save``/``load``/``open`` write and read one compressed file per checkpoint; ``CodecPolicy``
+chooses codecs per component (weights, optimizer moments, gradients, the rest).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import errors
+from .api import is_nvcomp_checkpoint, load, open, save
+from .codecs import GPU_ONLY_CODECS, PORTABLE_CODECS, gpu_available
+from .errors import CheckpointError
+from .policy import CodecPolicy, CodecSpec, Component, classify
+from .reader import CheckpointReader
+from .report import ComponentStats, SaveReport
+
+__all__ = [
+    "__version__",
+    "save",
+    "load",
+    "open",
+    "is_nvcomp_checkpoint",
+    "CodecPolicy",
+    "CodecSpec",
+    "Component",
+    "classify",
+    "CheckpointReader",
+    "SaveReport",
+    "ComponentStats",
+    "CheckpointError",
+    "errors",
+    "gpu_available",
+    "PORTABLE_CODECS",
+    "GPU_ONLY_CODECS",
+]

@@ -1,0 +1,82 @@
+"""Codec registry: which codec ids exist, and where each can run.
+
+A codec id names a byte format. ``zstd`` and ``none`` have a CPU and a GPU implementation that
+read and write the same bytes; ``ans`` (and the other nvCOMP-only ids) exist only on the GPU, so a
+file that uses them needs a CUDA machine with nvCOMP to load.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from ..errors import CodecUnavailableError
+from .base import CodecConfig, CpuCodec, GpuCodec
+from .cpu import NoneCpuCodec, ZstdCpuCodec
+
+__all__ = [
+    "CodecConfig",
+    "CpuCodec",
+    "GpuCodec",
+    "CODEC_IDS",
+    "PORTABLE_CODECS",
+    "GPU_ONLY_CODECS",
+    "cpu_codec",
+    "gpu_codec",
+    "gpu_available",
+    "has_cpu_decoder",
+]
+
+_CPU_CODECS = {"zstd": ZstdCpuCodec, "none": NoneCpuCodec}
+#: Codecs with a CPU and a GPU implementation: files using only these load anywhere.
+PORTABLE_CODECS = ("zstd", "none")
+#: nvCOMP codecs with no maintained CPU decoder (NVIDIA/nvcomp issues 62, 80, 104).
+GPU_ONLY_CODECS = ("ans", "bitcomp", "gdeflate", "cascaded")
+CODEC_IDS = PORTABLE_CODECS + GPU_ONLY_CODECS
+
+
+def has_cpu_decoder(codec_id: str) -> bool:
+    """Whether frames of ``codec_id`` can be decoded without a GPU."""
+    return codec_id in _CPU_CODECS
+
+
+@lru_cache(maxsize=None)
+def cpu_codec(codec_id: str, level: int | None = None) -> CpuCodec:
+    """The CPU implementation of ``codec_id`` (cached; instances are thread-safe).
+
+    Raises:
+        CodecUnavailableError: ``codec_id`` has no CPU implementation.
+    """
+    cls = _CPU_CODECS.get(codec_id)
+    if cls is None:
+        if codec_id in GPU_ONLY_CODECS:
+            raise CodecUnavailableError(
+                f"codec {codec_id!r} is an nvCOMP GPU codec with no CPU implementation; "
+                "it needs a CUDA GPU and `pip install nvcomp-checkpoint[cu12]` (or [cu13]). "
+                f"Portable codecs are: {', '.join(PORTABLE_CODECS)}"
+            )
+        raise CodecUnavailableError(f"unknown codec {codec_id!r}; known codecs: {', '.join(CODEC_IDS)}")
+    return cls(level) if level is not None else cls()
+
+
+def gpu_available() -> bool:
+    """True when a CUDA device and the nvCOMP Python package can both be used."""
+    if not torch.cuda.is_available():
+        return False
+    from . import nvcomp
+
+    return nvcomp.is_available()
+
+
+def gpu_codec(codec_id: str, level: int | None, device: torch.device) -> GpuCodec:
+    """The nvCOMP implementation of ``codec_id`` on ``device``.
+
+    Raises:
+        CodecUnavailableError: no CUDA device, no nvCOMP, or an unknown codec.
+    """
+    if codec_id not in CODEC_IDS:
+        raise CodecUnavailableError(f"unknown codec {codec_id!r}; known codecs: {', '.join(CODEC_IDS)}")
+    from . import nvcomp  # imported lazily so `import nvcomp_checkpoint` never needs CUDA
+
+    return nvcomp.gpu_codec(codec_id, level, device)

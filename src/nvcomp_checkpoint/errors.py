@@ -1,0 +1,45 @@
+"""Exception classes of nvcomp-checkpoint.
+
+Every error derives from :class:`CheckpointError` and says which file, which tensor and what
+the user can do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "FormatError",
+    "ChecksumError",
+    "CodecUnavailableError",
+    "UnsafeCheckpointError",
+    "UnsupportedObjectError",
+    "CheckpointWriteError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by nvcomp-checkpoint."""
+
+
+class FormatError(CheckpointError):
+    """The file is not a checkpoint, is truncated, or its index is inconsistent."""
+
+
+class ChecksumError(FormatError):
+    """A chunk's stored bytes do not match the checksum written with them."""
+
+
+class CodecUnavailableError(CheckpointError):
+    """A codec needed to write or read a tensor is not available on this machine."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """Loading would run code from the file; it needs an explicit ``weights_only=False``."""
+
+
+class UnsupportedObjectError(CheckpointError):
+    """An object in the tree cannot be saved (for example a tensor subclass or meta tensor)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed; the previous file at the target path is untouched."""

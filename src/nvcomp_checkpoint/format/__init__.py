@@ -1,0 +1,1 @@
+"""The checkpoint file format: byte layout and the serialized non-tensor tree."""

@@ -1,0 +1,262 @@
+"""The on-disk layout of a checkpoint file (specified in ``docs/format.md``).
+
+``MAGIC | skeleton frame | tensor frames ... | index (JSON) | footer``: written strictly front to
+back, so it streams to object storage; the index at the end is the commit point.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..codecs import CODEC_IDS, CodecConfig
+from ..errors import FormatError
+from ..filters import FILTER_IDS
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_VERSION",
+    "FOOTER",
+    "FOOTER_MAGIC",
+    "MAX_INDEX_BYTES",
+    "MAX_CHUNK_BYTES",
+    "Frame",
+    "TensorEntry",
+    "Index",
+    "pack_footer",
+    "unpack_footer",
+    "dtype_from_name",
+    "dtype_name",
+]
+
+FORMAT_VERSION = 1
+#: 8 bytes: the name, then the major format version as one byte, then a reserved zero byte.
+MAGIC = b"NVCKPT" + bytes([FORMAT_VERSION, 0])
+FOOTER_MAGIC = b"NVCKEND\x00"
+#: index offset (u64), index size (u64), xxh3-64 of the index (u64), FOOTER_MAGIC; little-endian.
+FOOTER = struct.Struct("<QQQ8s")
+MAX_INDEX_BYTES = 1 << 30
+MAX_CHUNK_BYTES = 64 << 20
+
+_DTYPES = {
+    name: value
+    for name, value in vars(torch).items()
+    if isinstance(value, torch.dtype) and not name.startswith("_")
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str, where: str) -> torch.dtype:
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        raise FormatError(f"{where}: unknown dtype {name!r} (written by a newer torch?)")
+    return dtype
+
+
+def pack_footer(index_offset: int, index_size: int, index_hash: int) -> bytes:
+    return FOOTER.pack(index_offset, index_size, index_hash, FOOTER_MAGIC)
+
+
+def unpack_footer(data: bytes, file_size: int, where: str) -> tuple[int, int, int]:
+    """Footer fields, checked against the file size so nothing absurd is allocated."""
+    if len(data) != FOOTER.size:
+        raise FormatError(f"{where}: file is truncated (no complete footer)")
+    offset, size, digest, magic = FOOTER.unpack(data)
+    if magic != FOOTER_MAGIC:
+        raise FormatError(
+            f"{where}: no checkpoint footer; the file is truncated (an interrupted save?) or "
+            "not an nvcomp-checkpoint file"
+        )
+    if size > MAX_INDEX_BYTES or offset < len(MAGIC) or offset + size != file_size - FOOTER.size:
+        raise FormatError(f"{where}: footer claims an index of {size} bytes at {offset}, impossible in a file of {file_size} bytes")
+    return offset, size, digest
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One stored frame: ``size`` bytes at ``offset``, decoding to ``raw_size`` bytes."""
+
+    offset: int
+    size: int
+    raw_size: int
+    xxh: int
+
+    @property
+    def is_raw(self) -> bool:
+        # A writer stores a frame raw whenever the codec does not shrink it, so equal sizes
+        # mean raw bytes; no flag is needed.
+        return self.size == self.raw_size
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Everything the index says about one tensor."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    component: str
+    codec: CodecConfig
+    filter: str
+    width: int
+    chunk_bytes: int
+    frames: tuple[Frame, ...]
+    device: str = "cpu"
+    requires_grad: bool = False
+    parameter: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(f.size for f in self.frames)
+
+    @property
+    def planes(self) -> int:
+        return self.width if self.filter == "byteplane" else 1
+
+    def chunks(self) -> list[tuple[int, int, tuple[Frame, ...]]]:
+        """``(byte offset, byte length, frames)`` for each chunk of the tensor's bytes."""
+        out = []
+        p = self.planes
+        for i in range(0, len(self.frames), p):
+            start = (i // p) * self.chunk_bytes
+            out.append((start, min(self.chunk_bytes, self.nbytes - start), self.frames[i : i + p]))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "dtype": dtype_name(self.dtype),
+            "shape": list(self.shape),
+            "component": self.component,
+            "codec": self.codec.to_json(),
+            "filter": self.filter,
+            "width": self.width,
+            "chunk_bytes": self.chunk_bytes,
+            "frames": [[f.offset, f.size, f"{f.xxh:016x}"] for f in self.frames],
+            "device": self.device,
+            "requires_grad": self.requires_grad,
+            "parameter": self.parameter,
+        }
+
+
+def chunk_frame_sizes(nbytes: int, chunk_bytes: int, planes: int) -> list[int]:
+    """Raw size of every frame of a tensor of ``nbytes`` bytes, chunk-major, plane-minor."""
+    sizes = []
+    for start in range(0, nbytes, chunk_bytes):
+        length = min(chunk_bytes, nbytes - start)
+        sizes.extend([length // planes] * planes)
+    return sizes
+
+
+def _entry_from_json(data: Any, data_start: int, data_end: int, where: str) -> TensorEntry:
+    try:
+        key = str(data["key"])
+        dtype = dtype_from_name(str(data["dtype"]), where)
+        shape = tuple(int(d) for d in data["shape"])
+        codec = CodecConfig.from_json(data["codec"])
+        filt = str(data["filter"])
+        width = int(data["width"])
+        chunk_bytes = int(data["chunk_bytes"])
+        raw_frames = data["frames"]
+        component = str(data["component"])
+        device = str(data.get("device", "cpu"))
+        requires_grad = bool(data.get("requires_grad", False))
+        parameter = bool(data.get("parameter", False))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"{where}: malformed tensor entry in the index ({exc!r})") from exc
+    where_t = f"{where}, tensor {key!r}"
+    if any(d < 0 for d in shape):
+        raise FormatError(f"{where_t}: negative dimension in shape {shape}")
+    if codec.id not in CODEC_IDS or filt not in FILTER_IDS:
+        raise FormatError(f"{where_t}: unknown codec {codec.id!r} or filter {filt!r}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if width < 1 or itemsize % width or not (0 < chunk_bytes <= MAX_CHUNK_BYTES) or chunk_bytes % itemsize:
+        raise FormatError(f"{where_t}: inconsistent width {width} / chunk size {chunk_bytes} for {dtype}")
+    planes = width if filt == "byteplane" else 1
+    numel = math.prod(shape)
+    # Checked before anything is allocated: the frames must tile exactly the bytes the shape
+    # claims, and every frame must lie inside the data region of the file.
+    n_chunks = -(-numel * itemsize // chunk_bytes)
+    if not isinstance(raw_frames, list) or len(raw_frames) != n_chunks * planes:
+        raise FormatError(
+            f"{where_t}: shape {list(shape)} needs {n_chunks * planes} frames, the index lists "
+            f"{len(raw_frames) if isinstance(raw_frames, list) else 'none'}"
+        )
+    sizes = chunk_frame_sizes(numel * itemsize, chunk_bytes, planes)
+    frames = []
+    for raw, raw_size in zip(raw_frames, sizes):
+        try:
+            offset, size, digest = int(raw[0]), int(raw[1]), int(str(raw[2]), 16)
+        except (TypeError, ValueError, IndexError) as exc:
+            raise FormatError(f"{where_t}: malformed frame record {raw!r}") from exc
+        if offset < data_start or size < 0 or offset + size > data_end or size > raw_size:
+            raise FormatError(f"{where_t}: frame at {offset} (+{size}) lies outside the data region")
+        frames.append(Frame(offset, size, raw_size, digest))
+    return TensorEntry(
+        key, dtype, shape, component, codec, filt, width, chunk_bytes, tuple(frames), device, requires_grad, parameter
+    )
+
+
+@dataclass(frozen=True)
+class Index:
+    """The parsed, validated index of a checkpoint file."""
+
+    skeleton: Frame
+    tensors: tuple[TensorEntry, ...]
+    metadata: dict[str, Any]
+
+    def to_json_bytes(self) -> bytes:
+        doc = {
+            "format": "nvcomp-checkpoint",
+            "version": FORMAT_VERSION,
+            "skeleton": [self.skeleton.offset, self.skeleton.size, self.skeleton.raw_size, f"{self.skeleton.xxh:016x}"],
+            "tensors": [t.to_json() for t in self.tensors],
+            "metadata": self.metadata,
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes, data_end: int, where: str) -> "Index":
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise FormatError(f"{where}: the index is not valid JSON ({exc})") from exc
+        if not isinstance(doc, dict) or doc.get("format") != "nvcomp-checkpoint":
+            raise FormatError(f"{where}: not an nvcomp-checkpoint index")
+        if doc.get("version") != FORMAT_VERSION:
+            raise FormatError(
+                f"{where}: format version {doc.get('version')!r}; this nvcomp-checkpoint reads "
+                f"version {FORMAT_VERSION}. Upgrade nvcomp-checkpoint to read it."
+            )
+        try:
+            s_off, s_size, s_raw, s_hash = doc["skeleton"]
+            skeleton = Frame(int(s_off), int(s_size), int(s_raw), int(str(s_hash), 16))
+            tensors_json = doc["tensors"]
+            metadata = doc.get("metadata", {})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"{where}: malformed index ({exc!r})") from exc
+        data_start = len(MAGIC)
+        if not (data_start <= skeleton.offset and skeleton.offset + skeleton.size <= data_end) or not (
+            0 <= skeleton.raw_size <= MAX_INDEX_BYTES
+        ):
+            raise FormatError(f"{where}: skeleton frame lies outside the file")
+        if not isinstance(tensors_json, list) or not isinstance(metadata, dict):
+            raise FormatError(f"{where}: malformed index")
+        tensors = tuple(_entry_from_json(t, data_start, data_end, where) for t in tensors_json)
+        return cls(skeleton, tensors, metadata)

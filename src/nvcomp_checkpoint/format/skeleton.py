@@ -1,0 +1,143 @@
+"""The non-tensor part of a checkpoint tree (its "skeleton").
+
+Tensors found in dicts, lists and tuples are replaced by :class:`TensorRef` placeholders; the
+rest (numbers, strings, RNG states, Lightning loop state ...) is serialized with ``torch.save``
+and read back with ``torch.load(weights_only=True)``, so loading follows exactly PyTorch's
+rules for what a file may construct. Arbitrary Python objects need ``weights_only=False``.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from typing import Any, Callable
+
+import torch
+
+from ..errors import FormatError, UnsafeCheckpointError
+
+__all__ = ["TensorRef", "flatten", "unflatten", "encode_skeleton", "decode_skeleton"]
+
+
+class TensorRef:
+    """Placeholder for the tensor stored at ``index`` in the checkpoint's tensor table."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return (TensorRef, (self.index,))
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.index})"
+
+
+def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
+    # Two entries of a tree that are the same view of the same storage (tied weights) are
+    # stored once and come back as one tensor object, as torch.save does.
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def flatten(obj: Any) -> tuple[Any, list[tuple[tuple[Any, ...], torch.Tensor]]]:
+    """Split ``obj`` into a skeleton and its tensors.
+
+    Returns:
+        ``(skeleton, tensors)`` where ``tensors[i] = (path, tensor)`` and the skeleton holds
+        ``TensorRef(i)`` where the tensor was. Containers are copied, tensors are not.
+    """
+    tensors: list[tuple[tuple[Any, ...], torch.Tensor]] = []
+    seen: dict[tuple[Any, ...], int] = {}
+
+    def walk(node: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(node, torch.Tensor):
+            if type(node) is not torch.Tensor and not isinstance(node, torch.nn.Parameter):
+                # Tensor subclasses (DTensor, FakeTensor ...) carry state we cannot rebuild.
+                return node
+            ident = _tensor_identity(node) if node.device.type != "meta" else None
+            if ident is not None and ident in seen:
+                return TensorRef(seen[ident])
+            index = len(tensors)
+            tensors.append((path, node))
+            if ident is not None:
+                seen[ident] = index
+            return TensorRef(index)
+        if isinstance(node, dict):
+            new = node.copy() if type(node) in (dict,) else copy.copy(node)
+            for key, value in node.items():
+                new[key] = walk(value, path + (key,))
+            return new
+        if isinstance(node, list):
+            new_list = copy.copy(node) if type(node) is not list else list(node)
+            for i, value in enumerate(node):
+                new_list[i] = walk(value, path + (i,))
+            return new_list
+        if isinstance(node, tuple):
+            items = [walk(value, path + (i,)) for i, value in enumerate(node)]
+            if hasattr(node, "_fields"):  # namedtuple
+                return type(node)(*items)
+            return type(node)(items) if type(node) is not tuple else tuple(items)
+        return node
+
+    return walk(obj, ()), tensors
+
+
+def unflatten(skeleton: Any, resolve: Callable[[int], Any]) -> Any:
+    """Inverse of :func:`flatten`: ``TensorRef(i)`` replaced by ``resolve(i)``."""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, TensorRef):
+            return resolve(node.index)
+        if isinstance(node, dict):
+            for key, value in node.items():
+                node[key] = walk(value)
+            return node
+        if isinstance(node, list):
+            for i, value in enumerate(node):
+                node[i] = walk(value)
+            return node
+        if isinstance(node, tuple):
+            items = [walk(v) for v in node]
+            if hasattr(node, "_fields"):
+                return type(node)(*items)
+            return type(node)(items) if type(node) is not tuple else tuple(items)
+        return node
+
+    return walk(skeleton)
+
+
+def encode_skeleton(skeleton: Any) -> bytes:
+    """Serialize a skeleton with ``torch.save``'s default pickle protocol.
+
+    The default protocol matters: ``torch.load(weights_only=True)`` rejects protocol 4 streams.
+    """
+    buf = io.BytesIO()
+    torch.save(skeleton, buf)
+    return buf.getvalue()
+
+
+def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
+    """Deserialize a skeleton; with ``weights_only`` nothing but safe types is constructed.
+
+    Raises:
+        UnsafeCheckpointError: the skeleton holds objects that ``weights_only`` refuses.
+        FormatError: the bytes are not a skeleton.
+    """
+    try:
+        if weights_only:
+            with torch.serialization.safe_globals([TensorRef]):
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except pickle.UnpicklingError as exc:
+        if weights_only and "Weights only load failed" in str(exc):
+            detail = str(exc).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+            raise UnsafeCheckpointError(
+                f"{where}: the checkpoint holds Python objects that a weights-only load refuses "
+                f"({detail}). If you trust this file, load it with weights_only=False, or allow "
+                "the type with torch.serialization.add_safe_globals([...])."
+            ) from exc
+        raise FormatError(f"{where}: the checkpoint's object tree is corrupt: {exc}") from exc
+    except (RuntimeError, EOFError, ValueError, KeyError, AttributeError, TypeError) as exc:
+        raise FormatError(f"{where}: the checkpoint's object tree is corrupt: {exc}") from exc

@@ -1,0 +1,209 @@
+"""Per-component codec policy: which part of a checkpoint a tensor is, and how to store it.
+
+A checkpoint is mostly optimizer state; weights, first moments, second moments and gradients
+compress differently, so each component gets its own :class:`CodecSpec`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
+from typing import Any, Mapping, Sequence
+
+from .codecs import CODEC_IDS
+from .filters import FILTER_IDS
+
+__all__ = ["Component", "CodecSpec", "CodecPolicy", "classify", "key_string"]
+
+
+class Component(str, Enum):
+    """The parts of a training checkpoint that are compressed with their own settings."""
+
+    WEIGHTS = "weights"
+    EXP_AVG = "exp_avg"
+    EXP_AVG_SQ = "exp_avg_sq"
+    GRADIENTS = "gradients"
+    OTHER = "other"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Keys under which real code keeps optimizer state (torch, Lightning, Accelerate, HF, DeepSpeed).
+_OPTIMIZER_KEYS = {
+    "optimizer", "optimizers", "optimizer_states", "optimizer_state", "optimizer_state_dict",
+    "optim", "optim_state", "optim_state_dict", "opt", "opt_state",
+}
+#: First-moment-like optimizer buffers: Adam/AdamW/Adamax/NAdam/RAdam, SGD momentum, Lion.
+_EXP_AVG_KEYS = {"exp_avg", "momentum_buffer", "momentum", "m", "mu_product_exp_avg"}
+#: Second-moment-like buffers: Adam(W) incl. amsgrad, Adafactor's factored rows/cols, RMSprop,
+#: Adagrad, Adadelta, Adamax's infinity norm.
+_EXP_AVG_SQ_KEYS = {
+    "exp_avg_sq", "max_exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col", "square_avg",
+    "sum", "acc_delta", "exp_inf", "v",
+}
+_GRADIENT_KEYS = {"grad", "grads", "gradient", "gradients"}
+#: Subtrees that are never model weights even when they hold float tensors.
+_OTHER_KEYS = {
+    "rng_state", "rng_states", "rng", "lr_scheduler", "lr_schedulers", "scheduler", "schedulers",
+    "loops", "callbacks", "scaler", "grad_scaler", "native_amp_scaling_state", "hyper_parameters",
+}
+
+
+def key_string(path: Sequence[Any]) -> str:
+    """The display key of a tensor: its path in the tree joined with ``/``."""
+    return "/".join(str(p) for p in path)
+
+
+def classify(path: Sequence[Any]) -> Component:
+    """Classify a tensor by its path in the checkpoint tree.
+
+    Understands a bare ``state_dict``, ``{"model": ..., "optimizer": ...}``, Lightning's
+    checkpoint dict (``state_dict``, ``optimizer_states``, ``loops``, ``callbacks`` ...) and
+    ``torch.optim`` state (``state[param_id]["exp_avg"]``).
+    """
+    keys = [str(p).lower() for p in path]
+    if not keys:
+        return Component.WEIGHTS
+    last = keys[-1]
+    in_optimizer = any(k in _OPTIMIZER_KEYS or k.startswith("optimizer") for k in keys[:-1])
+    # torch.optim state: ..., "state", <param id>, <buffer name>
+    looks_like_optim_state = len(keys) >= 3 and keys[-3] == "state"
+    if in_optimizer or looks_like_optim_state:
+        if last in _EXP_AVG_KEYS:
+            return Component.EXP_AVG
+        if last in _EXP_AVG_SQ_KEYS:
+            return Component.EXP_AVG_SQ
+        if in_optimizer:
+            return Component.OTHER
+    if any(k in _GRADIENT_KEYS or k.endswith(".grad") for k in keys):
+        return Component.GRADIENTS
+    if any(k in _OTHER_KEYS for k in keys):
+        return Component.OTHER
+    return Component.WEIGHTS
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """How one tensor is stored.
+
+    Attributes:
+        codec: Codec id: ``"zstd"`` (portable), ``"none"``, or a GPU-only nvCOMP codec
+            (``"ans"``, ``"bitcomp"``, ``"gdeflate"``, ``"cascaded"``).
+        level: Compression level for codecs that have one.
+        filter: ``"byteplane"`` (bytes of equal significance grouped) or ``"none"``.
+        chunk_bytes: Raw bytes per chunk; chunks compress in parallel and stream to storage.
+    """
+
+    codec: str = "zstd"
+    level: int | None = 1
+    filter: str = "byteplane"
+    chunk_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODEC_IDS:
+            raise ValueError(f"unknown codec {self.codec!r}; choose one of {', '.join(CODEC_IDS)}")
+        if self.filter not in FILTER_IDS:
+            raise ValueError(f"unknown filter {self.filter!r}; choose one of {', '.join(FILTER_IDS)}")
+        if not (1024 <= self.chunk_bytes <= (64 << 20)):
+            raise ValueError(f"chunk_bytes must be between 1 KiB and 64 MiB, got {self.chunk_bytes}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | "CodecSpec" | str) -> "CodecSpec":
+        """A spec from a dict (``{"codec": "zstd", "level": 3}``), a codec id, or a spec."""
+        if isinstance(data, CodecSpec):
+            return data
+        if isinstance(data, str):
+            return cls(codec=data, level=1 if data == "zstd" else None)
+        unknown = set(data) - {"codec", "level", "filter", "chunk_bytes"}
+        if unknown:
+            raise ValueError(f"unknown codec spec keys {sorted(unknown)}")
+        return cls(**dict(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_DEFAULT = CodecSpec()
+_RAW = CodecSpec(codec="none", level=None, filter="none")
+
+
+@dataclass(frozen=True)
+class CodecPolicy:
+    """Codec settings for each component, user classification patterns and per-tensor overrides.
+
+    The defaults (zstd level 1 over byte planes for every component) were measured on real
+    checkpoints (see ``benchmarks/README.md``) and are portable: a file written with them loads
+    on any machine, with or without a GPU.
+
+    Args:
+        weights, exp_avg, exp_avg_sq, gradients, other: The :class:`CodecSpec` per component
+            (a dict or a codec id are accepted too).
+        patterns: ``{glob: component}``: tensors whose key (``"optimizer/state/0/exp_avg"``)
+            matches the glob are classified as that component; first match wins.
+        overrides: ``{glob: CodecSpec}``: tensors whose key matches get that spec outright.
+        min_compress_bytes: Tensors smaller than this are stored raw (compressing them costs
+            more than it saves).
+        device: Where compression runs: ``"auto"`` (a CUDA tensor on its GPU with nvCOMP, a CPU
+            tensor on the CPU), ``"cpu"`` or ``"cuda"``.
+    """
+
+    weights: CodecSpec = _DEFAULT
+    exp_avg: CodecSpec = _DEFAULT
+    exp_avg_sq: CodecSpec = _DEFAULT
+    gradients: CodecSpec = _DEFAULT
+    other: CodecSpec = _DEFAULT
+    patterns: Mapping[str, Component | str] = field(default_factory=dict)
+    overrides: Mapping[str, CodecSpec | Mapping[str, Any] | str] = field(default_factory=dict)
+    min_compress_bytes: int = 2048
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        for comp in Component:
+            object.__setattr__(self, comp.value, CodecSpec.from_dict(getattr(self, comp.value)))
+        object.__setattr__(self, "patterns", {k: Component(v) for k, v in dict(self.patterns).items()})
+        object.__setattr__(
+            self, "overrides", {k: CodecSpec.from_dict(v) for k, v in dict(self.overrides).items()}
+        )
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @classmethod
+    def uniform(cls, spec: CodecSpec | Mapping[str, Any] | str, **kwargs: Any) -> "CodecPolicy":
+        """The same spec for every component."""
+        spec = CodecSpec.from_dict(spec)
+        return cls(**{c.value: spec for c in Component}, **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CodecPolicy":
+        """A policy from its :meth:`to_dict` form (e.g. a JSON file given to ``nvckpt``)."""
+        return cls(**dict(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {c.value: getattr(self, c.value).to_dict() for c in Component}
+        out["patterns"] = {k: v.value for k, v in self.patterns.items()}
+        out["overrides"] = {k: v.to_dict() for k, v in self.overrides.items()}
+        out["min_compress_bytes"] = self.min_compress_bytes
+        out["device"] = self.device
+        return out
+
+    def with_overrides(self, **changes: Any) -> "CodecPolicy":
+        """A copy with some fields replaced (component specs may be dicts or codec ids)."""
+        return replace(self, **changes)
+
+    def component_of(self, key: str, path: Sequence[Any]) -> Component:
+        """The component of the tensor at ``path`` (user patterns first, then :func:`classify`)."""
+        for pattern, comp in self.patterns.items():
+            if fnmatch.fnmatchcase(key, pattern):
+                return comp
+        return classify(path)
+
+    def spec_for(self, key: str, component: Component, nbytes: int) -> CodecSpec:
+        """The spec used for one tensor."""
+        for pattern, spec in self.overrides.items():
+            if fnmatch.fnmatchcase(key, pattern):
+                return spec
+        if nbytes < self.min_compress_bytes:
+            return _RAW
+        return getattr(self, component.value)

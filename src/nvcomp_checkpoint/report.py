@@ -1,0 +1,128 @@
+"""What a save wrote, what a file holds: per-component sizes, ratios and codecs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+__all__ = ["ComponentStats", "SaveReport", "format_bytes", "format_table", "component_rows"]
+
+
+@dataclass(frozen=True)
+class ComponentStats:
+    """Totals for one component (``weights``, ``exp_avg`` ...)."""
+
+    tensors: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    codecs: tuple[str, ...] = ()
+    filters: tuple[str, ...] = ()
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    def add(self, raw: int, stored: int, codec: str, filt: str) -> "ComponentStats":
+        return ComponentStats(
+            self.tensors + 1,
+            self.raw_bytes + raw,
+            self.stored_bytes + stored,
+            tuple(sorted(set(self.codecs) | {codec})),
+            tuple(sorted(set(self.filters) | {filt})),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tensors": self.tensors,
+            "raw_bytes": self.raw_bytes,
+            "stored_bytes": self.stored_bytes,
+            "ratio": round(self.ratio, 4),
+            "codecs": list(self.codecs),
+            "filters": list(self.filters),
+        }
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """The result of a save.
+
+    Attributes:
+        path: Where the checkpoint was written.
+        raw_bytes: Bytes of all tensors, uncompressed.
+        stored_bytes: Size of the file written.
+        seconds: Wall time of the whole save, fsync and rename included.
+        seconds_blocked: Time the caller was blocked (equal to ``seconds`` for a sync save).
+        components: Per-component totals.
+    """
+
+    path: str
+    raw_bytes: int
+    stored_bytes: int
+    seconds: float
+    components: Mapping[str, ComponentStats] = field(default_factory=dict)
+    seconds_blocked: float | None = None
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    @property
+    def throughput_mb_s(self) -> float:
+        return self.raw_bytes / self.seconds / 1e6 if self.seconds > 0 else float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "raw_bytes": self.raw_bytes,
+            "stored_bytes": self.stored_bytes,
+            "ratio": round(self.ratio, 4),
+            "seconds": round(self.seconds, 4),
+            "seconds_blocked": round(self.seconds if self.seconds_blocked is None else self.seconds_blocked, 4),
+            "throughput_mb_s": round(self.throughput_mb_s, 1),
+            "components": {k: v.to_dict() for k, v in self.components.items()},
+        }
+
+    def table(self) -> str:
+        """A plain-text per-component table, as printed by the examples and ``nvckpt``."""
+        return format_table(
+            ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"],
+            component_rows(self.components, self.raw_bytes, self.stored_bytes),
+        )
+
+    def __str__(self) -> str:
+        return (
+            f"{self.path}: {format_bytes(self.raw_bytes)} -> {format_bytes(self.stored_bytes)} "
+            f"({self.ratio:.3f}x) in {self.seconds:.2f} s"
+        )
+
+
+def component_rows(components: Mapping[str, ComponentStats], raw_total: int, stored_total: int) -> list[list[str]]:
+    rows = []
+    for name, stats in components.items():
+        rows.append([
+            name, str(stats.tensors), format_bytes(stats.raw_bytes), format_bytes(stats.stored_bytes),
+            f"{stats.ratio:.3f}x", ",".join(stats.codecs), ",".join(stats.filters),
+        ])
+    total = sum(s.tensors for s in components.values())
+    ratio = raw_total / stored_total if stored_total else 1.0
+    rows.append(["total (file)", str(total), format_bytes(raw_total), format_bytes(stored_total), f"{ratio:.3f}x", "", ""])
+    return rows
+
+
+def format_bytes(n: int | float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+def format_table(header: list[str], rows: Iterable[list[str]]) -> str:
+    """A fixed-width text table (no dependency, so logs and examples print the same)."""
+    rows = [list(map(str, r)) for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    for r in rows:
+        lines.append("  ".join(c.rjust(w) if i and c[:1].isdigit() else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    return "\n".join(lines)

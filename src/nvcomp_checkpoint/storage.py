@@ -1,0 +1,182 @@
+"""Where checkpoint bytes go: local files and fsspec URLs (object storage, shared file systems).
+
+This is the only module that opens files. A save is atomic everywhere: locally a temporary file
+is fsynced and renamed; on object stores the object appears only when the upload completes and
+a failed upload is aborted; elsewhere a temporary path is moved into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+__all__ = ["Storage", "LocalStorage", "FsspecStorage", "storage_for", "is_url"]
+
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2"}
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """True for ``proto://...`` paths other than ``file://``."""
+    text = os.fspath(path)
+    return "://" in text and not text.startswith("file://")
+
+
+class Storage:
+    """The handful of operations a checkpoint writer and reader need."""
+
+    def open_write(self, path: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """A binary stream whose bytes appear at ``path`` only if the block exits cleanly."""
+        raise NotImplementedError
+
+    def open_read(self, path: str) -> IO[bytes]:
+        """A seekable binary stream of the file at ``path``."""
+        raise NotImplementedError
+
+    def size(self, path: str) -> int:
+        raise NotImplementedError
+
+    def exists(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def remove(self, path: str) -> None:
+        raise NotImplementedError
+
+    def makedirs(self, path: str) -> None:
+        raise NotImplementedError
+
+
+class LocalStorage(Storage):
+    """Local and mounted file systems (NFS, Lustre, GPFS) through the OS."""
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[IO[bytes]]:
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        f = open(tmp, "wb")
+        try:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            os.replace(tmp, target)
+            _fsync_dir(target.parent)
+        except BaseException:
+            f.close()
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+
+    def open_read(self, path: str) -> IO[bytes]:
+        return open(path, "rb")
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def remove(self, path: str) -> None:
+        p = Path(path)
+        if p.is_dir():
+            import shutil
+
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+    def makedirs(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; not possible on every platform / file system.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class FsspecStorage(Storage):
+    """Any fsspec file system, addressed by URL (``s3://bucket/key``, ``memory://x``)."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        import fsspec
+
+        self.fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        self.object_store = any(p in _OBJECT_STORES for p in protocols)
+
+    def _path(self, url: str) -> str:
+        return self.fs._strip_protocol(url)
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[IO[bytes]]:
+        target = self._path(path)
+        parent = target.rsplit("/", 1)[0] if "/" in target else ""
+        if parent and not self.object_store:
+            self.fs.makedirs(parent, exist_ok=True)
+        if self.object_store:
+            # The object becomes visible only when the (multipart) upload completes;
+            # discard() aborts it, leaving any previous object at the key as it was.
+            f = self.fs.open(target, "wb")
+            try:
+                yield f
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    f.discard()
+                raise
+            f.close()
+            return
+        tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+        f = self.fs.open(tmp, "wb")
+        try:
+            yield f
+            f.close()
+            self.fs.mv(tmp, target)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.close()
+            with contextlib.suppress(Exception):
+                self.fs.rm(tmp)
+            raise
+
+    def open_read(self, path: str) -> IO[bytes]:
+        return self.fs.open(self._path(path), "rb")
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(self._path(path)))
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(self._path(path)))
+
+    def remove(self, path: str) -> None:
+        p = self._path(path)
+        if self.fs.exists(p):
+            self.fs.rm(p, recursive=self.fs.isdir(p))
+
+    def makedirs(self, path: str) -> None:
+        if not self.object_store:
+            self.fs.makedirs(self._path(path), exist_ok=True)
+
+
+_LOCAL = LocalStorage()
+
+
+def storage_for(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> tuple[Storage, str]:
+    """The storage that holds ``path``, and the path as that storage names it."""
+    text = os.fspath(path)
+    if text.startswith("file://"):
+        return _LOCAL, text[len("file://"):]
+    if is_url(text):
+        return FsspecStorage(text, storage_options), text
+    return _LOCAL, text

@@ -1,0 +1,295 @@
+"""Writes one checkpoint file front to back, compressing chunks in parallel.
+
+Call order: :func:`plan_tensors` classifies every tensor and picks its spec and device, then
+:class:`CheckpointWriter` writes the magic, the skeleton frame, every tensor's frames (in
+order, from a bounded window of compression jobs) and, last, the index and footer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import IO, Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from . import __version__
+from .codecs import CodecConfig, cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
+from .errors import CodecUnavailableError, UnsupportedObjectError
+from .filters import ByteplaneFilter, plane_width
+from .format.layout import MAGIC, Frame, Index, TensorEntry, pack_footer
+from .format.skeleton import encode_skeleton, flatten
+from .policy import CodecPolicy, CodecSpec, Component, key_string
+from .report import ComponentStats
+
+__all__ = ["PlannedTensor", "plan_tensors", "CheckpointWriter", "default_workers"]
+
+#: Raw bytes handed to nvCOMP per batch: large enough to fill the GPU, small enough to bound
+#: the compressed bytes held on the device per job.
+GPU_BATCH_BYTES = 256 << 20
+
+
+def default_workers() -> int:
+    """Compression threads: every core (zstd releases the GIL), at most 16."""
+    return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)))
+
+
+@dataclass
+class PlannedTensor:
+    """A tensor of the tree with the decisions made about it."""
+
+    key: str
+    tensor: torch.Tensor
+    component: Component
+    spec: CodecSpec
+    width: int
+    chunk_bytes: int
+    device: torch.device | None  # where compression runs; None = CPU
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    @property
+    def planes(self) -> int:
+        return self.width if self.spec.filter == "byteplane" else 1
+
+
+def _check_tensor(key: str, t: torch.Tensor, where: str) -> None:
+    if t.is_sparse or t.layout != torch.strided:
+        raise UnsupportedObjectError(f"{where}: tensor {key!r} has layout {t.layout}; call .to_dense() before saving")
+    if t.device.type == "meta":
+        raise UnsupportedObjectError(f"{where}: tensor {key!r} is on the meta device and has no data to save")
+    if t.is_quantized:
+        raise UnsupportedObjectError(f"{where}: tensor {key!r} is quantized; call .dequantize() or use torch.save")
+    if t.is_nested:
+        raise UnsupportedObjectError(f"{where}: tensor {key!r} is a nested tensor; save its components instead")
+
+
+def _compress_device(key: str, t: torch.Tensor, spec: CodecSpec, policy: CodecPolicy, where: str) -> torch.device | None:
+    gpu_only = not has_cpu_decoder(spec.codec)
+    if spec.codec == "none" and policy.device == "auto":
+        return None
+    if policy.device == "cpu":
+        if gpu_only:
+            raise CodecUnavailableError(
+                f"{where}: tensor {key!r} uses GPU-only codec {spec.codec!r} but the policy says device='cpu'; "
+                "use codec 'zstd' or device='auto'"
+            )
+        return None
+    if policy.device.startswith("cuda") or gpu_only or t.is_cuda:
+        if gpu_available():
+            if policy.device.startswith("cuda"):
+                return torch.device(policy.device)
+            return t.device if t.is_cuda else torch.device("cuda", torch.cuda.current_device())
+        if gpu_only or policy.device.startswith("cuda"):
+            raise CodecUnavailableError(
+                f"{where}: tensor {key!r} needs nvCOMP on a CUDA GPU for codec {spec.codec!r} "
+                f"(policy device {policy.device!r}), and none is usable here. Install "
+                "`nvcomp-checkpoint[cu12]` (or [cu13]) on a CUDA machine, or use codec 'zstd', "
+                "which runs on the CPU too."
+            )
+    return None  # a CUDA tensor without nvCOMP is compressed on the CPU, chunk by chunk
+
+
+def plan_tensors(
+    tensors: Sequence[tuple[tuple[Any, ...], torch.Tensor]], policy: CodecPolicy, where: str
+) -> list[PlannedTensor]:
+    """Classify every tensor and choose its spec, plane width, chunk size and device."""
+    planned = []
+    for path, t in tensors:
+        key = key_string(path)
+        _check_tensor(key, t, where)
+        component = policy.component_of(key, path)
+        nbytes = t.numel() * t.element_size()
+        spec = policy.spec_for(key, component, nbytes)
+        width = plane_width(t.dtype)
+        itemsize = t.element_size()
+        chunk = max(itemsize, spec.chunk_bytes // itemsize * itemsize)
+        device = _compress_device(key, t, spec, policy, where)
+        planned.append(PlannedTensor(key, t, component, spec, width, chunk, device))
+    return planned
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as a 1-D uint8 tensor on its own device (copies only if strided)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+_Encoded = list[tuple[bytes | memoryview | np.ndarray, int]]  # (frame bytes, raw size) in order
+
+
+def _encode_cpu_chunk(data: np.ndarray, item: PlannedTensor) -> _Encoded:
+    filt = ByteplaneFilter(item.width)
+    parts = filt.split(data) if item.spec.filter == "byteplane" else [data]
+    codec = cpu_codec(item.spec.codec, item.spec.level)
+    out: _Encoded = []
+    for part in parts:
+        if item.spec.codec == "none":
+            out.append((part, len(part)))
+            continue
+        frame = codec.encode(part)
+        # A frame that does not shrink is stored raw: smaller, and faster to read.
+        out.append((frame if len(frame) < len(part) else part, len(part)))
+    return out
+
+
+def _encode_gpu_chunks(flat: torch.Tensor, starts: list[int], item: PlannedTensor) -> _Encoded:
+    device = item.device
+    assert device is not None
+    with torch.cuda.device(device):
+        src = flat[starts[0] : min(starts[-1] + item.chunk_bytes, flat.numel())]
+        if src.device != device:
+            src = src.to(device, non_blocking=False)
+        filt = ByteplaneFilter(item.width)
+        pieces: list[torch.Tensor] = []
+        for s in starts:
+            chunk = src[s - starts[0] : s - starts[0] + item.chunk_bytes]
+            pieces.extend(filt.split_torch(chunk) if item.spec.filter == "byteplane" else [chunk])
+        if item.spec.codec == "none":
+            frames = pieces
+        else:
+            codec = gpu_codec(item.spec.codec, item.spec.level, device)
+            encoded = codec.encode_batch(pieces)
+            frames = [e if e.numel() < p.numel() else p for e, p in zip(encoded, pieces)]
+        # Only the compressed bytes cross to the host, in one copy.
+        host = torch.cat([f.reshape(-1) for f in frames]).cpu().numpy()
+    out: _Encoded = []
+    pos = 0
+    for f, p in zip(frames, pieces):
+        out.append((host[pos : pos + f.numel()], p.numel()))
+        pos += f.numel()
+    return out
+
+
+class CheckpointWriter:
+    """Writes one checkpoint to a binary stream.
+
+    Args:
+        stream: Where bytes go, written strictly sequentially.
+        policy: The codec policy.
+        where: The path, for error messages and the report.
+        workers: Compression threads (default: every core, at most 16).
+        depth: Chunks in flight per worker; bounds the extra memory of a save.
+    """
+
+    def __init__(
+        self,
+        stream: IO[bytes],
+        policy: CodecPolicy,
+        where: str,
+        *,
+        workers: int | None = None,
+        depth: int = 2,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.stream = stream
+        self.policy = policy
+        self.where = where
+        self.workers = workers or default_workers()
+        self.depth = max(1, depth)
+        self.progress = progress
+        self._pos = 0
+
+    def _write(self, data: bytes | memoryview | np.ndarray) -> int:
+        self.stream.write(data)
+        n = len(data) if not isinstance(data, np.ndarray) else data.nbytes
+        self._pos += n
+        return n
+
+    def write(self, obj: Any, metadata: dict[str, Any] | None = None) -> tuple[Index, dict[str, ComponentStats], int]:
+        """Write ``obj``; returns the index, per-component stats and the raw tensor bytes."""
+        skeleton, tensors = flatten(obj)
+        planned = plan_tensors(tensors, self.policy, self.where)
+        self._write(MAGIC)
+        skel_frame = self._write_skeleton(encode_skeleton(skeleton))
+        frames_of: list[list[Frame]] = [[] for _ in planned]
+        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="nvckpt-compress") as pool:
+            window: deque[tuple[int, Future[_Encoded]]] = deque()
+            limit = self.workers * self.depth
+            for idx, job in self._jobs(planned):
+                window.append((idx, pool.submit(job)))
+                while len(window) > limit:
+                    self._drain_one(window, frames_of)
+            while window:
+                self._drain_one(window, frames_of)
+
+        entries = []
+        stats: dict[str, ComponentStats] = {}
+        raw_total = 0
+        for item, frames in zip(planned, frames_of):
+            entry = TensorEntry(
+                key=item.key,
+                dtype=item.tensor.dtype,
+                shape=tuple(item.tensor.shape),
+                component=item.component.value,
+                codec=CodecConfig(item.spec.codec, item.spec.level),
+                filter=item.spec.filter,
+                width=item.width,
+                chunk_bytes=item.chunk_bytes,
+                frames=tuple(frames),
+                device=str(item.tensor.device),
+                requires_grad=bool(item.tensor.requires_grad),
+                parameter=isinstance(item.tensor, torch.nn.Parameter),
+            )
+            entries.append(entry)
+            comp = stats.get(entry.component, ComponentStats())
+            stats[entry.component] = comp.add(entry.nbytes, entry.stored_bytes, entry.codec.id, entry.filter)
+            raw_total += entry.nbytes
+        meta = {"created_by": f"nvcomp-checkpoint {__version__}", "torch": torch.__version__, "created": time.time()}
+        meta.update(metadata or {})
+        index = Index(skel_frame, tuple(entries), meta)
+        index_bytes = index.to_json_bytes()
+        index_offset = self._pos
+        self._write(index_bytes)
+        self._write(pack_footer(index_offset, len(index_bytes), xxhash.xxh3_64_intdigest(index_bytes)))
+        ordered = {c.value: stats[c.value] for c in Component if c.value in stats}
+        return index, ordered, raw_total
+
+    def _write_skeleton(self, data: bytes) -> Frame:
+        frame = cpu_codec("zstd", 3).encode(memoryview(data))
+        if len(frame) >= len(data):
+            frame = data
+        offset = self._pos
+        self._write(frame)
+        return Frame(offset, len(frame), len(data), xxhash.xxh3_64_intdigest(frame))
+
+    def _drain_one(self, window: deque[tuple[int, Future[_Encoded]]], frames_of: list[list[Frame]]) -> None:
+        idx, fut = window.popleft()
+        for data, raw_size in fut.result():
+            offset = self._pos
+            size = self._write(data)
+            frames_of[idx].append(Frame(offset, size, raw_size, xxhash.xxh3_64_intdigest(data)))
+            if self.progress is not None:
+                self.progress(raw_size)
+
+    def _jobs(self, planned: list[PlannedTensor]) -> Iterator[tuple[int, Callable[[], _Encoded]]]:
+        for idx, item in enumerate(planned):
+            if item.nbytes == 0:
+                continue
+            flat = _flat_bytes(item.tensor)
+            if item.device is not None:
+                per_batch = max(1, GPU_BATCH_BYTES // item.chunk_bytes)
+                starts = list(range(0, item.nbytes, item.chunk_bytes))
+                for b in range(0, len(starts), per_batch):
+                    group = starts[b : b + per_batch]
+                    yield idx, (lambda f=flat, g=group, it=item: _encode_gpu_chunks(f, g, it))
+                continue
+            on_cpu = flat.device.type == "cpu"
+            host = flat.numpy() if on_cpu else None
+            for start in range(0, item.nbytes, item.chunk_bytes):
+                end = min(start + item.chunk_bytes, item.nbytes)
+                if host is not None:
+                    chunk = host[start:end]
+                    yield idx, (lambda c=chunk, it=item: _encode_cpu_chunk(c, it))
+                else:
+                    # A device tensor compressed on the CPU crosses over one chunk at a time.
+                    yield idx, (lambda f=flat, s=start, e=end, it=item: _encode_cpu_chunk(f[s:e].cpu().numpy(), it))

@@ -1,0 +1,40 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+
+def assert_tree_equal(a: Any, b: Any, path: str = "") -> None:
+    """Bit-identical tensors (same dtype, shape, bytes) and equal plain values, recursively."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{path}: expected a tensor, got {type(b)}"
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
+        if a.numel():
+            ab = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            bb = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            assert torch.equal(ab, bb), f"{path}: tensor bytes differ"
+        return
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a.keys()) == list(b.keys()), f"{path}: keys differ"
+        for k in a:
+            assert_tree_equal(a[k], b[k], f"{path}/{k}")
+        return
+    if isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{path}: {type(a)} != {type(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_tree_equal(x, y, f"{path}/{i}")
+        return
+    if isinstance(a, float) and a != a:
+        assert isinstance(b, float) and b != b, f"{path}: NaN lost"
+        return
+    assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+@pytest.fixture
+def tree_equal():
+    return assert_tree_equal
