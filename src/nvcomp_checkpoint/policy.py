@@ -35,13 +35,15 @@ _OPTIMIZER_KEYS = {
     "optimizer", "optimizers", "optimizer_states", "optimizer_state", "optimizer_state_dict",
     "optim", "optim_state", "optim_state_dict", "opt", "opt_state",
 }
-#: First-moment-like optimizer buffers: Adam/AdamW/Adamax/NAdam/RAdam, SGD momentum, Lion.
-_EXP_AVG_KEYS = {"exp_avg", "momentum_buffer", "momentum", "m", "mu_product_exp_avg"}
-#: Second-moment-like buffers: Adam(W) incl. amsgrad, Adafactor's factored rows/cols, RMSprop,
-#: Adagrad, Adadelta, Adamax's infinity norm.
+#: First-moment-like optimizer buffers: Adam/AdamW/Adamax/NAdam/RAdam, SGD momentum, Lion,
+#: centered RMSprop's gradient average.
+_EXP_AVG_KEYS = {"exp_avg", "momentum_buffer", "momentum", "m", "mu_product_exp_avg", "grad_avg"}
+#: Second-moment-like buffers: Adam(W) incl. amsgrad, Adafactor's factored rows/cols (HF names
+#: and torch.optim.Adafactor's row_var/col_var/variance), RMSprop, Adagrad, Adadelta, Adamax's
+#: infinity norm.
 _EXP_AVG_SQ_KEYS = {
     "exp_avg_sq", "max_exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col", "square_avg",
-    "sum", "acc_delta", "exp_inf", "v",
+    "sum", "acc_delta", "exp_inf", "v", "row_var", "col_var", "variance",
 }
 _GRADIENT_KEYS = {"grad", "grads", "gradient", "gradients"}
 #: Subtrees that are never model weights even when they hold float tensors.
@@ -75,13 +77,17 @@ def classify(path: Sequence[Any]) -> Component:
             return Component.EXP_AVG
         if last in _EXP_AVG_SQ_KEYS:
             return Component.EXP_AVG_SQ
-        if in_optimizer:
+        if in_optimizer or keys[-2].isdigit():
+            # Other optimizer buffers ("step", ...), also in a bare optimizer.state_dict().
             return Component.OTHER
     if any(k in _GRADIENT_KEYS or k.endswith(".grad") for k in keys):
         return Component.GRADIENTS
     if any(k in _OTHER_KEYS for k in keys):
         return Component.OTHER
     return Component.WEIGHTS
+
+
+_SMALL_CHUNK_CODECS = ("ans", "bitcomp", "cascaded")
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,9 @@ class CodecSpec:
             raise ValueError(f"unknown filter {self.filter!r}; choose one of {', '.join(FILTER_IDS)}")
         if not (1024 <= self.chunk_bytes <= (64 << 20)):
             raise ValueError(f"chunk_bytes must be between 1 KiB and 64 MiB, got {self.chunk_bytes}")
+        if self.codec in _SMALL_CHUNK_CODECS and self.chunk_bytes > (16 << 20):
+            # nvCOMP's ANS, Bitcomp and Cascaded take at most 16 MiB per chunk (nvCOMP 6 headers).
+            raise ValueError(f"codec {self.codec!r} takes chunks of at most 16 MiB, got {self.chunk_bytes}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "CodecSpec" | str) -> "CodecSpec":

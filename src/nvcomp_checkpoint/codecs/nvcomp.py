@@ -1,0 +1,512 @@
+"""nvCOMP GPU codecs: compress and decompress batches of uint8 CUDA tensors with nvCOMP 6.x.
+
+``zstd`` writes standard Zstd frames that libzstd reads, so the CPU codec of the same id loads
+them; ``ans``, ``bitcomp``, ``gdeflate`` and ``cascaded`` are GPU-only formats.
+
+Every frame is exactly one nvCOMP chunk in the RAW bitstream: no nvCOMP header and no nvCOMP
+chunking, so a frame's bytes are the algorithm's own format. Sizes, offsets and checksums live
+in the checkpoint index, not in the frame.
+
+Nothing here imports ``nvidia.nvcomp`` or touches CUDA at import time, so the module imports
+on a machine without a GPU. API facts are cited from the nvCOMP 6.0.0 wheel's own docstrings
+(``help(nvidia.nvcomp.Codec)`` in ``nvidia-nvcomp-cu13==6.0.0.12``; the same text is at
+https://docs.nvidia.com/cuda/nvcomp/py_api.html) and its C headers
+(``nvidia-libnvcomp-cu13==6.0.0.12``: ``include/nvcomp/*.h``).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import CodecUnavailableError, FormatError
+
+__all__ = [
+    "INSTALL_HINT",
+    "MAX_ZSTD_FRAME_BYTES",
+    "MAX_CHUNK_BYTES",
+    "EMPTY_ZSTD_FRAME",
+    "NvcompGpuCodec",
+    "NoneGpuCodec",
+    "gpu_codec",
+    "is_available",
+    "unavailable_reason",
+]
+
+#: What to install; named in every error that says nvCOMP or CUDA is missing.
+INSTALL_HINT = (
+    "install the nvCOMP extra that matches your CUDA driver: "
+    "`pip install nvcomp-checkpoint[cu12]` (CUDA 12 driver) or "
+    "`pip install nvcomp-checkpoint[cu13]` (CUDA 13 driver)"
+)
+
+#: Largest raw (and compressed) Zstd frame nvCOMP compresses or decompresses as one chunk:
+#: ``nvcompZstdCompressionMaxAllowedChunkSize`` and ``nvcompZstdDecompressionMaxAllowedChunkSize``
+#: are both ``(1 << 31) - 1`` in nvCOMP 6.0 ``include/nvcomp/zstd.h`` (nvCOMP 2.x had 16 MiB).
+#: So standard frames written by libzstd of 16 MiB raw, or far more, decode on the GPU. The
+#: header's own note: decompression is fastest on many small chunks (it suggests 64 KiB).
+MAX_ZSTD_FRAME_BYTES = (1 << 31) - 1
+
+#: Largest raw chunk each codec accepts, from the ``*CompressionMaxAllowedChunkSize`` constants
+#: of nvCOMP 6.0's headers (ans.h, bitcomp.h, cascaded.h: ``1 << 24``; gdeflate.h: ``1 << 31``).
+MAX_CHUNK_BYTES: dict[str, int] = {
+    "zstd": MAX_ZSTD_FRAME_BYTES,
+    "ans": 1 << 24,
+    "bitcomp": 1 << 24,
+    "cascaded": 1 << 24,
+    "gdeflate": 1 << 31,
+    "none": sys.maxsize,
+}
+
+#: The frame libzstd writes for empty input (``zstandard.ZstdCompressor(level=1).compress(b"")``).
+#: nvCOMP rejects zero-byte buffers ("each entry must be greater than zero",
+#: ``Codec.compression_config``), so an empty chunk is encoded here without the GPU, as the
+#: standard frame the CPU decoder reads back as b"".
+EMPTY_ZSTD_FRAME = bytes.fromhex("28b52ffd2000010000")
+
+# nvCOMP's algorithm names and the options each codec id is built with. Every GPU-only codec
+# is told its data is bytes: nvCOMP's float modes are for IEEE types, and bf16 through ANS as
+# "<f2" did not round-trip (NVIDIA/CUDALibrarySamples issue 249, see shared/FACTS.md), so
+# tensors of any dtype reach nvCOMP as uint8 and the data_type option is always "|u1".
+_ALGORITHMS = {
+    "zstd": "Zstd",
+    "ans": "ANS",
+    "bitcomp": "Bitcomp",
+    "gdeflate": "GDeflate",
+    "cascaded": "Cascaded",
+}
+
+# Bound on the per-thread cache of nvcomp.Codec objects: one per (device, stream) a thread
+# has used; a long-lived thread that cycles through many streams must not keep them all.
+_CODECS_PER_THREAD = 16
+
+
+def _import_nvcomp() -> Any:
+    """``nvidia.nvcomp``, imported on first use so this module imports without it."""
+    from nvidia import nvcomp  # noqa: PLC0415 - optional GPU dependency
+
+    return nvcomp
+
+
+def unavailable_reason(codec_id: str = "zstd") -> str | None:
+    """Why ``codec_id`` cannot run on the GPU here, or None when it can be tried.
+
+    Checks, without creating a CUDA context: PyTorch sees a CUDA device, and (except for
+    ``none``, a plain device copy) the ``nvidia.nvcomp`` module imports. A driver too old for
+    the installed wheel only shows when the first codec is built; :func:`gpu_codec` callers
+    then get a :class:`CodecUnavailableError` from the first ``encode_batch``/``decode_batch``.
+    """
+    try:
+        if not torch.cuda.is_available():
+            return "PyTorch sees no CUDA device (no GPU, no driver, or a CPU-only PyTorch build)"
+    except Exception as exc:  # a broken driver install can raise here; is_available never does
+        return f"PyTorch could not query CUDA: {exc}"
+    if codec_id == "none":
+        return None
+    try:
+        _import_nvcomp()
+    except ImportError as exc:
+        return f"the nvCOMP Python package (module nvidia.nvcomp) is not installed ({exc})"
+    except Exception as exc:  # the wheel's loader dlopens libnvcomp.so.6 at import
+        return f"the nvCOMP Python package failed to load: {exc}"
+    return None
+
+
+def is_available() -> bool:
+    """True when a CUDA device and the nvCOMP Python package can both be used. Never raises."""
+    try:
+        return unavailable_reason() is None
+    except Exception:
+        return False
+
+
+def _codec_options(codec_id: str, level: int | None) -> dict[str, Any]:
+    """The algorithm-specific ``nvcomp.Codec`` keyword options for ``codec_id`` at ``level``.
+
+    Option names and ranges are those of ``help(nvidia.nvcomp.Codec.__init__)`` in nvCOMP 6.0.
+    Levels only change how hard the encoder works; decoders ignore them.
+
+    Raises:
+        ValueError: ``level`` is outside the range the codec accepts.
+    """
+    if codec_id == "zstd":
+        # nvCOMP's GPU Zstd has no level: nvcompBatchedZstdCompressOpts_t is reserved bytes only
+        # (zstd.h: "The Zstd compression options to use. Currently empty"), and the Python Codec
+        # lists no Zstd options. The level is kept in the config for the CPU encoder only.
+        return {}
+    if codec_id == "ans":
+        # ANS has no level; "|u1" is the generic 1-byte symbol type (ans.h NVCOMP_TYPE_UCHAR).
+        return {"data_type": "|u1"}
+    if codec_id == "bitcomp":
+        # algorithm_type 0 = default (best ratio), 1 = "sparse" (many zeros, usually faster).
+        algorithm_type = 0 if level is None else level
+        if algorithm_type not in (0, 1):
+            raise ValueError(f"bitcomp level must be 0 (default) or 1 (sparse), got {level}")
+        return {"data_type": "|u1", "algorithm_type": algorithm_type}
+    if codec_id == "gdeflate":
+        # algorithm_type 0 (entropy only, fastest) .. 5 (best ratio); nvCOMP's default is 1.
+        algorithm_type = 1 if level is None else level
+        if not 0 <= algorithm_type <= 5:
+            raise ValueError(f"gdeflate level must be in 0..5, got {level}")
+        return {"algorithm_type": algorithm_type}
+    if codec_id == "cascaded":
+        # Asymmetric mode (nvCOMP's default) takes any integer type and a compression_level
+        # (default 3: how many optional RLE/delta stages it tries per internal chunk).
+        options: dict[str, Any] = {"data_type": "|u1"}
+        if level is not None:
+            if level < 0:
+                raise ValueError(f"cascaded level must be >= 0, got {level}")
+            options["compression_level"] = level
+        return options
+    raise ValueError(f"no nvCOMP algorithm for codec {codec_id!r}")
+
+
+def _as_byte_chunk(tensor: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
+    """``tensor`` as a 1-D contiguous uint8 view on ``device``, or a ValueError saying why not.
+
+    Any dtype is accepted and reinterpreted as its bytes (bf16 included): nvCOMP must only
+    ever see bytes (module comment on ``_ALGORITHMS``).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device != device:
+        raise ValueError(f"{what} is on {tensor.device}, this codec runs on {device}; move it with .to({device})")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} is not contiguous; call .contiguous() first")
+    flat = tensor.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _to_torch_bytes(array: Any, device: torch.device) -> torch.Tensor:
+    """A uint8 torch view of an ``nvcomp.Array`` on ``device``, without copying.
+
+    ``help(nvidia.nvcomp.Array)`` lists three exports: the DLPack protocol
+    (``__dlpack__``/``__dlpack_device__``), a DLPack capsule (``to_dlpack``) and
+    ``__cuda_array_interface__``; they are tried in that order. Decoded arrays may come back
+    as int8 (NVIDIA/CUDALibrarySamples nvCOMP/examples/python/nvcomp_basic.ipynb shows
+    ``'typestr': '|i1'`` for a decode), hence the byte view.
+    """
+    attempts = (
+        lambda: torch.from_dlpack(array),
+        lambda: torch.from_dlpack(array.to_dlpack()),
+        lambda: torch.as_tensor(array, device=device),
+    )
+    first_error: Exception | None = None
+    for attempt in attempts:
+        try:
+            tensor = attempt()
+            break
+        except Exception as exc:  # which exchange path works is settled on the GPU, not here
+            first_error = first_error or exc
+    else:
+        raise RuntimeError(f"could not view an nvCOMP array as a torch tensor: {first_error}") from first_error
+    tensor = tensor.reshape(-1)
+    return tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
+
+
+def _exact_bytes(array: Any, size: int, device: torch.device) -> torch.Tensor:
+    """The first ``size`` bytes of an ``nvcomp.Array``, whose export should be exactly that long."""
+    tensor = _to_torch_bytes(array, device)
+    if tensor.numel() < size:
+        raise RuntimeError(f"nvCOMP array exports {tensor.numel()} bytes but reports buffer_size {size}")
+    return tensor[:size]
+
+
+class NvcompGpuCodec:
+    """One nvCOMP algorithm on one CUDA device, safe to share between threads.
+
+    Each thread gets its own ``nvcomp.Codec`` per (device, CUDA stream): a Codec "holds
+    mutable internal state (compression manager, scratch buffers)" and "must not be called
+    from multiple threads concurrently" (nvCOMP 6 Python API, "Thread-safety guarantees").
+    The Codec is bound to the caller's current PyTorch stream on the device, so nvCOMP's work
+    is ordered after the kernels that produced the input and before whatever reads the output.
+
+    Attributes:
+        id: The codec id (``"zstd"``, ``"ans"``, ``"bitcomp"``, ``"gdeflate"``, ``"cascaded"``).
+        level: The level the codec was asked for (None: nvCOMP's default).
+        device: The CUDA device, with its index resolved.
+        max_chunk_bytes: Largest raw chunk one frame may hold (:data:`MAX_CHUNK_BYTES`).
+    """
+
+    def __init__(self, codec_id: str, level: int | None, device: torch.device) -> None:
+        if codec_id not in _ALGORITHMS:
+            raise ValueError(f"no nvCOMP algorithm for codec {codec_id!r}")
+        self.id = codec_id
+        self.level = level
+        self.device = device
+        self.max_chunk_bytes = MAX_CHUNK_BYTES[codec_id]
+        self._algorithm = _ALGORITHMS[codec_id]
+        self._options = _codec_options(codec_id, level)  # validates the level now, not mid-save
+        self._local = threading.local()
+
+    def __repr__(self) -> str:
+        return f"NvcompGpuCodec(id={self.id!r}, level={self.level!r}, device={self.device})"
+
+    def _codec(self, stream: torch.cuda.Stream) -> Any:
+        """This thread's ``nvcomp.Codec`` for ``stream`` (created on first use)."""
+        cache: OrderedDict[int, Any] | None = getattr(self._local, "codecs", None)
+        if cache is None:
+            cache = self._local.codecs = OrderedDict()
+        key = int(stream.cuda_stream)
+        codec = cache.get(key)
+        if codec is not None:
+            cache.move_to_end(key)
+            return codec
+        nvcomp = _import_nvcomp()
+        try:
+            # RAW: "Compresses input data as is, just using underlying compression algorithm.
+            # Does not add header with nvCOMP metadata" (BitstreamKind docstring). The default,
+            # NVCOMP_NATIVE, prepends an nvCOMP header that libzstd cannot read (FACTS.md,
+            # NVIDIA/CUDALibrarySamples issue 208). uncomp_chunk_size is not passed: it sets the
+            # NVCOMP_NATIVE chunking ("For NVCOMP_NATIVE, this must be a multiple of ..."), while
+            # RAW compresses each buffer as one chunk (inferred from the RAW sizes printed in
+            # NVIDIA/CUDALibrarySamples nvCOMP/examples/python/nvcomp_basic.ipynb, e.g. Cascaded
+            # RAW = input + 8 bytes; tests/test_gpu_codecs.py checks a 4 MiB zstd frame is one
+            # frame). The Codec runs on the caller's torch stream, passed as a raw cudaStream_t
+            # (0 for the default stream), as zarr-python's nvCOMP Zstd codec does with CuPy's
+            # current stream (zarr-developers/zarr-python PR 2863, NvcompZstdCodec._zstd_codec).
+            # device_id must match the tensors' device or nvCOMP raises "Input array and Codec
+            # device id mismatched" (fal-ai/flashpack, src/flashpack/deserialization.py).
+            codec = nvcomp.Codec(
+                algorithm=self._algorithm,
+                bitstream_kind=nvcomp.BitstreamKind.RAW,
+                device_id=self.device.index,
+                cuda_stream=key,
+                **self._options,
+            )
+        except Exception as exc:
+            # On a machine whose driver is older than the wheel's CUDA, this is where it shows:
+            # "CUDA driver version is insufficient for CUDA runtime version" (FACTS.md).
+            raise CodecUnavailableError(
+                f"nvCOMP could not create a {self._algorithm} codec on {self.device}: {exc}. "
+                f"Check that the nvCOMP wheel matches the CUDA driver; {INSTALL_HINT}"
+            ) from exc
+        cache[key] = codec
+        while len(cache) > _CODECS_PER_THREAD:
+            cache.popitem(last=False)
+        return codec
+
+    def encode_batch(self, chunks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Compress each chunk into one frame, all chunks in one nvCOMP batch.
+
+        Args:
+            chunks: 1-D contiguous CUDA tensors on :attr:`device`, each at most
+                :attr:`max_chunk_bytes` bytes; any dtype is compressed as its bytes.
+
+        Returns:
+            One uint8 CUDA tensor per chunk holding exactly one frame (its compressed size).
+            Frames of one call may be views into one shared allocation.
+
+        Raises:
+            ValueError: A chunk is on another device, not contiguous, or too large.
+            RuntimeError: nvCOMP failed to compress.
+        """
+        frames: list[torch.Tensor | None] = [None] * len(chunks)
+        todo_index: list[int] = []
+        todo: list[torch.Tensor] = []
+        for i, chunk in enumerate(chunks):
+            data = _as_byte_chunk(chunk, self.device, f"chunk {i}")
+            if data.numel() > self.max_chunk_bytes:
+                raise ValueError(
+                    f"chunk {i} holds {data.numel()} bytes; nvCOMP {self._algorithm} takes at most "
+                    f"{self.max_chunk_bytes} bytes per chunk: split it into smaller chunks"
+                )
+            if data.numel() == 0:
+                frames[i] = self._empty_frame()
+                continue
+            todo_index.append(i)
+            todo.append(data)
+        if todo:
+            for i, frame in zip(todo_index, self._encode(todo), strict=True):
+                frames[i] = frame
+        return frames  # type: ignore[return-value]  # every slot is filled above
+
+    def decode_batch(self, frames: Sequence[torch.Tensor], raw_sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Decompress frames written by :meth:`encode_batch` (or, for ``zstd``, by libzstd).
+
+        Args:
+            frames: 1-D uint8 CUDA tensors on :attr:`device`, exactly one frame each.
+            raw_sizes: The decompressed size of each frame, from the checkpoint index.
+
+        Returns:
+            One uint8 CUDA tensor per frame, of exactly ``raw_sizes[i]`` bytes. Tensors of one
+            call may be views into one shared allocation.
+
+        Raises:
+            FormatError: A frame is corrupt or does not decode to its ``raw_sizes`` entry.
+            ValueError: The arguments do not match (lengths, devices, sizes).
+        """
+        if len(frames) != len(raw_sizes):
+            raise ValueError(f"{len(frames)} frames but {len(raw_sizes)} raw sizes")
+        out: list[torch.Tensor | None] = [None] * len(frames)
+        todo_index: list[int] = []
+        todo: list[torch.Tensor] = []
+        for i, (frame, raw_size) in enumerate(zip(frames, raw_sizes, strict=True)):
+            data = _as_byte_chunk(frame, self.device, f"frame {i}")
+            raw_size = int(raw_size)
+            if raw_size < 0 or raw_size > self.max_chunk_bytes:
+                raise FormatError(
+                    f"frame {i}: raw size {raw_size} is outside 0..{self.max_chunk_bytes} for {self.id}"
+                )
+            if raw_size == 0:
+                # Mirrors encode: empty chunks never reach nvCOMP (see EMPTY_ZSTD_FRAME).
+                out[i] = torch.empty(0, dtype=torch.uint8, device=self.device)
+                continue
+            if data.numel() == 0:
+                raise FormatError(f"frame {i} is empty but the index says it holds {raw_size} bytes")
+            todo_index.append(i)
+            todo.append(data)
+        if todo:
+            wanted = [int(raw_sizes[i]) for i in todo_index]
+            for i, tensor in zip(todo_index, self._decode(todo, wanted, todo_index), strict=True):
+                out[i] = tensor
+        return out  # type: ignore[return-value]  # every slot is filled above
+
+    def _empty_frame(self) -> torch.Tensor:
+        """The frame of an empty chunk: libzstd's empty frame for zstd, no bytes otherwise."""
+        if self.id == "zstd":
+            return torch.tensor(list(EMPTY_ZSTD_FRAME), dtype=torch.uint8, device=self.device)
+        return torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    def _encode(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        nvcomp = _import_nvcomp()
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream(self.device)
+            codec = self._codec(stream)
+            # as_arrays(list) wraps each tensor zero-copy through DLPack/__cuda_array_interface__
+            # and "keeps the sources alive as long as the batch exists" (nvCOMP 6 as_arrays).
+            batch = nvcomp.as_arrays(chunks)
+            try:
+                encoded = codec.encode(batch)
+                # Indexing "waits for the work that produced this batch ... the compressed sizes
+                # are read back from the device"; each entry is a 1-D byte view of exactly the
+                # compressed size, which "does not own its memory ... must not outlive" the batch
+                # (BatchArray.__getitem__ docstring). So the frames are copied out into PyTorch
+                # memory before the batch is released.
+                views = [encoded[i] for i in range(len(chunks))]
+                sizes = [int(view.buffer_size) for view in views]
+                packed = torch.cat(
+                    [_exact_bytes(view, size, self.device) for view, size in zip(views, sizes, strict=True)]
+                )
+            except (RuntimeError, ValueError) as exc:
+                raise RuntimeError(
+                    f"nvCOMP {self._algorithm} failed to compress a batch of {len(chunks)} chunks "
+                    f"({sum(c.numel() for c in chunks)} bytes) on {self.device}: {exc}"
+                ) from exc
+            # The copy runs on `stream`; nvCOMP frees its buffers when `encoded` goes, so wait
+            # for the copy first rather than trust how nvCOMP's allocator orders the free.
+            stream.synchronize()
+            del views, encoded, batch
+        return list(torch.split(packed, sizes))
+
+    def _decode(self, frames: list[torch.Tensor], raw_sizes: list[int], index: list[int]) -> list[torch.Tensor]:
+        nvcomp = _import_nvcomp()
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream(self.device)
+            codec = self._codec(stream)
+            batch = nvcomp.as_arrays(frames)
+            try:
+                # With no decompression_config, decode "internally calls configure_decompression
+                # on src", which for RAW reads each frame's size from the format itself: a header
+                # field for Zstd (the frame content size), ANS, Bitcomp and Cascaded; a walk of
+                # the stream for GDeflate (Codec.get_uncomp_buffer_size docstring). nvCOMP then
+                # allocates exact-size outputs, so a frame whose true size disagrees with the
+                # index is caught below instead of leaving stale bytes in a larger buffer.
+                decoded = codec.decode(batch)
+                views = [decoded[i] for i in range(len(frames))]
+                sizes = [int(view.buffer_size) for view in views]
+            except (RuntimeError, ValueError) as exc:
+                raise FormatError(
+                    f"nvCOMP {self._algorithm} could not decode a batch of {len(frames)} frames on "
+                    f"{self.device} (frames {index[0]}..{index[-1]} of the call): {exc}"
+                ) from exc
+            for position, (size, wanted) in enumerate(zip(sizes, raw_sizes, strict=True)):
+                if size != wanted:
+                    raise FormatError(
+                        f"{self.id} frame {index[position]} decoded to {size} bytes, the index says {wanted}"
+                    )
+            packed = torch.cat(
+                [_exact_bytes(view, size, self.device) for view, size in zip(views, sizes, strict=True)]
+            )
+            stream.synchronize()  # as in _encode: the copy must finish before nvCOMP frees
+            del views, decoded, batch
+        return list(torch.split(packed, raw_sizes))
+
+
+class NoneGpuCodec:
+    """Bytes stored as they are: a device copy. Needs CUDA but not nvCOMP."""
+
+    id = "none"
+    max_chunk_bytes = MAX_CHUNK_BYTES["none"]
+
+    def __init__(self, level: int | None, device: torch.device) -> None:
+        self.level = None
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"NoneGpuCodec(device={self.device})"
+
+    def encode_batch(self, chunks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copy each chunk (any dtype, as bytes) into a frame of its own."""
+        return [_as_byte_chunk(c, self.device, f"chunk {i}").clone() for i, c in enumerate(chunks)]
+
+    def decode_batch(self, frames: Sequence[torch.Tensor], raw_sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Copy each frame back; a stored frame must already be its raw size."""
+        if len(frames) != len(raw_sizes):
+            raise ValueError(f"{len(frames)} frames but {len(raw_sizes)} raw sizes")
+        out = []
+        for i, (frame, raw_size) in enumerate(zip(frames, raw_sizes, strict=True)):
+            data = _as_byte_chunk(frame, self.device, f"frame {i}")
+            if data.numel() != int(raw_size):
+                raise FormatError(f"raw frame {i} holds {data.numel()} bytes, the index says {raw_size}")
+            out.append(data.clone())
+        return out
+
+
+_instances: dict[tuple[str, int | None, int], NvcompGpuCodec | NoneGpuCodec] = {}
+_instances_lock = threading.Lock()
+
+
+def gpu_codec(codec_id: str, level: int | None, device: torch.device) -> NvcompGpuCodec | NoneGpuCodec:
+    """The GPU implementation of ``codec_id`` on ``device`` (cached per id, level and device).
+
+    The returned object may be shared between threads; it keeps one ``nvcomp.Codec`` per
+    thread and CUDA stream.
+
+    Args:
+        codec_id: ``"zstd"``, ``"none"``, ``"ans"``, ``"bitcomp"``, ``"gdeflate"`` or ``"cascaded"``.
+        level: Encoder effort where the codec has one (see :func:`_codec_options`), else None.
+        device: A CUDA device; ``torch.device("cuda")`` means the current device.
+
+    Raises:
+        CodecUnavailableError: No CUDA device, nvCOMP not installed, or an unknown codec id.
+        ValueError: ``device`` is not a CUDA device, or ``level`` is out of range.
+    """
+    if codec_id != "none" and codec_id not in _ALGORITHMS:
+        known = ", ".join(["none", *_ALGORITHMS])
+        raise CodecUnavailableError(f"unknown GPU codec {codec_id!r}; known codecs: {known}")
+    device = torch.device(device)
+    reason = unavailable_reason(codec_id)
+    if reason is not None:
+        if codec_id == "none":
+            raise CodecUnavailableError(f"GPU codec 'none' needs a CUDA GPU, but {reason}; use the CPU codec 'none'")
+        raise CodecUnavailableError(
+            f"GPU codec {codec_id!r} needs a CUDA GPU and nvCOMP, but {reason}. To use the GPU, "
+            f"{INSTALL_HINT}; otherwise load and save with the CPU codecs (zstd, none)"
+        )
+    if device.type != "cuda":
+        raise ValueError(f"GPU codecs need a CUDA device, got {device}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    device = torch.device("cuda", index)
+    key = (codec_id, level, index)
+    with _instances_lock:
+        codec = _instances.get(key)
+        if codec is None:
+            codec = NoneGpuCodec(level, device) if codec_id == "none" else NvcompGpuCodec(codec_id, level, device)
+            _instances[key] = codec
+    return codec
