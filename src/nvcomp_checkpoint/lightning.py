@@ -1,0 +1,11 @@
+"""``from nvcomp_checkpoint.lightning import NvcompCheckpointIO``: the Lightning plugin.
+
+A short name for :mod:`nvcomp_checkpoint.integrations.lightning`; needs ``pip install
+'nvcomp-checkpoint[lightning]'``.
+"""
+
+from __future__ import annotations
+
+from .integrations.lightning import STORAGE_OPTION_KEYS, NvcompCheckpointIO, load_from_checkpoint
+
+__all__ = ["NvcompCheckpointIO", "load_from_checkpoint", "STORAGE_OPTION_KEYS"]
