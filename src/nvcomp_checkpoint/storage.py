@@ -65,7 +65,10 @@ class LocalStorage(Storage):
             os.replace(tmp, target)
             _fsync_dir(target.parent)
         except BaseException:
-            f.close()
+            # close() flushes the buffer and fails again on a full disk; the temporary file
+            # must go all the same.
+            with contextlib.suppress(OSError):
+                f.close()
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise

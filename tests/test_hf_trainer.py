@@ -1,0 +1,372 @@
+"""Tests of the Hugging Face Trainer integration: compressed checkpoint-N directories and resuming.
+
+Real ``Trainer`` runs of a tiny GPT-2 built from a config (no download); resumes run in a fresh process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import safetensors  # noqa: E402
+import safetensors.torch  # noqa: E402
+from conftest import assert_tree_equal  # noqa: E402
+from transformers import GPT2LMHeadModel, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints  # noqa: E402
+
+import nvcomp_checkpoint as nc  # noqa: E402
+from nvcomp_checkpoint.transformers import (  # noqa: E402
+    NvcompTrainer,
+    NvcompTrainerCallback,
+    compress_checkpoint,
+    decompress_checkpoint,
+)
+
+# The training script: imported by the tests for in-process runs and run as a fresh process for
+# resumes and for the failing conversion, so both sides train exactly the same thing.
+SCRIPT = textwrap.dedent(
+    '''
+    """A tiny GPT-2 trained by the Hugging Face Trainer, with or without compressed checkpoints."""
+    from __future__ import annotations
+
+    import argparse
+    import copy
+    import json
+    import os
+    import resource
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from nvcomp_checkpoint.transformers import NvcompTrainer, NvcompTrainerCallback
+
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self, n: int = 64, length: int = 16, vocab: int = 128, seed: int = 0) -> None:
+            self.x = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(seed))
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+    def tiny_model() -> GPT2LMHeadModel:
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32))
+
+
+    class Snapshots(TrainerCallback):
+        """Model and optimizer state in memory at every save, as the uninterrupted run has them."""
+
+        def __init__(self) -> None:
+            self.at: dict[int, dict] = {}
+
+        def on_save(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.at[state.global_step] = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+
+
+    class DumpAtStart(TrainerCallback):
+        """Writes the state a (resumed) run starts training from."""
+
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": state.global_step}, self.path)
+
+
+    class FullDiskAt(TrainerCallback):
+        """Once the Trainer has written checkpoint-<step>, no file may grow past the size of its
+        model.safetensors: the (smaller) compressed weights still fit, the optimizer state does not,
+        so the conversion fails half-way as on a disk that fills up."""
+
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == self.step:
+                limit = os.path.getsize(os.path.join(args.output_dir, f"checkpoint-{self.step}", "model.safetensors"))
+                resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+    def run(output_dir, max_steps, save_steps, *, compress=True, resume=None, callbacks=(), eval_data=False, **extra):
+        args = TrainingArguments(
+            output_dir=output_dir, max_steps=max_steps, save_steps=save_steps, per_device_train_batch_size=4,
+            logging_steps=1, learning_rate=1e-3, seed=1, report_to=[], use_cpu=True, disable_tqdm=True, **extra,
+        )
+        callbacks = list(callbacks) + ([NvcompTrainerCallback()] if compress else [])
+        trainer = (NvcompTrainer if compress else Trainer)(
+            model=tiny_model(), args=args, train_dataset=Tokens(),
+            eval_dataset=Tokens(8, seed=1) if eval_data else None, callbacks=callbacks,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+
+    def losses(trainer) -> dict[int, float]:
+        return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+    if __name__ == "__main__":
+        p = argparse.ArgumentParser()
+        p.add_argument("output_dir")
+        p.add_argument("--max-steps", type=int, default=8)
+        p.add_argument("--save-steps", type=int, default=4)
+        p.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
+        p.add_argument("--dump", default=None)
+        p.add_argument("--log", default=None)
+        p.add_argument("--full-disk-at", type=int, default=None)
+        a = p.parse_args()
+        callbacks = ([DumpAtStart(a.dump)] if a.dump else []) + ([FullDiskAt(a.full_disk_at)] if a.full_disk_at else [])
+        resume = True if a.resume == "latest" else a.resume
+        trainer = run(a.output_dir, a.max_steps, a.save_steps, resume=resume, callbacks=callbacks)
+        if a.log:
+            with open(a.log, "w") as f:
+                json.dump(losses(trainer), f)
+    '''
+)
+
+PLAIN_FILES = ("model.safetensors", "optimizer.pt")
+NVC_FILES = ("model.safetensors.nvc", "optimizer.pt.nvc")
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ModuleType]:
+    path = tmp_path_factory.mktemp("script") / "hf_tiny_run.py"
+    path.write_text(SCRIPT)
+    spec = importlib.util.spec_from_file_location("hf_tiny_run", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return path, module
+
+
+@pytest.fixture(scope="module")
+def runs(script: tuple[Path, ModuleType], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """An uninterrupted plain run (the reference) and the same run with compressed checkpoints."""
+    _, mod = script
+    root = tmp_path_factory.mktemp("runs")
+    snapshots = mod.Snapshots()
+    plain = mod.run(str(root / "plain"), 8, 2, compress=False, callbacks=[snapshots])
+    callback_run = mod.run(str(root / "nvc"), 8, 4)
+    return {
+        "plain_dir": root / "plain",
+        "nvc_dir": root / "nvc",
+        "plain_losses": mod.losses(plain),
+        "nvc_losses": mod.losses(callback_run),
+        "at": snapshots.at,
+        "report": next(cb for cb in callback_run.callback_handler.callbacks if isinstance(cb, NvcompTrainerCallback)).last_report,
+    }
+
+
+def _python(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, TRANSFORMERS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.iterdir() if p.is_file())
+
+
+def _trainer_files_state(checkpoint: Path) -> dict[str, Any]:
+    """What the Trainer wrote, read from plain files with the Trainer's own readers."""
+    return {
+        "model": safetensors.torch.load_file(str(checkpoint / "model.safetensors")),
+        "optimizer": torch.load(checkpoint / "optimizer.pt", weights_only=True),
+    }
+
+
+def test_checkpoints_hold_compressed_files_bit_identical_to_the_trainers(runs: dict[str, Any]) -> None:
+    # Compressing after each save does not disturb training.
+    assert runs["nvc_losses"] == runs["plain_losses"]
+    for step in (4, 8):
+        ckpt = runs["nvc_dir"] / f"checkpoint-{step}"
+        names = {p.name for p in ckpt.iterdir()}
+        assert set(NVC_FILES) <= names and not set(PLAIN_FILES) & names, names
+        assert {"trainer_state.json", "scheduler.pt", "rng_state.pth"} <= names
+        assert not [n for n in names if ".tmp-" in n]
+        reference = _trainer_files_state(runs["plain_dir"] / f"checkpoint-{step}")
+        assert_tree_equal(nc.load(ckpt / "model.safetensors.nvc")["model"], reference["model"])
+        assert_tree_equal(nc.load(ckpt / "optimizer.pt.nvc")["optimizer"], reference["optimizer"])
+        with nc.open(ckpt / "optimizer.pt.nvc") as reader:
+            assert {"exp_avg", "exp_avg_sq"} <= set(reader.summary())
+    report = runs["report"]
+    assert report is not None and {"weights", "exp_avg", "exp_avg_sq"} <= set(report.components)
+    assert "exp_avg_sq" in report.table()
+
+
+def test_checkpoint_directory_is_smaller_than_the_plain_one(runs: dict[str, Any]) -> None:
+    for step in (4, 8):
+        plain = _dir_bytes(runs["plain_dir"] / f"checkpoint-{step}")
+        packed = _dir_bytes(runs["nvc_dir"] / f"checkpoint-{step}")
+        assert packed < plain, (step, packed, plain)
+        plain_files = sum((runs["plain_dir"] / f"checkpoint-{step}" / n).stat().st_size for n in PLAIN_FILES)
+        packed_files = sum((runs["nvc_dir"] / f"checkpoint-{step}" / n).stat().st_size for n in NVC_FILES)
+        assert packed_files < 0.95 * plain_files, (step, packed_files, plain_files)
+
+
+def test_resume_in_a_fresh_process_matches_the_uninterrupted_run(
+    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path
+) -> None:
+    path, _ = script
+    out = tmp_path / "resumed"
+    shutil.copytree(runs["nvc_dir"] / "checkpoint-4", out / "checkpoint-4")
+    proc = _python(
+        [str(path), str(out), "--resume", "latest", "--dump", str(tmp_path / "start.pt"), "--log", str(tmp_path / "log.json")],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    start = torch.load(tmp_path / "start.pt", weights_only=True)
+    assert start["step"] == 4
+    # Model (tied weights included) and optimizer state are bit-identical at step 4 ...
+    assert_tree_equal(start["model"], runs["at"][4]["model"])
+    assert_tree_equal(start["optimizer"], runs["at"][4]["optimizer"])
+    # ... and training continues exactly as the uninterrupted run did.
+    resumed = {int(k): v for k, v in json.loads((tmp_path / "log.json").read_text()).items()}
+    assert resumed == runs["plain_losses"]
+    assert set(NVC_FILES) <= {p.name for p in (out / "checkpoint-8").iterdir()}
+
+
+@pytest.mark.parametrize("damaged", ["optimizer.pt.nvc", "model.safetensors.nvc"])
+def test_corrupted_checkpoint_names_the_file_at_resume(
+    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path, damaged: str
+) -> None:
+    _, mod = script
+    out = tmp_path / "out"
+    for step in (4, 8):
+        shutil.copytree(runs["nvc_dir"] / f"checkpoint-{step}", out / f"checkpoint-{step}")
+    target = out / "checkpoint-8" / damaged
+    data = bytearray(target.read_bytes())
+    data[len(data) // 3] ^= 0x5A
+    target.write_bytes(bytes(data))
+    with pytest.raises(nc.CheckpointError) as info:
+        mod.run(str(out), 8, 4, resume=True)
+    message = str(info.value)
+    assert str(target) in message and "corrupt" in message
+    assert "checkpoint-4" in message  # the way out: the earlier checkpoint
+
+
+def test_failed_conversion_leaves_every_checkpoint_loadable(
+    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path
+) -> None:
+    path, mod = script
+    out = tmp_path / "out"
+    proc = _python([str(path), str(out), "--save-steps", "2", "--full-disk-at", "4"], tmp_path)
+    assert proc.returncode != 0
+    assert "CheckpointWriteError" in proc.stderr and str(out / "checkpoint-4") in proc.stderr, proc.stderr[-4000:]
+    # The failed conversion was undone: checkpoint-4 is exactly what the Trainer wrote ...
+    names4 = {p.name for p in (out / "checkpoint-4").iterdir()}
+    assert set(PLAIN_FILES) <= names4 and not set(NVC_FILES) & names4 and not [n for n in names4 if ".tmp" in n], names4
+    assert_tree_equal(_trainer_files_state(out / "checkpoint-4"), _trainer_files_state(runs["plain_dir"] / "checkpoint-4"))
+    # ... the checkpoint before it is compressed and loads ...
+    assert set(NVC_FILES) <= {p.name for p in (out / "checkpoint-2").iterdir()}
+    dump = tmp_path / "at2.pt"
+    mod.run(str(tmp_path / "probe"), 2, 2, resume=str(out / "checkpoint-2"), callbacks=[mod.DumpAtStart(str(dump))])
+    start = torch.load(dump, weights_only=True)
+    assert_tree_equal(start["model"], runs["at"][2]["model"])
+    assert_tree_equal(start["optimizer"], runs["at"][2]["optimizer"])
+    # ... and the run resumes from the newest (plain) checkpoint as if nothing had happened.
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-4")
+    trainer = mod.run(str(out), 8, 2, resume=True)
+    assert mod.losses(trainer) == runs["plain_losses"]
+    assert set(NVC_FILES) <= {p.name for p in (out / "checkpoint-8").iterdir()}
+
+
+def test_rotation_keeps_the_newest_and_the_best_checkpoint(
+    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path
+) -> None:
+    _, mod = script
+    out = tmp_path / "out"
+    # The loss falls, so "greater is better" makes an early checkpoint the best one: rotation
+    # must keep it and the newest, and the best model must load from its compressed file.
+    trainer = mod.run(
+        str(out), 8, 2, eval_data=True, eval_strategy="steps", eval_steps=2, save_total_limit=2,
+        load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+    )
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    best_step = max(evals, key=lambda s: (evals[s], -s))
+    assert best_step != 8, evals  # the test needs a best checkpoint that is not the newest
+    assert trainer.state.best_model_checkpoint == str(out / f"checkpoint-{best_step}")
+    kept = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
+    assert kept == sorted([f"checkpoint-{best_step}", "checkpoint-8"])
+    for name in kept:
+        assert set(NVC_FILES) <= {p.name for p in (out / name).iterdir()}
+    best = nc.load(out / f"checkpoint-{best_step}" / "model.safetensors.nvc")["model"]
+    final = trainer.model.state_dict()
+    assert_tree_equal({k: final[k] for k in best}, best)
+    assert not torch.equal(final["transformer.h.0.attn.c_attn.weight"], runs["at"][8]["model"]["transformer.h.0.attn.c_attn.weight"])
+
+
+def test_late_conversion_does_not_change_rotation_order(runs: dict[str, Any], tmp_path: Path) -> None:
+    for step in (2, 4):
+        shutil.copytree(runs["plain_dir"] / f"checkpoint-{step}", tmp_path / f"checkpoint-{step}")
+    now = os.stat(tmp_path).st_mtime
+    os.utime(tmp_path / "checkpoint-2", (now - 100, now - 100))
+    os.utime(tmp_path / "checkpoint-4", (now - 50, now - 50))
+    # Converting the older checkpoint now (a retry after a failure) must not make it look newest:
+    # the Trainer's rotation orders checkpoints by directory mtime.
+    report = compress_checkpoint(tmp_path / "checkpoint-2")
+    assert report.stored_bytes < report.raw_bytes
+    assert os.stat(tmp_path / "checkpoint-2").st_mtime == pytest.approx(now - 100)
+    rotate_checkpoints(str(tmp_path), save_total_limit=1, use_mtime=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
+
+
+def test_plain_trainer_refuses_a_compressed_checkpoint_until_decompressed(
+    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path
+) -> None:
+    _, mod = script
+    ckpt = tmp_path / "out" / "checkpoint-4"
+    shutil.copytree(runs["nvc_dir"] / "checkpoint-4", ckpt)
+    # Loudly, never a silent resume with fresh optimizer state.
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint"):
+        mod.run(str(tmp_path / "probe"), 4, 4, compress=False, resume=str(ckpt))
+    assert sorted(decompress_checkpoint(ckpt)) == sorted(PLAIN_FILES)
+    names = {p.name for p in ckpt.iterdir()}
+    assert set(PLAIN_FILES) <= names and not set(NVC_FILES) & names
+    with safetensors.safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    assert_tree_equal(_trainer_files_state(ckpt), _trainer_files_state(runs["plain_dir"] / "checkpoint-4"))
+    dump = tmp_path / "start.pt"
+    mod.run(str(tmp_path / "probe"), 4, 4, compress=False, resume=str(ckpt), callbacks=[mod.DumpAtStart(str(dump))])
+    start = torch.load(dump, weights_only=True)
+    assert_tree_equal(start["optimizer"], runs["at"][4]["optimizer"])
+    model = GPT2LMHeadModel.from_pretrained(str(ckpt))
+    assert_tree_equal(model.state_dict(), runs["at"][4]["model"])
+
+
+@pytest.mark.parametrize(
+    "extra", [{"fsdp": True}, {"push_to_hub": True, "hub_strategy": "checkpoint"}], ids=["fsdp", "hub-checkpoint"]
+)
+def test_callback_rejects_setups_it_cannot_convert(tmp_path: Path, extra: dict[str, Any]) -> None:
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **extra)
+    with pytest.raises(nc.CheckpointError, match="NvcompTrainerCallback"):
+        NvcompTrainerCallback().on_init_end(args, TrainerState(), TrainerControl())
+
+
+def test_plain_checkpoints_still_resume_with_nvcomp_trainer(
+    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path
+) -> None:
+    # A run that switches to compressed checkpoints resumes from its last plain one.
+    _, mod = script
+    shutil.copytree(runs["plain_dir"] / "checkpoint-6", tmp_path / "out" / "checkpoint-6")
+    trainer = mod.run(str(tmp_path / "out"), 8, 2, resume=True)
+    assert isinstance(trainer, NvcompTrainer)
+    assert mod.losses(trainer) == runs["plain_losses"]
+    assert set(NVC_FILES) <= {p.name for p in (tmp_path / "out" / "checkpoint-8").iterdir()}
