@@ -1,0 +1,692 @@
+"""Hugging Face Accelerate integration: ``accelerator.save_state``/``load_state`` with compressed
+model weights and optimizer state, committed atomically as a whole directory.
+
+``register_nvcomp_hooks(accelerator, policy)`` makes every ``save_state`` write each model's
+weights to ``model.nvc`` (``model_1.nvc`` ...) and each optimizer's state to ``optimizer.nvc``
+(``optimizer_1.nvc`` ...) instead of ``model.safetensors`` and ``optimizer.bin``; everything else
+(scheduler, RNG states, samplers, GradScaler, ``register_for_checkpointing`` objects, files written
+by your own save hooks) is still written by Accelerate itself, unchanged.
+
+Design
+------
+Why a wrapper: Accelerate's save pre-hook (``register_save_state_pre_hook``) sees only the models'
+state dicts; ``save_state`` writes ``optimizer.bin`` itself (accelerate PR 991), and
+``load_accelerator_state`` reads it with ``torch.load``. The registrar therefore replaces
+``save_state`` and ``load_state`` *on this accelerator instance* (``handle.remove()`` puts them
+back) and, inside each call, drives Accelerate's own method through its supported seams:
+
+* model weights go through the documented pre-hooks: a save pre-hook, registered for the duration
+  of one call so that it runs after every hook of yours, takes the state dicts out of the
+  ``weights`` list (as Accelerate's docs say a hook that saves models itself must); the load
+  pre-hook loads the models and empties the ``models`` list;
+* optimizer state is the one thing with no hook: during the inner call the accelerator's
+  optimizer list (``accelerator._optimizers``, the only private attribute touched) is swapped
+  for an empty one, and the pre-hooks save / load the optimizers instead;
+* with ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the wrapper picks
+  ``checkpoints/checkpoint_<iteration>`` itself and turns automatic naming off for the inner
+  call, because Accelerate deletes the oldest checkpoints *before* writing the new one.
+
+Crash safety: a save is written into a hidden staging directory (``.<name>.nvckpt-staging`` next
+to the target, or in ``project_dir`` with automatic naming, never inside ``checkpoints/``, whose
+entries Accelerate sorts by number). When everything is written, every file is fsynced and a
+manifest, ``nvcomp_checkpoint.json`` (the names, sizes and, for files other than ``.nvc``, BLAKE2b
+digests), is written last; then the directory is renamed into place. Replacing an existing
+directory is one atomic ``renameat2(RENAME_EXCHANGE)`` on Linux; elsewhere the old directory is
+renamed aside first and restored by the next ``save_state``/``load_state`` if a crash comes
+between the two renames. So the target is always either the complete previous checkpoint or the
+complete new one, never a mix of plain and compressed files. Other files the replaced directory
+held (neither Accelerate's nor ours: your notes, a ``save_pretrained`` folder) are hard-linked
+into the new one first, as Accelerate would have left them in place. Only after the commit are
+checkpoints beyond ``total_limit`` deleted (oldest first, renamed out of ``checkpoints/`` before
+removal), so rotation can never delete the newest complete checkpoint. A failed save removes its
+staging directory, leaves ``save_iteration`` unchanged and raises ``CheckpointWriteError``.
+
+Loading: a directory with the manifest is checked against it (a missing, truncated or altered
+file is named in the error) and loaded from the ``.nvc`` files; a directory without it (written
+by plain Accelerate) is handed to Accelerate's own ``load_state`` untouched; a directory holding
+``.nvc`` files but no manifest is refused as incomplete.
+
+Scope: one process, or several (DDP) sharing a file system, where the main process (each node's
+local main with ``save_on_each_node``) writes and commits, with barriers around the commit. FSDP,
+DeepSpeed, Megatron-LM and XLA save sharded state with their own writers and are refused at
+registration. Directories are local or mounted paths, as Accelerate's are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import accelerate
+import torch
+from accelerate import Accelerator
+from accelerate.utils import (
+    MODEL_NAME,
+    OPTIMIZER_NAME,
+    RNG_STATE_NAME,
+    SAFE_MODEL_NAME,
+    SAMPLER_NAME,
+    SCALER_NAME,
+    SCHEDULER_NAME,
+    DistributedType,
+)
+
+import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, ChecksumError, FormatError
+
+__all__ = [
+    "register_nvcomp_hooks",
+    "NvcompStateHooks",
+    "MANIFEST_NAME",
+    "is_nvcomp_state_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Written last into a saved directory: its presence means the save completed.
+MANIFEST_NAME = "nvcomp_checkpoint.json"
+_FORMAT = "nvcomp-checkpoint/accelerate-state"
+_VERSION = 1
+_STAGING = ".nvckpt-staging"
+_OLD = ".nvckpt-old"
+_DELETING = ".nvckpt-deleting"
+_STATE_FILE = re.compile(
+    "|".join([
+        rf"({re.escape(stem)})(_\d+)?\.{ext}"
+        for stem, ext in (
+            (SAFE_MODEL_NAME, "safetensors"), (MODEL_NAME, "bin"), (OPTIMIZER_NAME, "bin"), (SCHEDULER_NAME, "bin"),
+            (SAMPLER_NAME, "bin"), ("dl_state_dict", "bin"), ("model", "nvc"), ("optimizer", "nvc"),
+        )
+    ] + [re.escape(SCALER_NAME), rf"{re.escape(RNG_STATE_NAME)}_\d+\.pkl", r"custom_checkpoint_\d+\.pkl"])
+)
+_UNSUPPORTED = {
+    DistributedType.DEEPSPEED: "DeepSpeed",
+    DistributedType.FSDP: "FSDP",
+    DistributedType.MEGATRON_LM: "Megatron-LM",
+    DistributedType.XLA: "XLA",
+}
+
+
+def register_nvcomp_hooks(
+    accelerator: Accelerator,
+    policy: nc.CodecPolicy | None = None,
+    *,
+    workers: int | None = None,
+) -> "NvcompStateHooks":
+    """Make ``accelerator.save_state``/``load_state`` compress model weights and optimizer state.
+
+    Args:
+        accelerator: The ``Accelerator`` whose checkpoints to compress.
+        policy: Codec settings per component (weights, ``exp_avg``, ``exp_avg_sq`` ...);
+            defaults to :class:`nvcomp_checkpoint.CodecPolicy()`.
+        workers: Compression threads per file (default: every core).
+
+    Returns:
+        A handle: ``handle.last_report`` is the :class:`~nvcomp_checkpoint.SaveReport` of the
+        last save (per component, all ``.nvc`` files together) and ``handle.remove()`` restores
+        Accelerate's own ``save_state``/``load_state``.
+
+    Raises:
+        CheckpointError: The accelerator uses DeepSpeed, FSDP, Megatron-LM or XLA, or already
+            has these hooks.
+
+    Example:
+        >>> accelerator = Accelerator()
+        >>> model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+        >>> hooks = register_nvcomp_hooks(accelerator)
+        >>> accelerator.save_state("ckpt")          # model.nvc, optimizer.nvc, scheduler.bin ...
+        >>> print(hooks.last_report.table())
+        >>> accelerator.load_state("ckpt")          # also loads directories saved without hooks
+    """
+    engine = _UNSUPPORTED.get(accelerator.distributed_type)
+    if engine is not None:
+        raise CheckpointError(
+            f"register_nvcomp_hooks: this Accelerator uses {engine}, which saves sharded model and optimizer "
+            "state with its own writer; nvcomp-checkpoint cannot take those files over. Call save_state "
+            "without register_nvcomp_hooks, or compress a consolidated state dict with nvcomp_checkpoint.save()."
+        )
+    if isinstance(getattr(accelerator, "_nvcomp_state_hooks", None), NvcompStateHooks):
+        raise CheckpointError(
+            "register_nvcomp_hooks: this Accelerator already has nvcomp-checkpoint hooks; call .remove() on "
+            "the handle returned by the first call before registering again."
+        )
+    return NvcompStateHooks(accelerator, policy or nc.CodecPolicy(), workers)
+
+
+def is_nvcomp_state_dir(path: str | os.PathLike[str]) -> bool:
+    """True if ``path`` is a complete directory written by ``save_state`` with these hooks."""
+    return (Path(path) / MANIFEST_NAME).is_file()
+
+
+@dataclass
+class _SaveCall:
+    staging: Path
+    optimizers: list[Any]
+    iteration: int
+    writes: bool
+    models: list[str] = field(default_factory=list)
+    optimizer_files: list[str] = field(default_factory=list)
+    reports: dict[str, nc.SaveReport] = field(default_factory=dict)
+
+
+@dataclass
+class _LoadCall:
+    path: Path
+    manifest: dict[str, Any]
+    optimizers: list[Any]
+    map_location: str | torch.device
+    weights_only: bool
+    model_kwargs: dict[str, Any]
+
+
+class NvcompStateHooks:
+    """The handle :func:`register_nvcomp_hooks` returns; see the module docstring for the design.
+
+    Attributes:
+        accelerator: The accelerator whose ``save_state``/``load_state`` are wrapped.
+        policy: The codec policy of every save.
+        workers: Compression threads per file.
+        last_report: Per-component totals of the last save's ``.nvc`` files (``None`` before the
+            first save and on processes that write nothing).
+        last_reports: The same, per file name.
+    """
+
+    def __init__(self, accelerator: Accelerator, policy: nc.CodecPolicy, workers: int | None) -> None:
+        self.accelerator = accelerator
+        self.policy = policy
+        self.workers = workers
+        self.last_report: nc.SaveReport | None = None
+        self.last_reports: dict[str, nc.SaveReport] = {}
+        self._saving: _SaveCall | None = None
+        self._loading: _LoadCall | None = None
+        # Whatever save_state/load_state were before (Accelerate's, or another wrapper's) is
+        # what the inner call runs and what remove() puts back.
+        self._previous = {name: accelerator.__dict__.get(name) for name in ("save_state", "load_state")}
+        self._inner_save: Callable[..., Any] = accelerator.save_state
+        self._inner_load: Callable[..., Any] = accelerator.load_state
+        accelerator.save_state = self.save_state  # type: ignore[method-assign]
+        accelerator.load_state = self.load_state  # type: ignore[method-assign]
+        accelerator._nvcomp_state_hooks = self  # type: ignore[attr-defined]
+
+    def remove(self) -> None:
+        """Restore Accelerate's ``save_state``/``load_state`` on the accelerator."""
+        acc = self.accelerator
+        if getattr(acc, "_nvcomp_state_hooks", None) is not self:
+            return
+        for name, bound in (("save_state", self.save_state), ("load_state", self.load_state)):
+            if acc.__dict__.get(name) != bound:
+                raise CheckpointError(
+                    f"NvcompStateHooks.remove: accelerator.{name} was wrapped again after register_nvcomp_hooks; "
+                    "remove that wrapper first."
+                )
+            previous = self._previous[name]
+            if previous is None:
+                del acc.__dict__[name]
+            else:
+                setattr(acc, name, previous)
+        del acc.__dict__["_nvcomp_state_hooks"]
+
+    # -- saving ----------------------------------------------------------------------------
+    def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any) -> Path:
+        """``Accelerator.save_state`` with compressed weights and optimizer state; same arguments.
+
+        Returns:
+            The directory written (``checkpoints/checkpoint_<n>`` with automatic naming).
+
+        Raises:
+            CheckpointWriteError: Writing failed (the disk is full ...); the directory that was
+                at the target before, if any, is untouched and ``save_iteration`` is unchanged.
+        """
+        acc = self.accelerator
+        config = acc.project_configuration
+        auto = bool(config.automatic_checkpoint_naming)
+        if auto:
+            checkpoints = Path(os.path.abspath(acc.project_dir)) / "checkpoints"
+            shown = Path(os.path.join(acc.project_dir, "checkpoints", f"checkpoint_{acc.save_iteration}"))
+            target = checkpoints / shown.name
+            staging = checkpoints.parent / f".{target.name}{_STAGING}"
+            if target.exists():
+                # Accelerate's own rule and message for automatic naming.
+                raise ValueError(
+                    f"Checkpoint directory {target} ({acc.save_iteration}) already exists. Please manually "
+                    "override `self.save_iteration` with what iteration to start with."
+                )
+        else:
+            if output_dir is None:
+                raise ValueError("save_state needs an output_dir unless automatic_checkpoint_naming is enabled.")
+            shown = Path(os.fspath(output_dir))
+            # Absolute, so that "." or "ckpt/" still have a parent to stage and rename in.
+            target = Path(os.path.abspath(shown))
+            staging = target.parent / f".{target.name}{_STAGING}"
+        writes = self._writes()
+        start = time.perf_counter()
+        call = _SaveCall(staging, acc._optimizers, config.iteration, writes)
+        replaced: Path | None = None
+        try:
+            if writes:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _recover(target)
+                if staging.exists():  # left by a save that crashed
+                    shutil.rmtree(staging)
+                staging.mkdir(parents=True)
+            acc.wait_for_everyone()
+            self._run_inner_save(call, auto, safe_serialization, save_model_func_kwargs)
+            acc.wait_for_everyone()
+            if writes:
+                _write_manifest(call, acc, self.policy)
+                replaced = _commit(staging, target)  # the commit point: nothing after it can fail the save
+        except BaseException as exc:
+            config.iteration = call.iteration
+            if writes:
+                shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)):
+                raise CheckpointWriteError(
+                    f"{target}: save_state failed ({exc}). Nothing was committed: the checkpoint directory "
+                    f"that was at {target}, if any, is untouched. Free space or fix the cause and save again."
+                ) from exc
+            raise
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)  # the previous checkpoint; leftovers are cleaned next time
+        if writes and auto and config.total_limit is not None:
+            _rotate(checkpoints, checkpoints.parent, config.total_limit, keep=target)
+        acc.wait_for_everyone()
+        if writes:
+            self.last_reports = dict(call.reports)
+            self.last_report = _merge(str(shown), call.reports.values(), time.perf_counter() - start)
+        return shown
+
+    def _run_inner_save(self, call: _SaveCall, auto: bool, safe_serialization: bool, kwargs: dict[str, Any]) -> None:
+        acc = self.accelerator
+        config = acc.project_configuration
+        handle = acc.register_save_state_pre_hook(self._save_hook)
+        acc._optimizers = []
+        config.automatic_checkpoint_naming = False
+        self._saving = call
+        try:
+            self._inner_save(str(call.staging), safe_serialization=safe_serialization, **kwargs)
+        finally:
+            self._saving = None
+            config.automatic_checkpoint_naming = auto
+            acc._optimizers = call.optimizers
+            handle.remove()
+
+    def _save_hook(self, models: list[torch.nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
+        call = self._saving
+        if call is None or Path(output_dir) != call.staging:
+            return
+        # What the hooks before this one left in `weights` is what Accelerate would have saved,
+        # numbered the same way (model.safetensors, model_1.safetensors ...).
+        states = list(weights)
+        weights.clear()
+        if not call.writes:
+            return
+        meta = {"step": self.accelerator.step, "iteration": call.iteration}
+        for i, state in enumerate(states):
+            name = _numbered("model", i)
+            call.reports[name] = nc.save(
+                state, call.staging / name, self.policy, workers=self.workers,
+                metadata={"accelerate": {"kind": "model", "index": i, **meta}},
+            )
+            call.models.append(name)
+        for i, optimizer in enumerate(call.optimizers):
+            name = _numbered("optimizer", i)
+            call.reports[name] = nc.save(
+                optimizer.state_dict(), call.staging / name, self.policy, workers=self.workers,
+                metadata={"accelerate": {"kind": "optimizer", "index": i, **meta}},
+            )
+            call.optimizer_files.append(name)
+
+    def _writes(self) -> bool:
+        # The processes that accelerate.utils.save lets write are the ones that commit.
+        acc = self.accelerator
+        if acc.project_configuration.save_on_each_node:
+            return acc.is_local_main_process
+        return acc.is_main_process
+
+    # -- loading ---------------------------------------------------------------------------
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None, **load_model_func_kwargs: Any) -> None:
+        """``Accelerator.load_state`` for directories saved with or without these hooks; same arguments.
+
+        Raises:
+            FormatError: A file listed in the manifest is missing, truncated or altered (named in
+                the message), or the directory holds ``.nvc`` files but no manifest.
+            ChecksumError: A ``.nvc`` file or another file of the directory is corrupt.
+        """
+        acc = self.accelerator
+        if input_dir is not None:
+            path = Path(os.path.expanduser(os.fspath(input_dir)))
+            _recover(path)
+        elif acc.project_configuration.automatic_checkpoint_naming:
+            path = _latest(Path(acc.project_dir) / "checkpoints")
+        else:
+            self._inner_load(None, load_kwargs, **load_model_func_kwargs)  # Accelerate's own error
+            return
+        manifest = _read_manifest(path)
+        if manifest is None:
+            if path.is_dir() and any(path.glob("*.nvc")):
+                raise FormatError(
+                    f"{path}: holds .nvc files but no {MANIFEST_NAME}: the save that wrote it did not complete "
+                    "(or the manifest was deleted). Load an earlier checkpoint."
+                )
+            self._inner_load(os.fspath(path), load_kwargs, **load_model_func_kwargs)
+            return
+        _check_files(path, manifest)
+        if len(manifest["optimizers"]) != len(acc._optimizers):
+            raise CheckpointError(
+                f"{path}: holds the state of {len(manifest['optimizers'])} optimizer(s) "
+                f"({', '.join(manifest['optimizers']) or 'none'}) but {len(acc._optimizers)} are prepared; "
+                "prepare the same optimizers as the run that saved it."
+            )
+        map_location = load_model_func_kwargs.get("map_location")
+        if map_location not in (None, "cpu", "on_device"):
+            raise TypeError(
+                "Unsupported optimizer map location passed, please choose one of `None`, `'cpu'`, or `'on_device'`"
+            )
+        if map_location is None:
+            # Accelerate's rule: the CPU unless several processes each own a device.
+            multi = acc.num_processes > 1 and acc.multi_device and acc.distributed_type != DistributedType.MULTI_XPU
+            map_location = "on_device" if multi else "cpu"
+        call = _LoadCall(
+            path, manifest, acc._optimizers,
+            acc.device if map_location == "on_device" else "cpu",
+            bool((load_kwargs or {}).get("weights_only", True)),
+            {k: v for k, v in load_model_func_kwargs.items() if k != "map_location"},
+        )
+        handle = acc.register_load_state_pre_hook(self._load_hook)
+        acc._optimizers = []
+        self._loading = call
+        try:
+            self._inner_load(os.fspath(path), load_kwargs, **load_model_func_kwargs)
+        finally:
+            self._loading = None
+            acc._optimizers = call.optimizers
+            handle.remove()
+
+    def _load_hook(self, models: list[torch.nn.Module], input_dir: str) -> None:
+        call = self._loading
+        if call is None or Path(input_dir) != call.path:
+            return
+        names = call.manifest["models"]
+        if len(names) != len(models):
+            raise CheckpointError(
+                f"{call.path}: holds {len(names)} model file(s) ({', '.join(names) or 'none'}) but "
+                f"{len(models)} model(s) are left to load after your load hooks; prepare the same models "
+                "and register the same hooks as the run that saved it."
+            )
+        for model, name in zip(models, names):
+            state = nc.load(call.path / name, map_location=call.map_location)
+            model.load_state_dict(state, **call.model_kwargs)
+        models.clear()
+        for optimizer, name in zip(call.optimizers, call.manifest["optimizers"]):
+            state = nc.load(call.path / name, map_location=call.map_location, weights_only=call.weights_only)
+            optimizer.load_state_dict(state)
+
+
+# -- directory helpers ---------------------------------------------------------------------
+def _numbered(stem: str, i: int) -> str:
+    return f"{stem}.nvc" if i == 0 else f"{stem}_{i}.nvc"
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_manifest(call: _SaveCall, acc: Accelerator, policy: nc.CodecPolicy) -> None:
+    files: dict[str, dict[str, Any]] = {}
+    for p in sorted(call.staging.rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(call.staging).as_posix()
+            # .nvc files carry a checksum per chunk; hashing them again would double the reads.
+            files[rel] = {"bytes": p.stat().st_size, "blake2b": None if p.suffix == ".nvc" else _digest(p)}
+            _fsync_path(p)
+    manifest = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "nvcomp_checkpoint": nc.__version__,
+        "accelerate": accelerate.__version__,
+        "step": acc.step,
+        "iteration": call.iteration,
+        "models": call.models,
+        "optimizers": call.optimizer_files,
+        "policy": policy.to_dict(),
+        "files": files,
+    }
+    path = call.staging / MANIFEST_NAME
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    for d in sorted({p.parent for p in call.staging.rglob("*")} | {call.staging}):
+        _fsync_path(d)
+
+
+def _read_manifest(path: Path) -> dict[str, Any] | None:
+    file = path / MANIFEST_NAME
+    if not file.is_file():
+        return None
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{file}: unreadable manifest ({exc}); the directory is damaged, load another checkpoint") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
+        raise FormatError(f"{file}: not an nvcomp-checkpoint Accelerate manifest; the directory is damaged")
+    if manifest.get("version", 0) > _VERSION:
+        raise FormatError(
+            f"{file}: written by a newer nvcomp-checkpoint (manifest version {manifest.get('version')}); "
+            "upgrade nvcomp-checkpoint to load it."
+        )
+    names = [*manifest.get("models", []), *manifest.get("optimizers", []), *manifest.get("files", {})]
+    for name in names:
+        # A manifest only ever names files inside its own directory.
+        if not isinstance(name, str) or name.startswith("/") or ".." in Path(name).parts:
+            raise FormatError(f"{file}: lists an invalid file name {name!r}; the directory is damaged")
+    return manifest
+
+
+def _check_files(path: Path, manifest: dict[str, Any]) -> None:
+    listed = manifest.get("files", {})
+    for name in [*manifest["models"], *manifest["optimizers"]]:
+        if name not in listed:
+            raise FormatError(f"{path / MANIFEST_NAME}: {name} is not in the file list; the directory is damaged")
+    for rel, info in listed.items():
+        file = path / rel
+        if not file.is_file():
+            raise FormatError(
+                f"{file}: missing; the save of {path} wrote it ({MANIFEST_NAME} lists it). Restore the file "
+                "or load another checkpoint."
+            )
+        size = file.stat().st_size
+        if size != info["bytes"]:
+            raise FormatError(
+                f"{file}: {size} bytes, but the save wrote {info['bytes']} (truncated or replaced). Restore the "
+                "file or load another checkpoint."
+            )
+        if info.get("blake2b") and _digest(file) != info["blake2b"]:
+            raise ChecksumError(
+                f"{file}: its contents differ from what the save wrote (checksum mismatch). Restore the file or "
+                "load another checkpoint."
+            )
+
+
+def _fsync_path(path: Path) -> None:
+    # Directories need an fd opened read-only; fsync on them is not possible everywhere.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        if path.is_file():
+            raise
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with Linux ``renameat2(RENAME_EXCHANGE)``; False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False  # the file system or kernel cannot exchange: fall back to two renames
+    raise OSError(err, os.strerror(err), os.fspath(b))
+
+
+def _commit(staging: Path, target: Path) -> Path | None:
+    """Move the complete staging directory to ``target``, replacing what is there atomically.
+
+    Returns:
+        Where the replaced checkpoint now is, for the caller to delete (``None`` if there was none).
+    """
+    if target.exists() and not target.is_dir():
+        raise CheckpointWriteError(f"{target}: exists and is not a directory; save_state needs a directory path")
+    if not target.exists():
+        os.rename(staging, target)
+        _fsync_path(target.parent)
+        return None
+    _carry_over(target, staging)
+    if _exchange(staging, target):
+        _fsync_path(target.parent)
+        return staging
+    old = target.parent / f".{target.name}{_OLD}"
+    if old.exists():
+        shutil.rmtree(old)
+    os.rename(target, old)
+    try:
+        # A crash right here leaves only `old`; _recover() renames it back on the next save or load.
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    _fsync_path(target.parent)
+    return old
+
+
+def _is_state_file(name: str) -> bool:
+    """Files that a save_state writes, with or without these hooks (and their temporaries)."""
+    temporary = name.startswith(".") and (".tmp-" in name or ".nvckpt-" in name)
+    return temporary or name == MANIFEST_NAME or _STATE_FILE.fullmatch(name) is not None
+
+
+def _carry_over(old: Path, staging: Path) -> None:
+    """Keep what else the replaced directory held (your notes, a ``save_pretrained`` folder ...).
+
+    Accelerate overwrites its own files in place and leaves others alone; replacing the whole
+    directory must not lose them either. They are hard-linked (copied where links are not
+    possible) so the old directory stays intact until the commit. Files of an earlier save are
+    not carried over: a stale ``optimizer.bin`` next to ``optimizer.nvc`` would be a trap.
+    """
+    for entry in os.listdir(old):
+        src, dst = old / entry, staging / entry
+        if _is_state_file(entry) or os.path.lexists(dst):
+            continue
+        if src.is_dir() and not src.is_symlink():
+            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(src, dst)
+
+
+def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    if os.path.islink(src):
+        os.symlink(os.readlink(src), dst)
+        return
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _recover(target: Path) -> None:
+    """Undo a replacement interrupted between its two renames (see :func:`_commit`)."""
+    old = target.parent / f".{target.name}{_OLD}"
+    if not old.exists():
+        return
+    with contextlib.suppress(FileNotFoundError):  # another process got there first
+        if target.exists():
+            shutil.rmtree(old)
+        else:
+            logger.warning("%s: restoring the checkpoint that an interrupted save moved to %s", target, old)
+            os.rename(old, target)
+
+
+def _number(name: str) -> int | None:
+    # Accelerate's own ordering: the last run of digits in the name.
+    found = re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", name)
+    return int(found[0]) if found else None
+
+
+def _numbered_dirs(checkpoints: Path) -> list[Path]:
+    entries = []
+    for name in os.listdir(checkpoints) if checkpoints.is_dir() else []:
+        n = _number(name)
+        if n is not None and not name.startswith("."):
+            entries.append((n, checkpoints / name))
+    return [p for _, p in sorted(entries)]
+
+
+def _latest(checkpoints: Path) -> Path:
+    dirs = _numbered_dirs(checkpoints)
+    if not dirs:
+        raise FormatError(f"{checkpoints}: no checkpoint to load (automatic_checkpoint_naming found no checkpoint_<n>)")
+    return dirs[-1]
+
+
+def _rotate(checkpoints: Path, project_dir: Path, limit: int, keep: Path) -> None:
+    """Delete the oldest checkpoints beyond ``limit``; runs only after ``keep`` is committed."""
+    dirs = _numbered_dirs(checkpoints)
+    excess = len(dirs) - limit
+    if excess <= 0:
+        return
+    logger.warning("Deleting %d checkpoints beyond total_limit=%d.", excess, limit)
+    for old in [d for d in dirs if d != keep][:excess]:
+        # Out of checkpoints/ first, so a crash mid-delete never leaves a half-deleted
+        # checkpoint_<n> for load_state to pick.
+        doomed = project_dir / f".{old.name}{_DELETING}"
+        try:
+            if doomed.exists():
+                shutil.rmtree(doomed)
+            os.rename(old, doomed)
+            shutil.rmtree(doomed)
+        except OSError as exc:
+            logger.warning("%s: could not delete this old checkpoint (%s); the new one is saved.", old, exc)
+
+
+def _merge(path: str, reports: Any, seconds: float) -> nc.SaveReport:
+    components: dict[str, nc.ComponentStats] = {}
+    raw = stored = 0
+    for r in reports:
+        raw += r.raw_bytes
+        stored += r.stored_bytes
+        for name, s in r.components.items():
+            c = components.get(name, nc.ComponentStats())
+            components[name] = nc.ComponentStats(
+                c.tensors + s.tensors, c.raw_bytes + s.raw_bytes, c.stored_bytes + s.stored_bytes,
+                tuple(sorted(set(c.codecs) | set(s.codecs))), tuple(sorted(set(c.filters) | set(s.filters))),
+            )
+    return nc.SaveReport(path, raw, stored, seconds, components, seconds)

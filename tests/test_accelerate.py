@@ -1,0 +1,486 @@
+"""Accelerate integration: real ``Accelerator`` runs on the CPU, resumed in fresh processes.
+
+A tiny model with dropout, AdamW, a StepLR scheduler and a ``register_for_checkpointing``
+object is trained, saved with ``save_state`` and resumed in a new Python process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+import nvcomp_checkpoint as nc  # noqa: E402
+from conftest import assert_tree_equal  # noqa: E402
+from nvcomp_checkpoint.accelerate import MANIFEST_NAME, is_nvcomp_state_dir, register_nvcomp_hooks  # noqa: E402
+
+N_STEPS, M_STEPS = 4, 3
+
+# The training program every test runs, in this process (imported) or in fresh ones.
+SCRIPT = textwrap.dedent(
+    '''
+    """Train / save / resume a tiny model with Accelerate (written by tests/test_accelerate.py)."""
+    import copy, json, os, random, resource, signal, sys
+    import numpy as np
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+    from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+    from nvcomp_checkpoint.errors import CheckpointWriteError
+
+
+    class Tracker:
+        """A registered custom object: its state picks the next batch."""
+
+        def __init__(self):
+            self.seen = 0
+            self.loss_sum = 0.0
+
+        def state_dict(self):
+            return {"seen": self.seen, "loss_sum": self.loss_sum}
+
+        def load_state_dict(self, state):
+            self.seen, self.loss_sum = state["seen"], state["loss_sum"]
+
+
+    def build(project_dir=None, total_limit=None, hooks=True):
+        set_seed(0)
+        config = ProjectConfiguration(
+            project_dir=project_dir, automatic_checkpoint_naming=project_dir is not None, total_limit=total_limit
+        )
+        acc = Accelerator(cpu=True, project_config=config)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Dropout(0.2),
+            torch.nn.Linear(128, 128), torch.nn.GELU(), torch.nn.Dropout(0.2), torch.nn.Linear(128, 8),
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+        model, opt, sched = acc.prepare(model, opt, sched)
+        tracker = Tracker()
+        acc.register_for_checkpointing(tracker)
+        hooks = register_nvcomp_hooks(acc) if hooks else None
+        return acc, model, opt, sched, tracker, hooks
+
+
+    def train(objs, steps):
+        acc, model, opt, sched, tracker, _ = objs
+        model.train()
+        losses = []
+        for _ in range(steps):
+            g = torch.Generator().manual_seed(1000 + tracker.seen)
+            x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+            # Python, NumPy and torch RNGs (dropout) all shape the loss, so each must resume.
+            x = x * (1 + 0.1 * random.random()) + torch.from_numpy(np.random.standard_normal(x.shape).astype("float32")) * 0.05
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            acc.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            tracker.seen += 1
+            tracker.loss_sum += loss.item()
+            losses.append(loss.item())
+        return losses
+
+
+    def snapshot(objs):
+        acc, model, opt, sched, tracker, _ = objs
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        return copy.deepcopy({
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "tracker": tracker.state_dict(),
+            "rng": [torch.get_rng_state(), torch.from_numpy(keys.copy()), pos, has_gauss, cached, random.getstate()],
+        })
+
+
+    def main(mode, out, *args):
+        torch.set_num_threads(1)  # the same float reduction order in every process
+        if mode == "run":  # N steps, save with and without hooks, M more steps
+            objs = build()
+            train(objs, int(args[0]))
+            objs[0].save_state(os.path.join(out, "hooked"))
+            report = objs[5].last_report
+            objs[5].remove()
+            objs[0].save_state(os.path.join(out, "plain"))
+            at_n = snapshot(objs)
+            losses = train(objs, int(args[1]))
+            torch.save({"at_n": at_n, "losses": losses, "final": snapshot(objs), "report": report.to_dict()}, os.path.join(out, "run.pt"))
+        elif mode == "resume":  # load a directory, M more steps
+            objs = build()
+            objs[0].load_state(args[0])
+            loaded = snapshot(objs)
+            losses = train(objs, int(args[1]))
+            torch.save({"loaded": loaded, "losses": losses, "final": snapshot(objs)}, out)
+        elif mode == "disk-full":  # save, train, fill the disk, save again
+            ckpt, ballast = args[0], args[1]
+            objs = build()
+            train(objs, 3)
+            objs[0].save_state(ckpt)
+            torch.save(snapshot(objs), out)
+            train(objs, 2)
+            if ballast == "rlimit":  # no private tmpfs here: a per-file size limit fails the write (EFBIG)
+                limit = os.path.getsize(os.path.join(ckpt, "model.nvc")) // 2
+                resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            else:  # leave half a checkpoint of free space on the file system
+                st = os.statvfs(ckpt)
+                used = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
+                with open(ballast, "wb") as f:
+                    f.write(b"\\0" * max(0, st.f_bavail * st.f_frsize - used // 2))
+            iteration = objs[0].save_iteration
+            try:
+                objs[0].save_state(ckpt)
+            except CheckpointWriteError as exc:
+                print(json.dumps({"error": str(exc), "iteration_kept": objs[0].save_iteration == iteration}))
+            else:
+                print(json.dumps({"error": None}))
+        elif mode == "crash":  # automatic naming, total_limit=1: killed while saving checkpoint_1
+            objs = build(project_dir=out, total_limit=1)
+            train(objs, 3)
+            objs[0].save_state()
+            torch.save(snapshot(objs), os.path.join(out, "at_save.pt"))
+            train(objs, 2)
+            model_file = os.path.join(out, "checkpoints", "checkpoint_0", "model.nvc")
+            # model.nvc fits, optimizer.nvc does not: SIGXFSZ (which Python ignores unless
+            # told otherwise) kills the process mid-save.
+            signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+            limit = os.path.getsize(model_file) + 4096
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            objs[0].save_state()
+            print("not killed")
+        elif mode == "resume-latest":  # automatic naming: load the newest, then save once more
+            objs = build(project_dir=out, total_limit=1)
+            objs[0].load_state()
+            torch.save(snapshot(objs), os.path.join(out, "loaded.pt"))
+            objs[0].project_configuration.iteration = int(args[0])
+            objs[0].save_state()
+        elif mode == "ddp":  # under torchrun: two processes share one directory
+            objs = build(project_dir=out, total_limit=1)
+            train(objs, 2)
+            objs[0].save_state()
+            saved = snapshot(objs)
+            train(objs, 2)
+            objs[0].load_state()
+            rank = objs[0].process_index
+            torch.save({"saved": saved, "loaded": snapshot(objs)}, os.path.join(out, f"rank{rank}.pt"))
+
+
+    if __name__ == "__main__":
+        main(*sys.argv[1:])
+    '''
+)
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("accelerate_script") / "acc_train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def _run(*args: str, check: bool = True, python: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run the training program (or, with ``python=False``, any command) in a fresh process."""
+    env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+    argv = [sys.executable, *args] if python else list(args)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=240)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} failed with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def _load_pt(path: Path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+def _module(script: Path):
+    """The training program, imported into this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("acc_train", script)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trained(script: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One fresh-process run: N steps, ``hooked/`` and ``plain/`` saved at N, then M more steps."""
+    out = tmp_path_factory.mktemp("accelerate_run")
+    _run(str(script), "run", str(out), str(N_STEPS), str(M_STEPS))
+    return out
+
+
+def _dir_bytes(path: Path, names: list[str] | None = None) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file() and (names is None or f.name in names))
+
+
+def test_resume_in_fresh_process_matches_uninterrupted_run(trained: Path, script: Path, tmp_path: Path) -> None:
+    run = _load_pt(trained / "run.pt")
+    out = tmp_path / "resumed.pt"
+    _run(str(script), "resume", str(out), str(trained / "hooked"), str(M_STEPS))
+    resumed = _load_pt(out)
+    # Model, optimizer, scheduler, custom object and every RNG bit-identical at step N ...
+    assert_tree_equal(run["at_n"], resumed["loaded"])
+    # ... and training continues exactly as the uninterrupted run did.
+    assert resumed["losses"] == run["losses"]
+    assert_tree_equal(run["final"], resumed["final"])
+    assert run["at_n"]["tracker"]["seen"] == N_STEPS and run["at_n"]["scheduler"]["last_epoch"] == N_STEPS
+
+
+def test_saved_directory_is_compressed_and_smaller(trained: Path) -> None:
+    hooked, plain = trained / "hooked", trained / "plain"
+    names = sorted(p.name for p in hooked.iterdir())
+    assert names == sorted([
+        MANIFEST_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
+    ])
+    assert "model.safetensors" in os.listdir(plain) and "optimizer.bin" in os.listdir(plain)
+    assert is_nvcomp_state_dir(hooked) and not is_nvcomp_state_dir(plain)
+    assert nc.is_nvcomp_checkpoint(hooked / "optimizer.nvc") and nc.is_nvcomp_checkpoint(hooked / "model.nvc")
+    with nc.open(hooked / "optimizer.nvc") as reader:
+        assert {"exp_avg", "exp_avg_sq"} <= set(reader.summary())
+    # Accelerate's other files are written by Accelerate, byte for byte as without the hooks.
+    assert (hooked / "scheduler.bin").read_bytes() == (plain / "scheduler.bin").read_bytes()
+    assert (hooked / "custom_checkpoint_0.pkl").read_bytes() == (plain / "custom_checkpoint_0.pkl").read_bytes()
+    compressed = _dir_bytes(hooked, ["model.nvc", "optimizer.nvc"])
+    uncompressed = _dir_bytes(plain, ["model.safetensors", "optimizer.bin"])
+    assert compressed < 0.95 * uncompressed, (compressed, uncompressed)
+    assert _dir_bytes(hooked) < _dir_bytes(plain)
+    report = _load_pt(trained / "run.pt")["report"]
+    assert report["stored_bytes"] == compressed
+    assert set(report["components"]) >= {"weights", "exp_avg", "exp_avg_sq"}
+
+
+def test_plain_directory_still_loads(trained: Path, script: Path) -> None:
+    objs = _module(script).build()
+    objs[0].load_state(str(trained / "plain"))
+    assert_tree_equal(_load_pt(trained / "run.pt")["at_n"], _module(script).snapshot(objs))
+
+
+def _flip_byte(path: Path, at: float) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "error"),
+    [
+        ("optimizer.nvc", "flip", nc.errors.ChecksumError),
+        ("model.nvc", "truncate", nc.errors.FormatError),
+        ("scheduler.bin", "flip", nc.errors.ChecksumError),
+        ("custom_checkpoint_0.pkl", "delete", nc.errors.FormatError),
+    ],
+)
+def test_damaged_file_is_named_at_load(trained: Path, script: Path, tmp_path: Path, name: str, damage: str, error: type) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(trained / "hooked", ckpt)
+    target = ckpt / name
+    if damage == "flip":
+        _flip_byte(target, 0.5)
+    elif damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-100])
+    else:
+        target.unlink()
+    objs = _module(script).build()
+    with pytest.raises(error, match=name.replace(".", r"\.")):
+        objs[0].load_state(str(ckpt))
+
+
+def test_nvc_bytes_corrupted_in_place_are_caught_by_their_checksums(trained: Path, script: Path, tmp_path: Path) -> None:
+    # Same size, different bytes: the manifest does not hash .nvc files; their frames do.
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(trained / "hooked", ckpt)
+    _flip_byte(ckpt / "model.nvc", 0.3)
+    objs = _module(script).build()
+    with pytest.raises(nc.errors.ChecksumError, match=r"model\.nvc"):
+        objs[0].load_state(str(ckpt))
+
+
+def test_nvc_files_without_manifest_are_refused_as_incomplete(trained: Path, script: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(trained / "hooked", ckpt)
+    (ckpt / MANIFEST_NAME).unlink()
+    objs = _module(script).build()
+    with pytest.raises(nc.errors.FormatError, match="did not complete"):
+        objs[0].load_state(str(ckpt))
+
+
+def _private_tmpfs_works(where: Path) -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = where / "probe"
+    probe.mkdir()
+    cmd = ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs '{probe}'"]
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def test_failed_save_leaves_previous_checkpoint_loadable(script: Path, tmp_path: Path) -> None:
+    # A real ENOSPC on a small private tmpfs when this kernel allows one (no root needed with
+    # user namespaces); otherwise RLIMIT_FSIZE makes the kernel fail the write with EFBIG.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    ckpt, snap, loaded = disk / "ckpt", tmp_path / "at_save.pt", tmp_path / "loaded.pt"
+    if _private_tmpfs_works(tmp_path):
+        inner = (
+            f"mount -t tmpfs -o size=8m tmpfs '{disk}' && "
+            f"'{sys.executable}' '{script}' disk-full '{snap}' '{ckpt}' '{disk / 'ballast'}' && "
+            f"'{sys.executable}' '{script}' resume '{loaded}' '{ckpt}' 0"
+        )
+        proc = _run("unshare", "-rm", "sh", "-c", inner, python=False)
+        expected = "No space left on device"
+    else:
+        proc = _run(str(script), "disk-full", str(snap), str(ckpt), "rlimit")
+        _run(str(script), "resume", str(loaded), str(ckpt), "0")
+        expected = "File too large"
+    result = json.loads(proc.stdout.strip().splitlines()[0])
+    assert result["error"] is not None, "the save on a full disk did not fail"
+    assert str(ckpt) in result["error"] and expected in result["error"] and "untouched" in result["error"]
+    assert result["iteration_kept"]
+    # The previous checkpoint loads in a fresh process, exactly as it was saved.
+    assert_tree_equal(_load_pt(snap), _load_pt(loaded)["loaded"])
+
+
+def test_crash_mid_save_with_total_limit_keeps_newest_complete_checkpoint(script: Path, tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    proc = _run(str(script), "crash", str(project), check=False)
+    assert proc.returncode == -signal.SIGXFSZ, (proc.returncode, proc.stdout, proc.stderr)
+    # Plain Accelerate would have deleted checkpoint_0 (total_limit=1) before writing checkpoint_1.
+    assert os.listdir(project / "checkpoints") == ["checkpoint_0"]
+    assert is_nvcomp_state_dir(project / "checkpoints" / "checkpoint_0")
+    staging = project / ".checkpoint_1.nvckpt-staging"
+    assert (staging / "model.nvc").is_file() and not (staging / MANIFEST_NAME).exists()
+    # A fresh process resumes from checkpoint_0, then saves checkpoint_1, rotating checkpoint_0 out.
+    _run(str(script), "resume-latest", str(project), "1")
+    assert_tree_equal(_load_pt(project / "at_save.pt"), _load_pt(project / "loaded.pt"))
+    assert os.listdir(project / "checkpoints") == ["checkpoint_1"]
+    assert is_nvcomp_state_dir(project / "checkpoints" / "checkpoint_1")
+    assert not [p for p in os.listdir(project) if p.startswith(".")]
+
+
+def test_total_limit_rotation_matches_accelerate_and_keeps_newest(script: Path, tmp_path: Path) -> None:
+    module = _module(script)
+    names, last = {}, {}
+    for hooks in (True, False):
+        project = tmp_path / ("hooked" if hooks else "plain")
+        objs = module.build(project_dir=str(project), total_limit=2, hooks=hooks)
+        for i in range(4):
+            module.train(objs, 1)
+            saved = objs[0].save_state()
+            assert os.fspath(saved) == str(project / "checkpoints" / f"checkpoint_{i}")
+        names[hooks] = sorted(os.listdir(project / "checkpoints"))
+        last[hooks] = module.snapshot(objs)
+    assert names[True] == names[False] == ["checkpoint_2", "checkpoint_3"]
+    project = tmp_path / "hooked"
+    assert all(is_nvcomp_state_dir(project / "checkpoints" / n) for n in names[True])
+    # load_state() with automatic naming picks the newest, as Accelerate does.
+    objs = module.build(project_dir=str(project), total_limit=2)
+    module.train(objs, 2)  # move away from the saved state first
+    objs[0].load_state()
+    fresh = module.snapshot(objs)
+    for key in ("model", "optimizer", "scheduler", "tracker"):
+        assert_tree_equal(last[True][key], fresh[key])
+    # Accelerate's rule for an existing checkpoint_<n> still applies.
+    objs[0].project_configuration.iteration = 3
+    with pytest.raises(ValueError, match="already exists"):
+        objs[0].save_state()
+
+
+def test_user_hooks_still_run_and_compose(script: Path, tmp_path: Path) -> None:
+    objs = _module(script).build(hooks=False)
+    acc = objs[0]
+    seen: dict[str, object] = {}
+
+    def save_hook(models, weights, output_dir):
+        seen["save"] = (len(models), len(weights), sorted(weights[0]))
+        Path(output_dir, "extra.json").write_text('{"note": 1}')
+
+    def load_hook(models, input_dir):
+        seen["load"] = (len(models), json.loads(Path(input_dir, "extra.json").read_text()))
+
+    acc.register_save_state_pre_hook(save_hook)
+    acc.register_load_state_pre_hook(load_hook)
+    hooks = register_nvcomp_hooks(acc)  # registered after the user's, still runs after them
+    acc.save_state(str(tmp_path / "ckpt"))
+    assert seen["save"][:2] == (1, 1) and "0.weight" in seen["save"][2]
+    assert "extra.json" in json.loads((tmp_path / "ckpt" / MANIFEST_NAME).read_text())["files"]
+    acc.load_state(str(tmp_path / "ckpt"))
+    assert seen["load"] == (1, {"note": 1})
+    assert hooks.last_report is not None and hooks.last_report.stored_bytes == sum(
+        (tmp_path / "ckpt" / n).stat().st_size for n in ("model.nvc", "optimizer.nvc")
+    )
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
+def test_overwrite_same_directory_and_remove(script: Path, tmp_path: Path, exchange: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not exchange:  # the path taken on file systems and platforms without RENAME_EXCHANGE
+        from nvcomp_checkpoint.integrations import accelerate as integration
+
+        monkeypatch.setattr(integration, "_exchange", lambda a, b: False)
+    module = _module(script)
+    objs = module.build()
+    acc, ckpt = objs[0], tmp_path / "ckpt"
+    objs[5].remove()
+    acc.save_state(str(ckpt))  # a plain directory first ...
+    (ckpt / "notes.txt").write_text("mine")  # ... where the user also keeps files of their own
+    (ckpt / "tokenizer").mkdir()
+    (ckpt / "tokenizer" / "vocab.json").write_text("{}")
+    hooks = register_nvcomp_hooks(acc)
+    module.train(objs, 2)
+    acc.save_state(str(ckpt))  # replaces Accelerate's files as a whole, keeps the user's
+    state = module.snapshot(objs)
+    assert sorted(os.listdir(ckpt)) == sorted([
+        MANIFEST_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
+        "notes.txt", "tokenizer",
+    ])
+    assert (ckpt / "notes.txt").read_text() == "mine" and (ckpt / "tokenizer" / "vocab.json").read_text() == "{}"
+    assert "notes.txt" not in json.loads((ckpt / MANIFEST_NAME).read_text())["files"]
+    module.train(objs, 1)
+    acc.save_state(str(ckpt))  # compressed over compressed
+    state = module.snapshot(objs)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+    with pytest.raises(nc.errors.CheckpointError, match="already has"):
+        register_nvcomp_hooks(acc)
+    hooks.remove()
+    acc.save_state(str(tmp_path / "plain"))  # Accelerate's own save_state again
+    assert {"model.safetensors", "optimizer.bin"} <= set(os.listdir(tmp_path / "plain"))
+    fresh = module.build()
+    fresh[0].load_state(str(ckpt))
+    for key in ("model", "optimizer", "scheduler", "tracker"):
+        assert_tree_equal(state[key], module.snapshot(fresh)[key])
+
+
+def test_interrupted_replacement_is_recovered_at_load(trained: Path, script: Path, tmp_path: Path) -> None:
+    # Where RENAME_EXCHANGE is unavailable, a crash between the two renames leaves only
+    # `.ckpt.nvckpt-old`; load_state puts it back.
+    shutil.copytree(trained / "hooked", tmp_path / ".ckpt.nvckpt-old")
+    module = _module(script)
+    objs = module.build()
+    objs[0].load_state(str(tmp_path / "ckpt"))
+    assert is_nvcomp_state_dir(tmp_path / "ckpt") and not (tmp_path / ".ckpt.nvckpt-old").exists()
+    assert_tree_equal(_load_pt(trained / "run.pt")["at_n"]["model"], module.snapshot(objs)["model"])
+
+
+def test_two_processes_share_one_directory(script: Path, tmp_path: Path) -> None:
+    # DDP on the CPU (gloo): the main process writes and commits, every rank its RNG state.
+    project = tmp_path / "project"
+    _run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), "ddp", str(project))
+    ckpt = project / "checkpoints" / "checkpoint_0"
+    files = json.loads((ckpt / MANIFEST_NAME).read_text())["files"]
+    assert {"model.nvc", "optimizer.nvc", "random_states_0.pkl", "random_states_1.pkl"} <= set(files)
+    for rank in (0, 1):
+        result = _load_pt(project / f"rank{rank}.pt")
+        assert_tree_equal(result["saved"], result["loaded"])
