@@ -1,0 +1,126 @@
+"""The ``--policy`` option: a JSON file, inline JSON, or a codec shorthand such as ``zstd:3``.
+
+Parsing errors and codecs that cannot run on this machine are reported before any data is read,
+so a wrong option fails in a second, not after loading a 100 GB checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.errors import CheckpointError, CodecUnavailableError
+
+__all__ = ["parse_spec", "parse_policy", "check_policy_runs_here"]
+
+_FILTERS = ("byteplane", "none")
+_SPEC_KEYS = {"codec", "level", "filter", "chunk_bytes"}
+
+
+def parse_spec(text: str) -> nc.CodecSpec:
+    """``CODEC[:LEVEL][:FILTER]``: ``zstd``, ``zstd:3``, ``zstd:3:none``, ``ans``, ``none``.
+
+    Raises:
+        CheckpointError: an unknown codec or filter, or a malformed level.
+    """
+    parts = [p.strip() for p in text.strip().split(":")]
+    codec, level, filt = parts[0].lower(), None, "byteplane"
+    for part in parts[1:]:
+        if part.lstrip("-").isdigit():
+            level = int(part)
+        elif part.lower() in _FILTERS:
+            filt = part.lower()
+        else:
+            raise CheckpointError(
+                f"codec spec {text!r}: {part!r} is neither a level nor a filter ({', '.join(_FILTERS)}); "
+                "write CODEC[:LEVEL][:FILTER], e.g. zstd:3"
+            )
+    if codec == "none":
+        filt, level = "none", None
+    elif level is None and codec == "zstd":
+        level = 1
+    try:
+        return nc.CodecSpec(codec=codec, level=level, filter=filt)
+    except ValueError as exc:
+        raise CheckpointError(f"codec spec {text!r}: {exc}") from exc
+
+
+def _expand(value: Any) -> Any:
+    # Component values in a JSON policy may use the shorthand too: {"weights": "zstd:3"}.
+    return parse_spec(value).to_dict() if isinstance(value, str) else value
+
+
+def parse_policy(text: str | None) -> nc.CodecPolicy:
+    """A :class:`~nvcomp_checkpoint.CodecPolicy` from the ``--policy`` argument.
+
+    Args:
+        text: A path to a JSON file, inline JSON (``CodecPolicy.to_dict()`` form; missing keys
+            keep their defaults), a codec shorthand for every component, or ``None`` (defaults).
+
+    Raises:
+        CheckpointError: unreadable file, bad JSON, unknown keys, codecs or filters.
+    """
+    if text is None:
+        return nc.CodecPolicy()
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        source, raw = "--policy (inline JSON)", stripped
+    elif os.path.isfile(stripped) or stripped.endswith(".json"):
+        source = f"--policy file {stripped}"
+        try:
+            with open(stripped, encoding="utf-8") as f:
+                raw = f.read()
+        except OSError as exc:
+            raise CheckpointError(f"{source}: cannot read it ({exc.strerror or exc})") from exc
+    else:
+        return nc.CodecPolicy.uniform(parse_spec(stripped))
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{source}: not valid JSON ({exc})") from exc
+    if isinstance(data, dict) and "recommended_policy" in data:
+        data = data["recommended_policy"]  # the JSON `nvckpt bench --json` prints
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{source}: expected a JSON object like CodecPolicy.to_dict()")
+    data = dict(data)
+    known = [c.value for c in nc.Component] + ["patterns", "overrides", "min_compress_bytes", "device"]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise CheckpointError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; policy keys are: {', '.join(known)}")
+    for comp in nc.Component:
+        if comp.value in data:
+            data[comp.value] = _expand(data[comp.value])
+    if isinstance(data.get("overrides"), dict):
+        data["overrides"] = {k: _expand(v) for k, v in data["overrides"].items()}
+    try:
+        return nc.CodecPolicy.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{source}: {exc}") from exc
+
+
+def _specs(policy: nc.CodecPolicy) -> list[nc.CodecSpec]:
+    return [getattr(policy, c.value) for c in nc.Component] + list(policy.overrides.values())
+
+
+def check_policy_runs_here(policy: nc.CodecPolicy) -> None:
+    """Refuse, before any work, a policy that needs a GPU this machine does not have.
+
+    Raises:
+        CodecUnavailableError: a GPU-only codec or ``device='cuda'`` without CUDA and nvCOMP.
+    """
+    if nc.gpu_available():
+        return
+    gpu_only = sorted({s.codec for s in _specs(policy) if s.codec in nc.GPU_ONLY_CODECS})
+    if gpu_only:
+        raise CodecUnavailableError(
+            f"codec {', '.join(map(repr, gpu_only))} runs only on a CUDA GPU with nvCOMP, and this machine has "
+            "none usable; use a portable codec (--policy zstd), or run on a GPU machine with "
+            "`pip install nvcomp-checkpoint[cu12]` (or [cu13])"
+        )
+    if policy.device.startswith("cuda"):
+        raise CodecUnavailableError(
+            f"policy device {policy.device!r} needs a CUDA GPU with nvCOMP, and this machine has none usable; "
+            "use device 'auto' or 'cpu'"
+        )

@@ -1,0 +1,165 @@
+"""Terminal output shared by the ``nvckpt`` commands: consoles, tables, progress and exit codes.
+
+Results go to stdout, progress and errors to stderr, so ``nvckpt ... --json | jq`` always works.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from typing import Any, Iterable, Sequence
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_ERROR",
+    "EXIT_INTERNAL",
+    "PROGRESS_DELAY_S",
+    "stdout_console",
+    "stderr_console",
+    "print_json",
+    "make_table",
+    "Reporter",
+    "gbps",
+]
+
+#: Everything checked out.
+EXIT_OK = 0
+#: The command ran and found a problem (``verify`` found a corrupt tensor).
+EXIT_FAILED = 1
+#: The command could not run: a missing file, a wrong format, a bad option, an unusable codec.
+EXIT_ERROR = 2
+#: A bug in nvckpt (rerun with ``--debug`` for the traceback).
+EXIT_INTERNAL = 3
+
+#: Work shorter than this shows no progress bar; a bar that flashes for 100 ms is noise.
+PROGRESS_DELAY_S = 1.0
+
+
+def stdout_console() -> Console:
+    """The console results are printed on; wide when piped so tables are not squeezed."""
+    probe = Console()
+    return probe if probe.is_terminal else Console(width=200, highlight=False, soft_wrap=True)
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def print_json(data: Any) -> None:
+    """One JSON document on stdout (plain ``print``: rich would wrap long lines)."""
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def make_table(title: str | None, header: Sequence[str], rows: Iterable[Sequence[Any]], *, numeric_from: int = 1) -> Table:
+    """A rich table whose columns from ``numeric_from`` on are right-aligned."""
+    table = Table(title=title, title_justify="left", show_lines=False)
+    for i, h in enumerate(header):
+        table.add_column(h, justify="right" if i >= numeric_from else "left", no_wrap=True)
+    for row in rows:
+        table.add_row(*(Text(str(c)) for c in row))
+    return table
+
+
+def gbps(value: float | None) -> str:
+    """A throughput in GB/s (decimal, as storage is quoted), or ``-`` when unbounded."""
+    if value is None:
+        return "-"
+    return f"{value:.3g}"
+
+
+class Reporter:
+    """Progress bars on stderr, silenced by ``--quiet`` and when stderr is not a terminal.
+
+    A bar appears only once its work has run for :data:`PROGRESS_DELAY_S`, from a timer thread,
+    so short commands print nothing but their result.
+
+    Args:
+        quiet: Print no progress (errors are still printed by ``main``).
+    """
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet = quiet
+        self.console = stderr_console()
+        self._progress: Progress | None = None
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return not self.quiet and self.console.is_terminal
+
+    def start(self, description: str, total: int | None = None) -> "_Task":
+        """Begin a unit of work of ``total`` bytes (``None``: unknown, a spinner)."""
+        self.stop()
+        if total is None:
+            columns: tuple[Any, ...] = (SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeElapsedColumn())
+        else:
+            columns = (
+                TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(binary_units=True),
+                TransferSpeedColumn(), TimeRemainingColumn(),
+            )
+        progress = Progress(
+            *columns, console=self.console, transient=True, disable=not self.enabled,
+            redirect_stdout=False, redirect_stderr=False,
+        )
+        task = progress.add_task(description, total=total)
+        with self._lock:
+            self._progress = progress
+            if self.enabled:
+                self._timer = threading.Timer(PROGRESS_DELAY_S, self._show, args=(progress,))
+                self._timer.daemon = True
+                self._timer.start()
+        return _Task(progress, task)
+
+    def _show(self, progress: Progress) -> None:
+        with self._lock:
+            if self._progress is progress:
+                progress.start()
+
+    def stop(self) -> None:
+        """End the current bar (it disappears: the result is printed instead)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._progress is not None:
+                self._progress.stop()
+                self._progress = None
+
+    def __enter__(self) -> "Reporter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class _Task:
+    """Handle on one bar: ``advance(n)`` is cheap and thread-safe (rich locks internally)."""
+
+    def __init__(self, progress: Progress, task: TaskID) -> None:
+        self._progress = progress
+        self._task = task
+
+    def advance(self, n: int) -> None:
+        self._progress.advance(self._task, n)
+
+    def describe(self, description: str) -> None:
+        self._progress.update(self._task, description=description)

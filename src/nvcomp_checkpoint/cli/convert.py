@@ -1,0 +1,350 @@
+"""``nvckpt compress`` and ``nvckpt decompress``: plain checkpoints into ours and back.
+
+Single files convert to single files; a checkpoint directory (HF ``checkpoint-N/``, Accelerate
+``save_state``) converts file by file into a directory of the same layout (see ``docs/cli.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
+from nvcomp_checkpoint.report import format_bytes
+from nvcomp_checkpoint.storage import is_url, storage_for
+
+from . import _policy
+from ._ui import EXIT_OK, Reporter, make_table, print_json, stdout_console
+from .sources import (
+    DIRECTORY,
+    NVC_SUFFIX,
+    NVCOMP,
+    SAFETENSORS,
+    TORCH,
+    dir_files,
+    iter_tensors,
+    open_source,
+    require_safetensors,
+    sniff,
+)
+
+__all__ = ["add_parsers", "run_compress", "run_decompress"]
+
+#: Index metadata keys written by every save; a re-compressed file gets fresh ones.
+_SAVE_KEYS = ("created_by", "torch", "created")
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "compress",
+        parents=[common],
+        help="convert a torch.save / Lightning / safetensors checkpoint (or an HF checkpoint directory) into ours",
+        description=(
+            "Convert SRC into an nvcomp-checkpoint file (or, for a directory, a directory where every "
+            "tensor file FILE becomes FILE.nvc and every other file is copied). SRC may also be one of "
+            "our files, to re-compress it with another policy."
+        ),
+    )
+    p.add_argument("src", help="checkpoint file or directory to convert")
+    p.add_argument("dst", help="output file (or directory when SRC is a directory)")
+    p.add_argument(
+        "--policy",
+        help="codec policy: a JSON file or inline JSON of CodecPolicy.to_dict() form (a `bench --json` "
+        "output works too), or a shorthand CODEC[:LEVEL][:FILTER] such as zstd, zstd:3, zstd:1:none",
+    )
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where compression runs (overrides the policy's device)")
+    p.add_argument("--workers", type=int, help="compression threads (default: every core)")
+    p.add_argument("--trust", action="store_true", help="load pickled Python objects (weights_only=False); only for files you trust")
+    p.add_argument("-f", "--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--json", action="store_true", help="print the save report as JSON")
+    p.set_defaults(func=run_compress)
+
+    d = sub.add_parser(
+        "decompress",
+        parents=[common],
+        help="convert one of our files (or directories) back into plain torch.save or safetensors",
+        description=(
+            "Write SRC back as a plain torch.save file (or a .safetensors file for weights that came from "
+            "one), so any tool reads it. A directory made by `compress` becomes the original layout again."
+        ),
+    )
+    d.add_argument("src", help="nvcomp-checkpoint file, or a directory made by `nvckpt compress`")
+    d.add_argument("dst", help="output file or directory")
+    d.add_argument(
+        "--to", choices=["auto", "torch", "safetensors"], default="auto",
+        help="output format (auto: safetensors when the source was safetensors or DST ends in .safetensors, else torch.save)",
+    )
+    d.add_argument("--trust", action="store_true", help="allow pickled Python objects in the tree (weights_only=False)")
+    d.add_argument("-f", "--force", action="store_true", help="replace DST if it exists")
+    d.add_argument("--json", action="store_true", help="print what was written as JSON")
+    d.set_defaults(func=run_decompress)
+
+
+# -- helpers --------------------------------------------------------------------------------
+def _check_dst(src: str, dst: str, force: bool) -> None:
+    if not is_url(src) and not is_url(dst) and os.path.exists(dst) and os.path.exists(src) and os.path.samefile(src, dst):
+        raise CheckpointError(f"{dst}: is the source itself; write to another path")
+    if not is_url(dst) and os.path.isdir(dst) and not os.path.isdir(src):
+        raise CheckpointError(f"{dst}: is a directory; give the output file's name")
+    storage, spath = storage_for(dst)
+    if storage.exists(spath) and not force:
+        raise CheckpointError(f"{dst}: already exists; pass --force to replace it")
+
+
+def _policy_from(args: argparse.Namespace) -> nc.CodecPolicy:
+    policy = _policy.parse_policy(args.policy)
+    if args.device:
+        policy = policy.with_overrides(device=args.device)
+    _policy.check_policy_runs_here(policy)
+    return policy
+
+
+def _tensor_bytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for _, t in iter_tensors(tree))
+
+
+def _save_metadata(kind: str, src: str, source_meta: dict[str, Any]) -> dict[str, Any]:
+    if kind == NVCOMP:
+        return {k: v for k, v in source_meta.items() if k not in _SAVE_KEYS}
+    meta: dict[str, Any] = {"source_format": kind, "source_file": os.path.basename(src.rstrip("/"))}
+    if kind == SAFETENSORS and source_meta:
+        meta["safetensors_metadata"] = dict(source_meta)
+    return meta
+
+
+def _compress_file(src: str, dst: str, policy: nc.CodecPolicy, args: argparse.Namespace, reporter: Reporter) -> tuple[nc.SaveReport, str]:
+    with open_source(src, trust=args.trust) as source:
+        reporter.start(f"reading {os.path.basename(src)}")
+        tree = source.load()
+        meta = _save_metadata(source.kind, src, source.metadata)
+        kind = source.kind
+        task = reporter.start(f"compressing {os.path.basename(src)}", _tensor_bytes(tree))
+        try:
+            report = nc.save(tree, dst, policy, metadata=meta, workers=args.workers, progress=task.advance)
+        finally:
+            reporter.stop()
+    return report, kind
+
+
+def _write_torch(tree: Any, dst: str) -> None:
+    storage, spath = storage_for(dst)
+    with storage.open_write(spath) as f:
+        torch.save(tree, f)
+
+
+def _write_safetensors(tree: Any, dst: str, metadata: dict[str, str] | None, where: str) -> None:
+    st = require_safetensors()
+    if not isinstance(tree, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tree.items()):
+        raise CheckpointError(
+            f"{where}: safetensors holds a flat {{name: tensor}} dict and this checkpoint is a nested tree "
+            "(optimizer state, step counters ...); decompress it with --to torch to a .pt file"
+        )
+    tensors = {k: v.detach().contiguous() for k, v in tree.items()}
+    storage, spath = storage_for(dst)
+    with storage.open_write(spath) as f:
+        f.write(st.save(tensors, metadata=metadata or None))
+
+
+def _decompress_file(src: str, dst: str, to: str, trust: bool, reporter: Reporter) -> tuple[str, int, int]:
+    """Returns (format written, raw tensor bytes, bytes written)."""
+    kind = sniff(src)
+    if kind != NVCOMP:
+        what = {TORCH: "a plain torch.save file", SAFETENSORS: "a safetensors file"}.get(kind, "not a checkpoint nvckpt reads")
+        raise FormatError(f"{src}: not an nvcomp-checkpoint file ({what}); there is nothing to decompress")
+    with nc.open(src) as reader:
+        meta = reader.metadata
+        raw = reader.raw_bytes
+    if to == "auto":
+        to = "safetensors" if meta.get("source_format") == SAFETENSORS or dst.endswith(".safetensors") else "torch"
+    reporter.start(f"decompressing {os.path.basename(src)}")
+    try:
+        tree = nc.load(src, weights_only=not trust)
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(f"{exc} (nvckpt: pass --trust)") from exc
+    reporter.start(f"writing {os.path.basename(dst)}")
+    try:
+        if to == "safetensors":
+            _write_safetensors(tree, dst, meta.get("safetensors_metadata"), src)
+        else:
+            _write_torch(tree, dst)
+    finally:
+        reporter.stop()
+    storage, spath = storage_for(dst)
+    return to, raw, storage.size(spath)
+
+
+# -- directories ----------------------------------------------------------------------------
+def _tmp_dir_for(dst: str) -> Path:
+    target = Path(dst)
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{dst}: exists and is not a directory; choose another output path")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _commit_dir(tmp: Path, dst: str) -> None:
+    # The directory appears complete or not at all; a replaced one is removed only after the
+    # new one is fully written.
+    target = Path(dst)
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(target)
+
+
+def _check_dst_dir(src: str, dst: str, force: bool) -> None:
+    if is_url(dst):
+        raise CheckpointError(f"{dst}: directories are converted to local paths only")
+    if os.path.exists(dst) and os.path.samefile(src, dst):
+        raise CheckpointError(f"{dst}: is the source itself; write to another directory")
+    if os.path.exists(dst) and not force:
+        raise CheckpointError(f"{dst}: already exists; pass --force to replace it")
+
+
+def _compress_dir(src: str, dst: str, policy: nc.CodecPolicy, args: argparse.Namespace, reporter: Reporter) -> list[dict[str, Any]]:
+    _check_dst_dir(src, dst, args.force)
+    files = dir_files(src)
+    if not files:
+        raise CheckpointError(f"{src}: the directory is empty; nothing to compress")
+    tmp = _tmp_dir_for(dst)
+    rows: list[dict[str, Any]] = []
+    try:
+        for rel, kind in files:
+            in_path = os.path.join(src, rel)
+            size = os.path.getsize(in_path)
+            row: dict[str, Any] = {"file": rel, "format": kind, "input_bytes": size}
+            tree = None
+            note = ""
+            if kind in (TORCH, SAFETENSORS):
+                try:
+                    with open_source(in_path, trust=args.trust) as source:
+                        tree = source.load()
+                        meta = _save_metadata(kind, in_path, source.metadata)
+                except UnsafeCheckpointError:
+                    note = "holds Python objects; --trust converts it"
+                if tree is not None and not any(True for _ in iter_tensors(tree)):
+                    tree, note = None, "no tensors"
+            out_rel = rel + NVC_SUFFIX if tree is not None else rel
+            out_path = tmp / out_rel
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            if tree is not None:
+                task = reporter.start(f"compressing {rel}", _tensor_bytes(tree))
+                report = nc.save(tree, str(out_path), policy, metadata=meta, workers=args.workers, progress=task.advance)
+                reporter.stop()
+                row.update(action="compressed", output=out_rel, raw_bytes=report.raw_bytes, output_bytes=report.stored_bytes,
+                           ratio=round(size / report.stored_bytes, 4) if report.stored_bytes else 1.0,
+                           components={k: v.to_dict() for k, v in report.components.items()})
+            else:
+                # Configs, tokenizer files, trainer_state.json, pickles we may not load: kept byte for byte.
+                shutil.copy2(in_path, out_path)
+                row.update(action="copied", output=out_rel, output_bytes=size, note=note)
+            rows.append(row)
+        _commit_dir(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return rows
+
+
+def _decompress_dir(src: str, dst: str, args: argparse.Namespace, reporter: Reporter) -> list[dict[str, Any]]:
+    _check_dst_dir(src, dst, args.force)
+    files = dir_files(src)
+    if not files:
+        raise CheckpointError(f"{src}: the directory is empty; nothing to decompress")
+    tmp = _tmp_dir_for(dst)
+    rows: list[dict[str, Any]] = []
+    try:
+        for rel, kind in files:
+            in_path = os.path.join(src, rel)
+            size = os.path.getsize(in_path)
+            if kind == NVCOMP:
+                out_rel = rel[: -len(NVC_SUFFIX)] if rel.endswith(NVC_SUFFIX) else rel
+                out_path = tmp / out_rel
+                out_path.parent.mkdir(parents=True, exist_ok=True)
+                to = "safetensors" if out_rel.endswith(".safetensors") else ("auto" if args.to == "auto" else args.to)
+                fmt, raw, written = _decompress_file(in_path, str(out_path), to, args.trust, reporter)
+                rows.append({"file": rel, "action": "decompressed", "output": out_rel, "format": fmt,
+                             "input_bytes": size, "raw_bytes": raw, "output_bytes": written})
+            else:
+                out_path = tmp / rel
+                out_path.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(in_path, out_path)
+                rows.append({"file": rel, "action": "copied", "output": rel, "format": kind, "input_bytes": size, "output_bytes": size})
+        _commit_dir(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return rows
+
+
+def _print_dir_rows(title: str, rows: list[dict[str, Any]]) -> None:
+    total_in = sum(r["input_bytes"] for r in rows)
+    total_out = sum(r["output_bytes"] for r in rows)
+    table_rows = [
+        [r["file"], r["action"], r["output"], format_bytes(r["input_bytes"]), format_bytes(r["output_bytes"]),
+         f"{r['input_bytes'] / r['output_bytes']:.3f}x" if r["output_bytes"] else "-", r.get("note", "")]
+        for r in rows
+    ]
+    table_rows.append(["total", "", "", format_bytes(total_in), format_bytes(total_out),
+                       f"{total_in / total_out:.3f}x" if total_out else "-", ""])
+    stdout_console().print(make_table(title, ["file", "action", "output", "in", "out", "ratio", "note"], table_rows, numeric_from=3))
+
+
+# -- commands -------------------------------------------------------------------------------
+def run_compress(args: argparse.Namespace) -> int:
+    policy = _policy_from(args)
+    reporter = Reporter(args.quiet)
+    kind = sniff(args.src)
+    if kind == DIRECTORY:
+        rows = _compress_dir(args.src, args.dst, policy, args, reporter)
+        if args.json:
+            print_json({"source": args.src, "destination": args.dst, "layout": "directory", "files": rows,
+                        "input_bytes": sum(r["input_bytes"] for r in rows), "output_bytes": sum(r["output_bytes"] for r in rows)})
+        elif not args.quiet:
+            _print_dir_rows(f"{args.src} -> {args.dst}", rows)
+        return EXIT_OK
+    _check_dst(args.src, args.dst, args.force)
+    report, src_kind = _compress_file(args.src, args.dst, policy, args, reporter)
+    if args.json:
+        out = report.to_dict()
+        out.update(source=args.src, source_format=src_kind, policy=policy.to_dict())
+        print_json(out)
+    elif not args.quiet:
+        from nvcomp_checkpoint.report import component_rows
+
+        console = stdout_console()
+        console.print(str(report), markup=False, highlight=False)
+        console.print(make_table(None, ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"],
+                                 component_rows(report.components, report.raw_bytes, report.stored_bytes)))
+    return EXIT_OK
+
+
+def run_decompress(args: argparse.Namespace) -> int:
+    reporter = Reporter(args.quiet)
+    if sniff(args.src) == DIRECTORY:
+        rows = _decompress_dir(args.src, args.dst, args, reporter)
+        if args.json:
+            print_json({"source": args.src, "destination": args.dst, "layout": "directory", "files": rows})
+        elif not args.quiet:
+            _print_dir_rows(f"{args.src} -> {args.dst}", rows)
+        return EXIT_OK
+    _check_dst(args.src, args.dst, args.force)
+    fmt, raw, written = _decompress_file(args.src, args.dst, args.to, args.trust, reporter)
+    if args.json:
+        print_json({"source": args.src, "destination": args.dst, "format": fmt, "raw_bytes": raw, "output_bytes": written})
+    elif not args.quiet:
+        stdout_console().print(
+            f"{args.src} -> {args.dst} ({fmt}): {format_bytes(raw)} of tensors, {format_bytes(written)} written",
+            markup=False, highlight=False,
+        )
+    return EXIT_OK

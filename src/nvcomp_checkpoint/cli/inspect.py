@@ -1,0 +1,199 @@
+"""``nvckpt inspect``: what a checkpoint holds, as a tree and a per-component table.
+
+Reads only the index of our files and the header of safetensors files; ``torch.save`` files are
+memory-mapped, so inspecting a large checkpoint reads little of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from datetime import datetime, timezone
+from typing import Any
+
+from rich.text import Text
+from rich.tree import Tree
+
+import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.errors import UnsafeCheckpointError
+from nvcomp_checkpoint.report import component_rows, format_bytes
+
+from ._ui import EXIT_OK, make_table, print_json, stdout_console
+from .sources import DIRECTORY, NVCOMP, OTHER, TensorInfo, dir_files, open_source, sniff
+
+__all__ = ["add_parser", "run_inspect", "component_stats", "build_tree"]
+
+#: With more tensors than this, the tree is cut at :data:`_AUTO_DEPTH` levels unless --depth says otherwise.
+_AUTO_FULL_TREE = 100
+_AUTO_DEPTH = 3
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "inspect",
+        parents=[common],
+        help="show a checkpoint's tensors and per-component sizes, ratios and codecs",
+        description=(
+            "Show the tensor tree and a per-component table (tensors, raw size, stored size, ratio, codec, "
+            "filter) of an nvcomp-checkpoint file, a torch.save / Lightning .ckpt file, a .safetensors file "
+            "(sizes only) or a checkpoint directory."
+        ),
+    )
+    p.add_argument("path", help="checkpoint file or directory")
+    p.add_argument("--json", action="store_true", help="print everything as JSON (every tensor included)")
+    p.add_argument("--depth", type=int, help=f"tree levels to expand (0: all; default: all up to {_AUTO_FULL_TREE} tensors, else {_AUTO_DEPTH})")
+    p.add_argument("--no-tree", action="store_true", help="print only the tables")
+    p.add_argument("--trust", action="store_true", help="load pickled Python objects in torch.save files (weights_only=False); only for files you trust")
+    p.set_defaults(func=run_inspect)
+
+
+def component_stats(tensors: list[TensorInfo]) -> dict[str, nc.ComponentStats]:
+    """Per-component totals, in the canonical component order."""
+    stats: dict[str, nc.ComponentStats] = {}
+    for t in tensors:
+        stats[t.component] = stats.get(t.component, nc.ComponentStats()).add(t.raw_bytes, t.stored_bytes, t.codec, t.filter)
+    order = [c.value for c in nc.Component]
+    return {k: stats[k] for k in sorted(stats, key=lambda k: order.index(k) if k in order else len(order))}
+
+
+def _leaf_label(name: str, t: TensorInfo, compressed: bool) -> str:
+    shape = "x".join(map(str, t.shape)) if t.shape else "scalar"
+    label = f"{name}  {t.dtype}[{shape}]  {format_bytes(t.raw_bytes)}"
+    if compressed:
+        ratio = t.raw_bytes / t.stored_bytes if t.stored_bytes else 1.0
+        label += f" -> {format_bytes(t.stored_bytes)} ({ratio:.2f}x {t.codec}/{t.filter})"
+    return label + f"  [{t.component}]"
+
+
+def build_tree(title: str, tensors: list[TensorInfo], depth: int | None, compressed: bool) -> Tree:
+    """A rich tree of tensor keys; subtrees deeper than ``depth`` are summarized on one line."""
+    if depth is None:
+        depth = 0 if len(tensors) <= _AUTO_FULL_TREE else _AUTO_DEPTH
+    nested: dict[str, Any] = {}
+    for t in tensors:
+        node = nested
+        parts = t.key.split("/")
+        for part in parts[:-1]:
+            node = node.setdefault(part + "/", {})
+        node[parts[-1]] = t
+
+    def totals(node: dict[str, Any]) -> tuple[int, int, int]:
+        n = raw = stored = 0
+        for v in node.values():
+            if isinstance(v, TensorInfo):
+                n, raw, stored = n + 1, raw + v.raw_bytes, stored + v.stored_bytes
+            else:
+                a, b, c = totals(v)
+                n, raw, stored = n + a, raw + b, stored + c
+        return n, raw, stored
+
+    def add(branch: Tree, node: dict[str, Any], level: int) -> None:
+        for name, v in node.items():
+            if isinstance(v, TensorInfo):
+                branch.add(Text(_leaf_label(name, v, compressed)))
+                continue
+            n, raw, stored = totals(v)
+            summary = f"{name}  ({n} tensor{'s' if n != 1 else ''}, {format_bytes(raw)}"
+            summary += f" -> {format_bytes(stored)})" if compressed else ")"
+            child = branch.add(Text(summary))
+            if depth == 0 or level + 1 < depth:
+                add(child, v, level + 1)
+
+    tree = Tree(Text(title))
+    add(tree, nested, 0)
+    return tree
+
+
+def _describe_file(path: str, trust: bool) -> dict[str, Any]:
+    """Everything inspect reports about one file, JSON-safe."""
+    with open_source(path, trust=trust) as source:
+        tensors = source.tensors()
+        stats = component_stats(tensors)
+        raw = sum(t.raw_bytes for t in tensors)
+        return {
+            "path": path,
+            "format": source.kind,
+            "file_bytes": source.file_bytes,
+            "raw_bytes": raw,
+            "ratio": round(raw / source.file_bytes, 4) if source.file_bytes else 1.0,
+            "components": {k: v.to_dict() for k, v in stats.items()},
+            "tensors": [t.to_dict() for t in tensors],
+            "metadata": source.metadata,
+            "_infos": tensors,
+            "_stats": stats,
+        }
+
+
+def _meta_value(key: str, value: Any) -> str:
+    if key == "created" and isinstance(value, (int, float)):
+        return datetime.fromtimestamp(value, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return str(value)
+
+
+def _public(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if not k.startswith("_")}
+
+
+def _inspect_dir(args: argparse.Namespace) -> dict[str, Any]:
+    files = []
+    all_infos: list[TensorInfo] = []
+    for rel, kind in dir_files(args.path):
+        full = os.path.join(args.path, rel)
+        size = os.path.getsize(full)
+        if kind in (OTHER, DIRECTORY):
+            files.append({"file": rel, "format": kind, "file_bytes": size, "raw_bytes": 0, "tensors": 0})
+            continue
+        try:
+            d = _describe_file(full, args.trust)
+        except UnsafeCheckpointError:
+            files.append({"file": rel, "format": kind, "file_bytes": size, "raw_bytes": None, "tensors": None,
+                          "note": "holds Python objects; --trust lists it"})
+            continue
+        all_infos.extend(d["_infos"])
+        files.append({"file": rel, "format": kind, "file_bytes": size, "raw_bytes": d["raw_bytes"], "tensors": len(d["_infos"]),
+                      "components": d["components"], "tensor_list": d["tensors"], "metadata": d["metadata"]})
+    stats = component_stats(all_infos)
+    total_file = sum(f["file_bytes"] for f in files)
+    raw = sum(t.raw_bytes for t in all_infos)
+    return {"path": args.path, "format": DIRECTORY, "file_bytes": total_file, "raw_bytes": raw,
+            "components": {k: v.to_dict() for k, v in stats.items()}, "files": files, "_stats": stats}
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    kind = sniff(args.path)
+    console = stdout_console()
+    if kind == DIRECTORY:
+        d = _inspect_dir(args)
+        if args.json:
+            print_json(_public(d))
+            return EXIT_OK
+        rows = []
+        for f in d["files"]:
+            raw = "-" if not f.get("raw_bytes") else format_bytes(f["raw_bytes"])
+            rows.append([f["file"], f["format"], "-" if f["tensors"] is None else f["tensors"], raw,
+                         format_bytes(f["file_bytes"]), f.get("note", "")])
+        console.print(make_table(f"{args.path} (directory)", ["file", "format", "tensors", "raw", "on disk", "note"], rows, numeric_from=2))
+        stored = sum(s.stored_bytes for s in d["_stats"].values())
+        console.print(make_table("tensor files by component", ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"],
+                                 component_rows(d["_stats"], d["raw_bytes"], stored)))
+        return EXIT_OK
+
+    d = _describe_file(args.path, args.trust)
+    if args.json:
+        print_json(_public(d))
+        return EXIT_OK
+    compressed = d["format"] == NVCOMP
+    ratio = f", {d['raw_bytes'] / d['file_bytes']:.3f}x" if compressed and d["file_bytes"] else ""
+    title = (f"{args.path}  ({d['format']}, {format_bytes(d['file_bytes'])} file, "
+             f"{format_bytes(d['raw_bytes'])} of tensors{ratio})")
+    if args.no_tree:
+        console.print(title, markup=False, highlight=False)
+    else:
+        console.print(build_tree(title, d["_infos"], args.depth, compressed))
+    console.print(make_table(None, ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"],
+                             component_rows(d["_stats"], d["raw_bytes"], d["file_bytes"])))
+    meta = d["metadata"]
+    if meta:
+        shown = ", ".join(f"{k}={_meta_value(k, v)}" for k, v in meta.items() if not isinstance(v, (dict, list)))
+        console.print(f"metadata: {shown}", markup=False, highlight=False)
+    return EXIT_OK

@@ -1,0 +1,406 @@
+"""The checkpoint layouts ``nvckpt`` reads: ours, ``torch.save``/Lightning, safetensors, directories.
+
+A file's layout is sniffed from its first bytes, never from its name, and every layout is listed
+as the same :class:`TensorInfo` rows, so inspect, bench and compress treat them all alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
+from nvcomp_checkpoint.storage import is_url, storage_for
+
+__all__ = [
+    "NVCOMP",
+    "TORCH",
+    "SAFETENSORS",
+    "DIRECTORY",
+    "OTHER",
+    "NVC_SUFFIX",
+    "TensorInfo",
+    "Source",
+    "sniff",
+    "open_source",
+    "iter_tensors",
+    "dir_files",
+    "require_safetensors",
+]
+
+NVCOMP = "nvcomp-checkpoint"
+TORCH = "torch.save"
+SAFETENSORS = "safetensors"
+DIRECTORY = "directory"
+OTHER = "other"
+
+#: Suffix of a file converted inside a directory: ``optimizer.pt`` becomes ``optimizer.pt.nvc``.
+NVC_SUFFIX = ".nvc"
+
+_ZIP_MAGIC = b"PK\x03\x04"
+#: ``torch.save(..., _use_new_zipfile_serialization=False)`` starts with a protocol-2 pickle.
+_LEGACY_PICKLE = b"\x80\x02"
+#: Larger safetensors headers are refused by safetensors itself (``MAX_HEADER_SIZE``).
+_MAX_SAFETENSORS_HEADER = 100_000_000
+
+_KNOWN = "an nvcomp-checkpoint file, a torch.save / Lightning .ckpt file, a .safetensors file or a checkpoint directory"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a checkpoint, as listed by ``inspect`` and sampled by ``bench``.
+
+    Attributes:
+        key: Tree path joined by ``/`` (``optimizer/state/0/exp_avg``); the tensor name for safetensors.
+        component: ``weights``, ``exp_avg``, ``exp_avg_sq``, ``gradients`` or ``other``.
+        dtype: Dtype name without ``torch.``.
+        shape: The tensor's shape.
+        raw_bytes: Bytes of the elements.
+        stored_bytes: Bytes the file spends on it (``raw_bytes`` for uncompressed layouts).
+        codec: ``zstd:1`` style codec and level; ``-`` for uncompressed layouts.
+        filter: ``byteplane`` / ``none``; ``-`` for uncompressed layouts.
+    """
+
+    key: str
+    component: str
+    dtype: str
+    shape: tuple[int, ...]
+    raw_bytes: int
+    stored_bytes: int
+    codec: str = "-"
+    filter: str = "-"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key, "component": self.component, "dtype": self.dtype, "shape": list(self.shape),
+            "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes, "codec": self.codec, "filter": self.filter,
+        }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def sniff(path: str) -> str:
+    """The layout of ``path`` from its first bytes: one of the module's kind constants.
+
+    Raises:
+        FormatError: ``path`` does not exist.
+    """
+    if not is_url(path) and os.path.isdir(path):
+        return DIRECTORY
+    storage, spath = storage_for(path)
+    try:
+        size = storage.size(spath)
+        with storage.open_read(spath) as f:
+            head = f.read(9)
+    except FileNotFoundError as exc:
+        raise FormatError(f"{path}: no such file or directory") from exc
+    except IsADirectoryError as exc:  # an fsspec "directory"
+        raise FormatError(f"{path}: is a directory; only local directories are supported") from exc
+    if head[:6] == b"NVCKPT":
+        return NVCOMP
+    if head[:4] == _ZIP_MAGIC or head[:2] == _LEGACY_PICKLE:
+        return TORCH
+    if len(head) == 9 and head[8:9] == b"{":
+        (n,) = struct.unpack("<Q", head[:8])
+        if n <= _MAX_SAFETENSORS_HEADER and 8 + n <= size:
+            return SAFETENSORS
+    return OTHER
+
+
+def require_safetensors() -> Any:
+    """The ``safetensors.torch`` module, or an error that says how to install it."""
+    try:
+        import safetensors.torch
+    except ImportError as exc:  # pragma: no cover - safetensors is in the test environment
+        raise CheckpointError(
+            "reading or writing .safetensors needs the safetensors package: `pip install safetensors`"
+        ) from exc
+    return safetensors.torch
+
+
+def iter_tensors(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
+    """Every tensor in a tree of dicts, lists and tuples with its path; shared tensors once."""
+    seen: set[tuple[Any, ...]] = set()
+
+    def walk(node: Any, where: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
+        if isinstance(node, torch.Tensor):
+            # Tied weights are one tensor in the file; count their bytes once, as save does.
+            ident = None
+            if node.device.type != "meta" and node.layout == torch.strided:
+                ident = (node.untyped_storage().data_ptr(), node.storage_offset(), tuple(node.shape), node.stride(), node.dtype)
+            if ident is not None and ident in seen:
+                return
+            if ident is not None:
+                seen.add(ident)
+            yield where, node
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                yield from walk(v, where + (k,))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                yield from walk(v, where + (i,))
+
+    yield from walk(obj, path)
+
+
+class Source:
+    """One checkpoint file opened for listing, reading and converting its tensors.
+
+    Use :func:`open_source`; close it (or use it as a context manager) when done.
+
+    Attributes:
+        path: The path as given.
+        kind: The sniffed layout.
+        file_bytes: Size of the file.
+    """
+
+    kind = OTHER
+
+    def __init__(self, path: str, file_bytes: int) -> None:
+        self.path = path
+        self.file_bytes = file_bytes
+
+    def tensors(self) -> list[TensorInfo]:
+        raise NotImplementedError
+
+    def read(self, key: str) -> torch.Tensor:
+        """One tensor, on the CPU."""
+        raise NotImplementedError
+
+    def load(self) -> Any:
+        """The whole tree, for conversion."""
+        raise NotImplementedError
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return {}
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(t.raw_bytes for t in self.tensors())
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Source":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class NvcompSource(Source):
+    """A file written by :func:`nvcomp_checkpoint.save`."""
+
+    kind = NVCOMP
+
+    def __init__(self, path: str, trust: bool) -> None:
+        self.reader = nc.open(path)
+        super().__init__(path, self.reader.file_bytes)
+        self.trust = trust
+
+    def tensors(self) -> list[TensorInfo]:
+        out = []
+        for t in self.reader.index.tensors:
+            level = f":{t.codec.level}" if t.codec.level is not None else ""
+            out.append(TensorInfo(
+                t.key, t.component, _dtype_name(t.dtype), tuple(t.shape), t.nbytes, t.stored_bytes,
+                f"{t.codec.id}{level}", t.filter,
+            ))
+        return out
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.reader.read(key, map_location="cpu")
+
+    def load(self) -> Any:
+        try:
+            return self.reader.load(weights_only=not self.trust)
+        except UnsafeCheckpointError as exc:
+            raise UnsafeCheckpointError(f"{exc} (nvckpt: pass --trust)") from exc
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.reader.metadata
+
+    @property
+    def raw_bytes(self) -> int:
+        return self.reader.raw_bytes
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class TorchSource(Source):
+    """A ``torch.save`` file: a bare state dict, a training checkpoint, a Lightning ``.ckpt``."""
+
+    kind = TORCH
+
+    def __init__(self, path: str, file_bytes: int, trust: bool) -> None:
+        super().__init__(path, file_bytes)
+        self.trust = trust
+        self._tree: Any = None
+        self._loaded = False
+        self._by_key: dict[str, torch.Tensor] = {}
+        self._infos: list[TensorInfo] = []
+
+    def load(self) -> Any:
+        if not self._loaded:
+            self._tree = self._torch_load()
+            self._loaded = True
+            for where, t in iter_tensors(self._tree):
+                key = "/".join(str(p) for p in where)
+                self._by_key[key] = t
+                nbytes = t.numel() * t.element_size() if t.layout == torch.strided else 0
+                self._infos.append(TensorInfo(key, nc.classify(where).value, _dtype_name(t.dtype), tuple(t.shape), nbytes, nbytes))
+        return self._tree
+
+    def _torch_load(self) -> Any:
+        weights_only = not self.trust
+        if is_url(self.path):
+            try:
+                return nc.load(self.path, map_location="cpu", weights_only=weights_only)
+            except UnsafeCheckpointError as exc:
+                raise UnsafeCheckpointError(f"{self.path}: holds Python objects that a weights-only load refuses; if you trust the file, pass --trust") from exc
+        try:
+            # mmap: a checkpoint larger than memory is listed and converted from the page cache.
+            return torch.load(self.path, map_location="cpu", weights_only=weights_only, mmap=True)
+        except pickle.UnpicklingError as exc:
+            if "Weights only load failed" in str(exc):
+                raise UnsafeCheckpointError(
+                    f"{self.path}: holds Python objects that a weights-only load refuses "
+                    f"({_first_reason(exc)}); if you trust the file, pass --trust"
+                ) from exc
+            raise FormatError(f"{self.path}: not a readable torch.save file ({_one_line(exc)})") from exc
+        except (RuntimeError, EOFError, ValueError, OSError) as exc:
+            if "mmap" in str(exc):
+                # Legacy (non-zip) files cannot be memory-mapped; read them whole.
+                return nc.load(self.path, map_location="cpu", weights_only=weights_only)
+            raise FormatError(f"{self.path}: not a readable torch.save file ({_one_line(exc)})") from exc
+
+    def tensors(self) -> list[TensorInfo]:
+        self.load()
+        return list(self._infos)
+
+    def read(self, key: str) -> torch.Tensor:
+        self.load()
+        return self._by_key[key]
+
+
+class SafetensorsSource(Source):
+    """A ``.safetensors`` file (model weights only; no optimizer state, no tree)."""
+
+    kind = SAFETENSORS
+
+    def __init__(self, path: str, file_bytes: int) -> None:
+        super().__init__(path, file_bytes)
+        if is_url(path):
+            raise CheckpointError(f"{path}: safetensors files are read from local paths only; copy it locally first")
+        self._header = _safetensors_header(path)
+
+    def tensors(self) -> list[TensorInfo]:
+        out = []
+        for key, meta in self._header.items():
+            if key == "__metadata__":
+                continue
+            begin, end = meta["data_offsets"]
+            component = nc.classify((key,)).value
+            out.append(TensorInfo(key, component, _SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"]), tuple(meta["shape"]), end - begin, end - begin))
+        return out
+
+    def read(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.path, framework="pt", device="cpu") as f:
+            return f.get_tensor(key)
+
+    def load(self) -> Any:
+        st = require_safetensors()
+        try:
+            return st.load_file(self.path, device="cpu")
+        except Exception as exc:  # safetensors raises its own SafetensorError
+            raise FormatError(f"{self.path}: not a readable safetensors file ({_one_line(exc)})") from exc
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        meta = self._header.get("__metadata__") or {}
+        return {str(k): str(v) for k, v in meta.items()}
+
+
+#: safetensors dtype codes, spelled as torch spells them.
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool", "C64": "complex64",
+}
+
+
+def _safetensors_header(path: str) -> dict[str, Any]:
+    # The header is all inspect needs ("sizes only"): no tensor bytes are read.
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        for key, meta in header.items():
+            if key != "__metadata__":
+                meta["dtype"], meta["shape"], meta["data_offsets"]  # noqa: B018 - validates the entry
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise FormatError(f"{path}: the safetensors header is corrupt ({_one_line(exc)})") from exc
+    return header
+
+
+def _first_reason(exc: BaseException) -> str:
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:")[-1]
+    return _one_line(text.strip().splitlines()[0] if text.strip() else text)
+
+
+def _one_line(exc: BaseException | str) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def open_source(path: str, *, trust: bool = False) -> Source:
+    """Open one checkpoint file of any layout the CLI reads.
+
+    Args:
+        path: A local path or fsspec URL of a file (not a directory).
+        trust: Load ``torch.save`` pickles with ``weights_only=False`` (only for trusted files).
+
+    Raises:
+        FormatError: missing file or a layout the CLI does not read.
+    """
+    kind = sniff(path)
+    if kind == NVCOMP:
+        return NvcompSource(path, trust)
+    if kind == DIRECTORY:
+        raise FormatError(f"{path}: is a directory; pass a checkpoint file")
+    storage, spath = storage_for(path)
+    size = storage.size(spath)
+    if kind == TORCH:
+        return TorchSource(path, size, trust)
+    if kind == SAFETENSORS:
+        return SafetensorsSource(path, size)
+    raise FormatError(f"{path}: not a checkpoint nvckpt reads; expected {_KNOWN}")
+
+
+def dir_files(root: str) -> list[tuple[str, str]]:
+    """``(relative path, kind)`` of every file under ``root``, sorted; hidden temp files skipped."""
+    out = []
+    base = Path(root)
+    for p in sorted(base.rglob("*")):
+        if not p.is_file() or (p.name.startswith(".") and ".tmp-" in p.name):
+            continue
+        out.append((p.relative_to(base).as_posix(), sniff(str(p))))
+    return out
