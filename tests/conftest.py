@@ -8,6 +8,13 @@ import pytest
 import torch
 
 
+def _element_bytes(t: torch.Tensor) -> torch.Tensor:
+    # A fresh contiguous copy: a one-element view may keep any stride (view(uint8) refuses
+    # it), and lazy conj/neg views must show the values they stand for.
+    flat = t.detach().cpu().resolve_conj().resolve_neg().reshape(-1)
+    return flat.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+
+
 def assert_tree_equal(a: Any, b: Any, path: str = "") -> None:
     """Bit-identical tensors (same dtype, shape, bytes) and equal plain values, recursively."""
     if isinstance(a, torch.Tensor):
@@ -15,8 +22,7 @@ def assert_tree_equal(a: Any, b: Any, path: str = "") -> None:
         assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
         assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
         if a.numel():
-            ab = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            bb = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            ab, bb = _element_bytes(a), _element_bytes(b)
             assert torch.equal(ab, bb), f"{path}: tensor bytes differ"
         return
     if isinstance(a, dict):

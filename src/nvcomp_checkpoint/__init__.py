@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 
 from . import errors
 from .api import is_nvcomp_checkpoint, load, open, save
+from .async_save import AsyncSaveHandle, AsyncSaver, save_async, wait_for_saves
 from .codecs import GPU_ONLY_CODECS, PORTABLE_CODECS, gpu_available
 from .errors import CheckpointError
 from .policy import CodecPolicy, CodecSpec, Component, classify
@@ -22,6 +23,10 @@ __all__ = [
     "load",
     "open",
     "is_nvcomp_checkpoint",
+    "save_async",
+    "wait_for_saves",
+    "AsyncSaver",
+    "AsyncSaveHandle",
     "CodecPolicy",
     "CodecSpec",
     "Component",

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 import torch
 
@@ -19,6 +20,8 @@ from .writer import CheckpointWriter
 
 __all__ = ["save", "load", "open", "is_nvcomp_checkpoint"]
 
+_LOG = logging.getLogger("nvcomp_checkpoint")
+
 
 def save(
     obj: Any,
@@ -29,6 +32,7 @@ def save(
     storage_options: dict[str, Any] | None = None,
     workers: int | None = None,
     progress: Callable[[int], None] | None = None,
+    stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
 ) -> SaveReport:
     """Save a checkpoint tree (state dicts, optimizer state, Lightning checkpoints ...).
 
@@ -43,16 +47,37 @@ def save(
         storage_options: Passed to fsspec for URLs (credentials, endpoint ...).
         workers: Compression threads (default: every core).
         progress: Called with the raw bytes of each chunk as it is written.
+        stream_wrapper: Wraps the output stream (benchmarks throttle storage with it); the
+            wrapper's ``write`` must pass every byte on, in order.
 
     Returns:
         A :class:`SaveReport` with raw and stored bytes, time and a per-component table.
     """
+    _wait_for_pending_saves(path)
+    report = _save(obj, path, policy, metadata, storage_options, workers, progress, stream_wrapper)
+    log_report(report)
+    return report
+
+
+def _save(
+    obj: Any,
+    path: str | os.PathLike[str],
+    policy: CodecPolicy | None,
+    metadata: dict[str, Any] | None,
+    storage_options: dict[str, Any] | None,
+    workers: int | None,
+    progress: Callable[[int], None] | None,
+    stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None,
+) -> SaveReport:
+    """:func:`save` without waiting for async saves or logging (the async worker runs this)."""
     policy = policy or CodecPolicy()
     where = os.fspath(path)
     storage, spath = storage_for(path, storage_options)
     start = time.perf_counter()
     try:
         with storage.open_write(spath) as stream:
+            if stream_wrapper is not None:
+                stream = stream_wrapper(stream)
             writer = CheckpointWriter(stream, policy, where, workers=workers, progress=progress)
             _, stats, raw = writer.write(obj, metadata)
             stored = writer._pos
@@ -65,6 +90,28 @@ def save(
         ) from exc
     seconds = time.perf_counter() - start
     return SaveReport(where, raw, stored, seconds, stats, seconds)
+
+
+def log_report(report: SaveReport, what: str = "saved") -> None:
+    """One INFO line per save on logger ``nvcomp_checkpoint``; the full report rides in ``extra``."""
+    if not _LOG.isEnabledFor(logging.INFO):
+        return
+    blocked = report.seconds if report.seconds_blocked is None else report.seconds_blocked
+    parts = ", ".join(f"{name} {stats.ratio:.3f}x" for name, stats in report.components.items())
+    _LOG.info(
+        "%s %s: %.1f MB -> %.1f MB (%.3fx) in %.2f s, blocked %.3f s, %.0f MB/s [%s]",
+        what, report.path, report.raw_bytes / 1e6, report.stored_bytes / 1e6, report.ratio,
+        report.seconds, blocked, report.throughput_mb_s, parts,
+        extra={"nvckpt_report": report.to_dict()},
+    )
+
+
+def _wait_for_pending_saves(path: str | os.PathLike[str]) -> None:
+    # An async save to this path that has not landed would make a reader see the previous
+    # checkpoint, or overwrite a newer synchronous save after it; let it finish first.
+    from .async_save import wait_for_path  # async_save builds on this module
+
+    wait_for_path(path)
 
 
 def is_nvcomp_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
@@ -98,6 +145,7 @@ def load(
     Returns:
         The saved tree with bit-identical tensors.
     """
+    _wait_for_pending_saves(path)
     where = os.fspath(path)
     storage, spath = storage_for(path, storage_options)
     try:
@@ -110,7 +158,36 @@ def load(
     if head[:6] == MAGIC[:6]:
         with CheckpointReader(path, storage_options=storage_options) as reader:
             return reader.load(map_location, weights_only=weights_only)
+    _check_plain_head(where, storage, spath, head)
     return _load_plain(where, storage, spath, map_location, weights_only)
+
+
+#: How ``torch.save`` files start: a zip archive, or (legacy format) a pickle's PROTO opcode.
+_TORCH_SAVE_HEADS = (b"PK\x03\x04", b"\x80")
+
+
+def _check_plain_head(where: str, storage: Any, spath: str, head: bytes) -> None:
+    """Refuse, with the right reason, a file that is neither format before unpickling it."""
+    if head.startswith(_TORCH_SAVE_HEADS):
+        return
+    if not head:
+        raise FormatError(f"{where}: the file is empty (an interrupted copy or save?)")
+    if MAGIC.startswith(head):
+        raise FormatError(f"{where}: {len(head)} bytes is too small to be a checkpoint (truncated?)")
+    from .format.layout import FOOTER_MAGIC
+
+    size = storage.size(spath)
+    if size >= len(FOOTER_MAGIC):
+        with storage.open_read(spath) as f:
+            f.seek(size - len(FOOTER_MAGIC))
+            if f.read(len(FOOTER_MAGIC)) == FOOTER_MAGIC:
+                raise FormatError(
+                    f"{where}: an nvcomp-checkpoint file whose header is damaged; restore it from another copy"
+                )
+    raise FormatError(
+        f"{where}: not a checkpoint: neither an nvcomp-checkpoint file nor a torch.save file "
+        f"(it starts with {head[:8]!r})"
+    )
 
 
 def _load_plain(where: str, storage: Any, spath: str, map_location: MapLocation, weights_only: bool) -> Any:
@@ -119,18 +196,41 @@ def _load_plain(where: str, storage: Any, spath: str, map_location: MapLocation,
 
     try:
         with storage.open_read(spath) as f:
+            if map_location is None and not torch.cuda.is_available():
+                # As for our own files: a checkpoint saved on a GPU still loads where there is none.
+                map_location = "cpu"
             return torch.load(f, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as exc:
-        if "Weights only load failed" in str(exc):
+        text = str(exc)
+        # torch's weights-only unpickler also says "Weights only load failed" for bytes that
+        # are no pickle at all ("Unsupported operand"): that is damage, not an unsafe object.
+        if "Weights only load failed" in text and "Unsupported operand" not in text:
             from .errors import UnsafeCheckpointError
 
+            detail = _first_line(exc)
             raise UnsafeCheckpointError(
-                f"{where}: this plain torch.save file holds Python objects that a weights-only load refuses. "
-                "If you trust the file, load it with weights_only=False."
+                f"{where}: this plain torch.save file holds Python objects that a weights-only load refuses"
+                + (f" ({detail})" if detail else "")
+                + ". If you trust the file, load it with weights_only=False, or allow the type with "
+                "torch.serialization.add_safe_globals([...])."
             ) from exc
-        raise FormatError(f"{where}: neither an nvcomp-checkpoint file nor a readable torch.save file ({exc})") from exc
-    except (RuntimeError, EOFError, ValueError) as exc:
-        raise FormatError(f"{where}: neither an nvcomp-checkpoint file nor a readable torch.save file ({exc})") from exc
+        raise FormatError(
+            f"{where}: neither an nvcomp-checkpoint file nor a readable torch.save file ({_first_line(exc)})"
+        ) from exc
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch.load raises many types on damaged files
+        raise FormatError(
+            f"{where}: neither an nvcomp-checkpoint file nor a readable torch.save file "
+            f"({type(exc).__name__}: {_first_line(exc)})"
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    # torch's load errors run to a page of advice; keep the line that names the problem.
+    from .format.skeleton import weights_only_detail
+
+    return weights_only_detail(exc)
 
 
 def open(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> CheckpointReader:  # noqa: A001
@@ -140,4 +240,5 @@ def open(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None
         >>> with nvcomp_checkpoint.open("ckpt.nvc") as reader:
         ...     reader.keys(); reader.read("model/weight"); reader.summary()
     """
+    _wait_for_pending_saves(path)
     return CheckpointReader(path, storage_options=storage_options)

@@ -7,7 +7,8 @@ checked against the file before anything is allocated.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 import xxhash
 
 from .codecs import cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
-from .errors import ChecksumError, CodecUnavailableError, FormatError
+from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError
 from .filters import ByteplaneFilter
 from .format.layout import FOOTER, MAGIC, Frame, Index, TensorEntry, unpack_footer
 from .format.skeleton import decode_skeleton, unflatten
@@ -26,6 +27,11 @@ from .writer import default_workers
 __all__ = ["CheckpointReader", "MapLocation", "is_checkpoint_file"]
 
 MapLocation = None | str | torch.device | Mapping[str, str] | Callable[..., Any]
+
+#: How far :meth:`CheckpointReader.load` reads and decodes ahead of the tensor it finishes:
+#: enough to keep every core busy on models made of many small tensors, little memory.
+READ_AHEAD_BYTES = 64 << 20
+READ_AHEAD_TENSORS = 64
 
 
 def is_checkpoint_file(stream: IO[bytes]) -> bool:
@@ -40,14 +46,27 @@ def _target_device(entry: TensorEntry, map_location: MapLocation) -> torch.devic
     if map_location is None:
         # As torch.load does, tensors return to the device they were saved from; unlike
         # torch.load, a file saved on a GPU still loads (on the CPU) where there is none.
-        if saved.startswith("cuda") and not torch.cuda.is_available():
+        device = torch.device(saved)
+        if device.type != "cpu" and not _backend_available(device.type):
             return torch.device("cpu")
-        return torch.device(saved)
+        return device
     if isinstance(map_location, (str, torch.device)):
         return torch.device(map_location)
     if isinstance(map_location, Mapping):
         return torch.device(map_location.get(saved, saved))
     return torch.device("cpu")  # callables are applied after decoding, as torch.load does
+
+
+def _backend_available(device_type: str) -> bool:
+    """Whether tensors can be placed on ``device_type`` (cuda, xpu, mps ...) in this process."""
+    if device_type == "mps":
+        return torch.backends.mps.is_available()
+    backend = getattr(torch, device_type, None)
+    is_available = getattr(backend, "is_available", None)
+    try:
+        return bool(is_available()) if callable(is_available) else False
+    except Exception:  # noqa: BLE001 - a half-installed backend counts as absent
+        return False
 
 
 class CheckpointReader:
@@ -92,8 +111,13 @@ class CheckpointReader:
         head = self._read_at(0, len(MAGIC))
         if head[:6] != MAGIC[:6]:
             raise FormatError(f"{self.path}: not an nvcomp-checkpoint file (no NVCKPT magic)")
-        if head != MAGIC:
+        if head[6] > MAGIC[6]:
             raise FormatError(f"{self.path}: format version {head[6]}; this nvcomp-checkpoint reads version {MAGIC[6]}. Upgrade to read it.")
+        if head != MAGIC:
+            raise FormatError(
+                f"{self.path}: damaged header (version byte {head[6]}, reserved byte {head[7]}; expected "
+                f"{MAGIC[6]} and {MAGIC[7]}); restore the file from another copy"
+            )
         offset, isize, digest = unpack_footer(self._read_at(size - FOOTER.size, FOOTER.size), size, self.path)
         data = self._read_at(offset, isize)
         if xxhash.xxh3_64_intdigest(data) != digest:
@@ -146,9 +170,22 @@ class CheckpointReader:
         skeleton = decode_skeleton(self._read_frame_bytes(self.index.skeleton, "the object tree"), weights_only=weights_only, where=self.path)
         tensors: list[torch.Tensor] = []
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            # Tensors are decoded ahead of the one being finished, so that the many small
+            # (one-chunk) tensors of a model keep every worker busy; the compressed bytes read
+            # ahead are bounded.
+            pending: deque[tuple[TensorEntry, Callable[[], torch.Tensor], int]] = deque()
+            ahead = 0
             for entry in self.index.tensors:
-                t = self._decode(entry, _target_device(entry, map_location), pool)
-                tensors.append(self._finish(entry, t, map_location))
+                finish = self._start_decode(entry, _target_device(entry, map_location), pool)
+                pending.append((entry, finish, entry.stored_bytes))
+                ahead += entry.stored_bytes
+                while pending and (ahead > READ_AHEAD_BYTES or len(pending) > READ_AHEAD_TENSORS):
+                    done, finish, size = pending.popleft()
+                    tensors.append(self._finish(done, finish(), map_location))
+                    ahead -= size
+            while pending:
+                done, finish, _ = pending.popleft()
+                tensors.append(self._finish(done, finish(), map_location))
         return unflatten(skeleton, lambda i: _lookup(tensors, i, self.path))
 
     def verify(self) -> Iterator[tuple[TensorEntry, Exception | None]]:
@@ -170,7 +207,10 @@ class CheckpointReader:
             raise ChecksumError(f"{self.path}: {what} is corrupt (checksum mismatch at byte {frame.offset})")
         if frame.is_raw:
             return data
-        return bytes(cpu_codec("zstd").decode(memoryview(data), frame.raw_size))
+        try:
+            return bytes(cpu_codec("zstd").decode(memoryview(data), frame.raw_size))
+        except FormatError as exc:
+            raise FormatError(f"{self.path}: {what} at byte {frame.offset} does not decode: {exc}") from exc
 
     def _span(self, entry: TensorEntry) -> tuple[int, bytes]:
         first = entry.frames[0].offset
@@ -178,15 +218,25 @@ class CheckpointReader:
         return first, self._read_at(first, last - first)
 
     def _decode(self, entry: TensorEntry, device: torch.device, pool: ThreadPoolExecutor) -> torch.Tensor:
+        return self._start_decode(entry, device, pool)()
+
+    def _start_decode(self, entry: TensorEntry, device: torch.device, pool: ThreadPoolExecutor) -> Callable[[], torch.Tensor]:
+        """Read ``entry``'s frames and queue their decoding; the returned call waits and gives the tensor."""
         if device.type == "cuda" and gpu_available():
-            return self._decode_gpu(entry, device)
+            gpu_tensor = self._decode_gpu(entry, device)
+            return lambda: gpu_tensor
+        if not has_cpu_decoder(entry.codec.id) and gpu_available():
+            # A GPU-only codec asked for elsewhere: decode on the GPU, then move the result.
+            decoded = self._decode_gpu(entry, torch.device("cuda", torch.cuda.current_device()))
+            return lambda: decoded.to(device)
         if not has_cpu_decoder(entry.codec.id):
             raise CodecUnavailableError(
                 f"{self.path}: tensor {entry.key!r} was compressed with {entry.codec.id!r}, an nvCOMP codec "
                 "with no CPU decoder; load it on a CUDA machine with `pip install nvcomp-checkpoint[cu12]` "
                 "(or [cu13]), then convert it to a portable codec (nvckpt compress --policy zstd)."
             )
-        out = np.empty(entry.nbytes, dtype=np.uint8)
+        out = _allocate(entry, self.path)
+        futures: list[Future[None]] = []
         if entry.frames:
             base, span = self._span(entry)
             view = memoryview(span)
@@ -196,6 +246,7 @@ class CheckpointReader:
 
             def decode_chunk(i: int, start: int, length: int, frames: tuple[Frame, ...]) -> None:
                 dest = out[start : start + length]
+                raws = []
                 for p, f in enumerate(frames):
                     data = view[f.offset - base : f.offset - base + f.size]
                     if xxhash.xxh3_64_intdigest(data) != f.xxh:
@@ -204,26 +255,43 @@ class CheckpointReader:
                             + (f" (byte plane {p})" if planes > 1 else "")
                             + f" at byte {f.offset} is corrupt (checksum mismatch); restore the file from another copy"
                         )
-                    raw = data if f.is_raw else codec.decode(data, f.raw_size)
-                    if planes > 1:
-                        filt.join_into(dest, p, raw)
-                    else:
-                        dest[:] = np.frombuffer(raw, dtype=np.uint8)
+                    try:
+                        raw = data if f.is_raw else codec.decode(data, f.raw_size)
+                    except FormatError as exc:
+                        raise FormatError(
+                            f"{self.path}: tensor {entry.key!r}, chunk {i}"
+                            + (f" (byte plane {p})" if planes > 1 else "")
+                            + f" at byte {f.offset} does not decode: {exc}; the index or the frame is corrupt"
+                        ) from exc
+                    raws.append(raw)
+                # All planes at once: a single pass over the chunk (ByteplaneFilter.join).
+                if planes > 1:
+                    filt.join(dest, raws)
+                else:
+                    dest[:] = np.frombuffer(raws[0], dtype=np.uint8)
 
             futures = [pool.submit(decode_chunk, i, s, n, fr) for i, (s, n, fr) in enumerate(entry.chunks())]
+
+        def finish() -> torch.Tensor:
             for fut in futures:
                 fut.result()
-        t = torch.from_numpy(out)
-        t = _typed(t, entry)
-        return t if device.type == "cpu" else t.to(device)
+            t = _typed(torch.from_numpy(out), entry)
+            return t if device.type == "cpu" else t.to(device)
+
+        return finish
 
     def _decode_gpu(self, entry: TensorEntry, device: torch.device) -> torch.Tensor:
         out = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
         if entry.frames:
             base, span = self._span(entry)
-            for f in entry.frames:
+            for j, f in enumerate(entry.frames):
                 if xxhash.xxh3_64_intdigest(memoryview(span)[f.offset - base : f.offset - base + f.size]) != f.xxh:
-                    raise ChecksumError(f"{self.path}: tensor {entry.key!r}: frame at byte {f.offset} is corrupt (checksum mismatch)")
+                    # The same words as the CPU path: tensor, chunk, plane, what to do.
+                    raise ChecksumError(
+                        f"{self.path}: tensor {entry.key!r}, chunk {j // entry.planes}"
+                        + (f" (byte plane {j % entry.planes})" if entry.planes > 1 else "")
+                        + f" at byte {f.offset} is corrupt (checksum mismatch); restore the file from another copy"
+                    )
             dev_span = torch.frombuffer(bytearray(span), dtype=torch.uint8).to(device)
             frames = [dev_span[f.offset - base : f.offset - base + f.size] for f in entry.frames]
             decoded: list[torch.Tensor] = list(frames)
@@ -245,9 +313,11 @@ class CheckpointReader:
             moved = map_location(t.untyped_storage(), entry.device)
             if moved is not None and isinstance(moved, torch.UntypedStorage) and moved.device != t.device:
                 t = torch.empty(0, dtype=t.dtype, device=moved.device).set_(moved, 0, t.shape, t.stride())
+        # Only float and complex tensors can require grad (an index claiming more is ignored).
+        differentiable = t.is_floating_point() or t.is_complex()
         if entry.parameter:
-            return torch.nn.Parameter(t, requires_grad=entry.requires_grad)
-        if entry.requires_grad and t.is_floating_point():
+            return torch.nn.Parameter(t, requires_grad=entry.requires_grad and differentiable)
+        if entry.requires_grad and differentiable:
             t.requires_grad_(True)
         return t
 
@@ -262,6 +332,17 @@ class CheckpointReader:
         self.close()
 
 
+def _allocate(entry: TensorEntry, where: str) -> np.ndarray:
+    try:
+        return np.empty(entry.nbytes, dtype=np.uint8)
+    except MemoryError as exc:
+        # A legitimate huge tensor and a forged index look alike here; say both.
+        raise CheckpointError(
+            f"{where}: tensor {entry.key!r} needs {entry.nbytes} bytes of memory, which cannot be "
+            "allocated here; read other tensors with nvcomp_checkpoint.open(), or check where the file came from"
+        ) from exc
+
+
 def _typed(flat: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     """Reinterpret decoded bytes as the entry's dtype and shape."""
     if entry.nbytes == 0:
@@ -270,6 +351,6 @@ def _typed(flat: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
 
 
 def _lookup(tensors: list[torch.Tensor], i: int, where: str) -> torch.Tensor:
-    if not 0 <= i < len(tensors):
+    if type(i) is not int or not 0 <= i < len(tensors):
         raise FormatError(f"{where}: the object tree refers to tensor {i}, the index holds {len(tensors)}")
     return tensors[i]

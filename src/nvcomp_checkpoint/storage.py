@@ -137,6 +137,10 @@ class FsspecStorage(Storage):
             except BaseException:
                 with contextlib.suppress(Exception):
                     f.discard()
+                # A discarded file must not try to upload from its finalizer (s3fs fails there
+                # with "'NoneType' object has no attribute 'tell'").
+                with contextlib.suppress(Exception):
+                    f.closed = True
                 raise
             f.close()
             return

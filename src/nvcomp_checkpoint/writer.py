@@ -7,6 +7,7 @@ order, from a bounded window of compression jobs) and, last, the index and foote
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import deque
@@ -32,6 +33,8 @@ __all__ = ["PlannedTensor", "plan_tensors", "CheckpointWriter", "default_workers
 #: Raw bytes handed to nvCOMP per batch: large enough to fill the GPU, small enough to bound
 #: the compressed bytes held on the device per job.
 GPU_BATCH_BYTES = 256 << 20
+#: Jobs queued at once whatever their size (bounds the bookkeeping for many tiny tensors).
+MAX_JOBS_IN_FLIGHT = 256
 
 
 def default_workers() -> int:
@@ -118,13 +121,22 @@ def plan_tensors(
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's elements as a 1-D uint8 tensor on its own device (copies only if strided)."""
-    t = t.detach()
+    # Lazy conjugate/negative views (``z.conj()``) cannot be reinterpreted as bytes; store
+    # the values they denote, as torch.save does.
+    t = t.detach().resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:
+        # A one-element view (``x[::2]`` of two elements) counts as contiguous with any
+        # stride, which view(uint8) refuses.
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
-_Encoded = list[tuple[bytes | memoryview | np.ndarray, int]]  # (frame bytes, raw size) in order
+# (frame bytes, raw size, xxh3-64 of the frame) in order; the hash is taken in the worker
+# thread so the thread that writes does nothing but write.
+_Encoded = list[tuple[bytes | memoryview | np.ndarray, int, int]]
 
 
 def _encode_cpu_chunk(data: np.ndarray, item: PlannedTensor) -> _Encoded:
@@ -134,11 +146,12 @@ def _encode_cpu_chunk(data: np.ndarray, item: PlannedTensor) -> _Encoded:
     out: _Encoded = []
     for part in parts:
         if item.spec.codec == "none":
-            out.append((part, len(part)))
+            out.append((part, len(part), xxhash.xxh3_64_intdigest(part)))
             continue
         frame = codec.encode(part)
         # A frame that does not shrink is stored raw: smaller, and faster to read.
-        out.append((frame if len(frame) < len(part) else part, len(part)))
+        stored = frame if len(frame) < len(part) else part
+        out.append((stored, len(part), xxhash.xxh3_64_intdigest(stored)))
     return out
 
 
@@ -165,7 +178,8 @@ def _encode_gpu_chunks(flat: torch.Tensor, starts: list[int], item: PlannedTenso
     out: _Encoded = []
     pos = 0
     for f, p in zip(frames, pieces):
-        out.append((host[pos : pos + f.numel()], p.numel()))
+        frame = host[pos : pos + f.numel()]
+        out.append((frame, p.numel(), xxhash.xxh3_64_intdigest(frame)))
         pos += f.numel()
     return out
 
@@ -207,18 +221,34 @@ class CheckpointWriter:
 
     def write(self, obj: Any, metadata: dict[str, Any] | None = None) -> tuple[Index, dict[str, ComponentStats], int]:
         """Write ``obj``; returns the index, per-component stats and the raw tensor bytes."""
+        try:
+            # Checked before the first byte: the index that holds it is written last.
+            json.dumps(metadata or {}, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise UnsupportedObjectError(
+                f"{self.where}: metadata must be JSON (str, int, finite float, bool, None, lists, dicts "
+                f"with str keys): {exc}"
+            ) from exc
         skeleton, tensors = flatten(obj)
         planned = plan_tensors(tensors, self.policy, self.where)
         self._write(MAGIC)
         skel_frame = self._write_skeleton(encode_skeleton(skeleton))
         frames_of: list[list[Frame]] = [[] for _ in planned]
         with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="nvckpt-compress") as pool:
-            window: deque[tuple[int, Future[_Encoded]]] = deque()
-            limit = self.workers * self.depth
-            for idx, job in self._jobs(planned):
-                window.append((idx, pool.submit(job)))
-                while len(window) > limit:
-                    self._drain_one(window, frames_of)
+            window: deque[tuple[int, int, Future[_Encoded]]] = deque()
+            # The window is bounded in bytes, not in jobs: with a job count, one full chunk at
+            # the head held back the small tensors behind it and left workers idle (2 workers
+            # ran at 1.5x one; bounded in bytes, 1.9x). A job weighs at most one chunk, so GPU
+            # batches are still `workers * depth` at a time.
+            unit = max((item.chunk_bytes for item in planned), default=1)
+            budget = self.workers * self.depth * unit
+            in_flight = 0
+            for idx, nbytes, job in self._jobs(planned):
+                weight = min(nbytes, unit)
+                window.append((idx, weight, pool.submit(job)))
+                in_flight += weight
+                while in_flight > budget or len(window) > MAX_JOBS_IN_FLIGHT:
+                    in_flight -= self._drain_one(window, frames_of)
             while window:
                 self._drain_one(window, frames_of)
 
@@ -236,7 +266,8 @@ class CheckpointWriter:
                 width=item.width,
                 chunk_bytes=item.chunk_bytes,
                 frames=tuple(frames),
-                device=str(item.tensor.device),
+                # A GPU tensor an async snapshot staged in host memory records its own GPU.
+                device=str(getattr(item.tensor, "_nvckpt_source_device", item.tensor.device)),
                 requires_grad=bool(item.tensor.requires_grad),
                 parameter=isinstance(item.tensor, torch.nn.Parameter),
             )
@@ -262,16 +293,19 @@ class CheckpointWriter:
         self._write(frame)
         return Frame(offset, len(frame), len(data), xxhash.xxh3_64_intdigest(frame))
 
-    def _drain_one(self, window: deque[tuple[int, Future[_Encoded]]], frames_of: list[list[Frame]]) -> None:
-        idx, fut = window.popleft()
-        for data, raw_size in fut.result():
+    def _drain_one(self, window: deque[tuple[int, int, Future[_Encoded]]], frames_of: list[list[Frame]]) -> int:
+        """Write the oldest job's frames; returns that job's weight in the window."""
+        idx, weight, fut = window.popleft()
+        for data, raw_size, digest in fut.result():
             offset = self._pos
             size = self._write(data)
-            frames_of[idx].append(Frame(offset, size, raw_size, xxhash.xxh3_64_intdigest(data)))
+            frames_of[idx].append(Frame(offset, size, raw_size, digest))
             if self.progress is not None:
                 self.progress(raw_size)
+        return weight
 
-    def _jobs(self, planned: list[PlannedTensor]) -> Iterator[tuple[int, Callable[[], _Encoded]]]:
+    def _jobs(self, planned: list[PlannedTensor]) -> Iterator[tuple[int, int, Callable[[], _Encoded]]]:
+        """``(tensor index, raw bytes, job)`` for every compression job, in file order."""
         for idx, item in enumerate(planned):
             if item.nbytes == 0:
                 continue
@@ -281,7 +315,8 @@ class CheckpointWriter:
                 starts = list(range(0, item.nbytes, item.chunk_bytes))
                 for b in range(0, len(starts), per_batch):
                     group = starts[b : b + per_batch]
-                    yield idx, (lambda f=flat, g=group, it=item: _encode_gpu_chunks(f, g, it))
+                    nbytes = min(group[-1] + item.chunk_bytes, item.nbytes) - group[0]
+                    yield idx, nbytes, (lambda f=flat, g=group, it=item: _encode_gpu_chunks(f, g, it))
                 continue
             on_cpu = flat.device.type == "cpu"
             host = flat.numpy() if on_cpu else None
@@ -289,7 +324,7 @@ class CheckpointWriter:
                 end = min(start + item.chunk_bytes, item.nbytes)
                 if host is not None:
                     chunk = host[start:end]
-                    yield idx, (lambda c=chunk, it=item: _encode_cpu_chunk(c, it))
+                    yield idx, end - start, (lambda c=chunk, it=item: _encode_cpu_chunk(c, it))
                 else:
                     # A device tensor compressed on the CPU crosses over one chunk at a time.
-                    yield idx, (lambda f=flat, s=start, e=end, it=item: _encode_cpu_chunk(f[s:e].cpu().numpy(), it))
+                    yield idx, end - start, (lambda f=flat, s=start, e=end, it=item: _encode_cpu_chunk(f[s:e].cpu().numpy(), it))

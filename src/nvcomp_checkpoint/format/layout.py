@@ -178,11 +178,17 @@ def _entry_from_json(data: Any, data_start: int, data_end: int, where: str) -> T
         device = str(data.get("device", "cpu"))
         requires_grad = bool(data.get("requires_grad", False))
         parameter = bool(data.get("parameter", False))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise FormatError(f"{where}: malformed tensor entry in the index ({exc!r})") from exc
     where_t = f"{where}, tensor {key!r}"
-    if any(d < 0 for d in shape):
-        raise FormatError(f"{where_t}: negative dimension in shape {shape}")
+    if any(d < 0 or d >= 1 << 63 for d in shape):
+        raise FormatError(f"{where_t}: impossible dimension in shape {list(shape)[:8]}")
+    try:
+        saved_device = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise FormatError(f"{where_t}: invalid device {device[:80]!r} in the index") from exc
+    if saved_device.type == "meta":
+        raise FormatError(f"{where_t}: the index says the tensor lives on the meta device, which holds no data")
     if codec.id not in CODEC_IDS or filt not in FILTER_IDS:
         raise FormatError(f"{where_t}: unknown codec {codec.id!r} or filter {filt!r}")
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -203,14 +209,19 @@ def _entry_from_json(data: Any, data_start: int, data_end: int, where: str) -> T
     for raw, raw_size in zip(raw_frames, sizes):
         try:
             offset, size, digest = int(raw[0]), int(raw[1]), int(str(raw[2]), 16)
-        except (TypeError, ValueError, IndexError) as exc:
-            raise FormatError(f"{where_t}: malformed frame record {raw!r}") from exc
+        except (TypeError, ValueError, IndexError, KeyError, OverflowError) as exc:
+            raise FormatError(f"{where_t}: malformed frame record {raw!r:.200}") from exc
         if offset < data_start or size < 0 or offset + size > data_end or size > raw_size:
             raise FormatError(f"{where_t}: frame at {offset} (+{size}) lies outside the data region")
         frames.append(Frame(offset, size, raw_size, digest))
     return TensorEntry(
         key, dtype, shape, component, codec, filt, width, chunk_bytes, tuple(frames), device, requires_grad, parameter
     )
+
+
+def _reject_constant(name: str) -> Any:
+    # Writers use allow_nan=False: NaN / Infinity in an index is damage, and int(inf) raises.
+    raise ValueError(f"{name} is not valid in an index")
 
 
 @dataclass(frozen=True)
@@ -234,8 +245,8 @@ class Index:
     @classmethod
     def from_json_bytes(cls, data: bytes, data_end: int, where: str) -> "Index":
         try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, NaN
             raise FormatError(f"{where}: the index is not valid JSON ({exc})") from exc
         if not isinstance(doc, dict) or doc.get("format") != "nvcomp-checkpoint":
             raise FormatError(f"{where}: not an nvcomp-checkpoint index")
@@ -249,14 +260,25 @@ class Index:
             skeleton = Frame(int(s_off), int(s_size), int(s_raw), int(str(s_hash), 16))
             tensors_json = doc["tensors"]
             metadata = doc.get("metadata", {})
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise FormatError(f"{where}: malformed index ({exc!r})") from exc
         data_start = len(MAGIC)
-        if not (data_start <= skeleton.offset and skeleton.offset + skeleton.size <= data_end) or not (
+        if not (data_start <= skeleton.offset and 0 <= skeleton.size and skeleton.offset + skeleton.size <= data_end) or not (
             0 <= skeleton.raw_size <= MAX_INDEX_BYTES
         ):
             raise FormatError(f"{where}: skeleton frame lies outside the file")
         if not isinstance(tensors_json, list) or not isinstance(metadata, dict):
             raise FormatError(f"{where}: malformed index")
         tensors = tuple(_entry_from_json(t, data_start, data_end, where) for t in tensors_json)
+        _check_no_overlaps(skeleton, tensors, where)
         return cls(skeleton, tensors, metadata)
+
+
+def _check_no_overlaps(skeleton: Frame, tensors: tuple[TensorEntry, ...], where: str) -> None:
+    """Every stored byte belongs to one frame: a forged index cannot decode one region twice."""
+    spans = [(skeleton.offset, skeleton.size, "the object tree")]
+    spans += [(f.offset, f.size, t.key) for t in tensors for f in t.frames]
+    spans.sort()
+    for (a_off, a_size, a_key), (b_off, _, b_key) in zip(spans, spans[1:]):
+        if a_off + a_size > b_off:
+            raise FormatError(f"{where}: frames of {a_key!r} and {b_key!r} overlap at byte {b_off}; the index is corrupt")

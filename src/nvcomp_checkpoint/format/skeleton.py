@@ -17,7 +17,7 @@ import torch
 
 from ..errors import FormatError, UnsafeCheckpointError
 
-__all__ = ["TensorRef", "flatten", "unflatten", "encode_skeleton", "decode_skeleton"]
+__all__ = ["TensorRef", "flatten", "unflatten", "encode_skeleton", "decode_skeleton", "weights_only_detail"]
 
 
 class TensorRef:
@@ -37,8 +37,12 @@ class TensorRef:
 
 def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
     # Two entries of a tree that are the same view of the same storage (tied weights) are
-    # stored once and come back as one tensor object, as torch.save does.
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+    # stored once and come back as one tensor object, as torch.save does. The lazy conj/neg
+    # bits are part of the identity: ``z`` and ``z.conj()`` share storage but hold other values.
+    return (
+        t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device,
+        t.is_conj(), t.is_neg(),
+    )
 
 
 def flatten(obj: Any) -> tuple[Any, list[tuple[tuple[Any, ...], torch.Tensor]]]:
@@ -127,12 +131,14 @@ def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
     """
     try:
         if weights_only:
-            with torch.serialization.safe_globals([TensorRef]):
-                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            # Added for good, never removed: the ``safe_globals`` context manager edits one
+            # process-wide set, so its exit in one thread broke loads running in others.
+            torch.serialization.add_safe_globals([TensorRef])
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except pickle.UnpicklingError as exc:
         if weights_only and "Weights only load failed" in str(exc):
-            detail = str(exc).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+            detail = weights_only_detail(exc)
             raise UnsafeCheckpointError(
                 f"{where}: the checkpoint holds Python objects that a weights-only load refuses "
                 f"({detail}). If you trust this file, load it with weights_only=False, or allow "
@@ -141,3 +147,17 @@ def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
         raise FormatError(f"{where}: the checkpoint's object tree is corrupt: {exc}") from exc
     except (RuntimeError, EOFError, ValueError, KeyError, AttributeError, TypeError) as exc:
         raise FormatError(f"{where}: the checkpoint's object tree is corrupt: {exc}") from exc
+
+
+def weights_only_detail(exc: BaseException) -> str:
+    """The part of a torch (weights-only) load error that names the refused type or opcode.
+
+    torch wraps it in a page of advice, in a layout that changes between releases.
+    """
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:")[-1]
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    useful = [p for p in paragraphs if not p.startswith(("Weights only load failed", "Check the documentation"))]
+    chosen = useful or paragraphs or [""]
+    return chosen[0].splitlines()[0][:300]

@@ -1,0 +1,519 @@
+"""Asynchronous saves: snapshot the checkpoint, return to training, compress and write in the background.
+
+One worker thread per :class:`AsyncSaver` writes snapshots in order; no save error is dropped silently.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import replace
+from typing import IO, Any, Callable, Iterable
+
+from .api import _save, log_report
+from .errors import CheckpointError, CheckpointWriteError
+from .policy import CodecPolicy
+from .report import SaveReport
+from .snapshot import Snapshot, SnapshotBuffers
+from .storage import is_url
+from .writer import plan_tensors
+
+__all__ = [
+    "AsyncSaveHandle",
+    "AsyncSaver",
+    "save_async",
+    "wait_for_saves",
+    "wait_for_path",
+    "default_saver",
+]
+
+_LOG = logging.getLogger("nvcomp_checkpoint")
+
+DoneCallback = Callable[["AsyncSaveHandle"], Any]
+
+
+def _path_key(path: str | os.PathLike[str]) -> str:
+    """One spelling per file, so that ``ckpt.nvc`` and ``./ckpt.nvc`` wait for each other."""
+    text = os.fspath(path)
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    if is_url(text):
+        return text
+    return os.path.abspath(text)
+
+
+class AsyncSaveHandle:
+    """A save under way: ask for its :class:`SaveReport`, or be called when the file is durable.
+
+    Created by :meth:`AsyncSaver.save` / :func:`save_async`; not constructed directly.
+
+    Attributes:
+        path: Where the checkpoint is being written.
+        snapshot_seconds: Time spent copying the tree.
+        snapshot_host_bytes: Tensor bytes the snapshot holds in host memory.
+        snapshot_gpu_bytes: Tensor bytes the snapshot holds in GPU memory.
+    """
+
+    def __init__(self, saver: "AsyncSaver", path: str, started: float) -> None:
+        self.path = path
+        self.snapshot_seconds = 0.0
+        self.snapshot_host_bytes = 0
+        self.snapshot_gpu_bytes = 0
+        self._key = _path_key(path)
+        self._saver = saver
+        self._started = started
+        self._blocked = 0.0
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[DoneCallback] = []
+        self._report: SaveReport | None = None
+        self._error: BaseException | None = None
+        self._error_seen = False
+
+    def done(self) -> bool:
+        """True once the save has finished: the file is durable, or the save failed."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the save finishes; False if ``timeout`` seconds passed first. Never raises."""
+        return self._done.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> SaveReport:
+        """The save's report once the file is durable.
+
+        Returns:
+            The :class:`SaveReport`; ``seconds_blocked`` is the time :func:`save_async` held the
+            caller (waiting for a free slot plus the snapshot), ``seconds`` the time from that
+            call until the file was durable.
+
+        Raises:
+            CheckpointError: The save failed (the previous file at the path is untouched).
+            TimeoutError: The save did not finish within ``timeout`` seconds.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.path}: async save still running after {timeout} s")
+        if self._error is not None:
+            self._mark_seen()
+            raise self._error
+        assert self._report is not None
+        return self._report
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The save's error (which then counts as reported), or None if it succeeded."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.path}: async save still running after {timeout} s")
+        if self._error is not None:
+            self._mark_seen()
+        return self._error
+
+    def add_done_callback(self, fn: DoneCallback) -> None:
+        """Call ``fn(handle)`` once the file is durable or the save failed (at once if it has).
+
+        Callbacks run on the saver's worker thread, in the order they were added; one that
+        raises is logged and does not stop the others.
+        """
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        self._run_callback(fn)
+
+    def _mark_seen(self) -> None:
+        with self._lock:
+            self._error_seen = True
+        self._saver._forget_error(self)
+
+    def _set_done(self) -> list[DoneCallback]:
+        """Mark the save finished; returns the callbacks to run."""
+        with self._lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        return callbacks
+
+    def _run_callback(self, fn: DoneCallback) -> None:
+        try:
+            fn(self)
+        except Exception:
+            _LOG.exception("%s: a done callback of the async save raised", self.path)
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else "done" if self.done() else "pending"
+        return f"<AsyncSaveHandle {self.path!r} {state}>"
+
+
+class AsyncSaver:
+    """Saves checkpoints in the background, one at a time, in the order they were asked for.
+
+    :meth:`save` blocks only while it waits for a free slot (at most ``max_pending`` saves
+    snapshotted but not yet durable, so memory stays bounded) and while it copies the tree.
+    One worker thread then compresses and writes each snapshot with :func:`nvcomp_checkpoint.save`'s
+    pipeline. An error is kept until someone sees it: :meth:`AsyncSaveHandle.result`, the
+    next :meth:`save`, :meth:`wait` or :meth:`close` raise it.
+
+    Args:
+        max_pending: Saves that may be snapshotted and not yet durable; each holds a full copy
+            of its checkpoint's tensors. The next :meth:`save` waits for a slot.
+        gpu_budget_bytes: GPU memory per device a snapshot of GPU tensors may use (``None``:
+            a quarter of the free memory at the time; beyond it, tensors are copied to host
+            memory through ``pinned_bytes`` of pinned staging buffers).
+        pinned_bytes: Pinned host memory for staging GPU tensors.
+        reuse_buffers: Keep host snapshot memory for the next save (the copy then skips page
+            faults); :meth:`release_buffers` frees it.
+        workers: Compression threads of the background save (default: every core).
+
+    Example:
+        >>> saver = AsyncSaver(max_pending=1)
+        >>> handle = saver.save({"model": model.state_dict()}, "step100.nvc")
+        >>> ...  # train on; the tensors may change at once
+        >>> saver.close()  # waits, and raises if a save failed
+    """
+
+    def __init__(
+        self,
+        *,
+        max_pending: int = 1,
+        gpu_budget_bytes: int | None = None,
+        pinned_bytes: int = 64 << 20,
+        reuse_buffers: bool = True,
+        workers: int | None = None,
+    ) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        self.max_pending = max_pending
+        self.workers = workers
+        self.buffers = SnapshotBuffers(
+            gpu_budget_bytes=gpu_budget_bytes, pinned_bytes=pinned_bytes, reuse=reuse_buffers, max_pooled=max_pending
+        )
+        self._slots = threading.Semaphore(max_pending)
+        self._queue: queue.Queue[tuple[AsyncSaveHandle, Snapshot, dict[str, Any]] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._live: list[AsyncSaveHandle] = []  # not yet finished
+        self._errors: list[AsyncSaveHandle] = []  # failed, error not yet seen by anyone
+        with _REGISTRY_LOCK:
+            _SAVERS.append(self)
+
+    # -- saving ------------------------------------------------------------------------------
+    def save(
+        self,
+        obj: Any,
+        path: str | os.PathLike[str],
+        policy: CodecPolicy | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        workers: int | None = None,
+        progress: Callable[[int], None] | None = None,
+        stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+    ) -> AsyncSaveHandle:
+        """Snapshot ``obj`` and save it to ``path`` in the background.
+
+        Returns once the snapshot is taken: every tensor and value of ``obj`` may change
+        afterwards without affecting the file. Arguments are those of
+        :func:`nvcomp_checkpoint.save`.
+
+        Returns:
+            An :class:`AsyncSaveHandle`.
+
+        Raises:
+            CheckpointWriteError: An earlier save of this saver failed and nobody has seen its
+                error yet (this save is then not started).
+            UnsupportedObjectError, CodecUnavailableError: ``obj`` cannot be saved with ``policy``
+                (raised here, before anything is copied).
+        """
+        started = time.perf_counter()
+        where = os.fspath(path)
+        policy = policy or CodecPolicy()
+        if self._closed:
+            raise CheckpointError(f"{where}: this AsyncSaver is closed; create a new one to save")
+        self._acquire_slot()
+        try:
+            self.raise_errors()
+            # Refuse what the writer would refuse while the caller can still see the traceback.
+            snapshot = self.buffers.take(obj, validate=lambda tensors: plan_tensors(tensors, policy, where))
+        except BaseException:
+            self._slots.release()
+            raise
+        handle = AsyncSaveHandle(self, where, started)
+        handle.snapshot_seconds = snapshot.seconds
+        handle.snapshot_host_bytes, handle.snapshot_gpu_bytes = snapshot.host_bytes, snapshot.gpu_bytes
+        kwargs = dict(
+            policy=policy, metadata=metadata, storage_options=storage_options,
+            workers=workers if workers is not None else self.workers, progress=progress, stream_wrapper=stream_wrapper,
+        )
+        with self._lock:
+            if self._closed:
+                snapshot.release()
+                self._slots.release()
+                raise CheckpointError(f"{where}: this AsyncSaver was closed while saving; create a new one to save")
+            self._live.append(handle)
+            _register(handle)
+            handle._blocked = time.perf_counter() - started
+            self._ensure_worker()
+            self._queue.put((handle, snapshot, kwargs))
+        _LOG.debug("%s: async snapshot of %d bytes in %.3f s", where, snapshot.raw_bytes, snapshot.seconds)
+        return handle
+
+    def _acquire_slot(self) -> None:
+        # Back-pressure: wait for a save to finish rather than hold another full copy in memory.
+        while not self._slots.acquire(timeout=1.0):
+            if self._thread is not None and not self._thread.is_alive() and not self._closed:
+                raise CheckpointError("the async save worker thread died; create a new AsyncSaver")
+
+    def _ensure_worker(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="nvckpt-async-save", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            handle, snapshot, kwargs = item
+            report: SaveReport | None = None
+            error: BaseException | None = None
+            try:
+                report = _save(snapshot.tree, handle.path, **kwargs)
+                report = replace(report, seconds=time.perf_counter() - handle._started, seconds_blocked=handle._blocked)
+            except BaseException as exc:  # noqa: BLE001 - a waiter must never hang on a dead save
+                error = exc if isinstance(exc, CheckpointError) else CheckpointWriteError(
+                    f"{handle.path}: async save failed: {exc!r}. Any previous file at this path is untouched."
+                )
+                if error is not exc:
+                    error.__cause__ = exc
+            finally:
+                snapshot.release()
+            # The outcome is set before the slot is freed: the next save() looks for errors then.
+            handle._report, handle._error = report, error
+            with self._lock:
+                self._live.remove(handle)
+                if error is not None:
+                    self._errors.append(handle)
+            _unregister(handle)
+            if error is not None:
+                _LOG.warning(
+                    "%s: async save failed: %s (raised by result(), the next save, or wait_for_saves())",
+                    handle.path, error,
+                )
+            else:
+                assert report is not None
+                log_report(report, "saved (async)")
+            callbacks = handle._set_done()
+            # Done before the slot frees: a save() that was waiting sees this one finished.
+            self._slots.release()
+            for fn in callbacks:
+                handle._run_callback(fn)
+
+    # -- waiting and errors ------------------------------------------------------------------
+    def pending(self) -> int:
+        """Saves snapshotted and not yet finished."""
+        with self._lock:
+            return len(self._live)
+
+    def wait(self, path: str | os.PathLike[str] | None = None, timeout: float | None = None) -> None:
+        """Wait for pending saves (all, or those to ``path``), then raise any unseen error.
+
+        Raises:
+            CheckpointWriteError: A save (to ``path``, if given) failed and nobody saw the error.
+            TimeoutError: Saves still pending after ``timeout`` seconds.
+        """
+        key = None if path is None else _path_key(path)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            todo = [h for h in self._live if key is None or h._key == key]
+        for handle in todo:
+            if threading.current_thread() is self._thread:
+                break  # a done callback waiting on its own worker's queue would never return
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not handle.wait(left):
+                raise TimeoutError(f"{handle.path}: async save still running after {timeout} s")
+        self.raise_errors(key)
+
+    def raise_errors(self, key: str | None = None) -> None:
+        """Raise the oldest error nobody has seen yet (of saves to path ``key``, if given)."""
+        with self._lock:
+            failed = [h for h in self._errors if key is None or h._key == key]
+        if not failed:
+            return
+        first = failed[0]
+        first._mark_seen()
+        others = len(failed) - 1
+        more = f" ({others} more failed saves are logged)" if others else ""
+        for h in failed[1:]:
+            _LOG.error("%s: async save failed: %s", h.path, h._error)
+            h._mark_seen()
+        raise CheckpointWriteError(f"an earlier async save failed{more}: {first._error}") from first._error
+
+    def _forget_error(self, handle: AsyncSaveHandle) -> None:
+        with self._lock:
+            if handle in self._errors:
+                self._errors.remove(handle)
+
+    def release_buffers(self) -> None:
+        """Free the host memory kept for the next snapshot."""
+        self.buffers.clear()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish every pending save, stop the worker, and raise any unseen error."""
+        with self._lock:
+            already = self._closed
+            self._closed = True
+            thread = self._thread
+        if not already and thread is not None and thread.is_alive():
+            self._queue.put(None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(f"async saves still running after {timeout} s")
+        with _REGISTRY_LOCK:
+            if self in _SAVERS:
+                _SAVERS.remove(self)
+        self.buffers.clear()
+        self.raise_errors()
+
+    def __enter__(self) -> "AsyncSaver":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except CheckpointError:
+            _LOG.exception("async save failed while another error was being raised")
+
+
+# -- the process-wide registry ---------------------------------------------------------------
+_REGISTRY_LOCK = threading.Lock()
+_SAVERS: list[AsyncSaver] = []
+_PENDING: dict[str, list[AsyncSaveHandle]] = {}
+_DEFAULT: AsyncSaver | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def _register(handle: AsyncSaveHandle) -> None:
+    with _REGISTRY_LOCK:
+        if not handle.done():
+            _PENDING.setdefault(handle._key, []).append(handle)
+
+
+def _unregister(handle: AsyncSaveHandle) -> None:
+    with _REGISTRY_LOCK:
+        handles = _PENDING.get(handle._key, [])
+        if handle in handles:
+            handles.remove(handle)
+        if not handles:
+            _PENDING.pop(handle._key, None)
+
+
+def default_saver() -> AsyncSaver:
+    """The process-wide saver behind :func:`save_async` (``max_pending=1``), created on first use."""
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None or _DEFAULT._closed:
+            _DEFAULT = AsyncSaver()
+        return _DEFAULT
+
+
+def save_async(
+    obj: Any,
+    path: str | os.PathLike[str],
+    policy: CodecPolicy | None = None,
+    *,
+    metadata: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    workers: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+) -> AsyncSaveHandle:
+    """Save a checkpoint in the background; returns once a consistent snapshot is taken.
+
+    Training may change every tensor as soon as this returns. The file appears at ``path`` only
+    when complete and durable, as with :func:`nvcomp_checkpoint.save`; ``load``/``open`` of the
+    same path wait for it. At most one save is pending (the process-wide :func:`default_saver`):
+    a second call waits for the first to finish. Use an :class:`AsyncSaver` for other settings.
+
+    Example:
+        >>> handle = nc.save_async({"model": model.state_dict(), "optimizer": opt.state_dict()}, "step100.nvc")
+        >>> handle.add_done_callback(lambda h: print("durable:", h.path))
+        >>> optimizer.step()  # safe: the snapshot is already taken
+        >>> handle.result().seconds_blocked
+
+    Raises:
+        CheckpointWriteError: An earlier async save failed and nobody has seen its error.
+    """
+    return default_saver().save(
+        obj, path, policy, metadata=metadata, storage_options=storage_options, workers=workers,
+        progress=progress, stream_wrapper=stream_wrapper,
+    )
+
+
+def _savers() -> Iterable[AsyncSaver]:
+    with _REGISTRY_LOCK:
+        return list(_SAVERS)
+
+
+def wait_for_saves(path: str | os.PathLike[str] | None = None, timeout: float | None = None) -> None:
+    """Wait for every pending async save (or those to ``path``) of every saver; raise unseen errors.
+
+    Call it before removing or rotating checkpoint files, or before moving a ``latest`` pointer.
+
+    Raises:
+        CheckpointWriteError: A save failed and nobody saw its error.
+        TimeoutError: Saves still pending after ``timeout`` seconds.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for saver in _savers():
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        saver.wait(path, left)
+
+
+def wait_for_path(path: str | os.PathLike[str]) -> None:
+    """Wait for pending async saves to ``path`` (used by ``save``, ``load`` and ``open``).
+
+    Raises:
+        CheckpointWriteError: A save to ``path`` failed and nobody saw its error.
+    """
+    key = _path_key(path)
+    with _REGISTRY_LOCK:
+        if key not in _PENDING and not any(h._key == key for s in _SAVERS for h in s._errors):
+            return  # the common case: nothing pending, no lock held beyond this check
+    wait_for_saves(path)
+
+
+def _flush_at_exit() -> None:
+    """Let pending saves land before the interpreter exits, and report errors nobody saw."""
+    for saver in _savers():
+        try:
+            saver.close()
+        except Exception as exc:
+            _LOG.error("nvcomp_checkpoint: an async checkpoint save failed and the error was never retrieved: %s", exc)
+
+
+def _after_fork_in_child() -> None:
+    # The worker threads do not exist in a forked child; its savers start afresh.
+    global _DEFAULT, _REGISTRY_LOCK, _DEFAULT_LOCK
+    _REGISTRY_LOCK = threading.Lock()
+    _DEFAULT_LOCK = threading.Lock()
+    _SAVERS.clear()
+    _PENDING.clear()
+    _DEFAULT = None
+
+
+# Pending saves must land before concurrent.futures stops taking jobs at shutdown (it does so in
+# threading's exit hooks, which run before atexit's), so flush from a hook registered after its.
+_register_thread_exit = getattr(threading, "_register_atexit", None)
+if _register_thread_exit is not None:
+    _register_thread_exit(_flush_at_exit)
+else:  # pragma: no cover - every CPython >= 3.9 has it
+    atexit.register(_flush_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

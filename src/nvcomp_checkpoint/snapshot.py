@@ -1,0 +1,398 @@
+"""Point-in-time copies of checkpoint trees, taken before an async save returns to training.
+
+Tensors go to reusable memory (a host arena, or GPU memory within a budget); values are deep-copied.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .format.skeleton import TensorRef, flatten, unflatten
+
+__all__ = ["Snapshot", "SnapshotBuffers", "SOURCE_DEVICE_ATTR"]
+
+_LOG = logging.getLogger("nvcomp_checkpoint")
+
+#: Attribute set on a host copy of a GPU tensor: the device the tensor lives on, which the
+#: writer records so that a load returns it there (as for a synchronous save of the original).
+SOURCE_DEVICE_ATTR = "_nvckpt_source_device"
+
+#: Bytes per unit of work of the host copy threads.
+_PIECE = 8 << 20
+
+#: Offsets of tensors inside an arena; 64 keeps every dtype view legal and cache-line aligned.
+_ALIGN = 64
+
+TensorList = Sequence[tuple[tuple[Any, ...], torch.Tensor]]
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class Snapshot:
+    """A copy of a checkpoint tree that nothing but the pending save refers to.
+
+    Attributes:
+        tree: The copied tree, to hand to the writer.
+        raw_bytes: Bytes of all tensors copied.
+        host_bytes: Of those, bytes held in host memory.
+        gpu_bytes: Of those, bytes held in GPU memory.
+        seconds: Time taken to copy.
+    """
+
+    tree: Any
+    raw_bytes: int
+    host_bytes: int
+    gpu_bytes: int
+    seconds: float
+    _release: Callable[[], None] = field(default=lambda: None, repr=False)
+
+    def release(self) -> None:
+        """Return the memory to the pool it came from (call once the save is done)."""
+        release, self._release = self._release, lambda: None
+        self.tree = None
+        release()
+
+
+class SnapshotBuffers:
+    """The memory snapshots are copied into, kept across saves so a snapshot rarely allocates.
+
+    Fresh host memory costs a page fault per 4 KiB on first touch, which for a checkpoint of
+    some GiB takes longer than the copy itself; an arena reused from the previous save does not.
+
+    Args:
+        gpu_budget_bytes: GPU memory one snapshot may use for GPU tensors, per device. ``None``:
+            a quarter of the device's free memory when the snapshot is taken; ``0``: always
+            copy GPU tensors to host memory.
+        pinned_bytes: Pinned host memory used to stage GPU tensors to host memory (two halves,
+            so one is copied from the device while the other is copied out).
+        reuse: Keep host arenas for later snapshots (at most ``max_pooled`` of them).
+        max_pooled: Host arenas kept; one per save that may be pending at a time is enough.
+    """
+
+    def __init__(
+        self,
+        *,
+        gpu_budget_bytes: int | None = None,
+        pinned_bytes: int = 64 << 20,
+        reuse: bool = True,
+        max_pooled: int = 1,
+    ) -> None:
+        if gpu_budget_bytes is not None and gpu_budget_bytes < 0:
+            raise ValueError(f"gpu_budget_bytes must be >= 0 or None, got {gpu_budget_bytes}")
+        if pinned_bytes < (2 << 20):
+            raise ValueError(f"pinned_bytes must be at least 2 MiB, got {pinned_bytes}")
+        self.gpu_budget_bytes = gpu_budget_bytes
+        self.pinned_bytes = pinned_bytes
+        self.reuse = reuse
+        self.max_pooled = max(0, max_pooled)
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._pinned: list[torch.Tensor] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
+        # Memory bandwidth is shared: past a few threads a copy gets no faster.
+        self._threads = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)))
+
+    # -- pools -------------------------------------------------------------------------------
+    def _host_arena(self, need: int) -> torch.Tensor:
+        with self._lock:
+            fits = [a for a in self._free if a.numel() >= need]
+            if fits:
+                arena = min(fits, key=lambda a: a.numel())
+                self._free.remove(arena)
+                return arena
+        return torch.empty(need, dtype=torch.uint8)
+
+    def _give_back(self, arena: torch.Tensor) -> None:
+        if not self.reuse or self.max_pooled == 0 or arena.numel() == 0:
+            return
+        with self._lock:
+            self._free.append(arena)
+            # Keep the largest: the next snapshot is most likely as big as the last ones.
+            self._free.sort(key=lambda a: a.numel(), reverse=True)
+            del self._free[self.max_pooled :]
+
+    def _pinned_halves(self) -> list[torch.Tensor]:
+        if self._pinned is None:
+            half = self.pinned_bytes // 2
+            self._pinned = [torch.empty(half, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        return self._pinned
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Host memory kept for the next snapshot."""
+        with self._lock:
+            return sum(a.numel() for a in self._free)
+
+    def clear(self) -> None:
+        """Free every pooled buffer (host arenas and pinned staging memory)."""
+        with self._lock:
+            self._free.clear()
+            self._pinned = None
+
+    # -- snapshot ----------------------------------------------------------------------------
+    def take(self, obj: Any, validate: Callable[[TensorList], None] | None = None) -> Snapshot:
+        """Copy ``obj``: every tensor into memory of this pool, containers and values deep.
+
+        Args:
+            obj: A checkpoint tree (dicts, lists, tuples, tensors, plain values).
+            validate: Called with the tree's ``(path, tensor)`` list before anything is copied,
+                so that a tree the writer would refuse fails here, on the caller's thread.
+
+        Returns:
+            A :class:`Snapshot`; call :meth:`Snapshot.release` when the save is done.
+        """
+        start = time.perf_counter()
+        skeleton, tensors = flatten(obj)
+        if validate is not None:
+            validate(tensors)
+        skeleton = _copy_plain(skeleton)
+
+        on_gpu = self._gpu_placement(tensors)
+        while True:
+            offsets: list[int] = []
+            host_need = 0
+            for i, (_, t) in enumerate(tensors):
+                offsets.append(host_need)
+                if i not in on_gpu:
+                    host_need += _aligned(_nbytes(t))
+            arena = self._host_arena(host_need) if host_need else torch.empty(0, dtype=torch.uint8)
+            gpu_arenas: dict[torch.device, torch.Tensor] = {}
+            try:
+                copies, staged, gpu_bytes = self._copy_all(tensors, offsets, arena, on_gpu, gpu_arenas)
+                for device, pairs in staged.items():
+                    self._stage_to_host(device, pairs)
+                for device in {t.device for _, t in tensors if t.device.type == "cuda"}:
+                    # Copies run on the caller's current stream; training may overwrite the
+                    # sources the moment we return, so they must be complete first.
+                    torch.cuda.current_stream(device).synchronize()
+                break
+            except _RetryOnHost as exc:
+                gpu_arenas.clear()
+                self._give_back(arena)
+                on_gpu = {i for i in on_gpu if tensors[i][1].device != exc.device}
+            except BaseException:
+                gpu_arenas.clear()
+                self._give_back(arena)
+                raise
+        tree = unflatten(skeleton, lambda i: copies[i])
+        raw = sum(_nbytes(t) for _, t in tensors)
+
+        def release() -> None:
+            for device in gpu_arenas:
+                # The save's kernels (on streams other than the one the arena was allocated on)
+                # must be done before the caching allocator hands the memory to training again.
+                torch.cuda.synchronize(device)
+            gpu_arenas.clear()
+            self._give_back(arena)
+
+        return Snapshot(tree, raw, raw - gpu_bytes, gpu_bytes, time.perf_counter() - start, release)
+
+    def _gpu_placement(self, tensors: TensorList) -> set[int]:
+        """Indices of CUDA tensors whose copy stays on their GPU (within the budget)."""
+        chosen: set[int] = set()
+        used: dict[torch.device, int] = {}
+        budgets: dict[torch.device, int] = {}
+        for i, (_, t) in enumerate(tensors):
+            if t.device.type != "cuda":
+                continue
+            if t.device not in budgets:
+                budgets[t.device] = self._gpu_budget(t.device)
+            need = _aligned(_nbytes(t))
+            if used.get(t.device, 0) + need <= budgets[t.device]:
+                used[t.device] = used.get(t.device, 0) + need
+                chosen.add(i)
+        return chosen
+
+    def _gpu_budget(self, device: torch.device) -> int:
+        if self.gpu_budget_bytes is not None:
+            return self.gpu_budget_bytes
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 4
+
+    def _copy_all(
+        self,
+        tensors: TensorList,
+        offsets: list[int],
+        arena: torch.Tensor,
+        on_gpu: set[int],
+        gpu_arenas: dict[torch.device, torch.Tensor],
+    ) -> tuple[list[torch.Tensor], dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]], int]:
+        gpu_offsets: dict[int, int] = {}
+        gpu_need: dict[torch.device, int] = {}
+        for i in sorted(on_gpu):
+            t = tensors[i][1]
+            gpu_offsets[i] = gpu_need.get(t.device, 0)
+            gpu_need[t.device] = gpu_offsets[i] + _aligned(_nbytes(t))
+        for device, need in gpu_need.items():
+            try:
+                gpu_arenas[device] = torch.empty(need, dtype=torch.uint8, device=device)
+            except torch.OutOfMemoryError:
+                # The budget was a guess; training's own peak got there first. Stage instead.
+                _LOG.info("async snapshot: %d bytes did not fit on %s; staging through host memory", need, device)
+                raise _RetryOnHost(device) from None
+
+        copies: list[torch.Tensor] = []
+        staged: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        host_pieces: list[tuple[np.ndarray, np.ndarray]] = []
+        gpu_bytes = 0
+        for i, (_, src) in enumerate(tensors):
+            n = _nbytes(src)
+            if i in on_gpu:
+                flat = gpu_arenas[src.device][gpu_offsets[i] : gpu_offsets[i] + n]
+                gpu_bytes += n
+            else:
+                flat = arena[offsets[i] : offsets[i] + n]
+            dst = _typed(flat, src)
+            if src.device.type == "cuda" and i not in on_gpu:
+                staged.setdefault(src.device, []).append((src, flat))
+            elif n and _plain_host(src):
+                src_bytes = src.detach().reshape(-1).view(torch.uint8).numpy()
+                dst_bytes = flat.numpy()
+                for start in range(0, n, _PIECE):
+                    host_pieces.append((dst_bytes[start : start + _PIECE], src_bytes[start : start + _PIECE]))
+            elif n:
+                dst.copy_(src.detach())  # strided, lazily conjugated, or on another device
+            copies.append(_like(dst, src))
+        self._copy_host(host_pieces)
+        return copies, staged, gpu_bytes
+
+    def _copy_host(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """memcpy on a few threads that take pieces as they go.
+
+        torch's ``copy_`` splits each tensor over OpenMP threads that wait for each other, so one
+        preempted thread stalls the copy: on a busy 2-core machine it ran at 0.6 GB/s against
+        10-15 GB/s for this (``benchmarks/bench_async.py``).
+        """
+        total = sum(d.nbytes for d, _ in pieces)
+        if total < (32 << 20) or self._threads <= 1:
+            for dst, src in pieces:
+                np.copyto(dst, src)
+            return
+        pool = self._copy_pool()
+        for fut in [pool.submit(np.copyto, dst, src) for dst, src in pieces]:
+            fut.result()
+
+    def _copy_pool(self) -> ThreadPoolExecutor:
+        # A pool inherited through fork has no threads behind it: make a new one in the child.
+        if self._pool is None or self._pool_pid != os.getpid():
+            self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="nvckpt-snapshot")
+            self._pool_pid = os.getpid()
+        return self._pool
+
+    def _stage_to_host(self, device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy CUDA tensors into host memory through two pinned buffers.
+
+        The device-to-pinned copy of one piece (DMA, asynchronous) overlaps the pinned-to-arena
+        copy of the previous one (CPU), and pinned memory stays at ``pinned_bytes``.
+        """
+        halves = self._pinned_halves()
+        half = halves[0].numel()
+        stream = torch.cuda.current_stream(device)
+        inflight: deque[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = deque()
+
+        def drain() -> None:
+            event, buf, dst = inflight.popleft()
+            event.synchronize()
+            np.copyto(dst.numpy(), buf.numpy())
+
+        slot = 0
+        with torch.cuda.device(device):
+            for src, dst in pairs:
+                flat = src.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+                for start in range(0, flat.numel(), half):
+                    if len(inflight) == 2:
+                        drain()  # frees the half this piece goes into
+                    length = min(half, flat.numel() - start)
+                    buf = halves[slot][:length]
+                    slot ^= 1
+                    buf.copy_(flat[start : start + length], non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    inflight.append((event, buf, dst[start : start + length]))
+            while inflight:
+                drain()
+
+
+class _RetryOnHost(Exception):
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(str(device))
+        self.device = device
+
+
+def _plain_host(t: torch.Tensor) -> bool:
+    """A CPU tensor whose bytes can be copied as they lie in memory."""
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _typed(flat: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``flat`` (uint8 bytes) seen as a contiguous tensor of ``src``'s dtype and shape."""
+    if flat.numel() == 0:
+        return torch.empty(src.shape, dtype=src.dtype, device=flat.device)
+    return flat.view(src.dtype).view(src.shape)
+
+
+def _like(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst`` dressed as ``src``: a Parameter if it was one, ``requires_grad``, source device."""
+    if isinstance(src, torch.nn.Parameter):
+        out: torch.Tensor = torch.nn.Parameter(dst, requires_grad=src.requires_grad)
+    elif src.requires_grad:
+        out = dst.detach().requires_grad_(True)
+    else:
+        out = dst
+    if out.device != src.device:
+        setattr(out, SOURCE_DEVICE_ATTR, str(src.device))
+    return out
+
+
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device, torch.Size, TensorRef)
+
+
+def _copy_plain(skeleton: Any) -> Any:
+    """Deep-copy the non-tensor leaves, so later changes to counters or lists are not saved.
+
+    :func:`flatten` already copied every dict, list and tuple; only mutable leaves (numpy RNG
+    state, custom objects) need copying, and ``copy.deepcopy`` of the whole tree costs ~10x more.
+    """
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, _IMMUTABLE):
+            return value
+        try:
+            return copy.deepcopy(value)
+        except Exception as exc:  # an object that cannot be copied is saved as it is at write time
+            _LOG.debug("async snapshot: %s is not deep-copyable (%s); saving it by reference", type(value).__name__, exc)
+            return value
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, (dict, list)):
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            for key, value in list(items):
+                node[key] = walk(value)
+            return node
+        if isinstance(node, tuple):
+            items = [walk(v) for v in node]
+            if hasattr(node, "_fields"):  # namedtuple
+                return type(node)(*items)
+            return type(node)(items) if type(node) is not tuple else tuple(items)
+        return leaf(node)
+
+    return walk(skeleton)

@@ -1,0 +1,197 @@
+"""Golden-file tests: a checkpoint written once by ``tests/data/make_golden.py`` decodes forever.
+
+Also pins that the writer is deterministic (same tree, same metadata: same bytes) and that the
+file follows ``docs/format.md``: a reader written from the document alone decodes it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import math
+import struct
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+import zstandard
+
+import nvcomp_checkpoint as nc
+from conftest import assert_tree_equal
+
+DATA = Path(__file__).resolve().parent / "data"
+GOLDEN = DATA / "golden_v1.nvc"
+EXPECTED = json.loads((DATA / "golden_v1.expected.json").read_text())
+
+_spec = importlib.util.spec_from_file_location("make_golden", DATA / "make_golden.py")
+assert _spec is not None and _spec.loader is not None
+make_golden = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_golden)
+
+
+def _versions_match() -> tuple[bool, str]:
+    made = EXPECTED["metadata"]["generated_with"]
+    here = {"torch": torch.__version__, "libzstd": ".".join(map(str, zstandard.ZSTD_VERSION))}
+    same = here["libzstd"] == made["libzstd"] and here["torch"].split(".")[:2] == made["torch"].split(".")[:2]
+    return same, f"golden file written with torch {made['torch']} / libzstd {made['libzstd']}, here {here}"
+
+
+# -- (a) the golden file decodes to the expected tree ----------------------------------------
+
+
+def test_golden_decodes_to_expected_tree():
+    back = nc.load(GOLDEN)
+    assert_tree_equal(make_golden.golden_tree(), back)
+    # Pinned independently of the generator, so a changed generator cannot hide a changed reader.
+    assert back["epoch"] == 3 and back["global_step"] == 40 and math.isnan(back["best_metric"])
+    assert back["tags"] == ["golden", None, True, (1, 2.5)]
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert back["model"]["embed.weight"] is back["model"]["head.weight"]
+    assert isinstance(back["model"]["embed.weight"], torch.nn.Parameter)
+    assert list(back["optimizer"]["state"]) == [0]
+
+
+def test_golden_tensor_digests():
+    with nc.open(GOLDEN) as reader:
+        assert reader.metadata == EXPECTED["metadata"]
+        assert sorted(reader.keys()) == sorted(EXPECTED["tensors"])
+        for key, want in EXPECTED["tensors"].items():
+            t = reader.read(key)
+            assert (str(t.dtype), list(t.shape)) == (want["dtype"], want["shape"]), key
+            assert make_golden.tensor_digest(t) == want["sha256"], key
+        assert all(err is None for _, err in reader.verify())
+        codecs = {(reader.entry(k).codec.id, reader.entry(k).filter) for k in reader.keys()}
+    # The file exercises every codec/filter pair a CPU writes.
+    assert codecs == {("zstd", "byteplane"), ("zstd", "none"), ("none", "byteplane"), ("none", "none")}
+
+
+def test_golden_multi_chunk_entry():
+    with nc.open(GOLDEN) as reader:
+        entry = reader.entry("model/fc.weight")
+    assert entry.chunk_bytes == 1024 and entry.width == 4 and len(entry.frames) == 3 * 4
+    assert [n for _, n, _ in entry.chunks()] == [1024, 1024, 32 * 24 * 4 - 2048]
+    # Noisy low planes are stored raw, the exponent plane is compressed.
+    assert any(f.is_raw for f in entry.frames) and any(not f.is_raw for f in entry.frames)
+
+
+# -- a reader written from docs/format.md alone ------------------------------------------------
+
+
+def _spec_reader(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    """Decodes a version-1 file following docs/format.md, without nvcomp_checkpoint."""
+    assert data[:8] == b"NVCKPT\x01\x00"
+    index_offset, index_size, index_hash, magic = struct.unpack("<QQQ8s", data[-32:])
+    assert magic == b"NVCKEND\x00" and index_offset + index_size == len(data) - 32
+    raw_index = data[index_offset : index_offset + index_size]
+    assert xxhash.xxh3_64_intdigest(raw_index) == index_hash
+    index = json.loads(raw_index)
+    assert index["format"] == "nvcomp-checkpoint" and index["version"] == 1
+
+    def frame_bytes(offset: int, size: int, raw_size: int, digest: str, codec: str) -> bytes:
+        stored = data[offset : offset + size]
+        assert f"{xxhash.xxh3_64_intdigest(stored):016x}" == digest
+        if size == raw_size:
+            return stored
+        assert codec == "zstd"
+        return zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_size)
+
+    tensors = {}
+    for t in index["tensors"]:
+        itemsize = torch.empty((), dtype=getattr(torch, t["dtype"])).element_size()
+        nbytes = math.prod(t["shape"]) * itemsize
+        planes = t["width"] if t["filter"] == "byteplane" else 1
+        out = np.empty(nbytes, dtype=np.uint8)
+        frames = iter(t["frames"])
+        for start in range(0, nbytes, t["chunk_bytes"]):
+            length = min(t["chunk_bytes"], nbytes - start)
+            for p in range(planes):
+                offset, size, digest = next(frames)
+                raw = np.frombuffer(frame_bytes(offset, size, length // planes, digest, t["codec"]["id"]), np.uint8)
+                # Plane p holds byte p of every little-endian scalar of the chunk.
+                out[start : start + length].reshape(-1, planes)[:, p] = raw
+        assert next(frames, None) is None
+        tensors[t["key"]] = out
+    s_off, s_size, s_raw, s_hash = index["skeleton"]
+    skeleton = frame_bytes(s_off, s_size, s_raw, s_hash, "zstd")
+    assert zipfile.is_zipfile(io.BytesIO(skeleton))  # a torch.save archive
+    return index, tensors
+
+
+def test_golden_matches_format_document():
+    data = GOLDEN.read_bytes()
+    index, tensors = _spec_reader(data)
+    assert index["metadata"] == EXPECTED["metadata"]
+    for key, want in EXPECTED["tensors"].items():
+        assert make_golden.hashlib.sha256(tensors[key].tobytes()).hexdigest() == want["sha256"], key
+    # Frames lie in the data region, in file order, without overlaps.
+    spans = sorted([tuple(index["skeleton"][:2])] + [(f[0], f[1]) for t in index["tensors"] for f in t["frames"]])
+    assert spans[0][0] == 8
+    for (a, n), (b, _) in zip(spans, spans[1:]):
+        assert a + n <= b
+    assert spans[-1][0] + spans[-1][1] <= struct.unpack("<Q", data[-32:-24])[0]
+
+
+# -- (b) today's writer reproduces the golden bytes ------------------------------------------
+
+
+def _resave(tmp_path: Path, workers: int | None = 1, name: str = "resave.nvc") -> bytes:
+    path = tmp_path / name
+    # The golden file's own metadata, in its key order: the index JSON keeps insertion order.
+    with nc.open(GOLDEN) as reader:
+        metadata = reader.metadata
+    nc.save(make_golden.golden_tree(), path, make_golden.golden_policy(), metadata=metadata, workers=workers)
+    return path.read_bytes()
+
+
+def test_resave_reproduces_golden_bytes(tmp_path):
+    same, why = _versions_match()
+    if not same:
+        pytest.skip(f"compressed bytes depend on library versions: {why}")
+    fresh = _resave(tmp_path)
+    golden = GOLDEN.read_bytes()
+    if fresh != golden:
+        first = next(i for i, (a, b) in enumerate(zip(fresh, golden)) if a != b) if len(fresh) == len(golden) else None
+        pytest.fail(f"writer output changed: {len(fresh)} vs {len(golden)} bytes, first difference at {first}")
+
+
+def test_resave_same_layout_any_version(tmp_path):
+    """Everything but compressed payloads is pinned whatever the torch/libzstd versions."""
+    fresh = _resave(tmp_path)
+    with nc.open(GOLDEN) as old, nc.open(tmp_path / "resave.nvc") as new:
+        assert new.metadata == old.metadata
+        assert new.keys() == old.keys()
+        for key in old.keys():
+            a, b = old.entry(key), new.entry(key)
+            fields = ("dtype", "shape", "component", "codec", "filter", "width", "chunk_bytes", "device", "requires_grad", "parameter")
+            assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields], key
+            assert [f.raw_size for f in a.frames] == [f.raw_size for f in b.frames], key
+            for fa, fb in zip(a.frames, b.frames):
+                if fa.is_raw and fb.is_raw:
+                    assert (fa.size, fa.xxh) == (fb.size, fb.xxh), key
+    assert fresh[:8] == GOLDEN.read_bytes()[:8]
+
+
+def test_writer_is_deterministic_across_worker_counts(tmp_path):
+    one = _resave(tmp_path, workers=1, name="w1.nvc")
+    assert _resave(tmp_path, workers=2, name="w2.nvc") == one
+    assert _resave(tmp_path, workers=5, name="w5.nvc") == one
+
+
+def test_default_metadata_is_the_only_difference(tmp_path):
+    tree = make_golden.golden_tree()
+    for name in ("a.nvc", "b.nvc"):
+        nc.save(tree, tmp_path / name, make_golden.golden_policy())
+    a, b = (tmp_path / "a.nvc").read_bytes(), (tmp_path / "b.nvc").read_bytes()
+    (ia, _, _, _), (ib, _, _, _) = (struct.unpack("<QQQ8s", x[-32:]) for x in (a, b))
+    assert ia == ib and a[:ia] == b[:ib]  # magic, skeleton and every tensor frame
+    ja, jb = (json.loads(x[ia:-32]) for x in (a, b))
+    for doc in (ja, jb):
+        assert set(doc["metadata"]) == {"created_by", "torch", "created"}
+        assert doc["metadata"]["torch"] == torch.__version__
+        assert doc["metadata"]["created_by"] == f"nvcomp-checkpoint {nc.__version__}"
+        doc["metadata"].pop("created")
+    assert ja == jb
