@@ -42,3 +42,13 @@ def test_load_plain_torch_save(tmp_path):
     torch.save(state, tmp_path / "plain.pt")
     assert not nc.is_nvcomp_checkpoint(tmp_path / "plain.pt")
     assert_tree_equal(state, nc.load(tmp_path / "plain.pt"))
+
+
+def test_sparse_tensor_is_refused_with_the_fix(tmp_path):
+    import pytest
+
+    from nvcomp_checkpoint.errors import UnsupportedObjectError
+
+    with pytest.raises(UnsupportedObjectError, match=r"'s'.*to_dense"):
+        nc.save({"s": torch.eye(3).to_sparse()}, tmp_path / "sparse.nvc")
+    assert not (tmp_path / "sparse.nvc").exists()

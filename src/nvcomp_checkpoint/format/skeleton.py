@@ -60,7 +60,9 @@ def flatten(obj: Any) -> tuple[Any, list[tuple[tuple[Any, ...], torch.Tensor]]]:
             if type(node) is not torch.Tensor and not isinstance(node, torch.nn.Parameter):
                 # Tensor subclasses (DTensor, FakeTensor ...) carry state we cannot rebuild.
                 return node
-            ident = _tensor_identity(node) if node.device.type != "meta" else None
+            # Sparse, nested and meta tensors have no storage to compare; the writer refuses them.
+            plain = node.device.type != "meta" and node.layout == torch.strided and not node.is_nested
+            ident = _tensor_identity(node) if plain else None
             if ident is not None and ident in seen:
                 return TensorRef(seen[ident])
             index = len(tensors)
