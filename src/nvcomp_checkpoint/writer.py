@@ -238,8 +238,8 @@ class CheckpointWriter:
             window: deque[tuple[int, int, Future[_Encoded]]] = deque()
             # The window is bounded in bytes, not in jobs: with a job count, one full chunk at
             # the head held back the small tensors behind it and left workers idle (2 workers
-            # ran at 1.5x one; bounded in bytes, 1.9x). A job weighs at most one chunk, so GPU
-            # batches are still `workers * depth` at a time.
+            # ran at 1.45x one; bounded in bytes, 1.6x). A job weighs at most one chunk, so
+            # GPU batches are still `workers * depth` at a time.
             unit = max((item.chunk_bytes for item in planned), default=1)
             budget = self.workers * self.depth * unit
             in_flight = 0

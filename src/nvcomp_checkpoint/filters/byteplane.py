@@ -61,7 +61,7 @@ class ByteplaneFilter:
             return list(planes)
         # Each plane is the element word shifted and narrowed to a byte, a block at a time so
         # the shifted words stay in cache: same bytes as numpy's strided transpose copy, 1.3x
-        # (8-byte) to 3x (2-byte elements) faster (measured in benchmarks/README.md).
+        # (8-byte) to 3.5x (2-byte elements) faster (measured in benchmarks/README.md).
         words = data.view(_WORDS[self.width])
         block = _SPLIT_BLOCK_BYTES // self.width
         shifted = np.empty(min(block, n), dtype=words.dtype)
@@ -88,8 +88,8 @@ class ByteplaneFilter:
             for p, src in enumerate(srcs):
                 view[:, p] = src
             return
-        # Widen each plane and OR it in at its shift, a block at a time (1.2-1.5x faster than a
-        # strided write per plane for 4-byte elements, 2-3x for 2-byte ones; benchmarks/README.md).
+        # Widen each plane and OR it in at its shift, a block at a time (about 1.5x faster than
+        # a strided write per plane for 4-byte elements, 3x for 2-byte ones; benchmarks/README.md).
         words = out.view(_WORDS[self.width])
         n = words.size
         shifted = np.empty(min(_JOIN_BLOCK, n), dtype=words.dtype)
