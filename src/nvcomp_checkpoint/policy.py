@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any, Mapping, Sequence
 
-from .codecs import CODEC_IDS
+from .codecs import CODEC_IDS, check_level
 from .filters import FILTER_IDS
 
 __all__ = ["Component", "CodecSpec", "CodecPolicy", "classify", "key_string"]
@@ -114,6 +114,7 @@ class CodecSpec:
             raise ValueError(f"unknown filter {self.filter!r}; choose one of {', '.join(FILTER_IDS)}")
         if not (1024 <= self.chunk_bytes <= (64 << 20)):
             raise ValueError(f"chunk_bytes must be between 1 KiB and 64 MiB, got {self.chunk_bytes}")
+        check_level(self.codec, self.level)
         if self.codec in _SMALL_CHUNK_CODECS and self.chunk_bytes > (16 << 20):
             # nvCOMP's ANS, Bitcomp and Cascaded take at most 16 MiB per chunk (nvCOMP 6 headers).
             raise ValueError(f"codec {self.codec!r} takes chunks of at most 16 MiB, got {self.chunk_bytes}")

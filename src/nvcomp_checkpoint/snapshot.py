@@ -19,14 +19,11 @@ import numpy as np
 import torch
 
 from .format.skeleton import TensorRef, flatten, unflatten
+from .writer import SOURCE_DEVICE_ATTR, _flat_bytes
 
 __all__ = ["Snapshot", "SnapshotBuffers", "SOURCE_DEVICE_ATTR"]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
-
-#: Attribute set on a host copy of a GPU tensor: the device the tensor lives on, which the
-#: writer records so that a load returns it there (as for a synchronous save of the original).
-SOURCE_DEVICE_ATTR = "_nvckpt_source_device"
 
 #: Bytes per unit of work of the host copy threads.
 _PIECE = 8 << 20
@@ -117,7 +114,8 @@ class SnapshotBuffers:
             fits = [a for a in self._free if a.numel() >= need]
             if fits:
                 arena = min(fits, key=lambda a: a.numel())
-                self._free.remove(arena)
+                # By identity: list.remove compares tensors with ==, which fails between two arenas.
+                self._free = [a for a in self._free if a is not arena]
                 return arena
         return torch.empty(need, dtype=torch.uint8)
 
@@ -265,7 +263,7 @@ class SnapshotBuffers:
             if src.device.type == "cuda" and i not in on_gpu:
                 staged.setdefault(src.device, []).append((src, flat))
             elif n and _plain_host(src):
-                src_bytes = src.detach().reshape(-1).view(torch.uint8).numpy()
+                src_bytes = _flat_bytes(src).numpy()
                 dst_bytes = flat.numpy()
                 for start in range(0, n, _PIECE):
                     host_pieces.append((dst_bytes[start : start + _PIECE], src_bytes[start : start + _PIECE]))
@@ -317,7 +315,7 @@ class SnapshotBuffers:
         slot = 0
         with torch.cuda.device(device):
             for src, dst in pairs:
-                flat = src.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+                flat = _flat_bytes(src)
                 for start in range(0, flat.numel(), half):
                     if len(inflight) == 2:
                         drain()  # frees the half this piece goes into

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,7 +29,11 @@ from .format.skeleton import encode_skeleton, flatten
 from .policy import CodecPolicy, CodecSpec, Component, key_string
 from .report import ComponentStats
 
-__all__ = ["PlannedTensor", "plan_tensors", "CheckpointWriter", "default_workers"]
+__all__ = ["PlannedTensor", "plan_tensors", "CheckpointWriter", "default_workers", "SOURCE_DEVICE_ATTR"]
+
+#: Attribute set on a host copy of a GPU tensor (by an async snapshot): the device the tensor
+#: lives on, recorded in the index so that a load returns it there.
+SOURCE_DEVICE_ATTR = "_nvckpt_source_device"
 
 #: Raw bytes handed to nvCOMP per batch: large enough to fill the GPU, small enough to bound
 #: the compressed bytes held on the device per job.
@@ -231,8 +236,16 @@ class CheckpointWriter:
             ) from exc
         skeleton, tensors = flatten(obj)
         planned = plan_tensors(tensors, self.policy, self.where)
+        try:
+            skeleton_bytes = encode_skeleton(skeleton)
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            # torch.save names the object's type only ("Can't pickle local object ...").
+            raise UnsupportedObjectError(
+                f"{self.where}: the checkpoint tree holds an object that cannot be pickled ({exc}); "
+                "remove it from the tree or replace it with plain values (numbers, strings, dicts, lists)"
+            ) from exc
         self._write(MAGIC)
-        skel_frame = self._write_skeleton(encode_skeleton(skeleton))
+        skel_frame = self._write_skeleton(skeleton_bytes)
         frames_of: list[list[Frame]] = [[] for _ in planned]
         with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="nvckpt-compress") as pool:
             window: deque[tuple[int, int, Future[_Encoded]]] = deque()
@@ -267,7 +280,7 @@ class CheckpointWriter:
                 chunk_bytes=item.chunk_bytes,
                 frames=tuple(frames),
                 # A GPU tensor an async snapshot staged in host memory records its own GPU.
-                device=str(getattr(item.tensor, "_nvckpt_source_device", item.tensor.device)),
+                device=str(getattr(item.tensor, SOURCE_DEVICE_ATTR, item.tensor.device)),
                 requires_grad=bool(item.tensor.requires_grad),
                 parameter=isinstance(item.tensor, torch.nn.Parameter),
             )

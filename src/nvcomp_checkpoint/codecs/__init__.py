@@ -13,7 +13,7 @@ import torch
 
 from ..errors import CodecUnavailableError
 from .base import CodecConfig, CpuCodec, GpuCodec
-from .cpu import NoneCpuCodec, ZstdCpuCodec
+from .cpu import ZSTD_MAX_LEVEL, NoneCpuCodec, ZstdCpuCodec
 
 __all__ = [
     "CodecConfig",
@@ -26,6 +26,7 @@ __all__ = [
     "gpu_codec",
     "gpu_available",
     "has_cpu_decoder",
+    "check_level",
 ]
 
 _CPU_CODECS = {"zstd": ZstdCpuCodec, "none": NoneCpuCodec}
@@ -34,6 +35,23 @@ PORTABLE_CODECS = ("zstd", "none")
 #: nvCOMP codecs with no maintained CPU decoder (NVIDIA/nvcomp issues 62, 80, 104).
 GPU_ONLY_CODECS = ("ans", "bitcomp", "gdeflate", "cascaded")
 CODEC_IDS = PORTABLE_CODECS + GPU_ONLY_CODECS
+
+
+def check_level(codec_id: str, level: int | None) -> None:
+    """Refuse a level ``codec_id``'s encoder would reject, before any data is written.
+
+    Raises:
+        ValueError: ``level`` is out of the codec's range.
+    """
+    if level is None or codec_id == "none":
+        return
+    if codec_id == "zstd":
+        if level > ZSTD_MAX_LEVEL:
+            raise ValueError(f"zstd level must be at most {ZSTD_MAX_LEVEL}, got {level}")
+        return
+    from . import nvcomp  # imports without CUDA; only the option table is used
+
+    nvcomp._codec_options(codec_id, level)
 
 
 def has_cpu_decoder(codec_id: str) -> bool:

@@ -12,7 +12,7 @@ import zstandard
 
 from ..errors import FormatError
 
-__all__ = ["ZstdCpuCodec", "NoneCpuCodec", "LARGE_FRAME_BYTES"]
+__all__ = ["ZstdCpuCodec", "NoneCpuCodec", "LARGE_FRAME_BYTES", "ZSTD_MAX_LEVEL"]
 
 #: Level-1 frames at least this large (libzstd's largest source-size class) are compressed with
 #: libzstd's level-1 parameters for that class except for a 2**10-entry hash table (instead of
@@ -21,6 +21,8 @@ __all__ = ["ZstdCpuCodec", "NoneCpuCodec", "LARGE_FRAME_BYTES"]
 #: finds fewer of them (benchmarks/README.md). Frames stay standard Zstd frames; smaller
 #: frames keep libzstd's own level-1 parameters.
 LARGE_FRAME_BYTES = 256 << 10
+#: Highest level libzstd accepts (negative levels, faster than 1, are accepted too).
+ZSTD_MAX_LEVEL = zstandard.MAX_COMPRESSION_LEVEL
 _LARGE_LEVEL1 = zstandard.ZstdCompressionParameters(
     window_log=19, chain_log=13, hash_log=10, search_log=1, min_match=7, target_length=0,
     strategy=zstandard.STRATEGY_FAST, write_content_size=1, write_checksum=0,

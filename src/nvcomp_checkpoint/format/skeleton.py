@@ -39,9 +39,11 @@ def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
     # Two entries of a tree that are the same view of the same storage (tied weights) are
     # stored once and come back as one tensor object, as torch.save does. The lazy conj/neg
     # bits are part of the identity: ``z`` and ``z.conj()`` share storage but hold other values.
+    # So are the Parameter type and requires_grad, which the file records per tensor: ``p`` and
+    # ``p.detach()`` come back as a Parameter and a plain tensor, as with torch.save.
     return (
         t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device,
-        t.is_conj(), t.is_neg(),
+        t.is_conj(), t.is_neg(), isinstance(t, torch.nn.Parameter), t.requires_grad,
     )
 
 
@@ -61,7 +63,11 @@ def flatten(obj: Any) -> tuple[Any, list[tuple[tuple[Any, ...], torch.Tensor]]]:
                 # Tensor subclasses (DTensor, FakeTensor ...) carry state we cannot rebuild.
                 return node
             # Sparse, nested and meta tensors have no storage to compare; the writer refuses them.
-            plain = node.device.type != "meta" and node.layout == torch.strided and not node.is_nested
+            # Empty tensors hold no bytes to share, and every empty storage has data_ptr 0.
+            plain = (
+                node.device.type != "meta" and node.layout == torch.strided and not node.is_nested
+                and node.numel() > 0
+            )
             ident = _tensor_identity(node) if plain else None
             if ident is not None and ident in seen:
                 return TensorRef(seen[ident])
