@@ -24,7 +24,7 @@ from .report import ComponentStats
 from .storage import Storage, storage_for
 from .writer import default_workers
 
-__all__ = ["CheckpointReader", "MapLocation", "is_checkpoint_file"]
+__all__ = ["CheckpointReader", "MapLocation"]
 
 MapLocation = None | str | torch.device | Mapping[str, str] | Callable[..., Any]
 
@@ -34,11 +34,6 @@ READ_AHEAD_BYTES = 64 << 20
 READ_AHEAD_TENSORS = 64
 
 
-def is_checkpoint_file(stream: IO[bytes]) -> bool:
-    """True if the stream starts with this format's magic (the stream is rewound)."""
-    head = stream.read(len(MAGIC))
-    stream.seek(0)
-    return head[:6] == MAGIC[:6]
 
 
 def _target_device(entry: TensorEntry, map_location: MapLocation) -> torch.device:
@@ -196,7 +191,7 @@ class CheckpointReader:
                 try:
                     device = torch.device("cpu") if has_cpu_decoder(entry.codec.id) or not gpu_available() else torch.device("cuda")
                     self._decode(entry, device, pool)
-                except (FormatError, CodecUnavailableError) as exc:
+                except CheckpointError as exc:
                     yield entry, exc
                 else:
                     yield entry, None
@@ -213,7 +208,7 @@ class CheckpointReader:
             raise FormatError(f"{self.path}: {what} at byte {frame.offset} does not decode: {exc}") from exc
 
     def _span(self, entry: TensorEntry) -> tuple[int, bytes]:
-        first = entry.frames[0].offset
+        first = min(f.offset for f in entry.frames)
         last = max(f.offset + f.size for f in entry.frames)
         return first, self._read_at(first, last - first)
 

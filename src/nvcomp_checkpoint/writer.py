@@ -93,7 +93,10 @@ def _compress_device(key: str, t: torch.Tensor, spec: CodecSpec, policy: CodecPo
     if policy.device.startswith("cuda") or gpu_only or t.is_cuda:
         if gpu_available():
             if policy.device.startswith("cuda"):
-                return torch.device(policy.device)
+                requested = torch.device(policy.device)
+                # Resolved here, in the caller's thread: worker threads start on device 0,
+                # which would put every rank of a multi-GPU run on GPU 0.
+                return requested if requested.index is not None else torch.device("cuda", torch.cuda.current_device())
             return t.device if t.is_cuda else torch.device("cuda", torch.cuda.current_device())
         if gpu_only or policy.device.startswith("cuda"):
             raise CodecUnavailableError(

@@ -213,6 +213,8 @@ def _entry_from_json(data: Any, data_start: int, data_end: int, where: str) -> T
             raise FormatError(f"{where_t}: malformed frame record {raw!r:.200}") from exc
         if offset < data_start or size < 0 or offset + size > data_end or size > raw_size:
             raise FormatError(f"{where_t}: frame at {offset} (+{size}) lies outside the data region")
+        if codec.id == "none" and size != raw_size:
+            raise FormatError(f"{where_t}: raw frame at {offset} holds {size} bytes, the shape needs {raw_size}")
         frames.append(Frame(offset, size, raw_size, digest))
     return TensorEntry(
         key, dtype, shape, component, codec, filt, width, chunk_bytes, tuple(frames), device, requires_grad, parameter
