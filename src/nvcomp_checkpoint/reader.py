@@ -26,6 +26,9 @@ from .writer import default_workers
 
 __all__ = ["CheckpointReader", "MapLocation"]
 
+#: Raw bytes decoded per nvCOMP batch on the GPU: the writer's batch size, so memory stays bounded.
+_GPU_GROUP_BYTES = 256 << 20
+
 MapLocation = None | str | torch.device | Mapping[str, str] | Callable[..., Any]
 
 #: How far :meth:`CheckpointReader.load` reads and decodes ahead of the tensor it finishes:
@@ -276,31 +279,39 @@ class CheckpointReader:
         return finish
 
     def _decode_gpu(self, entry: TensorEntry, device: torch.device) -> torch.Tensor:
+        """Decode on ``device`` in groups of chunks, so GPU memory holds one group's frames at a time."""
         out = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
-        if entry.frames:
-            base, span = self._span(entry)
-            for j, f in enumerate(entry.frames):
-                if xxhash.xxh3_64_intdigest(memoryview(span)[f.offset - base : f.offset - base + f.size]) != f.xxh:
+        planes = entry.planes
+        filt = ByteplaneFilter(entry.width)
+        chunks = entry.chunks()
+        per_group = max(1, _GPU_GROUP_BYTES // max(1, entry.chunk_bytes))
+        codec = gpu_codec(entry.codec.id, None, device) if entry.codec.id != "none" else None
+        for g in range(0, len(chunks), per_group):
+            group = chunks[g : g + per_group]
+            frames = [f for _, _, fr in group for f in fr]
+            base = min(f.offset for f in frames)
+            span = self._read_at(base, max(f.offset + f.size for f in frames) - base)
+            view = memoryview(span)
+            for j, f in enumerate(frames):
+                if xxhash.xxh3_64_intdigest(view[f.offset - base : f.offset - base + f.size]) != f.xxh:
                     # The same words as the CPU path: tensor, chunk, plane, what to do.
                     raise ChecksumError(
-                        f"{self.path}: tensor {entry.key!r}, chunk {j // entry.planes}"
-                        + (f" (byte plane {j % entry.planes})" if entry.planes > 1 else "")
+                        f"{self.path}: tensor {entry.key!r}, chunk {g + j // planes}"
+                        + (f" (byte plane {j % planes})" if planes > 1 else "")
                         + f" at byte {f.offset} is corrupt (checksum mismatch); restore the file from another copy"
                     )
-            dev_span = torch.frombuffer(bytearray(span), dtype=torch.uint8).to(device)
-            frames = [dev_span[f.offset - base : f.offset - base + f.size] for f in entry.frames]
-            decoded: list[torch.Tensor] = list(frames)
-            todo = [i for i, f in enumerate(entry.frames) if not f.is_raw]
-            if todo and entry.codec.id != "none":
-                codec = gpu_codec(entry.codec.id, None, device)
-                results = codec.decode_batch([frames[i] for i in todo], [entry.frames[i].raw_size for i in todo])
+            host = torch.frombuffer(bytearray(span), dtype=torch.uint8).pin_memory()
+            dev_span = host.to(device, non_blocking=True)
+            pieces = [dev_span[f.offset - base : f.offset - base + f.size] for f in frames]
+            todo = [i for i, f in enumerate(frames) if not f.is_raw]
+            if todo and codec is not None:
+                results = codec.decode_batch([pieces[i] for i in todo], [frames[i].raw_size for i in todo])
                 for i, r in zip(todo, results):
-                    decoded[i] = r
-            filt = ByteplaneFilter(entry.width)
-            planes = entry.planes
-            for ci, (start, length, _) in enumerate(entry.chunks()):
-                parts = decoded[ci * planes : (ci + 1) * planes]
-                out[start : start + length] = filt.join_torch(parts) if planes > 1 else parts[0]
+                    pieces[i] = r
+            for k, (start, length, _) in enumerate(group):
+                parts = pieces[k * planes : (k + 1) * planes]
+                target = out[start : start + length]
+                target.copy_(filt.join_torch(parts) if planes > 1 else parts[0])
         return _typed(out, entry)
 
     def _finish(self, entry: TensorEntry, t: torch.Tensor, map_location: MapLocation) -> torch.Tensor:
