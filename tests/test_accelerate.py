@@ -30,7 +30,7 @@ N_STEPS, M_STEPS = 4, 3
 SCRIPT = textwrap.dedent(
     '''
     """Train / save / resume a tiny model with Accelerate (written by tests/test_accelerate.py)."""
-    import copy, json, os, random, resource, signal, sys
+    import copy, errno, json, os, random, resource, signal, sys, time
     import numpy as np
     import torch
     from accelerate import Accelerator
@@ -53,7 +53,34 @@ SCRIPT = textwrap.dedent(
             self.seen, self.loss_sum = state["seen"], state["loss_sum"]
 
 
-    def build(project_dir=None, total_limit=None, hooks=True):
+    class Slow:
+        """Stream wrapper: holds the first write of each file for `delay` seconds (a slow store)."""
+
+        def __init__(self, inner, delay):
+            self.inner, self.delay, self.first = inner, delay, True
+
+        def write(self, data):
+            if self.first:
+                self.first = False
+                time.sleep(self.delay)
+            return self.inner.write(data)
+
+
+    class FailFiles:
+        """Stream wrapper factory: the files numbered in `fail` (1-based, in save order) hit a full disk."""
+
+        def __init__(self, *fail):
+            self.fail, self.count = set(fail), 0
+
+        def __call__(self, stream):
+            self.count += 1
+            return self if self.count in self.fail else stream
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+    def build(project_dir=None, total_limit=None, hooks=True, async_save=False, stream_wrapper=None, on_saved=None):
         set_seed(0)
         config = ProjectConfiguration(
             project_dir=project_dir, automatic_checkpoint_naming=project_dir is not None, total_limit=total_limit
@@ -68,7 +95,10 @@ SCRIPT = textwrap.dedent(
         model, opt, sched = acc.prepare(model, opt, sched)
         tracker = Tracker()
         acc.register_for_checkpointing(tracker)
-        hooks = register_nvcomp_hooks(acc) if hooks else None
+        if hooks:
+            hooks = register_nvcomp_hooks(acc, async_save=async_save, stream_wrapper=stream_wrapper, on_saved=on_saved)
+        else:
+            hooks = None
         return acc, model, opt, sched, tracker, hooks
 
 
@@ -116,8 +146,26 @@ SCRIPT = textwrap.dedent(
             at_n = snapshot(objs)
             losses = train(objs, int(args[1]))
             torch.save({"at_n": at_n, "losses": losses, "final": snapshot(objs), "report": report.to_dict()}, os.path.join(out, "run.pt"))
+        elif mode == "run-async":  # N steps, an async save, M more steps while it is written
+            objs = build(async_save=True, stream_wrapper=lambda s: Slow(s, float(args[2])))
+            train(objs, int(args[0]))
+            at_n = snapshot(objs)
+            hooked = os.path.join(out, "hooked")
+            objs[0].save_state(hooked)
+            in_flight = objs[5].pending() and not os.path.exists(hooked)
+            losses = train(objs, int(args[1]))  # changes every parameter while the files are written
+            objs[5].wait()
+            report = objs[5].last_report
+            torch.save({"at_n": at_n, "losses": losses, "final": snapshot(objs), "report": report.to_dict(),
+                        "in_flight": in_flight}, os.path.join(out, "run-async.pt"))
+        elif mode == "exit-pending":  # an async save to a slow store, and the process ends at once
+            objs = build(async_save=True, stream_wrapper=lambda s: Slow(s, 0.3))
+            train(objs, 2)
+            torch.save(snapshot(objs), os.path.join(out, "at_save.pt"))
+            objs[0].save_state(os.path.join(out, "ckpt"))
+            print(json.dumps({"pending_at_exit": objs[5].pending()}))
         elif mode == "resume":  # load a directory, M more steps
-            objs = build()
+            objs = build(async_save=args[2:3] == ("async",))
             objs[0].load_state(args[0])
             loaded = snapshot(objs)
             losses = train(objs, int(args[1]))
@@ -165,7 +213,9 @@ SCRIPT = textwrap.dedent(
             objs[0].project_configuration.iteration = int(args[0])
             objs[0].save_state()
         elif mode == "ddp":  # under torchrun: two processes share one directory
-            objs = build(project_dir=out, total_limit=1)
+            slow = args[0:1] == ("async",)  # async, to a slow store: the commit lands after load_state is called
+            objs = build(project_dir=out, total_limit=1, async_save=slow,
+                         stream_wrapper=(lambda s: Slow(s, 1.0)) if slow else None)
             train(objs, 2)
             objs[0].save_state()
             saved = snapshot(objs)
@@ -225,10 +275,31 @@ def _dir_bytes(path: Path, names: list[str] | None = None) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file() and (names is None or f.name in names))
 
 
-def test_resume_in_fresh_process_matches_uninterrupted_run(trained: Path, script: Path, tmp_path: Path) -> None:
-    run = _load_pt(trained / "run.pt")
+@pytest.fixture(scope="module")
+def trained_async(script: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same N steps in a fresh process, saved with ``async_save`` to a slow store, M more steps at once."""
+    out = tmp_path_factory.mktemp("accelerate_async_run")
+    _run(str(script), "run-async", str(out), str(N_STEPS), str(M_STEPS), "0.3")
+    return out
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_resume_in_fresh_process_matches_uninterrupted_run(
+    trained: Path, trained_async: Path, script: Path, tmp_path: Path, mode: str
+) -> None:
+    directory = trained if mode == "sync" else trained_async
+    run = _load_pt(directory / ("run.pt" if mode == "sync" else "run-async.pt"))
+    if mode == "async":
+        # save_state returned before anything was on disk, and training went on meanwhile ...
+        assert run["in_flight"]
+        assert run["report"]["seconds"] - run["report"]["seconds_blocked"] >= 0.5  # two files held 0.3 s each
+        # ... yet the files hold the state at step N: the same as the synchronous run's.
+        assert_tree_equal(_load_pt(trained / "run.pt")["at_n"], run["at_n"])
+        assert sorted(os.listdir(directory / "hooked")) == sorted([
+            MANIFEST_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
+        ])
     out = tmp_path / "resumed.pt"
-    _run(str(script), "resume", str(out), str(trained / "hooked"), str(M_STEPS))
+    _run(str(script), "resume", str(out), str(directory / "hooked"), str(M_STEPS), mode)
     resumed = _load_pt(out)
     # Model, optimizer, scheduler, custom object and every RNG bit-identical at step N ...
     assert_tree_equal(run["at_n"], resumed["loaded"])
@@ -474,13 +545,121 @@ def test_interrupted_replacement_is_recovered_at_load(trained: Path, script: Pat
     assert_tree_equal(_load_pt(trained / "run.pt")["at_n"]["model"], module.snapshot(objs)["model"])
 
 
-def test_two_processes_share_one_directory(script: Path, tmp_path: Path) -> None:
-    # DDP on the CPU (gloo): the main process writes and commits, every rank its RNG state.
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_processes_share_one_directory(script: Path, tmp_path: Path, mode: str) -> None:
+    # DDP on the CPU (gloo): the main process writes and commits, every rank its RNG state. With
+    # async saves, rank 1's load_state must wait for rank 0's background commit.
     project = tmp_path / "project"
-    _run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), "ddp", str(project))
+    _run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), "ddp", str(project), mode)
     ckpt = project / "checkpoints" / "checkpoint_0"
     files = json.loads((ckpt / MANIFEST_NAME).read_text())["files"]
     assert {"model.nvc", "optimizer.nvc", "random_states_0.pkl", "random_states_1.pkl"} <= set(files)
     for rank in (0, 1):
         result = _load_pt(project / f"rank{rank}.pt")
         assert_tree_equal(result["saved"], result["loaded"])
+
+
+def test_async_commit_and_rotation_wait_until_the_files_are_durable(script: Path, tmp_path: Path) -> None:
+    # Automatic naming, total_limit=1, a slow store: a reader of checkpoints/ must always find one
+    # complete checkpoint, and rotation must never remove it before the next one is committed.
+    module = _module(script)
+    project = tmp_path / "project"
+    committed: list[tuple[str, bool]] = []
+
+    def on_saved(report: nc.SaveReport) -> None:
+        committed.append((Path(report.path).name, is_nvcomp_state_dir(report.path)))
+
+    objs = module.build(project_dir=str(project), total_limit=1, async_save=True,
+                        stream_wrapper=lambda s: module.Slow(s, 0.3), on_saved=on_saved)
+    acc, hooks = objs[0], objs[5]
+    checkpoints = project / "checkpoints"
+
+    module.train(objs, 1)
+    acc.save_state()
+    assert hooks.pending() and not (checkpoints / "checkpoint_0").exists()
+    staging = project / ".checkpoint_0.nvckpt-staging"
+    assert (staging / "scheduler.bin").is_file() and not (staging / MANIFEST_NAME).exists()  # Accelerate's files: at once
+    hooks.wait()
+    assert os.listdir(checkpoints) == ["checkpoint_0"] and is_nvcomp_state_dir(checkpoints / "checkpoint_0")
+
+    module.train(objs, 1)
+    acc.save_state()  # checkpoint_1, pending: total_limit=1 must not have removed checkpoint_0 yet
+    assert hooks.pending()
+    assert os.listdir(checkpoints) == ["checkpoint_0"] and is_nvcomp_state_dir(checkpoints / "checkpoint_0")
+
+    module.train(objs, 1)
+    at_save = module.snapshot(objs)
+    acc.save_state()  # waited for checkpoint_1's commit and rotation first
+    assert committed[-1] == ("checkpoint_1", True)
+    assert os.listdir(checkpoints) == ["checkpoint_1"] and is_nvcomp_state_dir(checkpoints / "checkpoint_1")
+    assert hooks.pending() and acc.save_iteration == 3
+    module.train(objs, 2)  # training goes on while checkpoint_2 is written
+
+    acc.load_state()  # waits for checkpoint_2, then loads the newest
+    loaded = module.snapshot(objs)
+    for key in ("model", "optimizer", "scheduler", "tracker"):
+        assert_tree_equal(at_save[key], loaded[key])
+    assert os.listdir(checkpoints) == ["checkpoint_2"]
+    assert committed == [("checkpoint_0", True), ("checkpoint_1", True), ("checkpoint_2", True)]
+    report = hooks.last_report
+    assert report is not None and report.path.endswith("checkpoint_2")
+    assert report.seconds - report.seconds_blocked >= 0.5  # the two files were written after save_state returned
+    assert report.stored_bytes == sum((checkpoints / "checkpoint_2" / n).stat().st_size for n in ("model.nvc", "optimizer.nvc"))
+    assert not [p for p in os.listdir(project) if p.startswith(".")]
+    hooks.remove()
+
+
+def test_async_failure_commits_nothing_and_is_raised_by_the_next_call(script: Path, tmp_path: Path) -> None:
+    module = _module(script)
+    project = tmp_path / "project"
+    # Files 1-2 are checkpoint_0; the optimizer file of checkpoint_1 (file 4) and then the model
+    # file of the save after it (file 7: 5-6 are the retried checkpoint_1) hit a full disk.
+    objs = module.build(project_dir=str(project), total_limit=1, async_save=True, stream_wrapper=module.FailFiles(4, 7))
+    acc, hooks = objs[0], objs[5]
+    checkpoints = project / "checkpoints"
+    module.train(objs, 1)
+    acc.save_state()
+    hooks.wait()
+    at_0 = module.snapshot(objs)
+
+    module.train(objs, 1)
+    acc.save_state()  # returns: the failure happens in the background
+    module.train(objs, 1)
+    with pytest.raises(nc.errors.CheckpointWriteError) as info:
+        acc.save_state()  # reports it, and is not started itself
+    message = str(info.value)
+    assert str(checkpoints / "checkpoint_1") in message and "disk is full" in message and "untouched" in message
+    assert "next save_state" in message
+    assert os.listdir(checkpoints) == ["checkpoint_0"]  # not rotated away
+    assert not [p for p in os.listdir(project) if p.startswith(".")]  # staging removed
+    assert acc.save_iteration == 1  # as after a synchronous failure: the number is reused
+
+    acc.save_state()  # the retry commits checkpoint_1 and rotates checkpoint_0 out
+    at_1 = module.snapshot(objs)
+    hooks.wait()
+    assert os.listdir(checkpoints) == ["checkpoint_1"]
+
+    module.train(objs, 1)
+    acc.save_state()  # checkpoint_2 fails in the background ...
+    with pytest.raises(nc.errors.CheckpointWriteError, match="checkpoint_2.*load_state"):
+        acc.load_state()  # ... and load_state says so instead of silently loading checkpoint_1
+    assert os.listdir(checkpoints) == ["checkpoint_1"]
+    acc.load_state()
+    loaded = module.snapshot(objs)
+    for key in ("model", "optimizer", "scheduler", "tracker"):
+        assert_tree_equal(at_1[key], loaded[key])
+    assert not torch.equal(at_0["model"]["0.weight"], at_1["model"]["0.weight"])
+    hooks.remove()
+
+
+def test_async_save_pending_at_exit_is_committed_before_the_process_ends(script: Path, tmp_path: Path) -> None:
+    proc = _run(str(script), "exit-pending", str(tmp_path))
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"pending_at_exit": True}
+    assert is_nvcomp_state_dir(tmp_path / "ckpt")
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+    objs = _module(script).build()
+    objs[0].load_state(str(tmp_path / "ckpt"))
+    fresh = _module(script).snapshot(objs)
+    saved = _load_pt(tmp_path / "at_save.pt")
+    for key in ("model", "optimizer", "scheduler", "tracker"):
+        assert_tree_equal(saved[key], fresh[key])

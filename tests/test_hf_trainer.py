@@ -5,6 +5,7 @@ Real ``Trainer`` runs of a tiny GPT-2 built from a config (no download); resumes
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import os
@@ -12,9 +13,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import torch
@@ -25,7 +28,7 @@ pytest.importorskip("safetensors")
 import safetensors  # noqa: E402
 import safetensors.torch  # noqa: E402
 from conftest import assert_tree_equal  # noqa: E402
-from transformers import GPT2LMHeadModel, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
+from transformers import GPT2LMHeadModel, TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints  # noqa: E402
 
 import nvcomp_checkpoint as nc  # noqa: E402
@@ -105,12 +108,14 @@ SCRIPT = textwrap.dedent(
                 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
-    def run(output_dir, max_steps, save_steps, *, compress=True, resume=None, callbacks=(), eval_data=False, **extra):
+    def run(output_dir, max_steps, save_steps, *, compress=True, resume=None, callbacks=(), eval_data=False,
+            nvcomp=None, after=(), **extra):
+        """`nvcomp`: keyword arguments of NvcompTrainerCallback; `after`: callbacks that run after it."""
         args = TrainingArguments(
             output_dir=output_dir, max_steps=max_steps, save_steps=save_steps, per_device_train_batch_size=4,
             logging_steps=1, learning_rate=1e-3, seed=1, report_to=[], use_cpu=True, disable_tqdm=True, **extra,
         )
-        callbacks = list(callbacks) + ([NvcompTrainerCallback()] if compress else [])
+        callbacks = list(callbacks) + ([NvcompTrainerCallback(**(nvcomp or {}))] if compress else []) + list(after)
         trainer = (NvcompTrainer if compress else Trainer)(
             model=tiny_model(), args=args, train_dataset=Tokens(),
             eval_dataset=Tokens(8, seed=1) if eval_data else None, callbacks=callbacks,
@@ -132,10 +137,12 @@ SCRIPT = textwrap.dedent(
         p.add_argument("--dump", default=None)
         p.add_argument("--log", default=None)
         p.add_argument("--full-disk-at", type=int, default=None)
+        p.add_argument("--async-save", action="store_true")
         a = p.parse_args()
         callbacks = ([DumpAtStart(a.dump)] if a.dump else []) + ([FullDiskAt(a.full_disk_at)] if a.full_disk_at else [])
         resume = True if a.resume == "latest" else a.resume
-        trainer = run(a.output_dir, a.max_steps, a.save_steps, resume=resume, callbacks=callbacks)
+        trainer = run(a.output_dir, a.max_steps, a.save_steps, resume=resume, callbacks=callbacks,
+                      nvcomp={"async_save": a.async_save})
         if a.log:
             with open(a.log, "w") as f:
                 json.dump(losses(trainer), f)
@@ -165,9 +172,12 @@ def runs(script: tuple[Path, ModuleType], tmp_path_factory: pytest.TempPathFacto
     snapshots = mod.Snapshots()
     plain = mod.run(str(root / "plain"), 8, 2, compress=False, callbacks=[snapshots])
     callback_run = mod.run(str(root / "nvc"), 8, 4)
+    async_run = mod.run(str(root / "nvc-async"), 8, 4, nvcomp={"async_save": True})
     return {
         "plain_dir": root / "plain",
         "nvc_dir": root / "nvc",
+        "nvc_async_dir": root / "nvc-async",
+        "nvc_async_losses": mod.losses(async_run),
         "plain_losses": mod.losses(plain),
         "nvc_losses": mod.losses(callback_run),
         "at": snapshots.at,
@@ -192,11 +202,13 @@ def _trainer_files_state(checkpoint: Path) -> dict[str, Any]:
     }
 
 
-def test_checkpoints_hold_compressed_files_bit_identical_to_the_trainers(runs: dict[str, Any]) -> None:
-    # Compressing after each save does not disturb training.
-    assert runs["nvc_losses"] == runs["plain_losses"]
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_checkpoints_hold_compressed_files_bit_identical_to_the_trainers(runs: dict[str, Any], mode: str) -> None:
+    # Compressing after each save (or during the steps after it) does not disturb training.
+    directory = runs["nvc_dir"] if mode == "sync" else runs["nvc_async_dir"]
+    assert runs["nvc_losses" if mode == "sync" else "nvc_async_losses"] == runs["plain_losses"]
     for step in (4, 8):
-        ckpt = runs["nvc_dir"] / f"checkpoint-{step}"
+        ckpt = directory / f"checkpoint-{step}"
         names = {p.name for p in ckpt.iterdir()}
         assert set(NVC_FILES) <= names and not set(PLAIN_FILES) & names, names
         assert {"trainer_state.json", "scheduler.pt", "rng_state.pth"} <= names
@@ -221,14 +233,16 @@ def test_checkpoint_directory_is_smaller_than_the_plain_one(runs: dict[str, Any]
         assert packed_files < 0.95 * plain_files, (step, packed_files, plain_files)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_resume_in_a_fresh_process_matches_the_uninterrupted_run(
-    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path
+    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path, mode: str
 ) -> None:
     path, _ = script
     out = tmp_path / "resumed"
-    shutil.copytree(runs["nvc_dir"] / "checkpoint-4", out / "checkpoint-4")
+    shutil.copytree(runs["nvc_dir" if mode == "sync" else "nvc_async_dir"] / "checkpoint-4", out / "checkpoint-4")
     proc = _python(
-        [str(path), str(out), "--resume", "latest", "--dump", str(tmp_path / "start.pt"), "--log", str(tmp_path / "log.json")],
+        [str(path), str(out), "--resume", "latest", "--dump", str(tmp_path / "start.pt"), "--log", str(tmp_path / "log.json")]
+        + (["--async-save"] if mode == "async" else []),
         tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -288,8 +302,9 @@ def test_failed_conversion_leaves_every_checkpoint_loadable(
     assert set(NVC_FILES) <= {p.name for p in (out / "checkpoint-8").iterdir()}
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_rotation_keeps_the_newest_and_the_best_checkpoint(
-    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path
+    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path, mode: str
 ) -> None:
     _, mod = script
     out = tmp_path / "out"
@@ -298,6 +313,7 @@ def test_rotation_keeps_the_newest_and_the_best_checkpoint(
     trainer = mod.run(
         str(out), 8, 2, eval_data=True, eval_strategy="steps", eval_steps=2, save_total_limit=2,
         load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+        nvcomp={"async_save": mode == "async"},
     )
     evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
     best_step = max(evals, key=lambda s: (evals[s], -s))
@@ -370,3 +386,120 @@ def test_plain_checkpoints_still_resume_with_nvcomp_trainer(
     assert isinstance(trainer, NvcompTrainer)
     assert mod.losses(trainer) == runs["plain_losses"]
     assert set(NVC_FILES) <= {p.name for p in (tmp_path / "out" / "checkpoint-8").iterdir()}
+
+
+# -- async conversion ---------------------------------------------------------------------------
+class SlowStream:
+    """Holds the first write of each compressed file for ``delay`` seconds (a slow disk)."""
+
+    def __init__(self, inner: IO[bytes], delay: float) -> None:
+        self.inner, self.delay, self.first = inner, delay, True
+
+    def write(self, data: Any) -> int:
+        if self.first:
+            self.first = False
+            time.sleep(self.delay)
+        return self.inner.write(data)
+
+
+class FailFiles:
+    """Stream wrapper factory: the compressed files numbered in ``fail`` (1-based) hit a full disk."""
+
+    def __init__(self, *fail: int) -> None:
+        self.fail, self.count = set(fail), 0
+
+    def __call__(self, stream: IO[bytes]) -> IO[bytes]:
+        self.count += 1
+        return self if self.count in self.fail else stream  # type: ignore[return-value]
+
+    def write(self, data: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _state_of(checkpoint: Path) -> str:
+    names = {p.name for p in checkpoint.iterdir()}
+    if any(".tmp-" in n for n in names):
+        return "writing"
+    plain, packed = bool(set(PLAIN_FILES) & names), bool(set(NVC_FILES) & names)
+    return {(True, False): "plain", (False, True): "compressed", (True, True): "converting"}.get((plain, packed), "empty")
+
+
+class WatchCheckpoints(TrainerCallback):
+    """Runs after NvcompTrainerCallback: what the Trainer's next save and rotation would find."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = Path(output_dir)
+        self.in_progress_seen = 0
+        self.before_save: list[dict[str, str]] = []
+
+    def _states(self) -> dict[str, str]:
+        return {p.name: _state_of(p) for p in sorted(self.output_dir.glob("checkpoint-*"))}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        states = self._states()
+        if control.should_save:
+            self.before_save.append(states)  # our callback has waited: the Trainer saves and rotates now
+        else:
+            self.in_progress_seen += any(v != "compressed" for v in states.values())
+
+
+def test_async_conversion_overlaps_training_and_finishes_before_the_next_save(
+    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path
+) -> None:
+    _, mod = script
+    out = tmp_path / "out"
+    delay = 0.3
+    reports: list[tuple[nc.SaveReport, str, bool]] = []
+
+    def on_saved(report: nc.SaveReport) -> None:
+        reports.append((report, _state_of(Path(report.path)), threading.current_thread() is threading.main_thread()))
+
+    watch = WatchCheckpoints(str(out))
+    trainer = mod.run(
+        str(out), 8, 2, save_total_limit=1, after=[watch],
+        nvcomp={"async_save": True, "on_saved": on_saved, "stream_wrapper": lambda s: SlowStream(s, delay)},
+    )
+    # Training went on while checkpoints were converted (two files held 0.3 s each) ...
+    assert watch.in_progress_seen >= 1
+    # ... but whenever the Trainer was about to save and rotate, every checkpoint was finished.
+    assert len(watch.before_save) == 4
+    for states in watch.before_save:
+        assert set(states.values()) <= {"compressed"}, states
+    assert mod.losses(trainer) == runs["plain_losses"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-8"]
+    assert _state_of(out / "checkpoint-8") == "compressed"
+    assert_tree_equal(nc.load(out / "checkpoint-8" / "optimizer.pt.nvc")["optimizer"], runs["at"][8]["optimizer"])
+    # on_saved: once per checkpoint, when its directory was compressed; on the background thread
+    # except for the last save, which ends training and is converted before on_save returns.
+    assert [Path(r.path).name for r, _, _ in reports] == [f"checkpoint-{s}" for s in (2, 4, 6, 8)]
+    assert all(state == "compressed" for _, state, _ in reports)
+    assert [main for _, _, main in reports] == [False, False, False, False]
+    last = reports[-1][0]
+    assert last.seconds - last.seconds_blocked >= 2 * delay * 0.9 and last.seconds_blocked < delay
+    callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, NvcompTrainerCallback))
+    assert callback.last_report is last and not callback.pending()
+
+
+@pytest.mark.parametrize(("fail", "reported_by"), [(4, "the next save"), (8, "end of training")])
+def test_async_conversion_failure_is_raised_and_leaves_the_trainers_files(
+    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path, fail: int, reported_by: str
+) -> None:
+    # File 4 is checkpoint-4's optimizer.pt.nvc (raised before the save at step 6); file 8 is
+    # checkpoint-8's (the save that ends training: raised by its on_save).
+    _, mod = script
+    out = tmp_path / "out"
+    failing = f"checkpoint-{fail}"
+    with pytest.raises(nc.errors.CheckpointWriteError) as info:
+        mod.run(str(out), 8, 2, nvcomp={"async_save": True, "stream_wrapper": FailFiles(fail)})
+    message = str(info.value)
+    assert str(out / failing) in message and "disk is full" in message and reported_by in message, message
+    assert "untouched" in message
+    # The failed conversion was undone: exactly the Trainer's files, which resume.
+    assert _state_of(out / failing) == "plain"
+    assert_tree_equal(_trainer_files_state(out / failing), _trainer_files_state(runs["plain_dir"] / failing))
+    assert all(_state_of(p) == "compressed" for p in out.glob("checkpoint-*") if p.name != failing)
+    assert get_last_checkpoint(str(out)) == str(out / failing)
+    if fail < 8:  # the run resumes from the plain checkpoint and converts its later saves
+        trainer = mod.run(str(out), 8, 2, resume=True, nvcomp={"async_save": True})
+        assert mod.losses(trainer) == runs["plain_losses"]  # the restored log history, then the same losses
+        assert _state_of(out / "checkpoint-8") == "compressed"

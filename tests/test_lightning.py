@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import errno
 import json
 import logging
@@ -11,9 +12,11 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import torch
@@ -28,7 +31,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from nvcomp_checkpoint import CodecPolicy  # noqa: E402
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, UnsafeCheckpointError  # noqa: E402
-from nvcomp_checkpoint.lightning import NvcompCheckpointIO, load_from_checkpoint  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from nvcomp_checkpoint.lightning import NvcompCheckpointIO, NvcompCheckpointMetrics, load_from_checkpoint  # noqa: E402
 
 TESTS_DIR = Path(__file__).resolve().parent
 BATCHES_PER_EPOCH = 4
@@ -102,8 +106,9 @@ def fit_tiny(
     warnings.filterwarnings("ignore", module="lightning")
     pl.seed_everything(0, verbose=False)
     log = LossLog()
+    trainer_kwargs.setdefault("logger", False)
     trainer = pl.Trainer(
-        default_root_dir=str(root), max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False,
+        default_root_dir=str(root), max_epochs=max_epochs, accelerator="cpu", devices=1,
         enable_progress_bar=False, enable_model_summary=False, plugins=plugins or [],
         callbacks=[log, *(callbacks or [])], **trainer_kwargs,
     )
@@ -126,9 +131,45 @@ sys.path.insert(0, {tests!r})
 from test_lightning import DumpRestoredState, LossLog, fit_tiny
 from nvcomp_checkpoint.lightning import NvcompCheckpointIO
 
-fit_tiny({root!r}, {epochs}, plugins=[NvcompCheckpointIO()], ckpt_path={ckpt!r},
+fit_tiny({root!r}, {epochs}, plugins=[NvcompCheckpointIO(async_save={async_save})], ckpt_path={ckpt!r},
          callbacks=[DumpRestoredState({dump!r}), LossLog({losses!r})])
 """
+
+
+class SlowStream:
+    """Holds the first write of each file for ``delay`` seconds: a slow disk or object store."""
+
+    def __init__(self, inner: IO[bytes], delay: float) -> None:
+        self.inner, self.delay, self.first = inner, delay, True
+
+    def write(self, data: Any) -> int:
+        if self.first:
+            self.first = False
+            time.sleep(self.delay)
+        return self.inner.write(data)
+
+
+def slow(delay: float) -> Any:
+    return lambda stream: SlowStream(stream, delay)
+
+
+class FailingSaves:
+    """A stream wrapper whose saves number ``fail`` (1-based) and later hit a full disk (ENOSPC)."""
+
+    def __init__(self, *fail: int) -> None:
+        self.fail, self.count = set(fail), 0
+
+    def __call__(self, stream: IO[bytes]) -> IO[bytes]:
+        self.count += 1
+        return DiskFull(stream) if self.count in self.fail else stream
+
+
+class DiskFull:
+    def __init__(self, inner: IO[bytes]) -> None:
+        self.inner = inner
+
+    def write(self, data: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 # -- two runs shared by the tests: N epochs with the plugin, N+M epochs with torch.save -------
@@ -149,16 +190,27 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-def test_resume_in_a_fresh_process_continues_the_uninterrupted_run(runs, tmp_path):
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The N-epoch run of ``runs`` again, with every checkpoint written in the background."""
+    base = tmp_path_factory.mktemp("lightning-async-run")
+    plugin = NvcompCheckpointIO(async_save=True)
+    trainer, _, losses = fit_tiny(base, N_EPOCHS, plugins=[plugin], callbacks=[every_epoch(base)])
+    return {"dir": base, "nvc_ckpt": base / ckpt_name(N_EPOCHS), "nvc_losses": losses, "plugin": plugin}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_resume_in_a_fresh_process_continues_the_uninterrupted_run(runs, async_run, tmp_path, mode):
     n_steps = N_EPOCHS * BATCHES_PER_EPOCH
-    assert runs["nvc_losses"] == runs["plain_losses"][:n_steps]  # the plugin changes nothing in training
-    assert nc.is_nvcomp_checkpoint(runs["nvc_ckpt"])
+    saved = runs if mode == "sync" else async_run
+    assert saved["nvc_losses"] == runs["plain_losses"][:n_steps]  # the plugin changes nothing in training
+    assert nc.is_nvcomp_checkpoint(saved["nvc_ckpt"])
 
     dump, losses = tmp_path / "restored.pt", tmp_path / "losses.json"
     script = tmp_path / "resume.py"
     script.write_text(RESUME_SCRIPT.format(
         tests=str(TESTS_DIR), root=str(tmp_path / "resumed"), epochs=N_EPOCHS + M_EPOCHS,
-        ckpt=str(runs["nvc_ckpt"]), dump=str(dump), losses=str(losses),
+        ckpt=str(saved["nvc_ckpt"]), dump=str(dump), losses=str(losses), async_save=mode == "async",
     ))
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -170,6 +222,11 @@ def test_resume_in_a_fresh_process_continues_the_uninterrupted_run(runs, tmp_pat
     assert_tree_equal(at_n["optimizer_states"][0], restored["optimizer"], "optimizer")
     # ... and the M steps after it produce the same losses, bit for bit.
     assert json.loads(losses.read_text()) == runs["plain_losses"][n_steps:]
+    # The resumed run's default ModelCheckpoint (top-1) rotated its saves; the last one landed
+    # before the process exited.
+    kept = tmp_path / "resumed" / "checkpoints"
+    assert sorted(p.name for p in kept.iterdir()) == [ckpt_name(N_EPOCHS + M_EPOCHS)]
+    assert nc.load(kept / ckpt_name(N_EPOCHS + M_EPOCHS))["global_step"] == (N_EPOCHS + M_EPOCHS) * BATCHES_PER_EPOCH
 
 
 def test_checkpoint_files_are_smaller_than_torch_checkpoint_io(runs):
@@ -455,3 +512,260 @@ def test_remove_checkpoint(tmp_path):
     plugin.remove_checkpoint(tmp_path / "never-there.ckpt")
     assert not any(tmp_path.iterdir())
     plugin.teardown()
+
+
+# -- async saves ------------------------------------------------------------------------------
+def _complete_checkpoints(directory: Path) -> list[str]:
+    """The checkpoint files a reader sees (a save in progress is a hidden temporary file)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p.name for p in directory.iterdir() if p.suffix == ".ckpt" and not p.name.startswith("."))
+
+
+def test_async_checkpoints_hold_the_state_of_their_own_step(runs, async_run):
+    # Training changed the parameters while each file was still being written; the snapshot
+    # taken by save_checkpoint is what landed, bit for bit as the synchronous torch.save run.
+    for e in range(1, N_EPOCHS + 1):
+        ours = NvcompCheckpointIO().load_checkpoint(async_run["dir"] / ckpt_name(e))
+        plain = torch.load(runs["plain_dir"] / ckpt_name(e), weights_only=True)
+        assert ours["global_step"] == plain["global_step"] == e * BATCHES_PER_EPOCH
+        assert_tree_equal(plain["state_dict"], ours["state_dict"], ckpt_name(e))
+        assert_tree_equal(plain["optimizer_states"], ours["optimizer_states"], ckpt_name(e))
+    report = async_run["plugin"].last_report
+    assert report is not None and report.path == str(async_run["nvc_ckpt"])
+    assert report.stored_bytes == async_run["nvc_ckpt"].stat().st_size
+    assert async_run["plugin"].pending() == 0
+
+
+class DirectoryWatch:
+    """Polls a checkpoint directory from a thread: when each complete checkpoint appeared and went."""
+
+    def __init__(self, directory: Path, interval: float = 0.005) -> None:
+        self.directory, self.interval = directory, interval
+        self.appeared: dict[str, float] = {}
+        self.vanished: dict[str, float] = {}
+        self.empty_after_first: list[float] = []  # moments with no complete top-k checkpoint on disk
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        seen: set[str] = set()
+        while not self._stop.is_set():
+            now = time.perf_counter()
+            names = {n for n in _complete_checkpoints(self.directory) if n != "last.ckpt"}
+            for name in names - seen:
+                self.appeared.setdefault(name, now)
+            for name in seen - names:
+                self.vanished.setdefault(name, now)
+            if self.appeared and not names:
+                self.empty_after_first.append(now)
+            seen = names
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "DirectoryWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class RotationWatch(NvcompCheckpointIO):
+    """The plugin, noting whether each save and removal returned while a write was still pending."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pending_after_save: list[int] = []
+        self.pending_after_remove: list[int] = []
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        super().save_checkpoint(checkpoint, path, storage_options)
+        self.pending_after_save.append(self.pending())
+
+    def remove_checkpoint(self, path: Any) -> None:
+        super().remove_checkpoint(path)
+        self.pending_after_remove.append(self.pending())
+
+
+def test_async_top_k_rotation_never_removes_the_old_file_before_the_new_one_is_durable(tmp_path):
+    # A slow store (each file's first write held 0.3 s) and top-1 rotation every 2 steps:
+    # Lightning's AsyncCheckpointIO deletes the old best while the new one is still queued
+    # (Lightning issue 14035); this plugin deletes it only once the new one is durable, without
+    # holding up training meanwhile.
+    ckpts = tmp_path / "ckpts"
+    delay = 0.3
+    plugin = RotationWatch(async_save=True, stream_wrapper=slow(delay))
+    top1 = ModelCheckpoint(dirpath=str(ckpts), monitor="step", mode="max", save_top_k=1, every_n_train_steps=2,
+                           filename="{step}", save_last=True)
+    with DirectoryWatch(ckpts) as watch:
+        trainer, model, _ = fit_tiny(tmp_path, 2, plugins=[plugin], callbacks=[top1])
+
+    # Saves and removals returned while the new file was still being written ...
+    assert plugin.pending_after_save and min(plugin.pending_after_save) >= 1
+    assert len(plugin.pending_after_remove) == 3 and min(plugin.pending_after_remove) >= 1
+    # ... yet on disk, each old best went only after the next one had appeared, complete.
+    assert watch.empty_after_first == []
+    assert sorted(watch.vanished) == [f"step={s}.ckpt" for s in (2, 4, 6)]
+    for old, new in zip((2, 4, 6), (4, 6, 8)):
+        assert watch.vanished[f"step={old}.ckpt"] >= watch.appeared[f"step={new}.ckpt"], (old, new)
+    assert _complete_checkpoints(ckpts) == ["last.ckpt", "step=8.ckpt"]
+    best = NvcompCheckpointIO().load_checkpoint(top1.best_model_path)
+    assert best["global_step"] == 8
+    assert_tree_equal(model.state_dict(), best["state_dict"])
+    assert_tree_equal(model.state_dict(), NvcompCheckpointIO().load_checkpoint(ckpts / "last.ckpt")["state_dict"])
+    report = plugin.last_report
+    assert report is not None and report.seconds - report.seconds_blocked >= 0.9 * delay
+
+
+@pytest.mark.parametrize(
+    ("case", "epochs", "fail", "top_k", "surfaces_at"),
+    [
+        ("rotation", 2, (2,), 1, "not removed"),  # the removal of the old best, queued behind it, is skipped
+        ("next save", 3, (2,), -1, "not started"),
+        ("teardown", 2, (2,), -1, "teardown"),  # the last save of fit fails: raised when fit ends
+    ],
+)
+def test_async_background_failure_surfaces_and_keeps_the_previous_checkpoint(tmp_path, case, epochs, fail, top_k, surfaces_at):
+    ckpts = tmp_path / "ckpts"
+    plugin = NvcompCheckpointIO(async_save=True, stream_wrapper=FailingSaves(*fail))
+    saving = ModelCheckpoint(dirpath=str(ckpts), save_top_k=top_k, filename="{epoch}-{step}")
+    with pytest.raises(CheckpointWriteError) as info:
+        fit_tiny(tmp_path, epochs, plugins=[plugin], callbacks=[saving])
+    message = str(info.value)
+    assert "disk is full" in message and str(ckpts / ckpt_name(2)) in message, message
+    assert surfaces_at in message.lower(), message
+    # Nothing after the failed save was written, the file before it is complete, no temporaries.
+    assert _complete_checkpoints(ckpts) == [ckpt_name(1)]
+    assert [p.name for p in ckpts.iterdir()] == [ckpt_name(1)]
+    state = NvcompCheckpointIO().load_checkpoint(ckpts / ckpt_name(1))
+    assert state["global_step"] == BATCHES_PER_EPOCH and state["optimizer_states"]
+    assert plugin.pending() == 0
+
+
+def test_async_failure_outside_the_trainer_is_raised_by_wait_and_the_plugin_goes_on(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    plugin = NvcompCheckpointIO(async_save=True)
+    bad = tmp_path / "a-file" / "x.ckpt"
+    plugin.save_checkpoint(_checkpoint(), bad)  # returns: the write happens in the background
+    with pytest.raises(CheckpointWriteError, match="a-file"):
+        plugin.wait()
+    plugin.wait()  # reported once
+    plugin.save_checkpoint(_checkpoint(), tmp_path / "ok.ckpt")
+    plugin.save_checkpoint(_checkpoint(), bad)
+    with pytest.raises(CheckpointWriteError, match="a-file"):
+        plugin.teardown()
+    assert_tree_equal(_checkpoint(), plugin.load_checkpoint(tmp_path / "ok.ckpt"))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_on_saved_fires_once_the_file_is_durable(tmp_path, async_save):
+    calls: list[dict[str, Any]] = []
+
+    def on_saved(report: nc.SaveReport) -> None:
+        path = Path(report.path)
+        calls.append({
+            "path": path, "complete": nc.is_nvcomp_checkpoint(path), "size": path.stat().st_size,
+            "stored": report.stored_bytes, "thread": threading.current_thread() is threading.main_thread(),
+        })
+
+    plugin = NvcompCheckpointIO(async_save=async_save, on_saved=on_saved, stream_wrapper=slow(0.3))
+    ckpt = _checkpoint()
+    path = tmp_path / "a.ckpt"
+    plugin.save_checkpoint(ckpt, path)
+    if async_save:
+        assert not path.exists() and calls == []  # still being written
+        ckpt["state_dict"]["weight"].add_(1.0)  # training goes on; the file keeps the snapshot
+        plugin.wait()
+    assert len(calls) == 1
+    call = calls[0]
+    assert call["path"] == path and call["complete"] and call["size"] == call["stored"]
+    assert call["thread"] is (not async_save)  # async: called on the save thread
+    loaded = plugin.load_checkpoint(path)
+    assert_tree_equal(_checkpoint(), loaded)
+
+
+def test_load_checkpoint_waits_for_a_pending_save(tmp_path):
+    plugin = NvcompCheckpointIO(async_save=True, stream_wrapper=slow(0.3))
+    path = tmp_path / "a.ckpt"
+    plugin.save_checkpoint(_checkpoint(), path)
+    assert not path.exists()
+    assert_tree_equal(_checkpoint(), plugin.load_checkpoint(path))  # not FileNotFoundError
+
+
+def _csv_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_metrics_reach_the_trainers_csv_logger(tmp_path, async_save, caplog):
+    plugin = NvcompCheckpointIO(async_save=async_save)
+    ckpts = tmp_path / "ckpts"
+    csv_logger = CSVLogger(str(tmp_path / "logs"), name="run", version=0)
+    with caplog.at_level(logging.INFO, logger="nvcomp_checkpoint"):
+        fit_tiny(tmp_path, 2, plugins=[plugin], callbacks=[every_epoch(ckpts), NvcompCheckpointMetrics()], logger=csv_logger)
+    rows = [r for r in _csv_rows(Path(csv_logger.log_dir) / "metrics.csv") if r.get("nvckpt/ratio")]
+    assert [int(r["step"]) for r in rows] == [4, 8]  # one row per save, at the checkpoint's step
+    for row, epochs in zip(rows, (1, 2)):
+        stored, raw = float(row["nvckpt/stored_bytes"]), float(row["nvckpt/raw_bytes"])
+        assert stored == (ckpts / ckpt_name(epochs)).stat().st_size
+        assert float(row["nvckpt/ratio"]) == pytest.approx(raw / stored) and float(row["nvckpt/ratio"]) > 1.05
+        for component in ("weights", "exp_avg", "exp_avg_sq"):
+            assert float(row[f"nvckpt/ratio/{component}"]) > 1.05
+        assert 0 <= float(row["nvckpt/seconds_blocked"]) <= float(row["nvckpt/seconds"])
+        assert float(row["nvckpt/throughput_mb_s"]) > 0
+    # The same numbers go through `logging`, one line per save.
+    lines = [r for r in caplog.records if r.name == "nvcomp_checkpoint" and "nvckpt_report" in r.__dict__]
+    assert [Path(r.nvckpt_report["path"]).name for r in lines] == [ckpt_name(1), ckpt_name(2)]
+    assert all(("saved (async)" in r.getMessage()) is async_save for r in lines)
+
+
+def test_metrics_callback_needs_the_plugin(tmp_path):
+    with pytest.raises(CheckpointError, match=r"NvcompCheckpointMetrics.*plugins=\[NvcompCheckpointIO\(\)\]"):
+        fit_tiny(tmp_path, 1, callbacks=[NvcompCheckpointMetrics()])
+    # ... and finds it inside Lightning's AsyncCheckpointIO.
+    metrics = NvcompCheckpointMetrics()
+    plugin = NvcompCheckpointIO()
+    fit_tiny(tmp_path / "wrapped", 1, plugins=[AsyncCheckpointIO(plugin)], callbacks=[metrics])
+    assert metrics._attached is None and plugin._listeners == []  # detached at teardown
+
+
+def test_async_plugin_with_fabric(tmp_path):
+    plugin = NvcompCheckpointIO(async_save=True, stream_wrapper=slow(0.2))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    module = TinyModule()
+    model, opt = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-3))
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    fabric.save(tmp_path / "f.ckpt", {"model": model, "step": 1})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    state = fabric.load(tmp_path / "f.ckpt")  # waits for the pending save
+    assert state["step"] == 1
+    assert_tree_equal(expected, state["model"])
+    plugin.teardown()
+
+
+def test_async_max_pending_bounds_the_saves_in_flight(tmp_path):
+    # Two snapshots may be in flight; the third save waits for the first file to land.
+    plugin = NvcompCheckpointIO(async_save=True, max_pending=2, stream_wrapper=slow(0.4))
+    ckpt = _checkpoint()
+    expected, took = [], []
+    for i in range(3):
+        ckpt["state_dict"]["weight"].add_(1.0)  # training between saves
+        ckpt["global_step"] = i
+        expected.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in ckpt["state_dict"].items()})
+        start = time.perf_counter()
+        plugin.save_checkpoint(ckpt, tmp_path / f"{i}.ckpt")
+        took.append(time.perf_counter() - start)
+        if i == 1:
+            assert plugin.pending() == 2
+    assert took[0] < 0.3 and took[1] < 0.3 and took[2] >= 0.2, took
+    assert (tmp_path / "0.ckpt").exists()  # landed before the third save was taken
+    plugin.teardown()
+    for i in range(3):
+        state = plugin.load_checkpoint(tmp_path / f"{i}.ckpt")
+        assert state["global_step"] == i
+        assert_tree_equal(expected[i], state["state_dict"])

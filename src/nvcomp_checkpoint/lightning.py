@@ -6,6 +6,12 @@ A short name for :mod:`nvcomp_checkpoint.integrations.lightning`; needs ``pip in
 
 from __future__ import annotations
 
-from .integrations.lightning import STORAGE_OPTION_KEYS, NvcompCheckpointIO, load_from_checkpoint
+from .integrations.lightning import (
+    STORAGE_OPTION_KEYS,
+    NvcompCheckpointIO,
+    NvcompCheckpointMetrics,
+    load_from_checkpoint,
+    report_metrics,
+)
 
-__all__ = ["NvcompCheckpointIO", "load_from_checkpoint", "STORAGE_OPTION_KEYS"]
+__all__ = ["NvcompCheckpointIO", "NvcompCheckpointMetrics", "load_from_checkpoint", "report_metrics", "STORAGE_OPTION_KEYS"]

@@ -41,6 +41,18 @@ checkpoints beyond ``total_limit`` deleted (oldest first, renamed out of ``check
 removal), so rotation can never delete the newest complete checkpoint. A failed save removes its
 staging directory, leaves ``save_iteration`` unchanged and raises ``CheckpointWriteError``.
 
+Async saves (``async_save=True``): ``save_state`` copies the model and optimizer state (a
+snapshot; training may change every tensor as soon as it returns), lets Accelerate write its own
+small files into the staging directory as usual, and returns; one background thread compresses
+and writes the ``.nvc`` files into the staging directory. The commit (manifest, fsync, rename) and
+then the ``total_limit`` rotation run on that thread only once every ``.nvc`` file is durable:
+the same order as a synchronous save, only later, so the target is still always the complete
+old or the complete new checkpoint. One ``save_state`` is in flight at a time: the next
+``save_state``, ``load_state``, ``handle.wait()`` and ``handle.remove()`` first wait for the
+pending one, and raise its error if it failed (its staging directory is then removed, nothing
+is committed, and ``save_iteration`` goes back to the failed save's number, as for a synchronous
+failure). The directory ``save_state`` returns appears only at the commit.
+
 Loading: a directory with the manifest is checked against it (a missing, truncated or altered
 file is named in the error) and loaded from the ``.nvc`` files; a directory without it (written
 by plain Accelerate) is handed to Accelerate's own ``load_state`` untouched; a directory holding
@@ -64,10 +76,11 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 import accelerate
 import torch
@@ -124,6 +137,9 @@ def register_nvcomp_hooks(
     policy: nc.CodecPolicy | None = None,
     *,
     workers: int | None = None,
+    async_save: bool = False,
+    on_saved: Callable[[nc.SaveReport], Any] | None = None,
+    stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
 ) -> "NvcompStateHooks":
     """Make ``accelerator.save_state``/``load_state`` compress model weights and optimizer state.
 
@@ -132,11 +148,19 @@ def register_nvcomp_hooks(
         policy: Codec settings per component (weights, ``exp_avg``, ``exp_avg_sq`` ...);
             defaults to :class:`nvcomp_checkpoint.CodecPolicy()`.
         workers: Compression threads per file (default: every core).
+        async_save: ``save_state`` returns once model and optimizer state are copied; the
+            ``.nvc`` files, the commit and the rotation follow in the background (see the module
+            docstring). Holds one extra copy of that state in host memory while a save is pending.
+        on_saved: Called with the :class:`~nvcomp_checkpoint.SaveReport` of each ``save_state``
+            once its directory is committed (with ``async_save``, on the background thread).
+        stream_wrapper: Wraps the output stream of each ``.nvc`` file (throttling, byte
+            counting ...); its ``write`` must pass every byte on, in order.
 
     Returns:
         A handle: ``handle.last_report`` is the :class:`~nvcomp_checkpoint.SaveReport` of the
-        last save (per component, all ``.nvc`` files together) and ``handle.remove()`` restores
-        Accelerate's own ``save_state``/``load_state``.
+        last committed save (per component, all ``.nvc`` files together), ``handle.wait()``
+        waits for a pending async save, and ``handle.remove()`` restores Accelerate's own
+        ``save_state``/``load_state``.
 
     Raises:
         CheckpointError: The accelerator uses DeepSpeed, FSDP, Megatron-LM or XLA, or already
@@ -149,6 +173,9 @@ def register_nvcomp_hooks(
         >>> accelerator.save_state("ckpt")          # model.nvc, optimizer.nvc, scheduler.bin ...
         >>> print(hooks.last_report.table())
         >>> accelerator.load_state("ckpt")          # also loads directories saved without hooks
+        >>> hooks = register_nvcomp_hooks(accelerator, async_save=True)  # after hooks.remove()
+        >>> accelerator.save_state("ckpt2")         # returns after the snapshot; committed later
+        >>> hooks.wait()                            # raises if the background save failed
     """
     engine = _UNSUPPORTED.get(accelerator.distributed_type)
     if engine is not None:
@@ -162,7 +189,12 @@ def register_nvcomp_hooks(
             "register_nvcomp_hooks: this Accelerator already has nvcomp-checkpoint hooks; call .remove() on "
             "the handle returned by the first call before registering again."
         )
-    return NvcompStateHooks(accelerator, policy or nc.CodecPolicy(), workers)
+    if on_saved is not None and not callable(on_saved):
+        raise TypeError(f"register_nvcomp_hooks(on_saved=...) takes a callable, got {type(on_saved).__name__}")
+    return NvcompStateHooks(
+        accelerator, policy or nc.CodecPolicy(), workers,
+        async_save=async_save, on_saved=on_saved, stream_wrapper=stream_wrapper,
+    )
 
 
 def is_nvcomp_state_dir(path: str | os.PathLike[str]) -> bool:
@@ -176,9 +208,33 @@ class _SaveCall:
     optimizers: list[Any]
     iteration: int
     writes: bool
+    step: int = 0
     models: list[str] = field(default_factory=list)
     optimizer_files: list[str] = field(default_factory=list)
     reports: dict[str, nc.SaveReport] = field(default_factory=dict)
+    pending: "_PendingSave | None" = None  # set for an async save
+
+
+@dataclass
+class _PendingSave:
+    """An async ``save_state`` whose ``.nvc`` files are being written; committed when all are durable."""
+
+    call: _SaveCall
+    target: Path
+    shown: Path
+    checkpoints: Path | None  # with automatic naming: where total_limit rotation runs
+    total_limit: int | None
+    started: float
+    blocked: float = 0.0
+    handles: dict[str, nc.AsyncSaveHandle] = field(default_factory=dict)
+    done: int = 0
+    sealed: bool = False  # save_state has handed over every file
+    committing: bool = False
+    abandoned: bool = False  # save_state failed itself and cleans up
+    errors: list[BaseException] = field(default_factory=list)
+    error: BaseException | None = None  # the outcome, once finished
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    finished: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -198,17 +254,36 @@ class NvcompStateHooks:
         accelerator: The accelerator whose ``save_state``/``load_state`` are wrapped.
         policy: The codec policy of every save.
         workers: Compression threads per file.
-        last_report: Per-component totals of the last save's ``.nvc`` files (``None`` before the
-            first save and on processes that write nothing).
+        async_save: Whether ``save_state`` writes the ``.nvc`` files and commits in the background.
+        on_saved: Called with the report of each committed save (with ``async_save``, on the
+            background thread; it must not call :meth:`wait`).
+        last_report: Per-component totals of the last committed save's ``.nvc`` files (``None``
+            before the first save and on processes that write nothing); ``seconds_blocked`` is
+            the time ``save_state`` held the caller, ``seconds`` the time until the commit.
         last_reports: The same, per file name.
     """
 
-    def __init__(self, accelerator: Accelerator, policy: nc.CodecPolicy, workers: int | None) -> None:
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        policy: nc.CodecPolicy,
+        workers: int | None,
+        *,
+        async_save: bool = False,
+        on_saved: Callable[[nc.SaveReport], Any] | None = None,
+        stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+    ) -> None:
         self.accelerator = accelerator
         self.policy = policy
         self.workers = workers
+        self.async_save = bool(async_save)
+        self.on_saved = on_saved
+        self.stream_wrapper = stream_wrapper
         self.last_report: nc.SaveReport | None = None
         self.last_reports: dict[str, nc.SaveReport] = {}
+        self._saver: nc.AsyncSaver | None = None
+        self._pending: _PendingSave | None = None
+        self._callback_thread: int | None = None  # the thread running on_saved, which must not wait
         self._saving: _SaveCall | None = None
         self._loading: _LoadCall | None = None
         # Whatever save_state/load_state were before (Accelerate's, or another wrapper's) is
@@ -221,7 +296,11 @@ class NvcompStateHooks:
         accelerator._nvcomp_state_hooks = self  # type: ignore[attr-defined]
 
     def remove(self) -> None:
-        """Restore Accelerate's ``save_state``/``load_state`` on the accelerator."""
+        """Restore Accelerate's ``save_state``/``load_state`` on the accelerator.
+
+        Raises:
+            CheckpointWriteError: A pending async save failed (the hooks are still removed).
+        """
         acc = self.accelerator
         if getattr(acc, "_nvcomp_state_hooks", None) is not self:
             return
@@ -231,16 +310,149 @@ class NvcompStateHooks:
                     f"NvcompStateHooks.remove: accelerator.{name} was wrapped again after register_nvcomp_hooks; "
                     "remove that wrapper first."
                 )
-            previous = self._previous[name]
-            if previous is None:
-                del acc.__dict__[name]
+        try:
+            self.wait()
+        finally:
+            for name in ("save_state", "load_state"):
+                previous = self._previous[name]
+                if previous is None:
+                    del acc.__dict__[name]
+                else:
+                    setattr(acc, name, previous)
+            del acc.__dict__["_nvcomp_state_hooks"]
+            saver, self._saver = self._saver, None
+            if saver is not None:
+                saver.close()
+
+    # -- async saves ------------------------------------------------------------------------
+    def pending(self) -> bool:
+        """True while an async ``save_state`` is not yet committed (or failed)."""
+        job = self._pending
+        return job is not None and not job.finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until a pending async ``save_state`` is committed; raise its error if it failed.
+
+        Raises:
+            CheckpointWriteError: The background save failed; nothing was committed, the previous
+                directory at its target is untouched, and ``save_iteration`` is back at its number.
+            TimeoutError: Still pending after ``timeout`` seconds.
+        """
+        self._wait_pending(timeout)
+        self._raise_pending("wait()")
+
+    def _wait_pending(self, timeout: float | None = None) -> None:
+        if self._callback_thread == threading.get_ident():
+            raise RuntimeError(
+                "NvcompStateHooks: save_state/load_state/wait() was called from on_saved, which runs on the "
+                "background save thread and would wait for itself; call it from the training loop instead."
+            )
+        job = self._pending
+        if job is not None and not job.finished.wait(timeout):
+            raise TimeoutError(f"{job.target}: async save_state still running after {timeout} s")
+
+    def _raise_pending(self, when: str) -> None:
+        job = self._pending
+        if job is None or not job.finished.is_set():
+            return
+        self._pending = None
+        if job.error is not None:
+            # As after a synchronous failure: the next save_state reuses the failed one's number.
+            self.accelerator.project_configuration.iteration = job.call.iteration
+            raise CheckpointWriteError(f"{job.error} (an async save_state; reported by {when})") from job.error
+
+    def _async_saver(self, files: int) -> nc.AsyncSaver:
+        # Room for every file of one save_state, so that handing over the optimizer state never
+        # waits for the model file to be written; save_state itself allows one save in flight.
+        if self._saver is None or self._saver.max_pending < files:
+            if self._saver is not None:
+                self._saver.close()  # idle: save_state waited for the previous save
+            self._saver = nc.AsyncSaver(max_pending=max(1, files), workers=self.workers)
+        return self._saver
+
+    def _file_done(self, job: _PendingSave, name: str, handle: nc.AsyncSaveHandle) -> None:
+        """One ``.nvc`` file is durable or failed (on the saver's thread)."""
+        error = handle.exception()  # taken here: this handle reports it, once
+        with job.lock:
+            if error is not None:
+                job.errors.append(error)
             else:
-                setattr(acc, name, previous)
-        del acc.__dict__["_nvcomp_state_hooks"]
+                job.call.reports[name] = handle.result()
+            job.done += 1
+            ready = job.sealed and not job.abandoned and not job.committing and job.done == len(job.handles)
+            if ready:
+                job.committing = True
+        if ready:
+            self._commit_pending(job)
+
+    def _seal(self, job: _PendingSave) -> None:
+        """save_state handed over every file: commit now if all are already durable, else when they are."""
+        with job.lock:
+            job.sealed = True
+            ready = not job.committing and job.done == len(job.handles)
+            if ready:
+                job.committing = True
+        if ready:
+            self._commit_pending(job)
+
+    def _abandon(self, job: _PendingSave) -> None:
+        """save_state failed on the caller's side: let the files already handed over finish, commit nothing."""
+        with job.lock:
+            job.abandoned = True
+        for handle in list(job.handles.values()):
+            handle.wait()
+        job.finished.set()
+
+    def _commit_pending(self, job: _PendingSave) -> None:
+        """Manifest, commit and rotation of an async save; runs once every file is durable."""
+        call, target = job.call, job.target
+        try:
+            try:
+                if job.errors:
+                    raise job.errors[0]
+                _write_manifest(call, self.policy)
+                replaced = _commit(call.staging, target)  # the commit point
+            except BaseException as exc:  # noqa: BLE001 - kept for the caller, never lost
+                shutil.rmtree(call.staging, ignore_errors=True)
+                job.error = CheckpointWriteError(
+                    f"{target}: save_state failed ({exc}). Nothing was committed: the checkpoint directory "
+                    f"that was at {target}, if any, is untouched. Free space or fix the cause and save again."
+                )
+                job.error.__cause__ = exc
+                logger.error("%s", job.error)
+                return
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
+            if job.checkpoints is not None and job.total_limit is not None:
+                _rotate(job.checkpoints, job.checkpoints.parent, job.total_limit, keep=target)
+            self._committed(str(job.shown), call.reports, time.perf_counter() - job.started, job.blocked)
+        finally:
+            job.finished.set()
+
+    def _committed(self, shown: str, reports: dict[str, nc.SaveReport], seconds: float, blocked: float) -> None:
+        self.last_reports = dict(reports)
+        self.last_report = report = _merge(shown, reports.values(), seconds, blocked)
+        logger.info(
+            "save_state %s: %.1f MB -> %.1f MB (%.3fx) in %.2f s, blocked %.3f s, %.0f MB/s [%s]",
+            shown, report.raw_bytes / 1e6, report.stored_bytes / 1e6, report.ratio, report.seconds, blocked,
+            report.throughput_mb_s, ", ".join(f"{k} {v.ratio:.3f}x" for k, v in report.components.items()),
+            extra={"nvckpt_report": report.to_dict()},
+        )
+        if self.on_saved is not None:
+            self._callback_thread = threading.get_ident()
+            try:
+                self.on_saved(report)
+            except Exception:
+                logger.exception("%s: the on_saved callback raised", shown)
+            finally:
+                self._callback_thread = None
 
     # -- saving ----------------------------------------------------------------------------
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any) -> Path:
         """``Accelerator.save_state`` with compressed weights and optimizer state; same arguments.
+
+        With ``async_save``, returns once the state is copied; the directory appears when the
+        background save commits it (``hooks.wait()`` waits for that).
 
         Returns:
             The directory written (``checkpoints/checkpoint_<n>`` with automatic naming).
@@ -248,9 +460,15 @@ class NvcompStateHooks:
         Raises:
             CheckpointWriteError: Writing failed (the disk is full ...); the directory that was
                 at the target before, if any, is untouched and ``save_iteration`` is unchanged.
+                With ``async_save``: the previous, pending save failed (this one is not started).
         """
         acc = self.accelerator
         config = acc.project_configuration
+        entered = time.perf_counter()
+        if self.async_save:
+            # One save in flight: its commit and rotation must land before this one starts.
+            self._wait_pending()
+            self._raise_pending("the next save_state")
         auto = bool(config.automatic_checkpoint_naming)
         if auto:
             checkpoints = Path(os.path.abspath(acc.project_dir)) / "checkpoints"
@@ -272,7 +490,11 @@ class NvcompStateHooks:
             staging = target.parent / f".{target.name}{_STAGING}"
         writes = self._writes()
         start = time.perf_counter()
-        call = _SaveCall(staging, acc._optimizers, config.iteration, writes)
+        call = _SaveCall(staging, acc._optimizers, config.iteration, writes, acc.step)
+        if self.async_save and writes:
+            call.pending = _PendingSave(
+                call, target, shown, checkpoints if auto else None, config.total_limit if auto else None, entered
+            )
         replaced: Path | None = None
         try:
             if writes:
@@ -284,11 +506,17 @@ class NvcompStateHooks:
             acc.wait_for_everyone()
             self._run_inner_save(call, auto, safe_serialization, save_model_func_kwargs)
             acc.wait_for_everyone()
-            if writes:
-                _write_manifest(call, acc, self.policy)
+            if call.pending is not None:
+                call.pending.blocked = time.perf_counter() - entered
+                self._pending = call.pending
+                self._seal(call.pending)
+            elif writes:
+                _write_manifest(call, self.policy)
                 replaced = _commit(staging, target)  # the commit point: nothing after it can fail the save
         except BaseException as exc:
             config.iteration = call.iteration
+            if call.pending is not None and self._pending is not call.pending:
+                self._abandon(call.pending)  # its files must stop writing into staging first
             if writes:
                 shutil.rmtree(staging, ignore_errors=True)
             if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)):
@@ -297,14 +525,16 @@ class NvcompStateHooks:
                     f"that was at {target}, if any, is untouched. Free space or fix the cause and save again."
                 ) from exc
             raise
+        if self.async_save:
+            return shown  # committed, rotated and reported by _commit_pending
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)  # the previous checkpoint; leftovers are cleaned next time
         if writes and auto and config.total_limit is not None:
             _rotate(checkpoints, checkpoints.parent, config.total_limit, keep=target)
         acc.wait_for_everyone()
         if writes:
-            self.last_reports = dict(call.reports)
-            self.last_report = _merge(str(shown), call.reports.values(), time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self._committed(str(shown), call.reports, seconds, seconds)
         return shown
 
     def _run_inner_save(self, call: _SaveCall, auto: bool, safe_serialization: bool, kwargs: dict[str, Any]) -> None:
@@ -333,20 +563,27 @@ class NvcompStateHooks:
         if not call.writes:
             return
         meta = {"step": self.accelerator.step, "iteration": call.iteration}
-        for i, state in enumerate(states):
-            name = _numbered("model", i)
-            call.reports[name] = nc.save(
-                state, call.staging / name, self.policy, workers=self.workers,
-                metadata={"accelerate": {"kind": "model", "index": i, **meta}},
-            )
-            call.models.append(name)
-        for i, optimizer in enumerate(call.optimizers):
-            name = _numbered("optimizer", i)
-            call.reports[name] = nc.save(
-                optimizer.state_dict(), call.staging / name, self.policy, workers=self.workers,
-                metadata={"accelerate": {"kind": "optimizer", "index": i, **meta}},
-            )
-            call.optimizer_files.append(name)
+        files = [(_numbered("model", i), state, "model", i) for i, state in enumerate(states)]
+        files += [(_numbered("optimizer", i), opt.state_dict(), "optimizer", i) for i, opt in enumerate(call.optimizers)]
+        job = call.pending
+        saver = self._async_saver(len(files)) if job is not None else None
+        for name, state, kind, i in files:
+            metadata = {"accelerate": {"kind": kind, "index": i, **meta}}
+            if job is None:
+                call.reports[name] = nc.save(
+                    state, call.staging / name, self.policy, workers=self.workers, metadata=metadata,
+                    stream_wrapper=self.stream_wrapper,
+                )
+            else:
+                assert saver is not None
+                handle = saver.save(
+                    state, call.staging / name, self.policy, workers=self.workers, metadata=metadata,
+                    stream_wrapper=self.stream_wrapper,
+                )
+                with job.lock:
+                    job.handles[name] = handle
+                handle.add_done_callback(lambda h, name=name: self._file_done(job, name, h))
+            (call.models if kind == "model" else call.optimizer_files).append(name)
 
     def _writes(self) -> bool:
         # The processes that accelerate.utils.save lets write are the ones that commit.
@@ -365,6 +602,12 @@ class NvcompStateHooks:
             ChecksumError: A ``.nvc`` file or another file of the directory is corrupt.
         """
         acc = self.accelerator
+        if self.async_save:
+            # The directory to load may be the one a pending save is about to commit.
+            self._wait_pending()
+            if acc.num_processes > 1:
+                acc.wait_for_everyone()  # the other ranks wait for the main process's commit
+            self._raise_pending("load_state")
         if input_dir is not None:
             path = Path(os.path.expanduser(os.fspath(input_dir)))
             _recover(path)
@@ -447,7 +690,7 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_manifest(call: _SaveCall, acc: Accelerator, policy: nc.CodecPolicy) -> None:
+def _write_manifest(call: _SaveCall, policy: nc.CodecPolicy) -> None:
     files: dict[str, dict[str, Any]] = {}
     for p in sorted(call.staging.rglob("*")):
         if p.is_file():
@@ -460,7 +703,7 @@ def _write_manifest(call: _SaveCall, acc: Accelerator, policy: nc.CodecPolicy) -
         "version": _VERSION,
         "nvcomp_checkpoint": nc.__version__,
         "accelerate": accelerate.__version__,
-        "step": acc.step,
+        "step": call.step,
         "iteration": call.iteration,
         "models": call.models,
         "optimizers": call.optimizer_files,
@@ -677,7 +920,7 @@ def _rotate(checkpoints: Path, project_dir: Path, limit: int, keep: Path) -> Non
             logger.warning("%s: could not delete this old checkpoint (%s); the new one is saved.", old, exc)
 
 
-def _merge(path: str, reports: Any, seconds: float) -> nc.SaveReport:
+def _merge(path: str, reports: Any, seconds: float, blocked: float | None = None) -> nc.SaveReport:
     components: dict[str, nc.ComponentStats] = {}
     raw = stored = 0
     for r in reports:
@@ -689,4 +932,4 @@ def _merge(path: str, reports: Any, seconds: float) -> nc.SaveReport:
                 c.tensors + s.tensors, c.raw_bytes + s.raw_bytes, c.stored_bytes + s.stored_bytes,
                 tuple(sorted(set(c.codecs) | set(s.codecs))), tuple(sorted(set(c.filters) | set(s.filters))),
             )
-    return nc.SaveReport(path, raw, stored, seconds, components, seconds)
+    return nc.SaveReport(path, raw, stored, seconds, components, seconds if blocked is None else blocked)

@@ -1,17 +1,23 @@
 """Lightning integration: a ``CheckpointIO`` plugin that writes compressed checkpoints.
 
 ``Trainer(plugins=[NvcompCheckpointIO()])`` and ``Fabric(plugins=[NvcompCheckpointIO()])`` save
-every checkpoint with :func:`nvcomp_checkpoint.save` and load with :func:`nvcomp_checkpoint.load`.
+every checkpoint with :func:`nvcomp_checkpoint.save` (or, with ``async_save=True``, snapshot it and
+write it in the background) and load with :func:`nvcomp_checkpoint.load`; the
+``NvcompCheckpointMetrics`` callback sends each save's sizes, ratios and times to the Trainer's loggers.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 import io
+import logging
 import os
 import sys
-from typing import Any, Mapping, Optional
+import threading
+import time
+from typing import IO, Any, Callable, Mapping, Optional
 
 import torch
 from typing_extensions import override
@@ -32,7 +38,30 @@ except ImportError:  # pragma: no cover - only the standalone packages are insta
             "nvcomp_checkpoint.lightning needs Lightning: pip install 'nvcomp-checkpoint[lightning]'"
         ) from exc
 
-__all__ = ["NvcompCheckpointIO", "load_from_checkpoint", "STORAGE_OPTION_KEYS"]
+try:  # the Trainer's callbacks; Fabric-only installs have no `lightning.pytorch`
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # pragma: no cover
+    try:
+        from pytorch_lightning.callbacks import Callback
+    except ImportError:
+        Callback = object  # type: ignore[assignment,misc]
+
+__all__ = ["NvcompCheckpointIO", "NvcompCheckpointMetrics", "load_from_checkpoint", "STORAGE_OPTION_KEYS", "report_metrics"]
+
+_LOG = logging.getLogger(__name__)
+
+SavedCallback = Callable[[SaveReport], Any]
+
+
+@dataclasses.dataclass(eq=False)
+class _InFlight:
+    """One async save of the plugin, until its done callback has finished."""
+
+    handle: nc.AsyncSaveHandle
+    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+    closed: bool = False  # its outcome is recorded; no more removals may wait for it
+    # Files to delete once this save (and so every save before it) is durable: (path, failures seen before).
+    removals: list[tuple[Any, int]] = dataclasses.field(default_factory=list)
 
 _POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(CodecPolicy))
 #: Keys accepted in ``storage_options`` of a single save: a whole ``policy``, any
@@ -79,18 +108,40 @@ class NvcompCheckpointIO(CheckpointIO):
     wrapped in Lightning's ``AsyncCheckpointIO``. It loads plain ``torch.save`` checkpoints
     too, so a run that adds the plugin resumes from its old ``.ckpt`` files.
 
+    With ``async_save=True``, :meth:`save_checkpoint` returns once the checkpoint is copied (a
+    snapshot: training may change every tensor at once) and one background thread compresses and
+    writes it; the file appears only when complete and durable. Unlike Lightning's
+    ``AsyncCheckpointIO``, :meth:`remove_checkpoint` never deletes a file while a save is pending:
+    the deletion waits until every save handed over before it is durable (it then runs on the
+    background thread, so ``ModelCheckpoint``'s top-k rotation does not hold up training), and is
+    skipped if one of them failed, so the run always keeps a complete checkpoint.
+    :meth:`load_checkpoint` waits for everything pending. A failed background save is raised by the
+    next :meth:`save_checkpoint`, :meth:`remove_checkpoint`, :meth:`load_checkpoint`, :meth:`wait`
+    or :meth:`teardown` (the Trainer calls it when ``fit`` ends), whichever comes first. Use
+    ``async_save`` instead of wrapping the plugin in ``AsyncCheckpointIO``, whose removals do not
+    wait for the saves still in its own queue (Lightning issue 14035).
+
     Args:
         policy: Codec settings per component (a :class:`CodecPolicy` or its dict form); the
             default is portable (zstd over byte planes), loadable without a GPU.
         workers: Compression threads per save (default: every core).
         fsspec_options: Options for fsspec when paths are URLs (credentials, endpoint ...).
+        async_save: Write checkpoints in the background (see above).
+        max_pending: With ``async_save``, saves that may be snapshotted but not yet durable; each
+            holds a full copy of its checkpoint in host memory. The next save waits for a slot.
+        on_saved: Called with the :class:`SaveReport` of each save once its file is durable (the
+            "checkpoint finished" hook of Lightning issue 19414). With ``async_save`` it runs on the
+            background thread; it must not call :meth:`wait`.
+        stream_wrapper: Wraps each file's output stream (throttling, byte counting ...); its
+            ``write`` must pass every byte on, in order.
 
     Attributes:
-        last_report: The :class:`SaveReport` of the most recent save (``None`` before one);
+        last_report: The :class:`SaveReport` of the most recent completed save (``None`` before one);
             ``plugin.last_report.table()`` prints what each component took.
 
     Example:
-        >>> trainer = Trainer(plugins=[NvcompCheckpointIO(policy=CodecPolicy(exp_avg_sq="zstd"))])
+        >>> plugin = NvcompCheckpointIO(async_save=True, on_saved=lambda r: print("durable:", r.path))
+        >>> trainer = Trainer(plugins=[plugin], callbacks=[NvcompCheckpointMetrics()])
         >>> trainer.save_checkpoint("x.ckpt", storage_options={"weights": {"codec": "zstd", "level": 3}})
     """
 
@@ -100,6 +151,10 @@ class NvcompCheckpointIO(CheckpointIO):
         *,
         workers: int | None = None,
         fsspec_options: dict[str, Any] | None = None,
+        async_save: bool = False,
+        max_pending: int = 1,
+        on_saved: SavedCallback | None = None,
+        stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
     ) -> None:
         super().__init__()
         _register_with_standalone_packages()
@@ -109,10 +164,43 @@ class NvcompCheckpointIO(CheckpointIO):
             policy = CodecPolicy.from_dict(policy)
         elif not isinstance(policy, CodecPolicy):
             raise TypeError(f"NvcompCheckpointIO(policy=...) takes a CodecPolicy or a dict, got {type(policy).__name__}")
+        if max_pending < 1:
+            raise ValueError(f"NvcompCheckpointIO(max_pending=...) must be at least 1, got {max_pending}")
+        if on_saved is not None and not callable(on_saved):
+            raise TypeError(f"NvcompCheckpointIO(on_saved=...) takes a callable, got {type(on_saved).__name__}")
         self.policy: CodecPolicy = policy
         self.workers = workers
         self.fsspec_options = dict(fsspec_options or {})
+        self.async_save = bool(async_save)
+        self.max_pending = max_pending
+        self.on_saved = on_saved
+        self.stream_wrapper = stream_wrapper
         self.last_report: SaveReport | None = None
+        self._listeners: list[Callable[[SaveReport, dict[str, Any]], None]] = []
+        self._init_async_state()
+
+    def _init_async_state(self) -> None:
+        self._saver: nc.AsyncSaver | None = None
+        self._lock = threading.Lock()
+        # Saves handed to the saver whose done callback has not finished yet, oldest first.
+        self._inflight: collections.deque[_InFlight] = collections.deque()
+        self._errors: list[BaseException] = []  # background failures nobody has been told of yet
+        self._reported: list[BaseException] = []  # ... and those the saver itself already raised
+        self._failures = 0  # background failures so far
+        self._kept: list[str] = []  # files not removed because a save before their removal failed
+        self._callback_thread: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Lightning pickles the Trainer for spawned processes; threads and locks do not travel,
+        # and a copy starts with no saves of its own.
+        state = self.__dict__.copy()
+        for name in ("_saver", "_lock", "_inflight", "_errors", "_reported", "_failures", "_kept", "_callback_thread"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_async_state()
 
     def policy_for(self, storage_options: Optional[Any]) -> tuple[CodecPolicy, dict[str, Any] | None]:
         """The policy and index metadata of one save, given Lightning's ``storage_options``.
@@ -153,6 +241,9 @@ class NvcompCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         """Write ``checkpoint`` to ``path``, compressed; the file appears only once complete.
 
+        With ``async_save``, returns once the checkpoint is snapshotted (after waiting for a free
+        slot, see ``max_pending``); the file appears when the background write is durable.
+
         Args:
             checkpoint: The checkpoint dict Lightning built (or the state given to ``fabric.save``).
             path: Local path or fsspec URL.
@@ -162,16 +253,159 @@ class NvcompCheckpointIO(CheckpointIO):
         Raises:
             ValueError: ``storage_options`` has an unknown key.
             nvcomp_checkpoint.errors.CheckpointWriteError: the write failed (disk full ...);
-                any previous file at ``path`` is untouched.
+                any previous file at ``path`` is untouched. With ``async_save``: an earlier
+                background save failed, and this one was not started.
         """
+        started = time.perf_counter()
         policy, metadata = self.policy_for(storage_options)
         info = {}
         if isinstance(checkpoint, Mapping):  # Lightning's counters, readable with `nvckpt info`
             info = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
         meta = {"written_by": type(self).__name__, **info, **(metadata or {})}
-        self.last_report = nc.save(
-            checkpoint, path, policy, metadata=meta, storage_options=self.fsspec_options or None, workers=self.workers
-        )
+        if not self.async_save:
+            report = nc.save(
+                checkpoint, path, policy, metadata=meta, storage_options=self.fsspec_options or None,
+                workers=self.workers, stream_wrapper=self.stream_wrapper,
+            )
+            self._saved(report, info)
+            return
+        self._wait_for_slot()
+        self._raise_background_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
+        waited = time.perf_counter() - started
+        try:
+            handle = self._async_saver().save(
+                checkpoint, path, policy, metadata=meta, storage_options=self.fsspec_options or None,
+                workers=self.workers, stream_wrapper=self.stream_wrapper,
+            )
+        except nc.errors.CheckpointWriteError as exc:
+            # The saver reported a failure whose done callback had not run yet: it must not be
+            # reported a second time when that callback does run.
+            if exc.__cause__ is not None:
+                with self._lock:
+                    self._reported.append(exc.__cause__)
+                    self._errors = [e for e in self._errors if e is not exc.__cause__]
+            raise
+        # The saver times from its own call; the wait for a slot above also held the training loop.
+        timing = (waited, time.perf_counter() - started)
+        entry = _InFlight(handle)
+        with self._lock:
+            self._inflight.append(entry)
+        handle.add_done_callback(lambda h: self._background_done(entry, info, timing))
+
+    # -- async bookkeeping ---------------------------------------------------------------------
+    def _async_saver(self) -> nc.AsyncSaver:
+        if self._saver is None:
+            self._saver = nc.AsyncSaver(max_pending=self.max_pending, workers=self.workers)
+        return self._saver
+
+    def _background_done(self, entry: _InFlight, info: dict[str, Any], timing: tuple[float, float]) -> None:
+        """Runs on the saver's thread once a file is durable or its save failed."""
+        self._callback_thread = threading.get_ident()
+        try:
+            # Taking the error here makes this plugin the one that reports it (see _raise_background_errors).
+            error = entry.handle.exception()
+            with self._lock:
+                if error is not None:
+                    self._failures += 1
+                    if not any(error is seen for seen in self._reported):
+                        self._errors.append(error)
+                entry.closed = True
+                removals, entry.removals = entry.removals, []
+                failures = self._failures
+            # Saves finish in order: with this one, every save handed over before each removal is done.
+            for path, failures_before in removals:
+                if failures != failures_before:
+                    with self._lock:
+                        self._kept.append(os.fspath(path))
+                    _LOG.warning("%s: not removed, because a checkpoint save before its removal failed", path)
+                else:
+                    try:
+                        self._remove_now(path)
+                    except Exception as exc:  # an old file left behind must not fail the new checkpoint
+                        _LOG.warning("%s: could not remove this old checkpoint (%s); the new one is saved", path, exc)
+            if error is None:
+                waited, blocked = timing
+                report = entry.handle.result()
+                report = dataclasses.replace(report, seconds=report.seconds + waited, seconds_blocked=blocked)
+                self._saved(report, info)
+        finally:
+            self._callback_thread = None
+            entry.finished.set()
+
+    def _saved(self, report: SaveReport, info: dict[str, Any]) -> None:
+        """A file is durable: record its report, tell ``on_saved`` and the metrics callbacks."""
+        self.last_report = report
+        if self.on_saved is not None:
+            try:
+                self.on_saved(report)
+            except Exception:
+                # A failing observer must not turn a durable checkpoint into a failed save.
+                _LOG.exception("%s: the on_saved callback raised", report.path)
+        for listener in list(self._listeners):
+            try:
+                listener(report, info)
+            except Exception:
+                _LOG.exception("%s: a metrics listener raised", report.path)
+
+    def _wait_for_slot(self) -> None:
+        # Back-pressure is applied here, not inside the saver: a finished save's error is then
+        # always taken by _background_done before the next save starts, never raised twice.
+        while True:
+            with self._lock:
+                while self._inflight and self._inflight[0].finished.is_set():
+                    self._inflight.popleft()
+                running = [entry.finished for entry in self._inflight]
+            if len(running) < self.max_pending:
+                return
+            running[0].wait()
+
+    def _wait_all(self) -> None:
+        if self._callback_thread == threading.get_ident():
+            raise RuntimeError(
+                "NvcompCheckpointIO: wait() was called from an on_saved callback, which runs on the save "
+                "thread and would wait for itself; call it from the training loop instead."
+            )
+        with self._lock:
+            running = [entry.finished for entry in self._inflight]
+        for finished in running:
+            finished.wait()
+        with self._lock:
+            while self._inflight and self._inflight[0].finished.is_set():
+                self._inflight.popleft()
+
+    def _raise_background_errors(self, when: str, consequence: str = "") -> None:
+        """Raise the oldest background failure not yet reported (``when``: who reports it)."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+            kept, self._kept = self._kept, []
+        if not errors:
+            return
+        for later in errors[1:]:
+            _LOG.error("an async checkpoint save failed: %s", later)
+        more = f" ({len(errors) - 1} more failed saves are logged)" if len(errors) > 1 else ""
+        if kept:
+            consequence = (
+                f"{consequence} Not removed, so that the run keeps its newest complete checkpoint: {', '.join(kept)}."
+            ).strip()
+        raise nc.errors.CheckpointWriteError(
+            f"an async checkpoint save failed in the background (reported by {when}){more}: "
+            f"{str(errors[0]).rstrip('.')}.{' ' + consequence if consequence else ''}"
+        ) from errors[0]
+
+    def pending(self) -> int:
+        """Saves snapshotted but not yet durable (always 0 without ``async_save``)."""
+        with self._lock:
+            return sum(1 for entry in self._inflight if not entry.closed)
+
+    def wait(self) -> None:
+        """Wait until every pending save is durable; raise the first background failure.
+
+        Raises:
+            nvcomp_checkpoint.errors.CheckpointWriteError: A background save failed (the file it
+                would have replaced, if any, is untouched).
+        """
+        self._wait_all()
+        self._raise_background_errors("wait()")
 
     @override
     def load_checkpoint(
@@ -194,6 +428,10 @@ class NvcompCheckpointIO(CheckpointIO):
             nvcomp_checkpoint.errors.UnsafeCheckpointError: the file holds Python objects that
                 a weights-only load refuses.
         """
+        if self.async_save:
+            # A checkpoint still being written must not be read as missing, or as the older one.
+            self._wait_all()
+            self._raise_background_errors(f"load_checkpoint({os.fspath(path)!r})", "Nothing was loaded; fix the cause and save again.")
         fs = get_filesystem(path, **self.fsspec_options)
         if not fs.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -211,14 +449,177 @@ class NvcompCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path`` (``ModelCheckpoint`` calls this for old top-k files)."""
+        """Delete the checkpoint at ``path`` (``ModelCheckpoint`` calls this for old top-k files).
+
+        With ``async_save``, the file removed is usually the one the newest checkpoint replaces,
+        and must outlive the write of that one: while saves are pending, the deletion is queued
+        behind them and done on the background thread once they are all durable (skipped, keeping
+        the file, if one of them fails). :meth:`wait` and :meth:`teardown` wait for it too.
+
+        Raises:
+            nvcomp_checkpoint.errors.CheckpointWriteError: A background save failed; ``path`` is
+                then kept, since it may be the newest complete checkpoint.
+        """
+        if self.async_save:
+            self._raise_background_errors(
+                f"remove_checkpoint({os.fspath(path)!r})",
+                f"{os.fspath(path)} was not removed: it may be the newest complete checkpoint.",
+            )
+            with self._lock:
+                open_saves = [entry for entry in self._inflight if not entry.closed]
+                if open_saves:
+                    open_saves[-1].removals.append((path, self._failures))
+                    return
+        self._remove_now(path)
+
+    def _remove_now(self, path: Any) -> None:
         fs = get_filesystem(path, **self.fsspec_options)
         if fs.exists(path):
             fs.rm(path, recursive=True)
 
     @override
     def teardown(self) -> None:
-        """Nothing to release: every save finishes (or fails) before ``save_checkpoint`` returns."""
+        """Wait for pending saves, stop the background thread, and raise a background failure.
+
+        The Trainer calls this at the end of ``fit``/``validate``/``test``; a later save starts
+        a new background thread. While another exception is propagating (the Trainer tears down
+        after an error too), a background failure is logged instead, so the first error stays visible.
+        """
+        if not self.async_save:
+            return
+        self._wait_all()
+        saver, self._saver = self._saver, None
+        if saver is not None:
+            saver.close()  # its errors were all taken by _background_done
+        if sys.exc_info()[1] is not None:
+            with self._lock:
+                errors, self._errors = self._errors, []
+            for error in errors:
+                _LOG.error("an async checkpoint save failed: %s", error)
+            return
+        self._raise_background_errors("teardown, at the end of the run")
+
+
+def report_metrics(report: SaveReport, prefix: str = "nvckpt/") -> dict[str, float]:
+    """The numbers of one save as flat metrics, as :class:`NvcompCheckpointMetrics` logs them.
+
+    Returns:
+        ``{prefix}ratio``, ``raw_bytes``, ``stored_bytes``, ``seconds`` (until durable),
+        ``seconds_blocked`` (time the training loop waited), ``throughput_mb_s`` (raw MB per
+        second of ``seconds``) and ``ratio/<component>`` for each component (``weights``,
+        ``exp_avg`` ...).
+    """
+    blocked = report.seconds if report.seconds_blocked is None else report.seconds_blocked
+    metrics = {
+        f"{prefix}ratio": report.ratio,
+        f"{prefix}raw_bytes": float(report.raw_bytes),
+        f"{prefix}stored_bytes": float(report.stored_bytes),
+        f"{prefix}seconds": report.seconds,
+        f"{prefix}seconds_blocked": blocked,
+        f"{prefix}throughput_mb_s": report.throughput_mb_s,
+    }
+    for name, stats in report.components.items():
+        metrics[f"{prefix}ratio/{name}"] = stats.ratio
+    # A save too fast for the clock has an infinite throughput, which loggers reject.
+    return {k: float(v) for k, v in metrics.items() if v == v and abs(v) != float("inf")}
+
+
+class NvcompCheckpointMetrics(Callback):  # type: ignore[misc,valid-type]
+    """Sends the sizes, ratios and times of every checkpoint save to the Trainer's loggers.
+
+    A ``CheckpointIO`` does not know the Trainer, so this callback carries the numbers: each
+    time a save's file is durable, :class:`NvcompCheckpointIO` hands it the report, and the
+    callback logs :func:`report_metrics` with ``logger.log_metrics(metrics, step=<the
+    checkpoint's global_step>)`` on the training thread (loggers are not thread-safe) at the
+    next batch, epoch or validation end, and at the end of ``fit``, after the plugin has waited
+    for every pending save, so the last checkpoint's numbers are logged too.
+
+    Args:
+        plugin: The plugin whose saves to report; by default the :class:`NvcompCheckpointIO` the
+            Trainer saves with (also inside Lightning's ``AsyncCheckpointIO``).
+        prefix: Prepended to every metric name.
+
+    Example:
+        >>> trainer = Trainer(plugins=[NvcompCheckpointIO(async_save=True)],
+        ...                   callbacks=[NvcompCheckpointMetrics()], logger=CSVLogger("logs"))
+    """
+
+    def __init__(self, plugin: NvcompCheckpointIO | None = None, *, prefix: str = "nvckpt/") -> None:
+        super().__init__()
+        self.plugin = plugin
+        self.prefix = prefix
+        self._queue: collections.deque[tuple[SaveReport, Any]] = collections.deque()
+        self._attached: NvcompCheckpointIO | None = None
+
+    def _on_saved(self, report: SaveReport, info: dict[str, Any]) -> None:
+        # Any thread: only queue here (deque appends are atomic); logging happens in _flush.
+        self._queue.append((report, info.get("global_step")))
+
+    def _attach(self, plugin: NvcompCheckpointIO) -> None:
+        if self._attached is plugin:
+            return
+        self._detach()
+        plugin._listeners.append(self._on_saved)
+        self._attached = plugin
+
+    def _detach(self) -> None:
+        if self._attached is not None:
+            listeners = self._attached._listeners
+            if self._on_saved in listeners:
+                listeners.remove(self._on_saved)
+            self._attached = None
+
+    def _flush(self, trainer: Any) -> None:
+        while self._queue:
+            report, step = self._queue.popleft()
+            metrics = report_metrics(report, self.prefix)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step if step is None else step)
+
+    @override
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Find the plugin (or take the one given) and listen to its saves."""
+        plugin = self.plugin if self.plugin is not None else _find_plugin(trainer.strategy.checkpoint_io)
+        if plugin is None:
+            raise nc.CheckpointError(
+                "NvcompCheckpointMetrics: this Trainer does not save with NvcompCheckpointIO "
+                f"(its CheckpointIO is {type(trainer.strategy.checkpoint_io).__name__}); pass "
+                "Trainer(plugins=[NvcompCheckpointIO()]), or NvcompCheckpointMetrics(plugin=...)."
+            )
+        self._attach(plugin)
+
+    @override
+    def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        self._flush(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._flush(trainer)
+
+    @override
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._flush(trainer)
+
+    @override
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        # After the strategy's teardown, which waited for every pending save.
+        self._flush(trainer)
+
+    @override
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._flush(trainer)
+        self._detach()
+
+
+def _find_plugin(checkpoint_io: Any) -> NvcompCheckpointIO | None:
+    """The :class:`NvcompCheckpointIO` in ``checkpoint_io``, looking inside wrappers (``AsyncCheckpointIO``)."""
+    for _ in range(8):
+        if isinstance(checkpoint_io, NvcompCheckpointIO):
+            return checkpoint_io
+        checkpoint_io = getattr(checkpoint_io, "checkpoint_io", None)
+        if checkpoint_io is None:
+            return None
+    return None
 
 
 def _register_with_standalone_packages() -> None:

@@ -1,18 +1,21 @@
 """Hugging Face ``Trainer`` integration: compressed ``checkpoint-N`` directories, and resuming from them.
 
-``NvcompTrainerCallback`` compresses the files each save writes; ``NvcompTrainer`` (or
-``NvcompTrainerMixin`` on your own Trainer subclass) resumes from what it wrote.
+``NvcompTrainerCallback`` compresses the files each save writes (``async_save=True``: in the
+background); ``NvcompTrainer`` (or ``NvcompTrainerMixin`` on your own Trainer subclass) resumes from what it wrote.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import re
+import threading
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Callable
 
 import safetensors
 import safetensors.torch
@@ -61,6 +64,7 @@ def compress_checkpoint(
     *,
     verify: bool = True,
     workers: int | None = None,
+    stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
 ) -> nc.SaveReport:
     """Replace the model weights and optimizer state of a Trainer checkpoint by compressed files.
 
@@ -78,6 +82,8 @@ def compress_checkpoint(
         verify: Decode each compressed file and compare it bit for bit with the plain file before
             deleting the plain file.
         workers: Compression threads (default: every core).
+        stream_wrapper: Wraps each compressed file's output stream (throttling, byte counting
+            ...); its ``write`` must pass every byte on, in order.
 
     Returns:
         One report for the files written: per-component sizes, codecs and time.
@@ -100,7 +106,9 @@ def compress_checkpoint(
             tree, meta = _read_plain(directory / name)
             target = directory / (name + COMPRESSED_SUFFIX)
             key = _TREE_KEY[name]
-            reports.append(nc.save({key: tree}, target, policy, metadata={_META_KEY: meta}, workers=workers))
+            reports.append(nc.save(
+                {key: tree}, target, policy, metadata={_META_KEY: meta}, workers=workers, stream_wrapper=stream_wrapper,
+            ))
             written.append(target)
             if verify:
                 _verify_copy(target, key, tree)
@@ -147,6 +155,7 @@ def decompress_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
         The names of the plain files written.
     """
     directory = Path(checkpoint_dir)
+    _wait_for_conversions()
     stamp = directory.stat()
     restored = []
     for compressed in sorted(directory.glob("*" + COMPRESSED_SUFFIX)):
@@ -324,25 +333,60 @@ class NvcompTrainerCallback(TrainerCallback):
     Resuming needs :class:`NvcompTrainer` (or :class:`NvcompTrainerMixin`), because the Trainer
     loads checkpoints with its own code and knows only its plain files.
 
+    With ``async_save=True``, ``on_save`` hands the conversion of ``checkpoint-N`` (read the
+    Trainer's files, compress, verify, remove the plain files) to a background thread and returns,
+    so training goes on meanwhile. The Trainer's files on disk are the snapshot: nothing writes to
+    ``checkpoint-N`` again, and at every moment each file is there complete, plain or compressed.
+    Before the Trainer saves again (and rotates old checkpoints with ``save_total_limit``), the
+    callback waits for the pending conversion, so rotation never deletes a directory being
+    converted; the save that ends training is converted before ``on_save`` returns, so loading
+    the best model and the last rotation see finished directories; :class:`NvcompTrainerMixin`
+    waits before loading any checkpoint. A failed conversion (its directory is left as the
+    Trainer wrote it, which still resumes) is raised before the next save, or by ``on_train_end``.
+
     Example:
         >>> trainer = NvcompTrainer(model=model, args=args, train_dataset=ds,
-        ...                         callbacks=[NvcompTrainerCallback()])
+        ...                         callbacks=[NvcompTrainerCallback(async_save=True)])
         >>> trainer.train(resume_from_checkpoint=True)
 
     Args:
         policy: Codec settings per component; defaults to ``CodecPolicy()``.
         verify: Decode each compressed file and compare it bit for bit before deleting the plain one.
         workers: Compression threads (default: every core).
+        async_save: Convert each checkpoint in the background (see above).
+        on_saved: Called with the :class:`~nvcomp_checkpoint.SaveReport` of each conversion once
+            the compressed files are durable and the plain ones removed (with ``async_save``, on
+            the background thread).
+        stream_wrapper: Wraps each compressed file's output stream (throttling, byte counting ...).
 
     Attributes:
-        last_report: The :class:`~nvcomp_checkpoint.SaveReport` of the latest conversion.
+        last_report: The :class:`~nvcomp_checkpoint.SaveReport` of the latest conversion;
+            ``seconds_blocked`` is the time ``on_save`` held training, ``seconds`` the time
+            until the conversion was done.
     """
 
-    def __init__(self, policy: nc.CodecPolicy | None = None, *, verify: bool = True, workers: int | None = None) -> None:
+    def __init__(
+        self,
+        policy: nc.CodecPolicy | None = None,
+        *,
+        verify: bool = True,
+        workers: int | None = None,
+        async_save: bool = False,
+        on_saved: Callable[[nc.SaveReport], Any] | None = None,
+        stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+    ) -> None:
+        if on_saved is not None and not callable(on_saved):
+            raise TypeError(f"NvcompTrainerCallback(on_saved=...) takes a callable, got {type(on_saved).__name__}")
         self.policy = policy
         self.verify = verify
         self.workers = workers
+        self.async_save = bool(async_save)
+        self.on_saved = on_saved
+        self.stream_wrapper = stream_wrapper
         self.last_report: nc.SaveReport | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: tuple[Path, concurrent.futures.Future[nc.SaveReport]] | None = None
+        self._callback_thread: int | None = None  # the thread running on_saved, which must not wait
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Reject the setups whose checkpoints this callback cannot convert safely."""
@@ -361,14 +405,135 @@ class NvcompTrainerCallback(TrainerCallback):
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Convert the checkpoint the Trainer has just written (after its rotation)."""
+        entered = time.perf_counter()
         if not args.should_save:
             return  # other ranks: the main process owns the checkpoint files
+        self.wait("on_save")  # normally nothing is pending here: see on_step_end
         directory = _saved_checkpoint(args.output_dir, state.global_step)
         if directory is None:
             logger.warning("NvcompTrainerCallback: no checkpoint-%d directory under %s", state.global_step, args.output_dir)
             return
-        self.last_report = compress_checkpoint(directory, self.policy, verify=self.verify, workers=self.workers)
-        logger.info("%s", self.last_report)
+        if not self.async_save:
+            report = compress_checkpoint(
+                directory, self.policy, verify=self.verify, workers=self.workers, stream_wrapper=self.stream_wrapper
+            )
+            self._converted(report)
+            return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvckpt-hf-convert")
+        blocked = time.perf_counter() - entered
+        future = self._executor.submit(self._convert, directory, entered, blocked)
+        self._pending = (directory, future)
+        _register_conversion(future)
+        if control.should_training_stop:
+            # The last save: nothing left to overlap with, and what follows (loading the best
+            # model, the final rotation, the end of the process) must see a finished directory.
+            self.wait("on_save at the end of training")
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """Before the Trainer saves (and rotates), let the pending conversion finish."""
+        if control.should_save:
+            self.wait("the next save")
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """As :meth:`on_step_end`, for ``save_strategy="epoch"``."""
+        if control.should_save:
+            self.wait("the next save")
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """With ``save_strategy="best"`` the decision to save comes after evaluation: wait here."""
+        if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+            self.wait("the next save")
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """Wait for the pending conversion and raise its error."""
+        self.wait("on_train_end")
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    def pending(self) -> bool:
+        """True while a background conversion runs."""
+        return self._pending is not None and not self._pending[1].done()
+
+    def wait(self, when: str = "wait()") -> None:
+        """Wait for the pending background conversion; raise its error if it failed.
+
+        Raises:
+            CheckpointError: The conversion failed; its directory holds the Trainer's plain files
+                (the Trainer resumes from them).
+        """
+        if self._callback_thread == threading.get_ident():
+            raise RuntimeError(
+                "NvcompTrainerCallback.wait() was called from on_saved, which runs on the conversion thread "
+                "and would wait for itself; call it from the training loop instead."
+            )
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        directory, future = pending
+        error = future.exception()
+        if error is None:
+            return
+        message = f"{str(error).rstrip('.')}. (Converted in the background; reported by {when}.)"
+        if isinstance(error, nc.CheckpointError):
+            raise type(error)(message) from error
+        raise nc.errors.CheckpointWriteError(f"{directory}: compressing the checkpoint failed: {message}") from error
+
+    def _convert(self, directory: Path, entered: float, blocked: float) -> nc.SaveReport:
+        """The background job: convert, then report (the error, if any, waits for :meth:`wait`)."""
+        try:
+            report = compress_checkpoint(
+                directory, self.policy, verify=self.verify, workers=self.workers, stream_wrapper=self.stream_wrapper
+            )
+        except BaseException as exc:
+            logger.error("%s (raised before the next save or by on_train_end)", exc)
+            raise
+        report = replace(report, seconds=time.perf_counter() - entered, seconds_blocked=blocked)
+        self._converted(report)
+        return report
+
+    def _converted(self, report: nc.SaveReport) -> None:
+        self.last_report = report
+        blocked = report.seconds if report.seconds_blocked is None else report.seconds_blocked
+        logger.info(
+            "compressed %s: %.1f MB -> %.1f MB (%.3fx) in %.2f s, blocked %.3f s, %.0f MB/s [%s]",
+            report.path, report.raw_bytes / 1e6, report.stored_bytes / 1e6, report.ratio, report.seconds, blocked,
+            report.throughput_mb_s, ", ".join(f"{k} {v.ratio:.3f}x" for k, v in report.components.items()),
+            extra={"nvckpt_report": report.to_dict()},
+        )
+        if self.on_saved is not None:
+            self._callback_thread = threading.get_ident()
+            try:
+                self.on_saved(report)
+            except Exception:
+                logger.exception("%s: the on_saved callback raised", report.path)
+            finally:
+                self._callback_thread = None
+
+
+# Conversions under way in this process, so that loading a checkpoint waits for them.
+_CONVERSIONS: set[concurrent.futures.Future[Any]] = set()
+_CONVERSIONS_LOCK = threading.Lock()
+
+
+def _register_conversion(future: concurrent.futures.Future[Any]) -> None:
+    with _CONVERSIONS_LOCK:
+        _CONVERSIONS.add(future)
+
+    def forget(done: concurrent.futures.Future[Any]) -> None:
+        with _CONVERSIONS_LOCK:
+            _CONVERSIONS.discard(done)
+
+    future.add_done_callback(forget)
+
+
+def _wait_for_conversions() -> None:
+    """Wait for every background conversion of this process (their errors go to their callback)."""
+    with _CONVERSIONS_LOCK:
+        pending = list(_CONVERSIONS)
+    if pending:
+        concurrent.futures.wait(pending)
 
 
 def _saved_checkpoint(output_dir: str, step: int) -> Path | None:
@@ -390,11 +555,12 @@ class NvcompTrainerMixin:
     Put it first in the bases of your Trainer class: ``class MyTrainer(NvcompTrainerMixin,
     SFTTrainer)``. Plain checkpoints still load through the Trainer's own code; for each file that
     exists only compressed, the compressed copy is read instead. Overrides the Trainer's
-    ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler`` and ``_load_best_model``
-    (tested with transformers 5).
+    ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler`` and ``_load_best_model``, and
+    makes them and ``_save_checkpoint`` wait for background conversions (tested with transformers 5).
     """
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        _wait_for_conversions()  # a directory is read only once its async conversion is done
         weights = _compressed_weights(resume_from_checkpoint)
         if weights is None or self._nvcomp_delegates():
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
@@ -403,6 +569,7 @@ class NvcompTrainerMixin:
         self._nvcomp_load_weights(model, weights)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        _wait_for_conversions()
         compressed = Path(checkpoint) / (_OPTIMIZER + COMPRESSED_SUFFIX) if checkpoint is not None else None
         if (
             compressed is None
@@ -422,12 +589,18 @@ class NvcompTrainerMixin:
             reissue_pt_warnings(caught)
 
     def _load_best_model(self) -> None:
+        _wait_for_conversions()
         best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
         weights = _compressed_weights(best) if best else None
         if weights is None or self._nvcomp_delegates():
             return super()._load_best_model()  # type: ignore[misc]
         logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)  # type: ignore[attr-defined]
         self._nvcomp_load_weights(self.model, weights)  # type: ignore[attr-defined]
+
+    def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        # The Trainer rotates old checkpoints inside this call: none may still be converting.
+        _wait_for_conversions()
+        return super()._save_checkpoint(*args, **kwargs)  # type: ignore[misc]
 
     def _nvcomp_load_weights(self, model: torch.nn.Module, weights: Path) -> None:
         # Loaded on the CPU, non-strict, with the Trainer's own warnings: as the Trainer loads
