@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,7 +38,9 @@ SOURCE_DEVICE_ATTR = "_nvckpt_source_device"
 
 #: Raw bytes handed to nvCOMP per batch: large enough to fill the GPU, small enough to bound
 #: the compressed bytes held on the device per job.
-GPU_BATCH_BYTES = 256 << 20
+GPU_BATCH_BYTES = 64 << 20
+#: GPU batches in flight: one compressing, one crossing to the host, one being written.
+GPU_BATCHES_IN_FLIGHT = 3
 #: Jobs queued at once whatever their size (bounds the bookkeeping for many tiny tensors).
 MAX_JOBS_IN_FLIGHT = 256
 
@@ -163,9 +166,10 @@ def _encode_cpu_chunk(data: np.ndarray, item: PlannedTensor) -> _Encoded:
     return out
 
 
-def _encode_gpu_chunks(flat: torch.Tensor, starts: list[int], item: PlannedTensor) -> _Encoded:
+def _encode_gpu_chunks(flat: torch.Tensor, starts: list[int], item: PlannedTensor, ring: PinnedRing, seq: int) -> _Encoded:
     device = item.device
     assert device is not None
+    ring.acquire(seq)
     with torch.cuda.device(device):
         src = flat[starts[0] : min(starts[-1] + item.chunk_bytes, flat.numel())]
         if src.device != device:
@@ -181,8 +185,12 @@ def _encode_gpu_chunks(flat: torch.Tensor, starts: list[int], item: PlannedTenso
             codec = gpu_codec(item.spec.codec, item.spec.level, device)
             encoded = codec.encode_batch(pieces)
             frames = [e if e.numel() < p.numel() else p for e, p in zip(encoded, pieces)]
-        # Only the compressed bytes cross to the host, in one copy.
-        host = torch.cat([f.reshape(-1) for f in frames]).cpu().numpy()
+        # Only the compressed bytes cross to the host, in one copy into a reused pinned buffer.
+        packed = torch.cat([f.reshape(-1) for f in frames])
+        staging = ring.buffer(seq, packed.numel())
+        staging.copy_(packed, non_blocking=True)
+        torch.cuda.current_stream(device).synchronize()
+        host = staging.numpy()
     out: _Encoded = []
     pos = 0
     for f, p in zip(frames, pieces):
@@ -190,6 +198,69 @@ def _encode_gpu_chunks(flat: torch.Tensor, starts: list[int], item: PlannedTenso
         out.append((frame, p.numel(), xxhash.xxh3_64_intdigest(frame)))
         pos += f.numel()
     return out
+
+
+class PinnedRing:
+    """Reused pinned host buffers for the compressed output of GPU batches.
+
+    GPU batch ``k`` uses slot ``k % slots`` and may start only once batch ``k - slots`` has been
+    written: the writer drains batches in order, so waiting on an older batch cannot deadlock,
+    and host and GPU memory stay bounded by ``slots`` batches whatever the checkpoint size.
+    """
+
+    _cache: list[torch.Tensor] = []  # buffers kept across saves: pinning is slow
+    _cache_lock = threading.Lock()
+
+    def __init__(self, slots: int = GPU_BATCHES_IN_FLIGHT) -> None:
+        self.slots = slots
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._issued = 0
+        self._written = 0
+        self._cond = threading.Condition()
+
+    def ticket(self) -> int:
+        """The next batch's sequence number (taken in file order, on the writing thread)."""
+        seq, self._issued = self._issued, self._issued + 1
+        return seq
+
+    def acquire(self, seq: int) -> None:
+        """Block until batch ``seq`` may run (batch ``seq - slots`` has been written)."""
+        with self._cond:
+            self._cond.wait_for(lambda: seq < self._written + self.slots)
+
+    def buffer(self, seq: int, nbytes: int) -> torch.Tensor:
+        """Batch ``seq``'s pinned buffer, at least ``nbytes`` long."""
+        slot = seq % self.slots
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < nbytes:
+            with PinnedRing._cache_lock:
+                fits = [b for b in PinnedRing._cache if b.numel() >= nbytes]
+                if fits:
+                    PinnedRing._cache.remove(fits[0])
+                    buf = fits[0]
+                else:
+                    buf = torch.empty(max(nbytes, GPU_BATCH_BYTES), dtype=torch.uint8, pin_memory=True)
+            self._buffers[slot] = buf
+        return buf[:nbytes]
+
+    def abort(self) -> None:
+        """Release every waiting batch (the save failed; nothing more will be written)."""
+        with self._cond:
+            self._written = 1 << 62
+            self._cond.notify_all()
+
+    def written(self) -> None:
+        """The oldest outstanding batch is on the stream; its slot may be reused."""
+        with self._cond:
+            self._written += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with PinnedRing._cache_lock:
+            for buf in self._buffers:
+                if buf is not None and len(PinnedRing._cache) < 2 * GPU_BATCHES_IN_FLIGHT:
+                    PinnedRing._cache.append(buf)
+        self._buffers = [None] * self.slots
 
 
 class CheckpointWriter:
@@ -250,24 +321,51 @@ class CheckpointWriter:
         self._write(MAGIC)
         skel_frame = self._write_skeleton(skeleton_bytes)
         frames_of: list[list[Frame]] = [[] for _ in planned]
-        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="nvckpt-compress") as pool:
-            window: deque[tuple[int, int, Future[_Encoded]]] = deque()
-            # The window is bounded in bytes, not in jobs: with a job count, one full chunk at
-            # the head held back the small tensors behind it and left workers idle (2 workers
-            # ran at 1.45x one; bounded in bytes, 1.6x). A job weighs at most one chunk, so
-            # GPU batches are still `workers * depth` at a time.
-            unit = max((item.chunk_bytes for item in planned), default=1)
-            budget = self.workers * self.depth * unit
-            in_flight = 0
-            for idx, nbytes, job in self._jobs(planned):
-                weight = min(nbytes, unit)
-                window.append((idx, weight, pool.submit(job)))
-                in_flight += weight
-                while in_flight > budget or len(window) > MAX_JOBS_IN_FLIGHT:
-                    in_flight -= self._drain_one(window, frames_of)
-            while window:
-                self._drain_one(window, frames_of)
+        self._ring = PinnedRing()
+        try:
+            self._compress_and_write(planned, frames_of)
+        finally:
+            self._ring.close()
+        return self._finish(planned, frames_of, skel_frame, metadata)
 
+    def _compress_and_write(self, planned: list[PlannedTensor], frames_of: list[list[Frame]]) -> None:
+        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="nvckpt-compress") as pool:
+            window: deque[tuple[int, int, bool, Future[_Encoded]]] = deque()
+            try:
+                self._fill_and_drain(pool, window, planned, frames_of)
+            except BaseException:
+                # Before the pool's shutdown waits for its workers: none may stay blocked on a
+                # pinned slot, and queued jobs need not run.
+                self._ring.abort()
+                for _, _, _, fut in window:
+                    fut.cancel()
+                raise
+
+    def _fill_and_drain(
+        self,
+        pool: ThreadPoolExecutor,
+        window: deque[tuple[int, int, bool, Future[_Encoded]]],
+        planned: list[PlannedTensor],
+        frames_of: list[list[Frame]],
+    ) -> None:
+        # The window is bounded in bytes, not in jobs: with a job count, one full chunk at
+        # the head held back the small tensors behind it and left workers idle (2 workers
+        # ran at 1.45x one; bounded in bytes, 1.6x). GPU batches are bounded by the pinned ring.
+        unit = max((item.chunk_bytes for item in planned), default=1)
+        budget = self.workers * self.depth * unit
+        in_flight = 0
+        for idx, nbytes, on_gpu, job in self._jobs(planned):
+            weight = min(nbytes, unit)
+            window.append((idx, weight, on_gpu, pool.submit(job)))
+            in_flight += weight
+            while in_flight > budget or len(window) > MAX_JOBS_IN_FLIGHT:
+                in_flight -= self._drain_one(window, frames_of)
+        while window:
+            self._drain_one(window, frames_of)
+
+    def _finish(
+        self, planned: list[PlannedTensor], frames_of: list[list[Frame]], skel_frame: Frame, metadata: dict[str, Any] | None
+    ) -> tuple[Index, dict[str, ComponentStats], int]:
         entries = []
         stats: dict[str, ComponentStats] = {}
         raw_total = 0
@@ -309,18 +407,20 @@ class CheckpointWriter:
         self._write(frame)
         return Frame(offset, len(frame), len(data), xxhash.xxh3_64_intdigest(frame))
 
-    def _drain_one(self, window: deque[tuple[int, int, Future[_Encoded]]], frames_of: list[list[Frame]]) -> int:
+    def _drain_one(self, window: deque[tuple[int, int, bool, Future[_Encoded]]], frames_of: list[list[Frame]]) -> int:
         """Write the oldest job's frames; returns that job's weight in the window."""
-        idx, weight, fut = window.popleft()
+        idx, weight, on_gpu, fut = window.popleft()
         for data, raw_size, digest in fut.result():
             offset = self._pos
             size = self._write(data)
             frames_of[idx].append(Frame(offset, size, raw_size, digest))
             if self.progress is not None:
                 self.progress(raw_size)
+        if on_gpu:
+            self._ring.written()
         return weight
 
-    def _jobs(self, planned: list[PlannedTensor]) -> Iterator[tuple[int, int, Callable[[], _Encoded]]]:
+    def _jobs(self, planned: list[PlannedTensor]) -> Iterator[tuple[int, int, bool, Callable[[], _Encoded]]]:
         """``(tensor index, raw bytes, job)`` for every compression job, in file order."""
         for idx, item in enumerate(planned):
             if item.nbytes == 0:
@@ -332,7 +432,8 @@ class CheckpointWriter:
                 for b in range(0, len(starts), per_batch):
                     group = starts[b : b + per_batch]
                     nbytes = min(group[-1] + item.chunk_bytes, item.nbytes) - group[0]
-                    yield idx, nbytes, (lambda f=flat, g=group, it=item: _encode_gpu_chunks(f, g, it))
+                    seq = self._ring.ticket()
+                    yield idx, nbytes, True, (lambda f=flat, g=group, it=item, q=seq: _encode_gpu_chunks(f, g, it, self._ring, q))
                 continue
             on_cpu = flat.device.type == "cpu"
             host = flat.numpy() if on_cpu else None
@@ -340,7 +441,7 @@ class CheckpointWriter:
                 end = min(start + item.chunk_bytes, item.nbytes)
                 if host is not None:
                     chunk = host[start:end]
-                    yield idx, end - start, (lambda c=chunk, it=item: _encode_cpu_chunk(c, it))
+                    yield idx, end - start, False, (lambda c=chunk, it=item: _encode_cpu_chunk(c, it))
                 else:
                     # A device tensor compressed on the CPU crosses over one chunk at a time.
-                    yield idx, end - start, (lambda f=flat, s=start, e=end, it=item: _encode_cpu_chunk(f[s:e].cpu().numpy(), it))
+                    yield idx, end - start, False, (lambda f=flat, s=start, e=end, it=item: _encode_cpu_chunk(f[s:e].cpu().numpy(), it))
