@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import IO, Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch

@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-__all__ = ["Storage", "LocalStorage", "FsspecStorage", "storage_for", "is_url"]
+__all__ = ["Storage", "LocalStorage", "FsspecStorage", "storage_for", "is_url", "fsync_path"]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2"}
 
@@ -63,7 +63,7 @@ class LocalStorage(Storage):
             os.fsync(f.fileno())
             f.close()
             os.replace(tmp, target)
-            _fsync_dir(target.parent)
+            fsync_path(target.parent)
         except BaseException:
             # close() flushes the buffer and fails again on a full disk; the temporary file
             # must go all the same.
@@ -95,16 +95,24 @@ class LocalStorage(Storage):
         Path(path).mkdir(parents=True, exist_ok=True)
 
 
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; not possible on every platform / file system.
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Make a file's bytes, or a directory's entries (renames, removals), durable.
+
+    A file that cannot be fsynced raises; a directory that cannot is skipped, since not every
+    platform and file system allows it.
+    """
+    p = Path(path)
     try:
-        fd = os.open(directory, os.O_RDONLY)
+        fd = os.open(p, os.O_RDONLY)
     except OSError:
+        if p.is_file():
+            raise
         return
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        if p.is_file():
+            raise
     finally:
         os.close(fd)
 

@@ -98,6 +98,7 @@ from accelerate.utils import (
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, ChecksumError, FormatError
+from nvcomp_checkpoint.storage import fsync_path
 
 __all__ = [
     "register_nvcomp_hooks",
@@ -697,7 +698,7 @@ def _write_manifest(call: _SaveCall, policy: nc.CodecPolicy) -> None:
             rel = p.relative_to(call.staging).as_posix()
             # .nvc files carry a checksum per chunk; hashing them again would double the reads.
             files[rel] = {"bytes": p.stat().st_size, "blake2b": None if p.suffix == ".nvc" else _digest(p)}
-            _fsync_path(p)
+            fsync_path(p)
     manifest = {
         "format": _FORMAT,
         "version": _VERSION,
@@ -716,7 +717,7 @@ def _write_manifest(call: _SaveCall, policy: nc.CodecPolicy) -> None:
         f.flush()
         os.fsync(f.fileno())
     for d in sorted({p.parent for p in call.staging.rglob("*")} | {call.staging}):
-        _fsync_path(d)
+        fsync_path(d)
 
 
 def _read_manifest(path: Path) -> dict[str, Any] | None:
@@ -767,19 +768,6 @@ def _check_files(path: Path, manifest: dict[str, Any]) -> None:
             )
 
 
-def _fsync_path(path: Path) -> None:
-    # Directories need an fd opened read-only; fsync on them is not possible everywhere.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        if path.is_file():
-            raise
-    finally:
-        os.close(fd)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -811,11 +799,11 @@ def _commit(staging: Path, target: Path) -> Path | None:
         raise CheckpointWriteError(f"{target}: exists and is not a directory; save_state needs a directory path")
     if not target.exists():
         os.rename(staging, target)
-        _fsync_path(target.parent)
+        fsync_path(target.parent)
         return None
     _carry_over(target, staging)
     if _exchange(staging, target):
-        _fsync_path(target.parent)
+        fsync_path(target.parent)
         return staging
     old = target.parent / f".{target.name}{_OLD}"
     if old.exists():
@@ -827,7 +815,7 @@ def _commit(staging: Path, target: Path) -> Path | None:
     except BaseException:
         os.rename(old, target)
         raise
-    _fsync_path(target.parent)
+    fsync_path(target.parent)
     return old
 
 

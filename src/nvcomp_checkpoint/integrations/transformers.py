@@ -24,7 +24,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.storage import storage_for
+from nvcomp_checkpoint.storage import fsync_path, storage_for
 
 __all__ = [
     "NvcompTrainerCallback",
@@ -121,7 +121,7 @@ def compress_checkpoint(
         for path in written:
             if path.with_name(path.name[: -len(COMPRESSED_SUFFIX)]).is_file():
                 path.unlink(missing_ok=True)
-        _fsync_dir(directory)
+        fsync_path(directory)
         _restore_mtime(directory, stamp)
         if isinstance(exc, OSError):
             raise nc.errors.CheckpointWriteError(
@@ -137,7 +137,7 @@ def compress_checkpoint(
     # compressed optimizer.
     for name in plain:
         (directory / name).unlink(missing_ok=True)
-    _fsync_dir(directory)
+    fsync_path(directory)
     _restore_mtime(directory, stamp)
     return _merge(str(directory), reports, time.perf_counter() - start)
 
@@ -174,7 +174,7 @@ def decompress_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
                 torch.save(tree, stream)
         compressed.unlink()
         restored.append(name)
-    _fsync_dir(directory)
+    fsync_path(directory)
     _restore_mtime(directory, stamp)
     return restored
 
@@ -293,18 +293,6 @@ def _restore_mtime(directory: Path, stamp: os.stat_result) -> None:
     os.utime(directory, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
 
 
-def _fsync_dir(directory: Path) -> None:
-    # Makes removals durable: after a power loss the directory never lacks both copies.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _merge(path: str, reports: list[nc.SaveReport], seconds: float) -> nc.SaveReport:
