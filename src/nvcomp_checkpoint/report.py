@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-__all__ = ["ComponentStats", "SaveReport", "format_bytes", "format_table", "component_rows"]
+__all__ = ["ComponentStats", "SaveReport", "merge_reports", "format_bytes", "format_table", "component_rows"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,27 @@ class SaveReport:
             f"{self.path}: {format_bytes(self.raw_bytes)} -> {format_bytes(self.stored_bytes)} "
             f"({self.ratio:.3f}x) in {self.seconds:.2f} s"
         )
+
+
+def merge_reports(
+    path: str, reports: Iterable[SaveReport], seconds: float, seconds_blocked: float | None = None
+) -> SaveReport:
+    """One report for several files saved as one checkpoint (a directory's model and optimizer)."""
+    components: dict[str, ComponentStats] = {}
+    raw = stored = 0
+    for report in reports:
+        raw += report.raw_bytes
+        stored += report.stored_bytes
+        for name, s in report.components.items():
+            c = components.get(name, ComponentStats())
+            components[name] = ComponentStats(
+                c.tensors + s.tensors,
+                c.raw_bytes + s.raw_bytes,
+                c.stored_bytes + s.stored_bytes,
+                tuple(sorted(set(c.codecs) | set(s.codecs))),
+                tuple(sorted(set(c.filters) | set(s.filters))),
+            )
+    return SaveReport(path, raw, stored, seconds, components, seconds if seconds_blocked is None else seconds_blocked)
 
 
 def component_rows(components: Mapping[str, ComponentStats], raw_total: int, stored_total: int) -> list[list[str]]:

@@ -98,6 +98,8 @@ from accelerate.utils import (
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, ChecksumError, FormatError
+from nvcomp_checkpoint.api import log_report
+from nvcomp_checkpoint.report import merge_reports
 from nvcomp_checkpoint.storage import fsync_path
 
 __all__ = [
@@ -432,13 +434,8 @@ class NvcompStateHooks:
 
     def _committed(self, shown: str, reports: dict[str, nc.SaveReport], seconds: float, blocked: float) -> None:
         self.last_reports = dict(reports)
-        self.last_report = report = _merge(shown, reports.values(), seconds, blocked)
-        logger.info(
-            "save_state %s: %.1f MB -> %.1f MB (%.3fx) in %.2f s, blocked %.3f s, %.0f MB/s [%s]",
-            shown, report.raw_bytes / 1e6, report.stored_bytes / 1e6, report.ratio, report.seconds, blocked,
-            report.throughput_mb_s, ", ".join(f"{k} {v.ratio:.3f}x" for k, v in report.components.items()),
-            extra={"nvckpt_report": report.to_dict()},
-        )
+        self.last_report = report = merge_reports(shown, reports.values(), seconds, blocked)
+        log_report(report, "save_state")
         if self.on_saved is not None:
             self._callback_thread = threading.get_ident()
             try:
@@ -906,18 +903,3 @@ def _rotate(checkpoints: Path, project_dir: Path, limit: int, keep: Path) -> Non
             shutil.rmtree(doomed)
         except OSError as exc:
             logger.warning("%s: could not delete this old checkpoint (%s); the new one is saved.", old, exc)
-
-
-def _merge(path: str, reports: Any, seconds: float, blocked: float | None = None) -> nc.SaveReport:
-    components: dict[str, nc.ComponentStats] = {}
-    raw = stored = 0
-    for r in reports:
-        raw += r.raw_bytes
-        stored += r.stored_bytes
-        for name, s in r.components.items():
-            c = components.get(name, nc.ComponentStats())
-            components[name] = nc.ComponentStats(
-                c.tensors + s.tensors, c.raw_bytes + s.raw_bytes, c.stored_bytes + s.stored_bytes,
-                tuple(sorted(set(c.codecs) | set(s.codecs))), tuple(sorted(set(c.filters) | set(s.filters))),
-            )
-    return nc.SaveReport(path, raw, stored, seconds, components, seconds if blocked is None else blocked)

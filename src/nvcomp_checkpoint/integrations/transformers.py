@@ -24,6 +24,8 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.api import log_report
+from nvcomp_checkpoint.report import merge_reports
 from nvcomp_checkpoint.storage import fsync_path, storage_for
 
 __all__ = [
@@ -139,7 +141,7 @@ def compress_checkpoint(
         (directory / name).unlink(missing_ok=True)
     fsync_path(directory)
     _restore_mtime(directory, stamp)
-    return _merge(str(directory), reports, time.perf_counter() - start)
+    return merge_reports(str(directory), reports, time.perf_counter() - start)
 
 
 def decompress_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
@@ -293,23 +295,6 @@ def _restore_mtime(directory: Path, stamp: os.stat_result) -> None:
     os.utime(directory, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
 
 
-
-
-def _merge(path: str, reports: list[nc.SaveReport], seconds: float) -> nc.SaveReport:
-    components: dict[str, nc.ComponentStats] = {}
-    for report in reports:
-        for name, stats in report.components.items():
-            old = components.get(name, nc.ComponentStats())
-            components[name] = nc.ComponentStats(
-                old.tensors + stats.tensors,
-                old.raw_bytes + stats.raw_bytes,
-                old.stored_bytes + stats.stored_bytes,
-                tuple(sorted(set(old.codecs) | set(stats.codecs))),
-                tuple(sorted(set(old.filters) | set(stats.filters))),
-            )
-    raw = sum(r.raw_bytes for r in reports)
-    stored = sum(r.stored_bytes for r in reports)
-    return nc.SaveReport(path, raw, stored, seconds, components, seconds)
 
 
 # -- the callback ------------------------------------------------------------------------------
@@ -483,13 +468,7 @@ class NvcompTrainerCallback(TrainerCallback):
 
     def _converted(self, report: nc.SaveReport) -> None:
         self.last_report = report
-        blocked = report.seconds if report.seconds_blocked is None else report.seconds_blocked
-        logger.info(
-            "compressed %s: %.1f MB -> %.1f MB (%.3fx) in %.2f s, blocked %.3f s, %.0f MB/s [%s]",
-            report.path, report.raw_bytes / 1e6, report.stored_bytes / 1e6, report.ratio, report.seconds, blocked,
-            report.throughput_mb_s, ", ".join(f"{k} {v.ratio:.3f}x" for k, v in report.components.items()),
-            extra={"nvckpt_report": report.to_dict()},
-        )
+        log_report(report, "compressed")
         if self.on_saved is not None:
             self._callback_thread = threading.get_ident()
             try:
