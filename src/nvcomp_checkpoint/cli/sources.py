@@ -18,6 +18,7 @@ import torch
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
+from nvcomp_checkpoint.format.skeleton import flatten
 from nvcomp_checkpoint.storage import is_url, storage_for
 
 __all__ = [
@@ -128,29 +129,9 @@ def require_safetensors() -> Any:
     return safetensors.torch
 
 
-def iter_tensors(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
-    """Every tensor in a tree of dicts, lists and tuples with its path; shared tensors once."""
-    seen: set[tuple[Any, ...]] = set()
-
-    def walk(node: Any, where: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
-        if isinstance(node, torch.Tensor):
-            # Tied weights are one tensor in the file; count their bytes once, as save does.
-            ident = None
-            if node.device.type != "meta" and node.layout == torch.strided:
-                ident = (node.untyped_storage().data_ptr(), node.storage_offset(), tuple(node.shape), node.stride(), node.dtype)
-            if ident is not None and ident in seen:
-                return
-            if ident is not None:
-                seen.add(ident)
-            yield where, node
-        elif isinstance(node, dict):
-            for k, v in node.items():
-                yield from walk(v, where + (k,))
-        elif isinstance(node, (list, tuple)):
-            for i, v in enumerate(node):
-                yield from walk(v, where + (i,))
-
-    yield from walk(obj, path)
+def iter_tensors(obj: Any) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
+    """Every tensor of a tree with its path, each stored tensor once: exactly what ``save`` writes."""
+    return iter(flatten(obj)[1])
 
 
 class Source:
