@@ -22,12 +22,12 @@ from .format.layout import FOOTER, MAGIC, Frame, Index, TensorEntry, unpack_foot
 from .format.skeleton import decode_skeleton, unflatten
 from .report import ComponentStats
 from .storage import Storage, storage_for
-from .writer import default_workers
+from .writer import GPU_BATCH_BYTES, default_workers
 
 __all__ = ["CheckpointReader", "MapLocation"]
 
 #: Raw bytes decoded per nvCOMP batch on the GPU: the writer's batch size, so memory stays bounded.
-_GPU_GROUP_BYTES = 256 << 20
+_GPU_GROUP_BYTES = GPU_BATCH_BYTES
 
 MapLocation = None | str | torch.device | Mapping[str, str] | Callable[..., Any]
 
