@@ -627,3 +627,37 @@ def test_ratio_and_from_are_exclusive(capsys: pytest.CaptureFixture[str], compre
         main(["estimate", *SEED, "--ratio", "1.3", "--from", str(compressed[0])])
     assert exc.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def _as_gpu_only_file(path: Path) -> None:
+    """Relabel a file written with codec `none` as nvCOMP ANS: what a GPU machine writes, as far
+    as portability goes (every frame is stored raw, so only the codec id changes)."""
+    import xxhash
+
+    from nvcomp_checkpoint.format.layout import FOOTER, pack_footer
+
+    data = path.read_bytes()
+    offset, size, _, _ = FOOTER.unpack(data[-FOOTER.size :])
+    index = json.loads(data[offset : offset + size])
+    for t in index["tensors"]:
+        t["codec"] = {"id": "ans"}
+    blob = json.dumps(index, separators=(",", ":")).encode()
+    path.write_bytes(data[:offset] + blob + pack_footer(offset, len(blob), xxhash.xxh3_64_intdigest(blob)))
+
+
+def test_inspect_says_whether_the_file_loads_without_a_gpu(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "w.nvc"
+    nc.save({"w": torch.randn(64, 64)}, path)
+    code, out, _ = call(capsys, "inspect", str(path))
+    assert code == 0 and "loads anywhere" in out
+    assert json.loads(run_cli("inspect", path, "--json").stdout)["portable"] is True
+
+    nc.save({"w": torch.randn(64, 64)}, path, policy=nc.CodecPolicy.uniform("none"))
+    _as_gpu_only_file(path)
+    code, out, _ = call(capsys, "inspect", str(path))
+    assert code == 0 and "needs a CUDA GPU" in out and "ans" in out
+    info = json.loads(run_cli("inspect", path, "--json").stdout)
+    assert info["portable"] is False and info["gpu_only_codecs"] == ["ans"]
+    if not nc.gpu_available():
+        with pytest.raises(nc.errors.CodecUnavailableError, match=r"'w'.*'ans'.*CUDA"):
+            nc.load(path)

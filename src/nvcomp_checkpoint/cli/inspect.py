@@ -110,6 +110,7 @@ def _describe_file(path: str, trust: bool) -> dict[str, Any]:
         tensors = source.tensors()
         stats = component_stats(tensors)
         raw = sum(t.raw_bytes for t in tensors)
+        gpu_only = sorted({t.codec.split(":")[0] for t in tensors} & set(nc.GPU_ONLY_CODECS))
         return {
             "path": path,
             "format": source.kind,
@@ -119,6 +120,9 @@ def _describe_file(path: str, trust: bool) -> dict[str, Any]:
             "components": {k: v.to_dict() for k, v in stats.items()},
             "tensors": [t.to_dict() for t in tensors],
             "metadata": source.metadata,
+            # Whether the file loads on a machine without a GPU (no nvCOMP-only codec in it).
+            "portable": not gpu_only,
+            "gpu_only_codecs": gpu_only,
             "_infos": tensors,
             "_stats": stats,
         }
@@ -192,6 +196,15 @@ def run_inspect(args: argparse.Namespace) -> int:
         console.print(build_tree(title, d["_infos"], args.depth, compressed))
     console.print(make_table(None, ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"],
                              component_rows(d["_stats"], d["raw_bytes"], d["file_bytes"])))
+    if compressed:
+        if d["portable"]:
+            console.print("loads anywhere: every codec has a CPU decoder", markup=False, highlight=False)
+        else:
+            console.print(
+                f"needs a CUDA GPU with nvCOMP to load: codec {', '.join(d['gpu_only_codecs'])} has no CPU decoder "
+                "(convert with: nvckpt compress SRC DST --policy zstd on a GPU machine)",
+                markup=False, highlight=False,
+            )
     meta = d["metadata"]
     if meta:
         shown = ", ".join(f"{k}={_meta_value(k, v)}" for k, v in meta.items() if not isinstance(v, (dict, list)))
