@@ -498,3 +498,30 @@ def test_interpreter_exit_waits_for_pending_save_and_reports_errors(tmp_path: Pa
     proc = _child(tmp_path, str(tmp_path / "file" / "bad.nvc"), "")
     _, err = proc.communicate(timeout=120)
     assert "async checkpoint save failed" in err and "bad.nvc" in err
+
+
+def test_snapshot_keeps_pre_encoded_tensors_and_copies_the_rest() -> None:
+    """The merge an async snapshot does when CUDA tensors were compressed on their GPU: those
+    stay as they are in the tree (the writer reads only their shape), every other tensor is
+    copied, and the frames are dropped on release."""
+    from nvcomp_checkpoint.snapshot import SnapshotBuffers
+
+    big, small = torch.randn(1000), torch.randn(10)
+    tree = {"big": big, "small": small, "again": big, "n": 1}
+    frames = torch.zeros(40, dtype=torch.uint8)
+    seen: list[int] = []
+
+    def pre_encode(tensors, budget):
+        seen.append(len(tensors))
+        return {id(big): [([frames], [4000])]}
+
+    snap = SnapshotBuffers().take(tree, pre_encode=pre_encode)
+    assert seen == [2]  # the tied tensor is one tensor
+    assert snap.tree["big"] is big and snap.tree["again"] is big
+    assert snap.tree["small"] is not small and torch.equal(snap.tree["small"], small)
+    assert snap.gpu_bytes == 40 and snap.host_bytes == small.numel() * 4
+    small.add_(1.0)
+    assert not torch.equal(snap.tree["small"], small)
+    assert id(big) in snap.pre_encoded
+    snap.release()
+    assert snap.pre_encoded == {}

@@ -68,6 +68,7 @@ def _save(
     workers: int | None,
     progress: Callable[[int], None] | None,
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None,
+    pre_encoded: dict[int, Any] | None = None,
 ) -> SaveReport:
     """:func:`save` without waiting for async saves or logging (the async worker runs this)."""
     policy = policy or CodecPolicy()
@@ -78,7 +79,7 @@ def _save(
         with storage.open_write(spath) as stream:
             if stream_wrapper is not None:
                 stream = stream_wrapper(stream)
-            writer = CheckpointWriter(stream, policy, where, workers=workers, progress=progress)
+            writer = CheckpointWriter(stream, policy, where, workers=workers, progress=progress, pre_encoded=pre_encoded)
             _, stats, raw = writer.write(obj, metadata)
             stored = writer._pos
     except CheckpointError:

@@ -16,12 +16,13 @@ from dataclasses import replace
 from typing import IO, Any, Callable, Iterable
 
 from .api import _save, log_report
+from .codecs import gpu_available
 from .errors import CheckpointError, CheckpointWriteError
 from .policy import CodecPolicy
 from .report import SaveReport
 from .snapshot import Snapshot, SnapshotBuffers
 from .storage import is_url
-from .writer import plan_tensors
+from .writer import plan_tensors, pre_encode_on_gpu
 
 __all__ = [
     "AsyncSaveHandle",
@@ -236,7 +237,10 @@ class AsyncSaver:
         try:
             self.raise_errors()
             # Refuse what the writer would refuse while the caller can still see the traceback.
-            snapshot = self.buffers.take(obj, validate=lambda tensors: plan_tensors(tensors, policy, where))
+            # On a GPU with nvCOMP, CUDA tensors are compressed into GPU memory right away: the
+            # snapshot is then the (smaller) compressed frames, not a raw copy.
+            pre_encode = (lambda tensors, budget: pre_encode_on_gpu(tensors, policy, where, budget)) if gpu_available() else None
+            snapshot = self.buffers.take(obj, validate=lambda tensors: plan_tensors(tensors, policy, where), pre_encode=pre_encode)
         except BaseException:
             self._slots.release()
             raise
@@ -280,7 +284,7 @@ class AsyncSaver:
             report: SaveReport | None = None
             error: BaseException | None = None
             try:
-                report = _save(snapshot.tree, handle.path, **kwargs)
+                report = _save(snapshot.tree, handle.path, **kwargs, pre_encoded=snapshot.pre_encoded)
                 report = replace(report, seconds=time.perf_counter() - handle._started, seconds_blocked=handle._blocked)
             except BaseException as exc:  # noqa: BLE001 - a waiter must never hang on a dead save
                 error = exc if isinstance(exc, CheckpointError) else CheckpointWriteError(

@@ -60,6 +60,9 @@ class Snapshot:
     gpu_bytes: int
     seconds: float
     _release: Callable[[], None] = field(default=lambda: None, repr=False)
+    #: ``{id(tensor): frames}`` of CUDA tensors compressed on their GPU instead of copied; the
+    #: tree then holds the tensor itself, of which the writer reads only shape and dtype.
+    pre_encoded: dict[int, Any] = field(default_factory=dict, repr=False)
 
     def release(self) -> None:
         """Return the memory to the pool it came from (call once the save is done)."""
@@ -147,13 +150,21 @@ class SnapshotBuffers:
             self._pinned = None
 
     # -- snapshot ----------------------------------------------------------------------------
-    def take(self, obj: Any, validate: Callable[[TensorList], None] | None = None) -> Snapshot:
+    def take(
+        self,
+        obj: Any,
+        validate: Callable[[TensorList], None] | None = None,
+        pre_encode: Callable[[TensorList, Callable[[torch.device], int]], dict[int, Any]] | None = None,
+    ) -> Snapshot:
         """Copy ``obj``: every tensor into memory of this pool, containers and values deep.
 
         Args:
             obj: A checkpoint tree (dicts, lists, tuples, tensors, plain values).
             validate: Called with the tree's ``(path, tensor)`` list before anything is copied,
                 so that a tree the writer would refuse fails here, on the caller's thread.
+            pre_encode: Compresses CUDA tensors on their GPU within a per-device budget and
+                returns ``{id(tensor): frames}``; those tensors are not copied (their compressed
+                frames are the snapshot). ``None``: every tensor is copied.
 
         Returns:
             A :class:`Snapshot`; call :meth:`Snapshot.release` when the save is done.
@@ -163,6 +174,12 @@ class SnapshotBuffers:
         if validate is not None:
             validate(tensors)
         skeleton = _copy_plain(skeleton)
+        all_tensors = tensors
+        pre_encoded: dict[int, Any] = {}
+        if pre_encode is not None:
+            pre_encoded = pre_encode(tensors, self._gpu_budget)
+        # What was compressed on the GPU is not copied; the rest is, as below.
+        tensors = [(p, t) for p, t in all_tensors if id(t) not in pre_encoded]
 
         on_gpu = self._gpu_placement(tensors)
         while True:
@@ -191,18 +208,25 @@ class SnapshotBuffers:
                 gpu_arenas.clear()
                 self._give_back(arena)
                 raise
-        tree = unflatten(skeleton, lambda i: copies[i])
-        raw = sum(_nbytes(t) for _, t in tensors)
+        copied = iter(copies)
+        merged = [t if id(t) in pre_encoded else next(copied) for _, t in all_tensors]
+        tree = unflatten(skeleton, lambda i: merged[i])
+        raw = sum(_nbytes(t) for _, t in all_tensors)
+        encoded_bytes = sum(f.numel() for batches in pre_encoded.values() for frames, _ in batches for f in frames)
+        gpu_bytes += encoded_bytes
 
         def release() -> None:
-            for device in gpu_arenas:
+            encoded_on = {t.device for _, t in all_tensors if id(t) in pre_encoded and t.device.type == "cuda"}
+            for device in set(gpu_arenas) | encoded_on:
                 # The save's kernels (on streams other than the one the arena was allocated on)
                 # must be done before the caching allocator hands the memory to training again.
                 torch.cuda.synchronize(device)
             gpu_arenas.clear()
             self._give_back(arena)
+            pre_encoded.clear()
 
-        return Snapshot(tree, raw, raw - gpu_bytes, gpu_bytes, time.perf_counter() - start, release)
+        host_bytes = sum(_nbytes(t) for _, t in tensors) - (gpu_bytes - encoded_bytes)
+        return Snapshot(tree, raw, host_bytes, gpu_bytes, time.perf_counter() - start, release, pre_encoded)
 
     def _gpu_placement(self, tensors: TensorList) -> set[int]:
         """Indices of CUDA tensors whose copy stays on their GPU (within the budget)."""

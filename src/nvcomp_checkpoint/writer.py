@@ -15,7 +15,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any, Callable, Iterator, Sequence
+from typing import IO, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -30,7 +30,9 @@ from .format.skeleton import encode_skeleton, flatten
 from .policy import CodecPolicy, CodecSpec, Component, key_string
 from .report import ComponentStats
 
-__all__ = ["PlannedTensor", "plan_tensors", "CheckpointWriter", "default_workers", "SOURCE_DEVICE_ATTR"]
+__all__ = [
+    "PlannedTensor", "plan_tensors", "CheckpointWriter", "PinnedRing", "pre_encode_on_gpu", "default_workers", "SOURCE_DEVICE_ATTR",
+]
 
 #: Attribute set on a host copy of a GPU tensor (by an async snapshot): the device the tensor
 #: lives on, recorded in the index so that a load returns it there.
@@ -166,10 +168,24 @@ def _encode_cpu_chunk(data: np.ndarray, item: PlannedTensor) -> _Encoded:
     return out
 
 
-def _encode_gpu_chunks(flat: torch.Tensor, starts: list[int], item: PlannedTensor, ring: PinnedRing, seq: int) -> _Encoded:
+#: Frames of one GPU batch, still on the device, with the raw size of each.
+GpuFrames = tuple[list[torch.Tensor], list[int]]
+
+
+def gpu_batches(item: PlannedTensor) -> list[list[int]]:
+    """Chunk start offsets of each GPU batch of ``item``, in file order."""
+    per_batch = max(1, GPU_BATCH_BYTES // item.chunk_bytes)
+    starts = list(range(0, item.nbytes, item.chunk_bytes))
+    return [starts[b : b + per_batch] for b in range(0, len(starts), per_batch)]
+
+
+def encode_gpu_batch(flat: torch.Tensor, starts: list[int], item: PlannedTensor) -> GpuFrames:
+    """Compress one batch of chunks on ``item.device``; the frames stay in GPU memory.
+
+    A frame that does not shrink is the raw piece, which may be a view of ``flat``.
+    """
     device = item.device
     assert device is not None
-    ring.acquire(seq)
     with torch.cuda.device(device):
         src = flat[starts[0] : min(starts[-1] + item.chunk_bytes, flat.numel())]
         if src.device != device:
@@ -180,12 +196,17 @@ def _encode_gpu_chunks(flat: torch.Tensor, starts: list[int], item: PlannedTenso
             chunk = src[s - starts[0] : s - starts[0] + item.chunk_bytes]
             pieces.extend(filt.split_torch(chunk) if item.spec.filter == "byteplane" else [chunk])
         if item.spec.codec == "none":
-            frames = pieces
-        else:
-            codec = gpu_codec(item.spec.codec, item.spec.level, device)
-            encoded = codec.encode_batch(pieces)
-            frames = [e if e.numel() < p.numel() else p for e, p in zip(encoded, pieces)]
-        # Only the compressed bytes cross to the host, in one copy into a reused pinned buffer.
+            return pieces, [p.numel() for p in pieces]
+        codec = gpu_codec(item.spec.codec, item.spec.level, device)
+        encoded = codec.encode_batch(pieces)
+        frames = [e if e.numel() < p.numel() else p for e, p in zip(encoded, pieces)]
+        return frames, [p.numel() for p in pieces]
+
+
+def _gpu_frames_to_host(batch: GpuFrames, device: torch.device, ring: PinnedRing, seq: int) -> _Encoded:
+    """Copy one batch's frames into its reused pinned buffer: only compressed bytes cross."""
+    frames, raw_sizes = batch
+    with torch.cuda.device(device):
         packed = torch.cat([f.reshape(-1) for f in frames])
         staging = ring.buffer(seq, packed.numel())
         staging.copy_(packed, non_blocking=True)
@@ -193,10 +214,61 @@ def _encode_gpu_chunks(flat: torch.Tensor, starts: list[int], item: PlannedTenso
         host = staging.numpy()
     out: _Encoded = []
     pos = 0
-    for f, p in zip(frames, pieces):
+    for f, raw_size in zip(frames, raw_sizes):
         frame = host[pos : pos + f.numel()]
-        out.append((frame, p.numel(), xxhash.xxh3_64_intdigest(frame)))
+        out.append((frame, raw_size, xxhash.xxh3_64_intdigest(frame)))
         pos += f.numel()
+    return out
+
+
+def _encode_gpu_chunks(flat: torch.Tensor, starts: list[int], item: PlannedTensor, ring: PinnedRing, seq: int) -> _Encoded:
+    ring.acquire(seq)
+    assert item.device is not None
+    return _gpu_frames_to_host(encode_gpu_batch(flat, starts, item), item.device, ring, seq)
+
+
+def _pre_encoded_to_host(batch: GpuFrames, item: PlannedTensor, ring: PinnedRing, seq: int) -> _Encoded:
+    ring.acquire(seq)
+    # The frames' own device: the one they were compressed on, in the caller's thread.
+    return _gpu_frames_to_host(batch, batch[0][0].device, ring, seq)
+
+
+def pre_encode_on_gpu(
+    tensors: Sequence[tuple[tuple[Any, ...], torch.Tensor]],
+    policy: CodecPolicy,
+    where: str,
+    budget: Callable[[torch.device], int],
+) -> dict[int, list[GpuFrames]]:
+    """Compress the CUDA tensors the policy sends to their GPU, keeping the frames in GPU memory.
+
+    This is the GPU half of an async snapshot: once it returns, training may change the
+    tensors, and the writer only copies the (smaller) frames to the host. Tensors beyond
+    ``budget(device)`` raw bytes per device are left out (the caller copies them instead).
+
+    Returns:
+        ``{id(tensor): [frames of each GPU batch]}``, as :class:`CheckpointWriter` takes it.
+    """
+    out: dict[int, list[GpuFrames]] = {}
+    used: dict[torch.device, int] = {}
+    for item in plan_tensors(tensors, policy, where):
+        t = item.tensor
+        if item.device is None or t.device != item.device or item.nbytes == 0 or id(t) in out:
+            continue
+        if used.get(t.device, 0) + item.nbytes > budget(t.device):
+            continue
+        used[t.device] = used.get(t.device, 0) + item.nbytes
+        flat = _flat_bytes(t)
+        source = flat.untyped_storage().data_ptr()
+        batches = []
+        for group in gpu_batches(item):
+            frames, raw_sizes = encode_gpu_batch(flat, group, item)
+            # A frame stored raw may be a view of the live tensor: copy it, or training's next
+            # step would change what gets written.
+            frames = [f.clone() if f.untyped_storage().data_ptr() == source else f for f in frames]
+            batches.append((frames, raw_sizes))
+        out[id(t)] = batches
+    for device in used:
+        torch.cuda.current_stream(device).synchronize()
     return out
 
 
@@ -272,6 +344,9 @@ class CheckpointWriter:
         where: The path, for error messages and the report.
         workers: Compression threads (default: every core, at most 16).
         depth: Chunks in flight per worker; bounds the extra memory of a save.
+        progress: Called with the raw bytes of each frame as it is written.
+        pre_encoded: ``{id(tensor): [batch frames ...]}`` for tensors already compressed on their
+            GPU (by :func:`pre_encode_on_gpu`, for an async snapshot); planned like any other.
     """
 
     def __init__(
@@ -283,8 +358,10 @@ class CheckpointWriter:
         workers: int | None = None,
         depth: int = 2,
         progress: Callable[[int], None] | None = None,
+        pre_encoded: Mapping[int, list[GpuFrames]] | None = None,
     ) -> None:
         self.stream = stream
+        self.pre_encoded = pre_encoded or {}
         self.policy = policy
         self.where = where
         self.workers = workers or default_workers()
@@ -425,12 +502,17 @@ class CheckpointWriter:
         for idx, item in enumerate(planned):
             if item.nbytes == 0:
                 continue
+            pre = self.pre_encoded.get(id(item.tensor)) if item.device is not None else None
+            if pre is not None:
+                # Compressed on the GPU when an async snapshot was taken: only the copy to the
+                # host and the write are left.
+                for batch in pre:
+                    seq = self._ring.ticket()
+                    yield idx, sum(batch[1]), True, (lambda b=batch, it=item, q=seq: _pre_encoded_to_host(b, it, self._ring, q))
+                continue
             flat = _flat_bytes(item.tensor)
             if item.device is not None:
-                per_batch = max(1, GPU_BATCH_BYTES // item.chunk_bytes)
-                starts = list(range(0, item.nbytes, item.chunk_bytes))
-                for b in range(0, len(starts), per_batch):
-                    group = starts[b : b + per_batch]
+                for group in gpu_batches(item):
                     nbytes = min(group[-1] + item.chunk_bytes, item.nbytes) - group[0]
                     seq = self._ring.ticket()
                     yield idx, nbytes, True, (lambda f=flat, g=group, it=item, q=seq: _encode_gpu_chunks(f, g, it, self._ring, q))
