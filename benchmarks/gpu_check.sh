@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# GPU check of nvcomp-checkpoint: the gpu-marked tests, then the codec benchmark. Runs on the
-# GPU machine (python3 3.12 with PyTorch, no network) from the repo root, with the wheels carried
-# in .whl/ (git-ignored). At most about 9 minutes (the steps have timeouts); give the device
-# tool timeout_s=600.
+# GPU check of nvcomp-checkpoint: the gpu-marked tests, the codec benchmark, then sync/async
+# saves of a GPU-resident checkpoint. Runs on the GPU machine (python3 3.12 with PyTorch, no
+# network) from the repo root, with the wheels carried in .whl/ (git-ignored). The steps' timeouts
+# add up to 520 s (typically far less); give the device tool timeout_s=600.
 #
 # Fetch the wheels here first (the GPU machine's python3 is 3.12, its driver is CUDA 13):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -48,13 +48,17 @@ EOF
 echo "== gpu-marked tests"
 # --continue-on-collection-errors: a test module of the suite that cannot import here (a
 # dependency missing from the image) must not hide the results of the GPU tests.
-timeout 200 "$PY" -m pytest tests/test_gpu_codecs.py tests -m gpu -q -p no:cacheprovider \
+timeout 150 "$PY" -m pytest tests/test_gpu_codecs.py tests -m gpu -q -p no:cacheprovider \
     --continue-on-collection-errors -rfEsxX 2>&1 | tee "$OUT/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== benchmark"
-timeout 300 "$PY" benchmarks/gpu_codec_bench.py --budget-s 240 --json "$OUT/gpu_codec_bench.json" 2>&1 | tee "$OUT/gpu_codec_bench.log"
+timeout 250 "$PY" benchmarks/gpu_codec_bench.py --budget-s 200 --json "$OUT/gpu_codec_bench.json" 2>&1 | tee "$OUT/gpu_codec_bench.log"
 bench_rc=${PIPESTATUS[0]}
 
-echo "gpu_check: tests exit $tests_rc, benchmark exit $bench_rc"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+echo "== async / sync saves of a GPU-resident checkpoint"
+timeout 120 "$PY" benchmarks/gpu_async_bench.py --mb 1024 --json "$OUT/gpu_async_bench.json" 2>&1 | tee "$OUT/gpu_async_bench.log"
+async_rc=${PIPESTATUS[0]}
+
+echo "gpu_check: tests exit $tests_rc, benchmark exit $bench_rc, async benchmark exit $async_rc"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$async_rc" -eq 0 ]
