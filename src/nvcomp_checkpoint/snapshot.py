@@ -180,8 +180,14 @@ class SnapshotBuffers:
             pre_encoded = pre_encode(tensors, self._gpu_budget)
         # What was compressed on the GPU is not copied; the rest is, as below.
         tensors = [(p, t) for p, t in all_tensors if id(t) not in pre_encoded]
+        # An explicit budget covers both parts; a default one is measured after the compression.
+        pre_used: dict[torch.device, int] = {}
+        if self.gpu_budget_bytes is not None:
+            for _, t in all_tensors:
+                if id(t) in pre_encoded:
+                    pre_used[t.device] = pre_used.get(t.device, 0) + _aligned(_nbytes(t))
 
-        on_gpu = self._gpu_placement(tensors)
+        on_gpu = self._gpu_placement(tensors, pre_used)
         while True:
             offsets: list[int] = []
             host_need = 0
@@ -228,10 +234,11 @@ class SnapshotBuffers:
         host_bytes = sum(_nbytes(t) for _, t in tensors) - (gpu_bytes - encoded_bytes)
         return Snapshot(tree, raw, host_bytes, gpu_bytes, time.perf_counter() - start, release, pre_encoded)
 
-    def _gpu_placement(self, tensors: TensorList) -> set[int]:
-        """Indices of CUDA tensors whose copy stays on their GPU (within the budget)."""
+    def _gpu_placement(self, tensors: TensorList, used: dict[torch.device, int] | None = None) -> set[int]:
+        """Indices of CUDA tensors whose copy stays on their GPU (within the budget, of which
+        ``used`` is already taken)."""
         chosen: set[int] = set()
-        used: dict[torch.device, int] = {}
+        used = dict(used or {})
         budgets: dict[torch.device, int] = {}
         for i, (_, t) in enumerate(tensors):
             if t.device.type != "cuda":
