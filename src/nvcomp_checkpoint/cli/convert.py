@@ -11,7 +11,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -191,12 +191,16 @@ def _tmp_dir_for(dst: str) -> Path:
 
 def _commit_dir(tmp: Path, dst: str) -> None:
     # The directory appears complete or not at all; a replaced one is removed only after the
-    # new one is fully written.
+    # new one is in place, and put back if that fails.
     target = Path(dst)
     if target.exists():
         old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
         target.rename(old)
-        tmp.rename(target)
+        try:
+            tmp.rename(target)
+        except BaseException:
+            old.rename(target)
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(target)
@@ -211,80 +215,84 @@ def _check_dst_dir(src: str, dst: str, force: bool) -> None:
         raise CheckpointError(f"{dst}: already exists; pass --force to replace it")
 
 
-def _compress_dir(src: str, dst: str, policy: nc.CodecPolicy, args: argparse.Namespace, reporter: Reporter) -> list[dict[str, Any]]:
-    _check_dst_dir(src, dst, args.force)
+_ConvertOne = Callable[[str, str, str, Path], dict[str, Any]]
+
+
+def _convert_dir(src: str, dst: str, force: bool, what: str, convert_one: _ConvertOne) -> list[dict[str, Any]]:
+    """Convert every file of ``src`` into a staging directory with ``convert_one(rel, kind,
+    in_path, staging)``, then put the staging directory at ``dst`` in one rename."""
+    _check_dst_dir(src, dst, force)
     files = dir_files(src)
     if not files:
-        raise CheckpointError(f"{src}: the directory is empty; nothing to compress")
+        raise CheckpointError(f"{src}: the directory is empty; nothing to {what}")
     tmp = _tmp_dir_for(dst)
     rows: list[dict[str, Any]] = []
     try:
         for rel, kind in files:
-            in_path = os.path.join(src, rel)
-            size = os.path.getsize(in_path)
-            row: dict[str, Any] = {"file": rel, "format": kind, "input_bytes": size}
-            tree = None
-            note = ""
-            if kind in (TORCH, SAFETENSORS):
-                try:
-                    with open_source(in_path, trust=args.trust) as source:
-                        tree = source.load()
-                        meta = _save_metadata(kind, in_path, source.metadata)
-                except UnsafeCheckpointError:
-                    note = "holds Python objects; --trust converts it"
-                if tree is not None and not any(True for _ in iter_tensors(tree)):
-                    tree, note = None, "no tensors"
-            out_rel = rel + NVC_SUFFIX if tree is not None else rel
-            out_path = tmp / out_rel
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            if tree is not None:
-                task = reporter.start(f"compressing {rel}", _tensor_bytes(tree))
-                report = nc.save(tree, str(out_path), policy, metadata=meta, workers=args.workers, progress=task.advance)
-                reporter.stop()
-                row.update(action="compressed", output=out_rel, raw_bytes=report.raw_bytes, output_bytes=report.stored_bytes,
-                           ratio=round(size / report.stored_bytes, 4) if report.stored_bytes else 1.0,
-                           components={k: v.to_dict() for k, v in report.components.items()})
-            else:
-                # Configs, tokenizer files, trainer_state.json, pickles we may not load: kept byte for byte.
-                shutil.copy2(in_path, out_path)
-                row.update(action="copied", output=out_rel, output_bytes=size, note=note)
-            rows.append(row)
+            rows.append(convert_one(rel, kind, os.path.join(src, rel), tmp))
         _commit_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return rows
+
+
+def _copy_file(rel: str, kind: str, in_path: str, tmp: Path, note: str = "") -> dict[str, Any]:
+    """Files that are not converted (configs, tokenizer files, trainer_state.json, pickles we
+    may not load) are kept byte for byte."""
+    out_path = tmp / rel
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(in_path, out_path)
+    size = os.path.getsize(in_path)
+    return {"file": rel, "action": "copied", "output": rel, "format": kind, "input_bytes": size, "output_bytes": size, "note": note}
+
+
+def _compress_dir(src: str, dst: str, policy: nc.CodecPolicy, args: argparse.Namespace, reporter: Reporter) -> list[dict[str, Any]]:
+    def compress_one(rel: str, kind: str, in_path: str, tmp: Path) -> dict[str, Any]:
+        tree = None
+        note = ""
+        if kind in (TORCH, SAFETENSORS):
+            try:
+                with open_source(in_path, trust=args.trust) as source:
+                    tree = source.load()
+                    meta = _save_metadata(kind, in_path, source.metadata)
+            except UnsafeCheckpointError:
+                note = "holds Python objects; --trust converts it"
+            if tree is not None and not any(True for _ in iter_tensors(tree)):
+                tree, note = None, "no tensors"
+        if tree is None:
+            return _copy_file(rel, kind, in_path, tmp, note)
+        size = os.path.getsize(in_path)
+        out_rel = rel + NVC_SUFFIX
+        out_path = tmp / out_rel
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        task = reporter.start(f"compressing {rel}", _tensor_bytes(tree))
+        report = nc.save(tree, str(out_path), policy, metadata=meta, workers=args.workers, progress=task.advance)
+        reporter.stop()
+        return {
+            "file": rel, "format": kind, "input_bytes": size, "action": "compressed", "output": out_rel,
+            "raw_bytes": report.raw_bytes, "output_bytes": report.stored_bytes,
+            "ratio": round(size / report.stored_bytes, 4) if report.stored_bytes else 1.0,
+            "components": {k: v.to_dict() for k, v in report.components.items()},
+        }
+
+    return _convert_dir(src, dst, args.force, "compress", compress_one)
 
 
 def _decompress_dir(src: str, dst: str, args: argparse.Namespace, reporter: Reporter) -> list[dict[str, Any]]:
-    _check_dst_dir(src, dst, args.force)
-    files = dir_files(src)
-    if not files:
-        raise CheckpointError(f"{src}: the directory is empty; nothing to decompress")
-    tmp = _tmp_dir_for(dst)
-    rows: list[dict[str, Any]] = []
-    try:
-        for rel, kind in files:
-            in_path = os.path.join(src, rel)
-            size = os.path.getsize(in_path)
-            if kind == NVCOMP:
-                out_rel = rel[: -len(NVC_SUFFIX)] if rel.endswith(NVC_SUFFIX) else rel
-                out_path = tmp / out_rel
-                out_path.parent.mkdir(parents=True, exist_ok=True)
-                to = "safetensors" if out_rel.endswith(".safetensors") else ("auto" if args.to == "auto" else args.to)
-                fmt, raw, written = _decompress_file(in_path, str(out_path), to, args.trust, reporter)
-                rows.append({"file": rel, "action": "decompressed", "output": out_rel, "format": fmt,
-                             "input_bytes": size, "raw_bytes": raw, "output_bytes": written})
-            else:
-                out_path = tmp / rel
-                out_path.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(in_path, out_path)
-                rows.append({"file": rel, "action": "copied", "output": rel, "format": kind, "input_bytes": size, "output_bytes": size})
-        _commit_dir(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return rows
+    def decompress_one(rel: str, kind: str, in_path: str, tmp: Path) -> dict[str, Any]:
+        if kind != NVCOMP:
+            return _copy_file(rel, kind, in_path, tmp)
+        out_rel = rel[: -len(NVC_SUFFIX)] if rel.endswith(NVC_SUFFIX) else rel
+        out_path = tmp / out_rel
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        # A file that was safetensors before compression goes back to safetensors.
+        to = "safetensors" if out_rel.endswith(".safetensors") else args.to
+        fmt, raw, written = _decompress_file(in_path, str(out_path), to, args.trust, reporter)
+        return {"file": rel, "action": "decompressed", "output": out_rel, "format": fmt,
+                "input_bytes": os.path.getsize(in_path), "raw_bytes": raw, "output_bytes": written}
+
+    return _convert_dir(src, dst, args.force, "decompress", decompress_one)
 
 
 def _print_dir_rows(title: str, rows: list[dict[str, Any]]) -> None:
