@@ -661,3 +661,15 @@ def test_inspect_says_whether_the_file_loads_without_a_gpu(capsys: pytest.Captur
     if not nc.gpu_available():
         with pytest.raises(nc.errors.CodecUnavailableError, match=r"'w'.*'ans'.*CUDA"):
             nc.load(path)
+
+
+def test_failed_directory_replace_puts_the_old_directory_back(tmp_path: Path) -> None:
+    from nvcomp_checkpoint.cli.convert import _commit_dir
+
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("old")
+    with pytest.raises(OSError):
+        _commit_dir(tmp_path / "staging-that-vanished", str(target))
+    assert (target / "keep.txt").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
