@@ -531,3 +531,102 @@ def test_snapshot_keeps_pre_encoded_tensors_and_copies_the_rest() -> None:
     assert id(big) in snap.pre_encoded
     snap.release()
     assert snap.pre_encoded == {}
+
+
+# -- second review (2026-11-29) -------------------------------------------------------------------
+def test_metadata_is_copied_when_the_save_starts(tmp_path: Path) -> None:
+    path = tmp_path / "m.nvc"
+    meta = {"step": 1, "nested": {"loss": [0.5]}}
+    wrap, gate, started = gated()
+    handle = nc.save_async({"w": torch.randn(1000)}, path, metadata=meta, stream_wrapper=wrap)
+    meta["step"] = 2
+    meta["nested"]["loss"].append(0.4)
+    gate.set()
+    handle.result(timeout=30)
+    with nc.open(path) as reader:
+        assert reader.metadata["step"] == 1 and reader.metadata["nested"] == {"loss": [0.5]}
+
+
+def test_newest_save_wins_across_savers(tmp_path: Path) -> None:
+    path = tmp_path / "p.nvc"
+    wrap, gate, started = gated()
+    with nc.AsyncSaver() as s1, nc.AsyncSaver() as s2:
+        s1.save({"v": torch.full((5000,), 1.0)}, path, stream_wrapper=wrap)
+        assert started.wait(10)
+        open_later(gate, 0.3)
+        s2.save({"v": torch.full((5000,), 2.0)}, path)  # waits for s1's save to this file first
+    assert torch.equal(nc.load(path)["v"], torch.full((5000,), 2.0))
+
+
+def test_reads_through_a_symlink_wait_for_the_pending_save(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    value = torch.randn(5000)
+    wrap, gate, started = gated()
+    handle = nc.save_async({"v": value}, real / "c.nvc", stream_wrapper=wrap)
+    assert started.wait(10)
+    open_later(gate, 0.3)
+    assert nc.is_nvcomp_checkpoint(tmp_path / "link" / "c.nvc")  # waited: the file is there
+    assert handle.done()
+    assert torch.equal(nc.load(tmp_path / "link" / "c.nvc")["v"], value)
+
+
+_FORK_HELD_SAVER = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np, torch
+    sys.path.insert(0, {src!r})
+    import nvcomp_checkpoint as nc
+
+    saver = nc.AsyncSaver()  # made in the parent, used in the child
+    saver.save({{"v": torch.zeros(10)}}, {out!r} + "/parent.nvc").result(timeout=60)
+    pid = os.fork()
+    if pid == 0:
+        saver.save({{"v": torch.from_numpy(np.ones(3_000_000, dtype=np.float32))}}, {out!r} + "/child.nvc")
+        sys.exit(0)  # a normal exit: the exit flush must land the pending save
+    _, status = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+def test_a_saver_made_before_fork_lands_the_childs_save_at_exit(tmp_path: Path) -> None:
+    script = tmp_path / "fork_held.py"
+    script.write_text(_FORK_HELD_SAVER.format(src=SRC, out=str(tmp_path)))
+    done = subprocess.run([sys.executable, str(script)], timeout=180, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert torch.equal(nc.load(tmp_path / "child.nvc")["v"], torch.ones(3_000_000))
+
+
+_LATE_SAVES = textwrap.dedent(
+    """
+    import atexit, sys, threading, time, torch
+    sys.path.insert(0, {src!r})
+    import nvcomp_checkpoint as nc
+
+    def late():
+        time.sleep(0.5)  # the main thread has returned; the interpreter is shutting down
+        nc.save_async({{"v": torch.full((100_000,), 1.0)}}, {out!r} + "/thread.nvc")
+
+    held = nc.AsyncSaver()  # closed by the exit flush, before the atexit handler runs
+
+    def at_exit():
+        nc.save({{"v": torch.full((100_000,), 2.0)}}, {out!r} + "/atexit_sync.nvc")
+        nc.save_async({{"v": torch.full((100_000,), 3.0)}}, {out!r} + "/atexit_async.nvc")
+        held.save({{"v": torch.full((100_000,), 4.0)}}, {out!r} + "/atexit_held.nvc")
+
+    atexit.register(at_exit)
+    threading.Thread(target=late).start()
+    """
+)
+
+
+def test_saves_made_while_the_interpreter_exits_land(tmp_path: Path) -> None:
+    script = tmp_path / "late.py"
+    script.write_text(_LATE_SAVES.format(src=SRC, out=str(tmp_path)))
+    done = subprocess.run([sys.executable, str(script)], timeout=180, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    for name, value in (("thread", 1.0), ("atexit_sync", 2.0), ("atexit_async", 3.0), ("atexit_held", 4.0)):
+        assert torch.equal(nc.load(tmp_path / f"{name}.nvc")["v"], torch.full((100_000,), value)), name
+    assert not list(tmp_path.glob(".*tmp*")), "a temporary file was left behind"

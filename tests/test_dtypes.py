@@ -187,8 +187,10 @@ def test_shared_storage_parameters_and_requires_grad(tmp_path):
     assert type(back["leaf"]) is torch.Tensor and back["leaf"].requires_grad and back["leaf"].is_leaf
     assert not back["plain"].requires_grad
     with nc.open(path) as reader:
-        # Stored once, not once per reference.
-        assert len(reader.keys()) == 4
+        # Stored once, not once per reference; readable by every path.
+        assert len(reader.index.tensors) == 4
+        assert set(reader.keys()) == {"emb", "head", "again/0", "again/1/x", "frozen", "leaf", "plain"}
+        assert torch.equal(reader.read("again/1/x"), emb.weight.detach())
 
 
 def test_state_dict_of_tied_model_loads_into_model(tmp_path):

@@ -58,7 +58,11 @@ def test_golden_decodes_to_expected_tree():
 def test_golden_tensor_digests():
     with nc.open(GOLDEN) as reader:
         assert reader.metadata == EXPECTED["metadata"]
-        assert sorted(reader.keys()) == sorted(EXPECTED["tensors"])
+        stored = [t.key for t in reader.index.tensors]
+        assert sorted(stored) == sorted(EXPECTED["tensors"])
+        # The tied head is stored once and read through the object tree's second path to it.
+        assert set(reader.keys()) - set(stored) == {"model/head.weight"}
+        assert torch.equal(reader.read("model/head.weight"), reader.read(reader.entry("model/head.weight").key))
         for key, want in EXPECTED["tensors"].items():
             t = reader.read(key)
             assert (str(t.dtype), list(t.shape)) == (want["dtype"], want["shape"]), key

@@ -95,3 +95,115 @@ def test_verify_reports_every_tensor_even_after_a_bad_one(tmp_path):
     assert set(results) == {"a", "b"}
     assert results["a"] is not None and "'a'" in str(results["a"])
     assert results["b"] is None
+
+
+# -- second review (2026-11-29): save/load ------------------------------------------------------
+def test_object_tree_over_the_format_limit_is_refused_at_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the writer wrote any object tree and the reader refused one over 1 GiB, so the
+    # save "succeeded" with a file that never loaded. The limit is lowered to keep the test small.
+    import nvcomp_checkpoint.writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "MAX_INDEX_BYTES", 1 << 20)
+    path = tmp_path / "big.nvc"
+    with pytest.raises(UnsupportedObjectError, match=r"big\.nvc.*torch tensors"):
+        nc.save({"w": torch.ones(4), "blob": bytes(2 << 20)}, path)
+    assert not path.exists()
+
+
+def test_paths_that_print_alike_get_keys_of_their_own(tmp_path: Path) -> None:
+    t1, t2, t3, t4 = (torch.full((4,), float(i)) for i in range(1, 5))
+    path = tmp_path / "k.nvc"
+    nc.save({"a/b": t1, "a": {"b": t2}, 0: t3, "0": t4}, path)
+    with nc.open(path) as reader:
+        keys = reader.keys()
+        assert len(keys) == len(set(keys)) == 4
+        got = sorted(reader.read(k)[0].item() for k in keys)
+    assert got == [1.0, 2.0, 3.0, 4.0]
+    back = nc.load(path)
+    assert back["a/b"][0] == 1 and back["a"]["b"][0] == 2 and back[0][0] == 3 and back["0"][0] == 4
+
+
+def test_tied_weights_are_readable_by_every_path(tmp_path: Path) -> None:
+    w = torch.randn(100, 16)
+    path = tmp_path / "t.nvc"
+    nc.save({"model": {"embed.weight": w, "lm_head.weight": w}}, path)
+    with nc.open(path) as reader:
+        assert set(reader.keys()) == {"model/embed.weight", "model/lm_head.weight"}
+        assert torch.equal(reader.read("model/lm_head.weight"), w)
+        assert reader.entry("model/lm_head.weight") is reader.entry("model/embed.weight")
+        assert len(reader.index.tensors) == 1  # still stored once
+
+
+def test_a_tree_that_contains_itself_is_refused(tmp_path: Path) -> None:
+    d: dict = {"x": torch.ones(4)}
+    d["self"] = d
+    path = tmp_path / "c.nvc"
+    with pytest.raises(UnsupportedObjectError, match=r"c\.nvc.*contains itself at 'self'"):
+        nc.save(d, path)
+    assert not path.exists()
+    shared = [torch.ones(2)]
+    nc.save({"a": shared, "b": shared}, path)  # the same list twice is no cycle
+    assert torch.equal(nc.load(path)["b"][0], torch.ones(2))
+
+
+def test_uninitialized_lazy_parameters_are_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "l.nvc"
+    with pytest.raises(UnsupportedObjectError, match=r"l\.nvc.*'weight'.*forward pass"):
+        nc.save(torch.nn.LazyLinear(4).state_dict(), path)
+    assert not path.exists()
+
+
+def test_callable_map_location_is_used_as_torch_load_uses_it(tmp_path: Path) -> None:
+    path = tmp_path / "m.nvc"
+    x = torch.randn(1000)
+    nc.save({"a": x}, path)
+    shared = nc.load(path, map_location=lambda s, loc: s.clone().share_memory_())["a"]
+    assert shared.is_shared() and torch.equal(shared, x)
+    seen = []
+    default = nc.load(path, map_location=lambda s, loc: seen.append(loc))["a"]
+    assert seen == ["cpu"] and default.device.type == "cpu" and torch.equal(default, x)
+    with pytest.raises(nc.CheckpointError, match="map_location returned int"):
+        nc.load(path, map_location=lambda s, loc: 5)
+
+
+def test_one_reader_serves_many_threads(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    obj = {f"t{i}": torch.randn(20000 + i) for i in range(16)}
+    path = tmp_path / "r.nvc"
+    nc.save(obj, path)
+    with nc.open(path) as reader:
+        with ThreadPoolExecutor(8) as ex:
+            results = list(ex.map(lambda k: all(torch.equal(reader.read(k), obj[k]) for _ in range(10)), obj))
+    assert all(results)
+
+
+def test_an_open_reader_keeps_reading_its_file_when_a_save_replaces_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "last.nvc"
+    old = {"w": torch.randn(5000)}
+    nc.save(old, path)
+    with nc.open(path) as reader:
+        nc.save({"w": torch.randn(90000), "more": torch.randn(100)}, path)  # atomic replace
+        assert torch.equal(reader.read("w"), old["w"])
+        assert reader.file_bytes < path.stat().st_size
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_map_location_without_cuda_is_a_checkpoint_error(tmp_path: Path) -> None:
+    path = tmp_path / "g.nvc"
+    nc.save({"x": torch.randn(100)}, path)
+    for ml in ("cuda", torch.device("cuda:0"), {"cpu": "cuda:0"}):
+        with pytest.raises(nc.CheckpointError, match=r"g\.nvc.*map_location='cpu'"):
+            nc.load(path, map_location=ml)
+
+
+def test_open_errors_are_checkpoint_errors(tmp_path: Path) -> None:
+    afile = tmp_path / "f.py"
+    afile.write_text("x = 1\n")
+    with pytest.raises(nc.CheckpointError, match="not a directory"):
+        nc.load(afile / "x.nvc")
+    with pytest.raises(nc.CheckpointError, match="bogus://x.*fsspec"):
+        nc.load("bogus://x")
+    with pytest.raises(nc.CheckpointError, match="bogus://x.*fsspec"):
+        nc.save({"x": torch.ones(2)}, "bogus://x")
+    assert nc.is_nvcomp_checkpoint(afile / "x.nvc") is False

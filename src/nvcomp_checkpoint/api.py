@@ -15,7 +15,7 @@ from .format.layout import MAGIC
 from .policy import CodecPolicy
 from .reader import CheckpointReader, MapLocation
 from .report import SaveReport
-from .storage import storage_for
+from .storage import open_checkpoint_stream, storage_for
 from .writer import CheckpointWriter
 
 __all__ = ["save", "load", "open", "is_nvcomp_checkpoint"]
@@ -89,6 +89,13 @@ def _save(
         raise CheckpointWriteError(
             f"{where}: writing the checkpoint failed{hint}: {exc}. Any previous file at this path is untouched."
         ) from exc
+    except Exception as exc:  # noqa: BLE001
+        if type(exc).__module__ == "builtins":
+            raise  # a bug, or the caller's own callback (progress, stream_wrapper): as it was raised
+        # A storage back end's own type (botocore's NoCredentialsError ...).
+        raise CheckpointWriteError(
+            f"{where}: writing the checkpoint failed: {type(exc).__name__}: {exc}. Any previous file at this path is untouched."
+        ) from exc
     seconds = time.perf_counter() - start
     return SaveReport(where, raw, stored, seconds, stats, seconds)
 
@@ -116,7 +123,8 @@ def _wait_for_pending_saves(path: str | os.PathLike[str]) -> None:
 
 
 def is_nvcomp_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
-    """True if ``path`` is a file that starts with this format's magic."""
+    """True if ``path`` is a file that starts with this format's magic (once pending async saves to it land)."""
+    _wait_for_pending_saves(path)
     storage, spath = storage_for(path, storage_options)
     try:
         with storage.open_read(spath) as f:
@@ -149,13 +157,8 @@ def load(
     _wait_for_pending_saves(path)
     where = os.fspath(path)
     storage, spath = storage_for(path, storage_options)
-    try:
-        with storage.open_read(spath) as f:
-            head = f.read(len(MAGIC))
-    except FileNotFoundError as exc:
-        raise FormatError(f"{where}: no such checkpoint file") from exc
-    except IsADirectoryError as exc:
-        raise FormatError(f"{where}: is a directory, not a checkpoint file") from exc
+    with open_checkpoint_stream(storage, spath, where) as f:
+        head = f.read(len(MAGIC))
     if head[:6] == MAGIC[:6]:
         with CheckpointReader(path, storage_options=storage_options) as reader:
             return reader.load(map_location, weights_only=weights_only)

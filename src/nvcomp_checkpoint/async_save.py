@@ -6,6 +6,7 @@ One worker thread per :class:`AsyncSaver` writes snapshots in order; no save err
 from __future__ import annotations
 
 import atexit
+import copy
 import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import logging
 import os
@@ -45,7 +46,8 @@ def _path_key(path: str | os.PathLike[str]) -> str:
         text = text[len("file://") :]
     if is_url(text):
         return text
-    return os.path.abspath(text)
+    # Symlinks resolved: Lightning's save_last="link" reads a checkpoint through a link.
+    return os.path.realpath(text)
 
 
 class AsyncSaveHandle:
@@ -231,8 +233,20 @@ class AsyncSaver:
         started = time.perf_counter()
         where = os.fspath(path)
         policy = policy or CodecPolicy()
+        # JSON values, copied now: the caller may change its dict while the save runs.
+        metadata = copy.deepcopy(metadata)
+        if _EXITING:
+            # The exit flush has run (and closed every saver): a background thread would be
+            # killed with the interpreter, so the save is made here and now.
+            return self._save_now(obj, where, started, dict(
+                policy=policy, metadata=metadata, storage_options=storage_options, workers=workers,
+                progress=progress, stream_wrapper=stream_wrapper,
+            ))
         if self._closed:
             raise CheckpointError(f"{where}: this AsyncSaver is closed; create a new one to save")
+        # Saves to this file by other savers land first, so the newest save wins, as it does
+        # within one saver.
+        _wait_for_other_savers(self, _path_key(where))
         self._acquire_slot()
         try:
             self.raise_errors()
@@ -263,6 +277,25 @@ class AsyncSaver:
             self._queue.put((handle, snapshot, kwargs))
         _LOG.debug("%s: async snapshot of %d bytes in %.3f s", where, snapshot.raw_bytes, snapshot.seconds)
         return handle
+
+    def _save_now(self, obj: Any, where: str, started: float, kwargs: dict[str, Any]) -> AsyncSaveHandle:
+        """A save made in the caller's thread, returned as a finished handle; errors are raised."""
+        report = _save(obj, where, **kwargs)
+        handle = AsyncSaveHandle(self, where, started)
+        handle._report = replace(report, seconds=time.perf_counter() - started, seconds_blocked=time.perf_counter() - started)
+        log_report(handle._report, "saved (synchronously: the interpreter is exiting)")
+        handle._set_done()
+        return handle
+
+    def _reset_after_fork(self) -> None:
+        # The worker thread and the parent's pending saves do not exist in a forked child; the
+        # saver itself stays usable, and registered for the exit flush.
+        self._slots = threading.Semaphore(self.max_pending)
+        self._queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread = None
+        self._live = []
+        self._errors = []
 
     def _acquire_slot(self) -> None:
         # Back-pressure: wait for a save to finish rather than hold another full copy in memory.
@@ -418,6 +451,13 @@ def _unregister(handle: AsyncSaveHandle) -> None:
             _PENDING.pop(handle._key, None)
 
 
+def _wait_for_other_savers(saver: AsyncSaver, key: str) -> None:
+    with _REGISTRY_LOCK:
+        others = [h for h in _PENDING.get(key, []) if h._saver is not saver]
+    for handle in others:
+        handle.wait()
+
+
 def default_saver() -> AsyncSaver:
     """The process-wide saver behind :func:`save_async` (``max_pending=1``), created on first use."""
     global _DEFAULT
@@ -493,8 +533,14 @@ def wait_for_path(path: str | os.PathLike[str]) -> None:
     wait_for_saves(path)
 
 
+#: Set once the exit flush has run; later async saves are made synchronously.
+_EXITING = False
+
+
 def _flush_at_exit() -> None:
     """Let pending saves land before the interpreter exits, and report errors nobody saw."""
+    global _EXITING
+    _EXITING = True
     for saver in _savers():
         try:
             saver.close()
@@ -503,13 +549,14 @@ def _flush_at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    # The worker threads do not exist in a forked child; its savers start afresh.
-    global _DEFAULT, _REGISTRY_LOCK, _DEFAULT_LOCK
+    # The worker threads do not exist in a forked child: every saver starts afresh there, and
+    # stays registered, so that saves the child makes land before it exits.
+    global _REGISTRY_LOCK, _DEFAULT_LOCK
     _REGISTRY_LOCK = threading.Lock()
     _DEFAULT_LOCK = threading.Lock()
-    _SAVERS.clear()
     _PENDING.clear()
-    _DEFAULT = None
+    for saver in _SAVERS:
+        saver._reset_after_fork()
 
 
 # Pending saves must land before concurrent.futures stops taking jobs at shutdown (it does so in

@@ -7,8 +7,9 @@ checked against the file before anything is allocated.
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -16,12 +17,13 @@ import torch
 import xxhash
 
 from .codecs import cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
-from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError
+from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError, UnsafeCheckpointError
 from .filters import ByteplaneFilter
 from .format.layout import FOOTER, MAGIC, Frame, Index, TensorEntry, unpack_footer
-from .format.skeleton import decode_skeleton, unflatten
+from .format.skeleton import decode_skeleton, tensor_paths, unflatten
 from .report import ComponentStats
-from .storage import Storage, storage_for
+from .storage import Storage, open_checkpoint_stream, storage_for
+from .workers import worker_pool
 from .writer import GPU_BATCH_BYTES, default_workers
 
 __all__ = ["CheckpointReader", "MapLocation"]
@@ -55,6 +57,16 @@ def _target_device(entry: TensorEntry, map_location: MapLocation) -> torch.devic
     return torch.device("cpu")  # callables are applied after decoding, as torch.load does
 
 
+def _check_device(device: torch.device, entry: TensorEntry, where: str) -> torch.device:
+    """``device`` if tensors can be placed there in this process, else a clear error."""
+    if device.type not in ("cpu", "meta") and not _backend_available(device.type):
+        raise CheckpointError(
+            f"{where}: map_location asks for {device} (tensor {entry.key!r}), but this process has no usable "
+            f"{device.type} device (torch.{device.type}.is_available() is False); load with map_location='cpu'"
+        )
+    return device
+
+
 def _backend_available(device_type: str) -> bool:
     """Whether tensors can be placed on ``device_type`` (cuda, xpu, mps ...) in this process."""
     if device_type == "mps":
@@ -81,29 +93,32 @@ class CheckpointReader:
         self.storage: Storage
         self.storage, self._spath = storage_for(self.path, storage_options)
         self.workers = workers or default_workers()
+        self._stream = open_checkpoint_stream(self.storage, self._spath, self.path)
+        # One seek + read at a time: threads may read tensors of one reader at once.
+        self._io_lock = threading.Lock()
         try:
-            self._stream = self.storage.open_read(self._spath)
-        except FileNotFoundError as exc:
-            raise FormatError(f"{self.path}: no such checkpoint file") from exc
-        except IsADirectoryError as exc:
-            raise FormatError(f"{self.path}: is a directory, not a checkpoint file") from exc
-        try:
+            # The size of the file opened, not of the path: an atomic save may replace the path
+            # meanwhile, and this reader keeps reading the file it opened.
+            self._stream.seek(0, os.SEEK_END)
+            self._size = self._stream.tell()
             self.index = self._read_index()
         except BaseException:
             self._stream.close()
             raise
         self._by_key = {t.key: (i, t) for i, t in enumerate(self.index.tensors)}
+        self._aliases: dict[str, int] | None = None
 
     # -- index -----------------------------------------------------------------------------
     def _read_at(self, offset: int, size: int) -> bytes:
-        self._stream.seek(offset)
-        data = self._stream.read(size)
+        with self._io_lock:
+            self._stream.seek(offset)
+            data = self._stream.read(size)
         if len(data) != size:
             raise FormatError(f"{self.path}: file is truncated (wanted {size} bytes at {offset}, got {len(data)})")
         return data
 
     def _read_index(self) -> Index:
-        size = self.storage.size(self._spath)
+        size = self._size
         if size < len(MAGIC) + FOOTER.size:
             raise FormatError(f"{self.path}: {size} bytes is too small to be a checkpoint (truncated?)")
         head = self._read_at(0, len(MAGIC))
@@ -124,14 +139,42 @@ class CheckpointReader:
 
     # -- queries ---------------------------------------------------------------------------
     def keys(self) -> list[str]:
-        """Keys of every tensor, as ``"optimizer/state/0/exp_avg"``."""
-        return list(self._by_key)
+        """Keys of every tensor, as ``"optimizer/state/0/exp_avg"``.
+
+        A tensor stored once but reached by several paths (tied weights) is listed under each.
+        """
+        return list(self._by_key) + list(self._alias_keys())
 
     def entry(self, key: str) -> TensorEntry:
-        try:
-            return self._by_key[key][1]
-        except KeyError:
-            raise KeyError(f"{self.path}: no tensor {key!r}; see reader.keys()") from None
+        found = self._by_key.get(key)
+        if found is not None:
+            return found[1]
+        alias = self._alias_keys().get(key)
+        if alias is not None:
+            return self.index.tensors[alias]
+        raise KeyError(f"{self.path}: no tensor {key!r}; see reader.keys()")
+
+    def _alias_keys(self) -> dict[str, int]:
+        """Keys of the further paths to tensors stored once (tied weights), from the object tree."""
+        if self._aliases is None:
+            aliases: dict[str, int] = {}
+            stored = self.index.skeleton
+            # The tree is read only for this; a tree that a weights-only load refuses has no
+            # aliases to offer (load(weights_only=False) still restores them).
+            try:
+                skeleton = decode_skeleton(self._read_frame_bytes(stored, "the object tree"), weights_only=True, where=self.path)
+            except UnsafeCheckpointError:
+                skeleton = None
+            first_path: set[int] = set()
+            for path, index in tensor_paths(skeleton):
+                if index not in first_path:
+                    first_path.add(index)  # the path the index names the tensor by
+                    continue
+                key = "/".join(str(p) for p in path)
+                if 0 <= index < len(self.index.tensors) and key not in self._by_key:
+                    aliases.setdefault(key, index)
+            self._aliases = aliases
+        return self._aliases
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -150,14 +193,15 @@ class CheckpointReader:
 
     @property
     def file_bytes(self) -> int:
-        return self.storage.size(self._spath)
+        return self._size
 
     # -- tensors ---------------------------------------------------------------------------
     def read(self, key: str, map_location: MapLocation = None) -> torch.Tensor:
         """Decode one tensor (bit-identical to what was saved)."""
         entry = self.entry(key)
-        with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            return self._finish(entry, self._decode(entry, _target_device(entry, map_location), pool), map_location)
+        device = _check_device(_target_device(entry, map_location), entry, self.path)
+        with worker_pool(self.workers, "nvckpt-decode") as pool:
+            return self._finish(entry, self._decode(entry, device, pool), map_location)
 
     def read_component(self, component: str, map_location: MapLocation = None) -> dict[str, torch.Tensor]:
         """Every tensor of one component (``"weights"``, ``"exp_avg"`` ...), by key."""
@@ -167,14 +211,14 @@ class CheckpointReader:
         """The whole tree, as it was saved."""
         skeleton = decode_skeleton(self._read_frame_bytes(self.index.skeleton, "the object tree"), weights_only=weights_only, where=self.path)
         tensors: list[torch.Tensor] = []
-        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+        with worker_pool(self.workers, "nvckpt-decode") as pool:
             # Tensors are decoded ahead of the one being finished, so that the many small
             # (one-chunk) tensors of a model keep every worker busy; the compressed bytes read
             # ahead are bounded.
             pending: deque[tuple[TensorEntry, Callable[[], torch.Tensor], int]] = deque()
             ahead = 0
             for entry in self.index.tensors:
-                finish = self._start_decode(entry, _target_device(entry, map_location), pool)
+                finish = self._start_decode(entry, _check_device(_target_device(entry, map_location), entry, self.path), pool)
                 pending.append((entry, finish, entry.stored_bytes))
                 ahead += entry.stored_bytes
                 while pending and (ahead > READ_AHEAD_BYTES or len(pending) > READ_AHEAD_TENSORS):
@@ -189,7 +233,7 @@ class CheckpointReader:
     def verify(self) -> Iterator[tuple[TensorEntry, Exception | None]]:
         """Decode every tensor on the CPU; yields ``(entry, error or None)`` for each."""
         self._read_frame_bytes(self.index.skeleton, "the object tree")
-        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+        with worker_pool(self.workers, "nvckpt-decode") as pool:
             for entry in self.index.tensors:
                 try:
                     device = torch.device("cpu") if has_cpu_decoder(entry.codec.id) or not gpu_available() else torch.device("cuda")
@@ -215,10 +259,10 @@ class CheckpointReader:
         last = max(f.offset + f.size for f in entry.frames)
         return first, self._read_at(first, last - first)
 
-    def _decode(self, entry: TensorEntry, device: torch.device, pool: ThreadPoolExecutor) -> torch.Tensor:
+    def _decode(self, entry: TensorEntry, device: torch.device, pool: Executor) -> torch.Tensor:
         return self._start_decode(entry, device, pool)()
 
-    def _start_decode(self, entry: TensorEntry, device: torch.device, pool: ThreadPoolExecutor) -> Callable[[], torch.Tensor]:
+    def _start_decode(self, entry: TensorEntry, device: torch.device, pool: Executor) -> Callable[[], torch.Tensor]:
         """Read ``entry``'s frames and queue their decoding; the returned call waits and gives the tensor."""
         if device.type == "cuda" and gpu_available():
             gpu_tensor = self._decode_gpu(entry, device)
@@ -316,9 +360,7 @@ class CheckpointReader:
 
     def _finish(self, entry: TensorEntry, t: torch.Tensor, map_location: MapLocation) -> torch.Tensor:
         if callable(map_location) and not isinstance(map_location, Mapping):
-            moved = map_location(t.untyped_storage(), entry.device)
-            if moved is not None and isinstance(moved, torch.UntypedStorage) and moved.device != t.device:
-                t = torch.empty(0, dtype=t.dtype, device=moved.device).set_(moved, 0, t.shape, t.stride())
+            t = self._apply_map_location(entry, t, map_location)
         # Only float and complex tensors can require grad (an index claiming more is ignored).
         differentiable = t.is_floating_point() or t.is_complex()
         if entry.parameter:
@@ -326,6 +368,29 @@ class CheckpointReader:
         if entry.requires_grad and differentiable:
             t.requires_grad_(True)
         return t
+
+    def _apply_map_location(self, entry: TensorEntry, t: torch.Tensor, map_location: Callable[..., Any]) -> torch.Tensor:
+        """``torch.load``'s rule: the storage the callable returns is used; ``None`` means the default."""
+        storage = t.untyped_storage()
+        moved = map_location(storage, entry.device)
+        if moved is None:
+            default = _check_device(_target_device(entry, None), entry, self.path)
+            return t if default == t.device else t.to(default)
+        if isinstance(moved, torch.TypedStorage):
+            moved = moved._untyped_storage
+        if not isinstance(moved, torch.UntypedStorage):
+            raise CheckpointError(
+                f"{self.path}: map_location returned {type(moved).__name__} for tensor {entry.key!r}; "
+                "it must return a storage (as for torch.load) or None"
+            )
+        if moved is storage:
+            return t
+        if moved.nbytes() != storage.nbytes():
+            raise CheckpointError(
+                f"{self.path}: map_location returned a storage of {moved.nbytes()} bytes for tensor {entry.key!r}, "
+                f"which has {storage.nbytes()}"
+            )
+        return torch.empty(0, dtype=t.dtype, device=moved.device).set_(moved, 0, t.shape, t.stride())
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:

@@ -13,7 +13,9 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-__all__ = ["Storage", "LocalStorage", "FsspecStorage", "storage_for", "is_url", "fsync_path"]
+from .errors import CheckpointError, FormatError
+
+__all__ = ["Storage", "LocalStorage", "FsspecStorage", "storage_for", "open_checkpoint_stream", "is_url", "fsync_path"]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2"}
 
@@ -193,5 +195,29 @@ def storage_for(path: str | os.PathLike[str], storage_options: dict[str, Any] | 
     if text.startswith("file://"):
         return _LOCAL, text[len("file://"):]
     if is_url(text):
-        return FsspecStorage(text, storage_options), text
+        try:
+            return FsspecStorage(text, storage_options), text
+        except (ValueError, ImportError) as exc:
+            raise CheckpointError(
+                f"{text}: no file system for this URL ({exc}); check the protocol and install its fsspec "
+                "backend (s3fs for s3://, gcsfs for gs://, adlfs for az://)"
+            ) from exc
     return _LOCAL, text
+
+
+def open_checkpoint_stream(storage: Storage, path: str, where: str) -> IO[bytes]:
+    """``storage.open_read(path)``, with every failure turned into an error that names ``where``."""
+    try:
+        return storage.open_read(path)
+    except FileNotFoundError as exc:
+        raise FormatError(f"{where}: no such checkpoint file") from exc
+    except IsADirectoryError as exc:
+        raise FormatError(f"{where}: is a directory, not a checkpoint file") from exc
+    except NotADirectoryError as exc:
+        raise FormatError(f"{where}: no such checkpoint file (a parent of it is not a directory)") from exc
+    except PermissionError as exc:
+        raise CheckpointError(f"{where}: permission denied reading the checkpoint ({exc})") from exc
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - fsspec back ends raise their own types (botocore ...)
+        raise CheckpointError(f"{where}: cannot open the checkpoint: {type(exc).__name__}: {exc}") from exc

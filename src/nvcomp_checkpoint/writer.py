@@ -13,7 +13,7 @@ import pickle
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterator, Mapping, Sequence
 
@@ -25,10 +25,11 @@ from . import __version__
 from .codecs import CodecConfig, cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
 from .errors import CodecUnavailableError, UnsupportedObjectError
 from .filters import ByteplaneFilter, plane_width
-from .format.layout import MAGIC, Frame, Index, TensorEntry, pack_footer
+from .format.layout import MAGIC, MAX_INDEX_BYTES, Frame, Index, TensorEntry, pack_footer
 from .format.skeleton import encode_skeleton, flatten
 from .policy import CodecPolicy, CodecSpec, Component, key_string
 from .report import ComponentStats
+from .workers import worker_pool
 
 __all__ = [
     "PlannedTensor", "plan_tensors", "CheckpointWriter", "PinnedRing", "pre_encode_on_gpu", "default_workers", "SOURCE_DEVICE_ATTR",
@@ -118,18 +119,31 @@ def plan_tensors(
 ) -> list[PlannedTensor]:
     """Classify every tensor and choose its spec, plane width, chunk size and device."""
     planned = []
+    used: set[str] = set()
     for path, t in tensors:
         key = key_string(path)
         _check_tensor(key, t, where)
         component = policy.component_of(key, path)
         nbytes = t.numel() * t.element_size()
         spec = policy.spec_for(key, component, nbytes)
+        key = _unique_key(key, used)
         width = plane_width(t.dtype)
         itemsize = t.element_size()
         chunk = max(itemsize, spec.chunk_bytes // itemsize * itemsize)
         device = _compress_device(key, t, spec, policy, where)
         planned.append(PlannedTensor(key, t, component, spec, width, chunk, device))
     return planned
+
+
+def _unique_key(key: str, used: set[str]) -> str:
+    """``key``, or ``key#2``, ``key#3`` ... when two paths print alike (``{"a/b": x, "a": {"b": y}}``,
+    ``{0: x, "0": y}``), so that every tensor of a file has a key of its own to be read by."""
+    unique, n = key, 1
+    while unique in used:
+        n += 1
+        unique = f"{key}#{n}"
+    used.add(unique)
+    return unique
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -385,7 +399,7 @@ class CheckpointWriter:
                 f"{self.where}: metadata must be JSON (str, int, finite float, bool, None, lists, dicts "
                 f"with str keys): {exc}"
             ) from exc
-        skeleton, tensors = flatten(obj)
+        skeleton, tensors = flatten(obj, where=self.where)
         planned = plan_tensors(tensors, self.policy, self.where)
         try:
             skeleton_bytes = encode_skeleton(skeleton)
@@ -395,6 +409,13 @@ class CheckpointWriter:
                 f"{self.where}: the checkpoint tree holds an object that cannot be pickled ({exc}); "
                 "remove it from the tree or replace it with plain values (numbers, strings, dicts, lists)"
             ) from exc
+        if len(skeleton_bytes) > MAX_INDEX_BYTES:
+            # The reader refuses a larger object tree (it bounds what a forged header can allocate).
+            raise UnsupportedObjectError(
+                f"{self.where}: the non-tensor part of the checkpoint pickles to {len(skeleton_bytes) / 2**30:.2f} GiB, "
+                f"over the format's limit of {MAX_INDEX_BYTES >> 30} GiB; store large arrays and byte strings as "
+                "torch tensors (torch.from_numpy, torch.frombuffer), which are compressed and streamed"
+            )
         self._write(MAGIC)
         skel_frame = self._write_skeleton(skeleton_bytes)
         frames_of: list[list[Frame]] = [[] for _ in planned]
@@ -406,7 +427,7 @@ class CheckpointWriter:
         return self._finish(planned, frames_of, skel_frame, metadata)
 
     def _compress_and_write(self, planned: list[PlannedTensor], frames_of: list[list[Frame]]) -> None:
-        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="nvckpt-compress") as pool:
+        with worker_pool(self.workers, "nvckpt-compress") as pool:
             window: deque[tuple[int, int, bool, Future[_Encoded]]] = deque()
             try:
                 self._fill_and_drain(pool, window, planned, frames_of)
@@ -420,7 +441,7 @@ class CheckpointWriter:
 
     def _fill_and_drain(
         self,
-        pool: ThreadPoolExecutor,
+        pool: Executor,
         window: deque[tuple[int, int, bool, Future[_Encoded]]],
         planned: list[PlannedTensor],
         frames_of: list[list[Frame]],

@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import FormatError, UnsafeCheckpointError
+from ..errors import FormatError, UnsafeCheckpointError, UnsupportedObjectError
 
-__all__ = ["TensorRef", "flatten", "unflatten", "encode_skeleton", "decode_skeleton", "weights_only_detail"]
+__all__ = ["TensorRef", "flatten", "tensor_paths", "unflatten", "encode_skeleton", "decode_skeleton", "weights_only_detail"]
 
 
 class TensorRef:
@@ -47,18 +47,42 @@ def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
-def flatten(obj: Any) -> tuple[Any, list[tuple[tuple[Any, ...], torch.Tensor]]]:
+def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[Any, ...], torch.Tensor]]]:
     """Split ``obj`` into a skeleton and its tensors.
+
+    Args:
+        obj: The checkpoint tree.
+        where: The file, for error messages.
 
     Returns:
         ``(skeleton, tensors)`` where ``tensors[i] = (path, tensor)`` and the skeleton holds
         ``TensorRef(i)`` where the tensor was. Containers are copied, tensors are not.
+
+    Raises:
+        UnsupportedObjectError: A container holds itself, or a lazy module's parameter has not
+            been initialized.
     """
     tensors: list[tuple[tuple[Any, ...], torch.Tensor]] = []
     seen: dict[tuple[Any, ...], int] = {}
+    open_containers: set[int] = set()
 
     def walk(node: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(node, (dict, list, tuple)):
+            if id(node) in open_containers:
+                raise UnsupportedObjectError(
+                    f"{where}: the checkpoint tree contains itself at {_path_text(path)}; remove the cycle before saving"
+                )
+            open_containers.add(id(node))
+            try:
+                return walk_container(node, path)
+            finally:
+                open_containers.discard(id(node))
         if isinstance(node, torch.Tensor):
+            if isinstance(node, torch.nn.parameter.UninitializedTensorMixin):
+                raise UnsupportedObjectError(
+                    f"{where}: tensor {_path_text(path)} is a lazy module's parameter that is not initialized "
+                    "yet; run one forward pass (or initialize_parameters) before saving"
+                )
             if type(node) is not torch.Tensor and not isinstance(node, torch.nn.Parameter):
                 # Tensor subclasses (DTensor, FakeTensor ...) carry state we cannot rebuild.
                 return node
@@ -76,6 +100,9 @@ def flatten(obj: Any) -> tuple[Any, list[tuple[tuple[Any, ...], torch.Tensor]]]:
             if ident is not None:
                 seen[ident] = index
             return TensorRef(index)
+        return node
+
+    def walk_container(node: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(node, dict):
             new = node.copy() if type(node) in (dict,) else copy.copy(node)
             for key, value in node.items():
@@ -94,6 +121,31 @@ def flatten(obj: Any) -> tuple[Any, list[tuple[tuple[Any, ...], torch.Tensor]]]:
         return node
 
     return walk(obj, ()), tensors
+
+
+def _path_text(path: tuple[Any, ...]) -> str:
+    return repr("/".join(str(p) for p in path)) if path else "its root"
+
+
+def tensor_paths(skeleton: Any) -> list[tuple[tuple[Any, ...], int]]:
+    """``(path, tensor index)`` of every :class:`TensorRef` in a skeleton, in tree order.
+
+    A tensor reached by several paths (tied weights) is listed once per path.
+    """
+    found: list[tuple[tuple[Any, ...], int]] = []
+
+    def walk(node: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(node, TensorRef):
+            found.append((path, node.index))
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, path + (key,))
+        elif isinstance(node, (list, tuple)):
+            for i, value in enumerate(node):
+                walk(value, path + (i,))
+
+    walk(skeleton, ())
+    return found
 
 
 def unflatten(skeleton: Any, resolve: Callable[[int], Any]) -> Any:

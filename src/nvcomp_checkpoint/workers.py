@@ -1,0 +1,39 @@
+"""Thread pools for compression and decompression, that still work while the interpreter exits.
+
+Once Python has begun to shut down (``atexit`` handlers, non-daemon threads finishing),
+``ThreadPoolExecutor`` refuses new work; a save or load made then runs its jobs in the calling
+thread instead of failing, as ``torch.save`` and ``torch.load`` work there too.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+__all__ = ["worker_pool"]
+
+
+class _InlineExecutor(Executor):
+    """Runs each job when it is submitted; its future is done on return."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever reads the future
+            fut.set_exception(exc)
+        return fut
+
+
+def worker_pool(workers: int, name: str) -> Executor:
+    """A pool of ``workers`` threads, or an inline executor once the interpreter is exiting.
+
+    Use it as a context manager, as ``ThreadPoolExecutor``.
+    """
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+    try:
+        pool.submit(int).result()
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        pool.shutdown(wait=False)
+        return _InlineExecutor()
+    return pool
