@@ -630,3 +630,14 @@ def test_saves_made_while_the_interpreter_exits_land(tmp_path: Path) -> None:
     for name, value in (("thread", 1.0), ("atexit_sync", 2.0), ("atexit_async", 3.0), ("atexit_held", 4.0)):
         assert torch.equal(nc.load(tmp_path / f"{name}.nvc")["v"], torch.full((100_000,), value)), name
     assert not list(tmp_path.glob(".*tmp*")), "a temporary file was left behind"
+
+
+def test_a_callback_that_calls_sys_exit_does_not_stop_later_saves(tmp_path: Path) -> None:
+    wrap, gate, started = gated()
+    with nc.AsyncSaver(max_pending=2) as saver:
+        first = saver.save({"v": torch.ones(100)}, tmp_path / "1.nvc", stream_wrapper=wrap)
+        first.add_done_callback(lambda h: sys.exit(3))
+        second = saver.save({"v": torch.zeros(100)}, tmp_path / "2.nvc")  # queued behind the first
+        gate.set()
+        assert second.wait(30), "the worker thread died with the callback"
+    assert torch.equal(nc.load(tmp_path / "2.nvc")["v"], torch.zeros(100))

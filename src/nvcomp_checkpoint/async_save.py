@@ -141,7 +141,7 @@ class AsyncSaveHandle:
     def _run_callback(self, fn: DoneCallback) -> None:
         try:
             fn(self)
-        except Exception:
+        except BaseException:  # noqa: BLE001 - even sys.exit() must not end the worker: saves behind it would never finish
             _LOG.exception("%s: a done callback of the async save raised", self.path)
 
     def __repr__(self) -> str:
