@@ -505,20 +505,14 @@ def test_overwrite_same_directory_and_remove(script: Path, tmp_path: Path, excha
     objs = module.build()
     acc, ckpt = objs[0], tmp_path / "ckpt"
     objs[5].remove()
-    acc.save_state(str(ckpt))  # a plain directory first ...
-    (ckpt / "notes.txt").write_text("mine")  # ... where the user also keeps files of their own
-    (ckpt / "tokenizer").mkdir()
-    (ckpt / "tokenizer" / "vocab.json").write_text("{}")
+    acc.save_state(str(ckpt))  # a plain directory first
     hooks = register_nvcomp_hooks(acc)
     module.train(objs, 2)
-    acc.save_state(str(ckpt))  # replaces Accelerate's files as a whole, keeps the user's
+    acc.save_state(str(ckpt))  # replaces it as a whole: no stale model.safetensors next to model.nvc
     state = module.snapshot(objs)
     assert sorted(os.listdir(ckpt)) == sorted([
         MANIFEST_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
-        "notes.txt", "tokenizer",
     ])
-    assert (ckpt / "notes.txt").read_text() == "mine" and (ckpt / "tokenizer" / "vocab.json").read_text() == "{}"
-    assert "notes.txt" not in json.loads((ckpt / MANIFEST_NAME).read_text())["files"]
     module.train(objs, 1)
     acc.save_state(str(ckpt))  # compressed over compressed
     state = module.snapshot(objs)
@@ -532,6 +526,116 @@ def test_overwrite_same_directory_and_remove(script: Path, tmp_path: Path, excha
     fresh[0].load_state(str(ckpt))
     for key in ("model", "optimizer", "scheduler", "tracker"):
         assert_tree_equal(state[key], module.snapshot(fresh)[key])
+
+
+STATE_FILES = [MANIFEST_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl"]
+
+
+def _identity(*paths: Path) -> dict[Path, tuple[int, int, bytes | None]]:
+    """Inode, device and (for files) contents: what must not change in entries a save does not own."""
+    return {p: (p.stat().st_ino, p.stat().st_dev, p.read_bytes() if p.is_file() else None) for p in paths}
+
+
+@pytest.mark.parametrize(
+    ("where", "async_save"),
+    [(".", False), ("absolute", False), ("..", False), (".", True)],
+    ids=["dot", "absolute-cwd", "parent-of-cwd", "dot-async"],
+)
+def test_save_into_the_working_directory_keeps_it_and_its_contents(
+    script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, async_save: bool
+) -> None:
+    # Plain Accelerate writes its files into the directory and leaves the rest alone; replacing
+    # the directory would delete the process's working directory and re-create everything in it.
+    module = _module(script)
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "train.txt").write_text("keep")
+    (work / "notes.txt").write_text("mine")
+    cwd = work / "data" if where == ".." else work
+    monkeypatch.chdir(cwd)
+    target = str(cwd) if where == "absolute" else where
+    objs = module.build(async_save=async_save)
+    acc, hooks = objs[0], objs[5]
+    module.train(objs, 2)
+    acc.save_state(str(work / "ckpt_a"))  # another checkpoint in the same directory
+    hooks.wait()
+    kept = _identity(work, work / "notes.txt", work / "data", work / "data" / "train.txt", work / "ckpt_a",
+                     *(work / "ckpt_a").iterdir())
+    for _ in range(2):  # into a directory without, then with, a previous checkpoint
+        module.train(objs, 1)
+        assert os.fspath(acc.save_state(target)) == target
+        state = module.snapshot(objs)
+        hooks.wait()
+    assert os.getcwd() == str(cwd)  # still there: relative paths keep working
+    Path("after.txt").write_text("x")
+    Path("after.txt").unlink()
+    assert _identity(*kept) == kept  # the same directories and files, not copies
+    assert sorted(os.listdir(work)) == sorted([*STATE_FILES, "notes.txt", "data", "ckpt_a"])
+    assert sorted(json.loads((work / MANIFEST_NAME).read_text())["files"]) == sorted(STATE_FILES[1:])
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+    hooks.remove()
+    fresh = module.build()
+    fresh[0].load_state(target)
+    assert_tree_equal(state, module.snapshot(fresh))  # model, optimizer, scheduler, RNGs: bit-identical
+
+
+def test_failed_save_into_the_working_directory_leaves_previous_checkpoint(
+    script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = _module(script)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    objs = module.build(stream_wrapper=module.FailFiles(3))  # the second save's model file hits a full disk
+    acc = objs[0]
+    module.train(objs, 2)
+    acc.save_state(".")
+    state = module.snapshot(objs)
+    kept = _identity(work, *work.iterdir())
+    module.train(objs, 1)
+    with pytest.raises(nc.errors.CheckpointWriteError, match="untouched"):
+        acc.save_state(".")
+    assert os.getcwd() == str(work)
+    assert _identity(*kept) == kept and sorted(os.listdir(work)) == sorted([*STATE_FILES, "notes.txt"])
+    fresh = module.build()
+    fresh[0].load_state(".")
+    assert_tree_equal(state, module.snapshot(fresh))
+
+
+def test_directory_with_files_of_your_own_is_updated_in_place(
+    script: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A checkpoint directory where you also keep notes and a tokenizer folder (or a project root):
+    # the save writes its files into it, file by file, as Accelerate does, and leaves the rest alone.
+    module = _module(script)
+    objs = module.build()
+    acc, ckpt = objs[0], tmp_path / "ckpt"
+    objs[5].remove()
+    acc.save_state(str(ckpt))  # a plain directory first ...
+    (ckpt / "notes.txt").write_text("mine")  # ... where the user also keeps files of their own
+    (ckpt / "tokenizer").mkdir()
+    (ckpt / "tokenizer" / "vocab.json").write_text("{}")
+    kept = _identity(ckpt, ckpt / "notes.txt", ckpt / "tokenizer", ckpt / "tokenizer" / "vocab.json")
+    hooks = register_nvcomp_hooks(acc)
+    for _ in range(2):  # over the plain files, then over compressed ones
+        module.train(objs, 1)
+        with caplog.at_level("WARNING", logger="nvcomp_checkpoint.integrations.accelerate"):
+            acc.save_state(str(ckpt))
+        state = module.snapshot(objs)
+    assert _identity(*kept) == kept
+    # Accelerate's own model and optimizer files of the plain save stay, as Accelerate leaves
+    # files it does not rewrite; the first save said so once.
+    assert sorted(os.listdir(ckpt)) == sorted([*STATE_FILES, "notes.txt", "tokenizer", "model.safetensors", "optimizer.bin"])
+    warned = [r.getMessage() for r in caplog.records if "written without nvcomp-checkpoint" in r.getMessage()]
+    assert len(warned) == 1 and "model.safetensors, optimizer.bin" in warned[0]
+    assert sorted(json.loads((ckpt / MANIFEST_NAME).read_text())["files"]) == sorted(STATE_FILES[1:])
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+    assert not [p for p in os.listdir(ckpt) if p.startswith(".")]
+    hooks.remove()
+    fresh = module.build()
+    fresh[0].load_state(str(ckpt))
+    assert_tree_equal(state, module.snapshot(fresh))
 
 
 def test_interrupted_replacement_is_recovered_at_load(trained: Path, script: Path, tmp_path: Path) -> None:

@@ -34,12 +34,26 @@ digests), is written last; then the directory is renamed into place. Replacing a
 directory is one atomic ``renameat2(RENAME_EXCHANGE)`` on Linux; elsewhere the old directory is
 renamed aside first and restored by the next ``save_state``/``load_state`` if a crash comes
 between the two renames. So the target is always either the complete previous checkpoint or the
-complete new one, never a mix of plain and compressed files. Other files the replaced directory
-held (neither Accelerate's nor ours: your notes, a ``save_pretrained`` folder) are hard-linked
-into the new one first, as Accelerate would have left them in place. Only after the commit are
+complete new one, never a mix of plain and compressed files. Only after the commit are
 checkpoints beyond ``total_limit`` deleted (oldest first, renamed out of ``checkpoints/`` before
 removal), so rotation can never delete the newest complete checkpoint. A failed save removes its
 staging directory, leaves ``save_iteration`` unchanged and raises ``CheckpointWriteError``.
+
+Saving into a directory that is not only a checkpoint: a directory is replaced as a whole only if
+it holds nothing but saved state (Accelerate's files, ours, and what the previous save's manifest
+lists). A target that is the current working directory or one of its ancestors
+(``save_state(".")``, ``save_state("..")``), a symbolic link, or a directory holding anything else
+(your notes, a ``save_pretrained`` folder, a project's sources) is updated in place instead, as
+Accelerate updates it: the staging directory is ``.nvckpt-staging`` inside the target, and each
+saved file is moved in with one atomic rename (folders are merged into, never replaced); everything
+else in the directory is left alone, with the same inode. The previous manifest is removed first,
+``.nvc`` files are moved before Accelerate's, and the new manifest comes last. The guarantee there
+is per file, not per directory: a save that fails while writing (a full disk) leaves the previous
+checkpoint untouched; a crash while the files are being renamed into place (a few renames) leaves
+``.nvc`` files without a manifest, which ``load_state`` refuses as incomplete (save again, or load
+another checkpoint), never a silent mix of old and new files. Files that this save does not write
+stay, as with Accelerate (a ``model.safetensors`` of an earlier save without these hooks, with a
+warning), except the previous save's ``.nvc`` files, which are deleted.
 
 Async saves (``async_save=True``): ``save_state`` copies the model and optimizer state (a
 snapshot; training may change every tensor as soon as it returns), lets Accelerate write its own
@@ -126,6 +140,10 @@ _STATE_FILE = re.compile(
             (SAMPLER_NAME, "bin"), ("dl_state_dict", "bin"), ("model", "nvc"), ("optimizer", "nvc"),
         )
     ] + [re.escape(SCALER_NAME), rf"{re.escape(RNG_STATE_NAME)}_\d+\.pkl", r"custom_checkpoint_\d+\.pkl"])
+)
+# Accelerate's own model and optimizer files, which these hooks write as .nvc instead.
+_PLAIN_STATE_FILE = re.compile(
+    rf"({re.escape(SAFE_MODEL_NAME)}|{re.escape(MODEL_NAME)})(_\d+)?\.(safetensors|bin)|{re.escape(OPTIMIZER_NAME)}(_\d+)?\.bin"
 )
 _UNSUPPORTED = {
     DistributedType.DEEPSPEED: "DeepSpeed",
@@ -417,10 +435,7 @@ class NvcompStateHooks:
                 replaced = _commit(call.staging, target)  # the commit point
             except BaseException as exc:  # noqa: BLE001 - kept for the caller, never lost
                 shutil.rmtree(call.staging, ignore_errors=True)
-                job.error = CheckpointWriteError(
-                    f"{target}: save_state failed ({exc}). Nothing was committed: the checkpoint directory "
-                    f"that was at {target}, if any, is untouched. Free space or fix the cause and save again."
-                )
+                job.error = _save_failed(target, exc)
                 job.error.__cause__ = exc
                 logger.error("%s", job.error)
                 return
@@ -483,7 +498,7 @@ class NvcompStateHooks:
             if output_dir is None:
                 raise ValueError("save_state needs an output_dir unless automatic_checkpoint_naming is enabled.")
             shown = Path(os.fspath(output_dir))
-            # Absolute, so that "." or "ckpt/" still have a parent to stage and rename in.
+            # Absolute, so that "ckpt/" still has a parent to stage and rename in.
             target = Path(os.path.abspath(shown))
             staging = target.parent / f".{target.name}{_STAGING}"
         writes = self._writes()
@@ -498,6 +513,12 @@ class NvcompStateHooks:
             if writes:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 _recover(target)
+            # Every rank writes into the staging directory, so all must choose it from the same,
+            # recovered target.
+            acc.wait_for_everyone()
+            if not auto and _in_place(target):
+                call.staging = staging = target / _STAGING  # same file system as the files it replaces
+            if writes:
                 if staging.exists():  # left by a save that crashed
                     shutil.rmtree(staging)
                 staging.mkdir(parents=True)
@@ -518,10 +539,7 @@ class NvcompStateHooks:
             if writes:
                 shutil.rmtree(staging, ignore_errors=True)
             if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)):
-                raise CheckpointWriteError(
-                    f"{target}: save_state failed ({exc}). Nothing was committed: the checkpoint directory "
-                    f"that was at {target}, if any, is untouched. Free space or fix the cause and save again."
-                ) from exc
+                raise _save_failed(target, exc) from exc
             raise
         if self.async_save:
             return shown  # committed, rotated and reported by _commit_pending
@@ -787,18 +805,21 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _commit(staging: Path, target: Path) -> Path | None:
-    """Move the complete staging directory to ``target``, replacing what is there atomically.
+    """Move the complete staging directory to ``target``: replace it atomically, or update it in place.
 
     Returns:
         Where the replaced checkpoint now is, for the caller to delete (``None`` if there was none).
     """
     if target.exists() and not target.is_dir():
         raise CheckpointWriteError(f"{target}: exists and is not a directory; save_state needs a directory path")
+    # Checked again here: an async save commits later, and the cwd or the directory may have changed.
+    if staging.parent == target or _in_place(target):
+        _install_in_place(staging, target)
+        return None
     if not target.exists():
         os.rename(staging, target)
         fsync_path(target.parent)
         return None
-    _carry_over(target, staging)
     if _exchange(staging, target):
         fsync_path(target.parent)
         return staging
@@ -816,42 +837,171 @@ def _commit(staging: Path, target: Path) -> Path | None:
     return old
 
 
+class _InstallError(CheckpointWriteError):
+    """An in-place save failed after it had begun to replace files (see :func:`_install_in_place`)."""
+
+
+def _save_failed(target: Path, exc: BaseException) -> CheckpointWriteError:
+    if isinstance(exc, _InstallError):
+        return CheckpointWriteError(
+            f"{target}: save_state failed while moving the new files into this directory ({exc.__cause__}). It "
+            f"now holds part of them and no {MANIFEST_NAME}, so load_state refuses it as incomplete. Fix the "
+            "cause and save again, or load another checkpoint."
+        )
+    return CheckpointWriteError(
+        f"{target}: save_state failed ({exc}). Nothing was committed: the checkpoint directory "
+        f"that was at {target}, if any, is untouched. Free space or fix the cause and save again."
+    )
+
+
 def _is_state_file(name: str) -> bool:
     """Files that a save_state writes, with or without these hooks (and their temporaries)."""
     temporary = name.startswith(".") and (".tmp-" in name or ".nvckpt-" in name)
     return temporary or name == MANIFEST_NAME or _STATE_FILE.fullmatch(name) is not None
 
 
-def _carry_over(old: Path, staging: Path) -> None:
-    """Keep what else the replaced directory held (your notes, a ``save_pretrained`` folder ...).
+def _in_place(target: Path) -> bool:
+    """Whether ``target`` must be updated file by file instead of replaced as a whole directory.
 
-    Accelerate overwrites its own files in place and leaves others alone; replacing the whole
-    directory must not lose them either. They are hard-linked (copied where links are not
-    possible) so the old directory stays intact until the commit. Files of an earlier save are
-    not carried over: a stale ``optimizer.bin`` next to ``optimizer.nvc`` would be a trap.
+    Replacing a directory gives it a new inode and drops whatever it held: the process's working
+    directory (``save_state(".")``) would vanish, and your own files and folders in it (notes, a
+    ``save_pretrained`` folder, a project's sources) would have to be copied and would lose
+    anything written to them meanwhile. Only a directory holding nothing but saved state is replaced.
     """
-    for entry in os.listdir(old):
-        src, dst = old / entry, staging / entry
-        if _is_state_file(entry) or os.path.lexists(dst):
+    if not target.is_dir():
+        return False
+    return target.is_symlink() or _holds_cwd(target) or bool(_foreign_entries(target))
+
+
+def _holds_cwd(target: Path) -> bool:
+    """True if ``target`` is the current working directory or one of its ancestors."""
+    try:
+        want = os.stat(target)
+        path = os.path.realpath(os.getcwd())
+    except OSError:  # the cwd is already gone: nothing left to protect
+        return False
+    while True:
+        try:
+            if os.path.samestat(os.stat(path), want):
+                return True
+        except OSError:
+            return False
+        parent = os.path.dirname(path)
+        if parent == path:
+            return False
+        path = parent
+
+
+def _quiet_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        return _read_manifest(path)
+    except FormatError:
+        return None
+
+
+def _foreign_entries(target: Path) -> list[str]:
+    """Entries of ``target`` that no save_state wrote: neither state files nor listed in its manifest."""
+    listed = set((_quiet_manifest(target) or {}).get("files", {}))
+    owned = {rel.split("/", 1)[0] for rel in listed}
+    foreign = []
+    for name in os.listdir(target):
+        if _is_state_file(name):
             continue
-        if src.is_dir() and not src.is_symlink():
-            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
-        else:
-            _link_or_copy(src, dst)
+        entry = target / name
+        if entry.is_dir() and not entry.is_symlink():
+            files = (p for p in entry.rglob("*") if not p.is_dir())
+            mine = name in owned and all(p.relative_to(target).as_posix() in listed for p in files)
+        else:  # a link to a folder is yours even if a save wrote into it
+            mine = name in listed and not entry.is_dir()
+        if not mine:
+            foreign.append(name)
+    return foreign
 
 
-def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-    if os.path.islink(src):
-        os.symlink(os.readlink(src), dst)
+def _install_in_place(staging: Path, target: Path) -> None:
+    """Move the saved files from ``staging`` into ``target`` one by one, each with an atomic rename.
+
+    The previous manifest goes first and the new one comes last, and ``.nvc`` files come before
+    Accelerate's: after a crash in between, the directory holds ``.nvc`` files but no manifest,
+    which load_state refuses as incomplete, rather than a silent mix of old and new files. Other
+    entries are left alone, as Accelerate leaves them; folders are merged into, never replaced.
+    """
+    _check_conflicts(staging, target)  # before anything changes: the previous checkpoint stays whole
+    previous = _quiet_manifest(target)
+    new = set(os.listdir(staging))
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(target / MANIFEST_NAME)
+            fsync_path(target)
+        for name in sorted(new - {MANIFEST_NAME}, key=lambda n: (not n.endswith(".nvc"), n)):
+            _move_entry(staging / name, target / name)
+        # .nvc files of the previous save that this one does not write (fewer models, say).
+        for name in [*(previous or {}).get("models", []), *(previous or {}).get("optimizers", [])]:
+            if name not in new:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(target / name)
+        fsync_path(target)
+        _move_entry(staging / MANIFEST_NAME, target / MANIFEST_NAME)  # the commit point
+        fsync_path(target)
+    except OSError as exc:
+        raise _InstallError(str(exc)) from exc
+    if previous is None:
+        left = sorted(n for n in os.listdir(target) if _PLAIN_STATE_FILE.fullmatch(n) and n not in new)
+        if left:
+            logger.warning(
+                "%s: also holds %s, written without nvcomp-checkpoint; left in place, as Accelerate leaves "
+                "files it does not rewrite. load_state reads the .nvc files; if these are from an earlier "
+                "save_state, delete them to free the space.",
+                target, ", ".join(left),
+            )
+    shutil.rmtree(staging, ignore_errors=True)  # empty by now
+
+
+def _check_conflicts(staging: Path, target: Path) -> None:
+    for root, dirs, files in os.walk(staging):
+        rel = Path(root).relative_to(staging)
+        for name in dirs:
+            dst = target / rel / name
+            if os.path.lexists(dst) and not dst.is_dir():
+                raise CheckpointWriteError(f"{dst}: is a file, but this save writes a folder there; move the file away")
+        for name in files:
+            dst = target / rel / name
+            if dst.is_dir():
+                raise CheckpointWriteError(f"{dst}: is a folder, but this save writes a file there; move the folder away")
+
+
+def _move_entry(src: Path, dst: Path) -> None:
+    """Move one saved file, or the files of one saved folder, to ``dst``; each file in one rename."""
+    if src.is_dir() and not src.is_symlink():
+        dst.mkdir(exist_ok=True)  # an existing folder (or a link to one) is merged into, as Accelerate writes
+        for name in sorted(os.listdir(src)):
+            _move_entry(src / name, dst / name)
+        fsync_path(dst)
+        src.rmdir()
         return
     try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+        os.replace(src, dst)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        # dst is on another file system (a mount point or a link to a folder elsewhere): copy
+        # next to it first, so that the rename that replaces it stays atomic.
+        tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+        try:
+            shutil.copy2(src, tmp, follow_symlinks=False)
+            if not tmp.is_symlink():
+                fsync_path(tmp)
+            os.replace(tmp, dst)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.unlink(src)
 
 
 def _recover(target: Path) -> None:
     """Undo a replacement interrupted between its two renames (see :func:`_commit`)."""
+    target = Path(os.path.abspath(target))  # "." has a name and a parent only as an absolute path
     old = target.parent / f".{target.name}{_OLD}"
     if not old.exists():
         return
