@@ -673,3 +673,158 @@ def test_failed_directory_replace_puts_the_old_directory_back(tmp_path: Path) ->
         _commit_dir(tmp_path / "staging-that-vanished", str(target))
     assert (target / "keep.txt").read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+# -- damaged inputs and bad options: one line, exit 2, nothing written -------------------------
+
+
+def _safetensors_bytes(header: dict[str, Any], data: bytes) -> bytes:
+    blob = json.dumps(header).encode()
+    return len(blob).to_bytes(8, "little") + blob + data
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "needles"),
+    [
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": 5}}, bytes(8), ["'w'", "data_offsets"]),
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0]}}, bytes(8), ["'w'", "data_offsets"]),
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, "8"]}}, bytes(8), ["'w'", "data_offsets"]),
+        ({"w": {"dtype": "XX", "shape": [2], "data_offsets": [0, 8]}}, bytes(8), ["'w'", "dtype 'XX'"]),
+        ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, bytes(8), ["'w'", "shape"]),
+        ({"w": {"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}}, bytes(8), ["'w'", "shape"]),
+        ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8), ["'w'", "12 bytes"]),
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, bytes(8), ["'w'", "data_offsets"]),
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 10**12]}}, bytes(8), ["'w'", "data_offsets"]),
+        ({"w": {"dtype": "F32", "shape": [2]}}, bytes(8), ["'w'", "data_offsets"]),
+        ({"w": [1, 2]}, bytes(8), ["'w'"]),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+          "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12), ["overlap"]),
+        ({"__metadata__": ["x"], "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(8), ["__metadata__"]),
+    ],
+    ids=["offsets-int", "offsets-one", "offsets-str", "dtype", "shape-negative", "shape-str", "size-mismatch",
+         "offsets-reversed", "offsets-past-end", "offsets-missing", "entry-list", "overlap", "metadata-list"],
+)
+def test_damaged_safetensors_header(capsys: pytest.CaptureFixture[str], tmp_path: Path, header: dict[str, Any],
+                                    data: bytes, needles: list[str]) -> None:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    path = folder / "model.safetensors"
+    path.write_bytes(_safetensors_bytes(header, data))
+    for argv in (["inspect", path], ["inspect", folder], ["bench", path, "--codecs", "zstd:1"],
+                 ["bench", folder, "--codecs", "zstd:1"], ["compress", path, tmp_path / "x.nvc"]):
+        code, _, err = call(capsys, *argv)
+        assert code == 2, (argv, err)
+        assert_one_line_error(err, "model.safetensors", *needles)
+    assert not (tmp_path / "x.nvc").exists()
+
+
+def test_truncated_safetensors_is_reported_damaged(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.randn(64, 64), "b": torch.randn(1000)}, str(path))
+    code, _, err = call(capsys, "inspect", path)
+    assert code == 0, err
+    path.write_bytes(path.read_bytes()[:-100])
+    for argv in (["inspect", path], ["bench", path, "--codecs", "zstd:1"], ["compress", path, tmp_path / "x.nvc"]):
+        code, _, err = call(capsys, *argv)
+        assert code == 2, (argv, err)
+        assert_one_line_error(err, "w.safetensors", "truncated")
+    assert not (tmp_path / "x.nvc").exists()
+
+
+def test_safetensors_edge_cases_still_read(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "edge.safetensors"
+    tensors = {"empty": torch.zeros(0, 3), "scalar": torch.tensor(1.5), "flag": torch.tensor([True, False]),
+               "fp8": torch.randn(16).to(torch.float8_e4m3fn), "big": torch.randn(2048)}
+    save_file(tensors, str(path), metadata={"k": "v"})
+    code, out, err = call(capsys, "inspect", path, "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert {t["key"]: t["raw_bytes"] for t in info["tensors"]} == {k: v.numel() * v.element_size() for k, v in tensors.items()}
+    code, _, err = call(capsys, "bench", path, "--codecs", "zstd:1", "--repeat", "1", "--json")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("workers", ["0", "-1"])
+def test_workers_must_be_positive(capsys: pytest.CaptureFixture[str], tmp_path: Path, workers: str) -> None:
+    src = tmp_path / "w.pt"
+    torch.save({"w": torch.randn(4096)}, src)
+    folder = tmp_path / "d"
+    folder.mkdir()
+    torch.save({"w": torch.randn(4096)}, folder / "w.pt")
+    for argv in (["compress", src, tmp_path / "x.nvc"], ["compress", folder, tmp_path / "xd"], ["bench", src]):
+        code, _, err = call(capsys, *argv, "--workers", workers)
+        assert code == 2, (argv, err)
+        assert_one_line_error(err, "--workers", "positive", workers)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "w.pt"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "needles"),
+    [
+        ('{"device": 5}', ["device", "str"]),
+        ('{"min_compress_bytes": "x"}', ["min_compress_bytes", "int"]),
+        ('{"min_compress_bytes": -1}', ["min_compress_bytes", "-1"]),
+        ('{"min_compress_bytes": true}', ["min_compress_bytes", "int"]),
+        ('{"weights": 5}', ["weights", "CodecSpec"]),
+        ('{"weights": {"codec": "zstd", "level": "3"}}', ["weights", "level", "int"]),
+        ('{"weights": {"codec": 3}}', ["weights", "codec", "str"]),
+        ('{"overrides": 5}', ["overrides", "dict"]),
+        ('{"overrides": {"w*": 5}}', ["overrides", "'w*'", "CodecSpec"]),
+        ('{"patterns": 3}', ["patterns", "dict"]),
+        ('{"patterns": {"w*": 3}}', ["patterns", "'w*'"]),
+    ],
+)
+def test_policy_fields_are_checked_before_reading_input(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                        policy: str, needles: list[str]) -> None:
+    # The source does not exist: a policy error, not "no such file", proves the policy is checked first.
+    code, _, err = call(capsys, "compress", tmp_path / "missing.pt", tmp_path / "x.nvc", "--policy", policy)
+    assert code == 2, err
+    assert_one_line_error(err, "--policy", *needles)
+    assert not (tmp_path / "x.nvc").exists()
+
+
+def test_codec_policy_checks_field_types_at_construction() -> None:
+    with pytest.raises(ValueError, match="min_compress_bytes.*int"):
+        nc.CodecPolicy(min_compress_bytes="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="device.*str"):
+        nc.CodecPolicy(device=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_compress_bytes"):
+        nc.CodecPolicy(min_compress_bytes=-1)
+    assert nc.CodecPolicy(min_compress_bytes=0).min_compress_bytes == 0
+
+
+def test_decompress_shared_storage_to_safetensors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    w = torch.randn(4, 4)
+    tied = tmp_path / "tied.nvc"
+    nc.save({"a": w, "b": w}, tied)
+    code, _, err = call(capsys, "decompress", tied, tmp_path / "tied.safetensors")
+    assert code == 2, err
+    assert_one_line_error(err, "tied.nvc", "share memory", "'a'", "'b'", "--to torch")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tied.nvc"]
+    code, _, err = call(capsys, "decompress", tied, tmp_path / "tied.pt", "--to", "torch")
+    assert code == 0, err
+    back = torch.load(tmp_path / "tied.pt", weights_only=True)
+    assert torch.equal(back["a"], w) and back["a"].data_ptr() == back["b"].data_ptr()
+
+    # Views of one storage that do not overlap are fine for safetensors.
+    halves = tmp_path / "halves.nvc"
+    nc.save({"a": w[:2], "b": w[2:]}, halves)
+    code, _, err = call(capsys, "decompress", halves, tmp_path / "halves.safetensors")
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    back = load_file(str(tmp_path / "halves.safetensors"))
+    assert torch.equal(back["a"], w[:2]) and torch.equal(back["b"], w[2:])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc, a directory nobody can create files in")
+def test_decompress_unwritable_destination_names_it(capsys: pytest.CaptureFixture[str], compressed: tuple[Path, dict[str, Any]]) -> None:
+    for dst in ("/proc/nvckpt-test-x.pt", "/proc/nvckpt-test-missing/x.pt"):
+        code, _, err = call(capsys, "decompress", compressed[0], dst)
+        assert code == 2, err
+        assert_one_line_error(err, f"{dst}: ")
+        assert ".tmp-" not in err, err

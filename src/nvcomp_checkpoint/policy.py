@@ -7,6 +7,8 @@ compress differently, so each component gets its own :class:`CodecSpec`.
 from __future__ import annotations
 
 import fnmatch
+import numbers
+import re
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any, Mapping, Sequence
@@ -138,6 +140,52 @@ class CodecSpec:
 _DEFAULT = CodecSpec()
 _RAW = CodecSpec(codec="none", level=None, filter="none")
 
+#: The type each key of a spec written as a dict must have, and how to say it.
+_SPEC_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "codec": ((str,), "a str (a codec id such as 'zstd')"),
+    "level": ((int, type(None)), "an int or None"),
+    "filter": ((str,), "a str ('byteplane' or 'none')"),
+    "chunk_bytes": ((int,), "an int (bytes)"),
+}
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int to Python, but `true` in a JSON policy is a mistake, not 1.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _described(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _spec_field(name: str, value: Any) -> CodecSpec:
+    """``value`` (a spec, a dict or a codec id) as a :class:`CodecSpec`; errors name the field."""
+    if isinstance(value, Mapping):
+        for key, (types, expected) in _SPEC_FIELD_TYPES.items():
+            if key in value:
+                v = value[key]
+                ok = (v is None and type(None) in types) or (_is_int(v) if int in types else isinstance(v, types))
+                if not ok:
+                    raise ValueError(f"{name}: {key} must be {expected}, got {_described(v)}")
+    elif not isinstance(value, (CodecSpec, str)):
+        raise ValueError(
+            f"{name}: expected a CodecSpec, a dict such as {{'codec': 'zstd', 'level': 3}} or a codec id "
+            f"such as 'zstd', got {_described(value)}"
+        )
+    try:
+        return CodecSpec.from_dict(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from exc
+
+
+def _glob_mapping(name: str, value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be a dict of {{glob: {what}}}, got {_described(value)}")
+    for key in value:
+        if not isinstance(key, str):
+            raise ValueError(f"{name}: keys are globs over tensor keys and must be str, got {_described(key)}")
+    return dict(value)
+
 
 @dataclass(frozen=True)
 class CodecPolicy:
@@ -157,6 +205,10 @@ class CodecPolicy:
             more than it saves).
         device: Where compression runs: ``"auto"`` (a CUDA tensor on its GPU with nvCOMP, a CPU
             tensor on the CPU), ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+        ValueError: a field has the wrong type or value; the message names the field (as
+            ``overrides['head.*']: ...`` for an entry) and what it expects.
     """
 
     weights: CodecSpec = _DEFAULT
@@ -170,13 +222,26 @@ class CodecPolicy:
     device: str = "auto"
 
     def __post_init__(self) -> None:
+        # Every field is checked here, so a policy read from JSON fails when it is built, with
+        # the field named, and never halfway through a save.
         for comp in Component:
-            object.__setattr__(self, comp.value, CodecSpec.from_dict(getattr(self, comp.value)))
-        object.__setattr__(self, "patterns", {k: Component(v) for k, v in dict(self.patterns).items()})
-        object.__setattr__(
-            self, "overrides", {k: CodecSpec.from_dict(v) for k, v in dict(self.overrides).items()}
-        )
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            object.__setattr__(self, comp.value, _spec_field(comp.value, getattr(self, comp.value)))
+        patterns = _glob_mapping("patterns", self.patterns, "component")
+        components = ", ".join(c.value for c in Component)
+        for k, v in patterns.items():
+            if not isinstance(v, (Component, str)) or v not in tuple(c.value for c in Component):
+                raise ValueError(f"patterns[{k!r}]: {v!r} is not a component; choose one of {components}")
+        object.__setattr__(self, "patterns", {k: Component(v) for k, v in patterns.items()})
+        overrides = _glob_mapping("overrides", self.overrides, "CodecSpec")
+        object.__setattr__(self, "overrides", {k: _spec_field(f"overrides[{k!r}]", v) for k, v in overrides.items()})
+        if not _is_int(self.min_compress_bytes):
+            raise ValueError(f"min_compress_bytes must be an int (bytes), got {_described(self.min_compress_bytes)}")
+        if self.min_compress_bytes < 0:
+            raise ValueError(f"min_compress_bytes must be 0 or more, got {self.min_compress_bytes}")
+        object.__setattr__(self, "min_compress_bytes", int(self.min_compress_bytes))
+        if not isinstance(self.device, str):
+            raise ValueError(f"device must be a str ('auto', 'cpu' or 'cuda[:N]'), got {_described(self.device)}")
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 
     @classmethod

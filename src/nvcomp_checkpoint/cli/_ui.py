@@ -25,6 +25,8 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from nvcomp_checkpoint.errors import CheckpointError
+
 __all__ = [
     "EXIT_OK",
     "EXIT_FAILED",
@@ -37,6 +39,7 @@ __all__ = [
     "make_table",
     "Reporter",
     "gbps",
+    "check_workers",
 ]
 
 #: Everything checked out.
@@ -83,6 +86,16 @@ def gbps(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.3g}"
+
+
+def check_workers(workers: int | None) -> None:
+    """Refuse ``--workers`` below 1 before any work (``None``: every core).
+
+    Raises:
+        CheckpointError: ``workers`` is zero or negative.
+    """
+    if workers is not None and workers < 1:
+        raise CheckpointError(f"--workers must be a positive integer (threads to use), got {workers}; leave it out to use every core")
 
 
 class Reporter:

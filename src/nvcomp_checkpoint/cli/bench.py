@@ -19,7 +19,7 @@ import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
 
 from . import _policy
-from ._ui import EXIT_OK, Reporter, gbps, make_table, print_json, stdout_console
+from ._ui import EXIT_OK, Reporter, check_workers, gbps, make_table, print_json, stdout_console
 from .sources import DIRECTORY, NVCOMP, OTHER, SAFETENSORS, TORCH, Source, TensorInfo, dir_files, open_source, sniff
 
 __all__ = ["add_parser", "run_bench", "recommend", "write_seconds", "default_candidates"]
@@ -278,6 +278,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise CheckpointError(f"--storage-gbps must be positive, got {args.storage_gbps}")
     if not (args.sample_mb > 0):
         raise CheckpointError(f"--sample-mb must be positive, got {args.sample_mb}")
+    check_workers(args.workers)
     candidates = _parse_candidates(args.codecs) if args.codecs else default_candidates()
     reporter = Reporter(args.quiet)
     sources = _open_all(args.path, args.trust)

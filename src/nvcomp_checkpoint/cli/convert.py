@@ -7,21 +7,23 @@ Single files convert to single files; a checkpoint directory (HF ``checkpoint-N/
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 import torch
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
+from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError, UnsafeCheckpointError
 from nvcomp_checkpoint.report import format_bytes
 from nvcomp_checkpoint.storage import is_url, storage_for
 
 from . import _policy
-from ._ui import EXIT_OK, Reporter, make_table, print_json, stdout_console
+from ._ui import EXIT_OK, Reporter, check_workers, make_table, print_json, stdout_console
 from .sources import (
     DIRECTORY,
     NVC_SUFFIX,
@@ -133,10 +135,48 @@ def _compress_file(src: str, dst: str, policy: nc.CodecPolicy, args: argparse.Na
     return report, kind
 
 
-def _write_torch(tree: Any, dst: str) -> None:
+@contextlib.contextmanager
+def _open_output(dst: str) -> Iterator[IO[bytes]]:
+    """A stream whose bytes appear at ``dst`` only when the block succeeds; a failure names
+    ``dst``, not the hidden temporary file the bytes go to first (as ``nc.save`` does)."""
     storage, spath = storage_for(dst)
-    with storage.open_write(spath) as f:
+    try:
+        with storage.open_write(spath) as f:
+            yield f
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        hint = " (the disk is full)" if exc.errno == errno.ENOSPC else ""
+        raise CheckpointWriteError(
+            f"{dst}: writing it failed{hint}: {exc.strerror or exc}. Any previous file at this path is untouched."
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - fsspec back ends raise their own types (botocore ...)
+        raise CheckpointWriteError(
+            f"{dst}: writing it failed: {type(exc).__name__}: {exc}. Any previous file at this path is untouched."
+        ) from exc
+
+
+def _write_torch(tree: Any, dst: str) -> None:
+    with _open_output(dst) as f:
         torch.save(tree, f)
+
+
+def _overlapping(tensors: dict[str, torch.Tensor]) -> tuple[str, str] | None:
+    """Two tensors whose bytes overlap in memory (tied weights, views), or ``None``.
+
+    safetensors refuses them; views of one storage that do not overlap are fine.
+    """
+    spans = sorted(
+        (str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k)
+        for k, t in tensors.items() if t.numel()
+    )
+    device, end, owner = None, 0, ""
+    for dev, begin, stop, key in spans:
+        if dev == device and begin < end:
+            return owner, key
+        if dev != device or stop > end:
+            device, end, owner = dev, stop, key
+    return None
 
 
 def _write_safetensors(tree: Any, dst: str, metadata: dict[str, str] | None, where: str) -> None:
@@ -147,8 +187,14 @@ def _write_safetensors(tree: Any, dst: str, metadata: dict[str, str] | None, whe
             "(optimizer state, step counters ...); decompress it with --to torch to a .pt file"
         )
     tensors = {k: v.detach().contiguous() for k, v in tree.items()}
-    storage, spath = storage_for(dst)
-    with storage.open_write(spath) as f:
+    shared = _overlapping(tensors)
+    if shared:
+        raise CheckpointError(
+            f"{where}: tensors {shared[0]!r} and {shared[1]!r} share memory (tied weights or views of one tensor), "
+            "and a safetensors file cannot hold tensors that share memory; decompress it with --to torch to a .pt "
+            "file, which keeps them shared"
+        )
+    with _open_output(dst) as f:
         f.write(st.save(tensors, metadata=metadata or None))
 
 
@@ -310,6 +356,8 @@ def _print_dir_rows(title: str, rows: list[dict[str, Any]]) -> None:
 
 # -- commands -------------------------------------------------------------------------------
 def run_compress(args: argparse.Namespace) -> int:
+    # Every option is checked before any input is read: a typo fails in a second, not after a 100 GB load.
+    check_workers(args.workers)
     policy = _policy_from(args)
     reporter = Reporter(args.quiet)
     kind = sniff(args.src)

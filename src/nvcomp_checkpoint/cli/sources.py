@@ -286,7 +286,7 @@ class SafetensorsSource(Source):
         super().__init__(path, file_bytes)
         if is_url(path):
             raise CheckpointError(f"{path}: safetensors files are read from local paths only; copy it locally first")
-        self._header = _safetensors_header(path)
+        self._header = _safetensors_header(path, file_bytes)
 
     def tensors(self) -> list[TensorInfo]:
         out = []
@@ -299,15 +299,23 @@ class SafetensorsSource(Source):
         return out
 
     def read(self, key: str) -> torch.Tensor:
+        require_safetensors()
         from safetensors import safe_open
 
-        with safe_open(self.path, framework="pt", device="cpu") as f:
-            return f.get_tensor(key)
+        try:
+            with safe_open(self.path, framework="pt", device="cpu") as f:
+                return f.get_tensor(key)
+        except OSError:
+            raise  # main names the file and the reason
+        except Exception as exc:  # safetensors raises its own SafetensorError, and torch's errors for dtypes it lacks
+            raise FormatError(f"{self.path}: cannot read tensor {key!r} ({_one_line(exc)})") from exc
 
     def load(self) -> Any:
         st = require_safetensors()
         try:
             return st.load_file(self.path, device="cpu")
+        except OSError:
+            raise  # main names the file and the reason
         except Exception as exc:  # safetensors raises its own SafetensorError
             raise FormatError(f"{self.path}: not a readable safetensors file ({_one_line(exc)})") from exc
 
@@ -320,23 +328,91 @@ class SafetensorsSource(Source):
 #: safetensors dtype codes, spelled as torch spells them.
 _SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
     "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool", "C64": "complex64",
 }
 
+#: Bits per element of every dtype safetensors defines (F4 and F6 are packed, several to a byte).
+_SAFETENSORS_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+}
 
-def _safetensors_header(path: str) -> dict[str, Any]:
-    # The header is all inspect needs ("sizes only"): no tensor bytes are read.
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _safetensors_header(path: str, file_bytes: int) -> dict[str, Any]:
+    """The header of a safetensors file, checked by the rules safetensors itself loads by.
+
+    The header is all inspect needs ("sizes only"): no tensor bytes are read. Every entry is
+    checked here, so a damaged file is refused by inspect and bench exactly as ``load_file``
+    would refuse it, with one line that names the file and the tensor.
+
+    Raises:
+        FormatError: the header is not JSON, an entry is malformed, or the tensors do not
+            exactly cover the data section (truncated, overlapping or stray bytes).
+    """
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         raw = f.read(n)
+    corrupt = f"{path}: the safetensors header is corrupt"
     try:
         header = json.loads(raw.decode("utf-8"))
-        for key, meta in header.items():
-            if key != "__metadata__":
-                meta["dtype"], meta["shape"], meta["data_offsets"]  # noqa: B018 - validates the entry
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise FormatError(f"{path}: the safetensors header is corrupt ({_one_line(exc)})") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{corrupt} ({_one_line(exc)})") from exc
+    if not isinstance(header, dict):
+        raise FormatError(f"{corrupt} (a JSON object is expected, found a {type(header).__name__})")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise FormatError(f"{corrupt} (__metadata__ must be an object of strings, found {_one_line(repr(meta))})")
+    spans = []
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            raise FormatError(f"{corrupt} (tensor {key!r} is a {type(entry).__name__}, not an object of dtype, shape and data_offsets)")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        bits = _SAFETENSORS_BITS.get(dtype) if isinstance(dtype, str) else None
+        if bits is None:
+            raise FormatError(f"{corrupt} (tensor {key!r} has dtype {dtype!r}; safetensors defines {', '.join(_SAFETENSORS_BITS)})")
+        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
+            raise FormatError(f"{corrupt} (tensor {key!r} has shape {_one_line(repr(shape))}; a list of non-negative integers is expected)")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets)) and 0 <= offsets[0] <= offsets[1]):
+            raise FormatError(
+                f"{corrupt} (tensor {key!r} has data_offsets {_one_line(repr(offsets))}; [begin, end] with 0 <= begin <= end is expected)"
+            )
+        begin, end = offsets
+        numel = 1
+        for d in shape:
+            numel *= d
+        if (numel * bits) % 8 or end - begin != numel * bits // 8:
+            size = numel * bits // 8 if (numel * bits) % 8 == 0 else numel * bits / 8
+            raise FormatError(
+                f"{corrupt} (tensor {key!r} is {dtype}{shape}, {size} bytes, but its data_offsets "
+                f"[{begin}, {end}] span {end - begin} bytes)"
+            )
+        spans.append((begin, end, key))
+    data_bytes = file_bytes - 8 - n
+    last = max((end for _, end, _ in spans), default=0)
+    if last > data_bytes:
+        raise FormatError(
+            f"{path}: is truncated: its header places tensor data up to byte {last} of the data section, which holds "
+            f"only {data_bytes} bytes (an interrupted copy or download?)"
+        )
+    # safetensors loads only files whose tensors tile the data section exactly, in any order.
+    covered, previous = 0, None
+    for begin, end, key in sorted(spans):
+        if begin < covered:
+            raise FormatError(f"{corrupt} (the data of tensors {previous!r} and {key!r} overlap)")
+        if begin > covered:
+            raise FormatError(f"{corrupt} (bytes {covered} to {begin} of the data section belong to no tensor)")
+        covered, previous = end, key
+    if covered < data_bytes:
+        raise FormatError(f"{path}: is damaged: {data_bytes - covered} bytes follow the last tensor's data")
     return header
 
 
