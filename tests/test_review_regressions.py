@@ -207,3 +207,10 @@ def test_open_errors_are_checkpoint_errors(tmp_path: Path) -> None:
     with pytest.raises(nc.CheckpointError, match="bogus://x.*fsspec"):
         nc.save({"x": torch.ones(2)}, "bogus://x")
     assert nc.is_nvcomp_checkpoint(afile / "x.nvc") is False
+
+
+def test_codec_spec_with_wrong_types_names_the_field() -> None:
+    with pytest.raises(ValueError, match="level must be an int"):
+        nc.CodecSpec(codec="zstd", level="3")
+    with pytest.raises(ValueError, match="chunk_bytes must be an int"):
+        nc.CodecSpec(codec="zstd", chunk_bytes=4.5e6)

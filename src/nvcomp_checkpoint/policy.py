@@ -114,6 +114,10 @@ class CodecSpec:
             raise ValueError(f"unknown codec {self.codec!r}; choose one of {', '.join(CODEC_IDS)}")
         if self.filter not in FILTER_IDS:
             raise ValueError(f"unknown filter {self.filter!r}; choose one of {', '.join(FILTER_IDS)}")
+        if not isinstance(self.chunk_bytes, int) or isinstance(self.chunk_bytes, bool):
+            raise ValueError(f"chunk_bytes must be an int (bytes), got {type(self.chunk_bytes).__name__} {self.chunk_bytes!r}")
+        if self.level is not None and (not isinstance(self.level, int) or isinstance(self.level, bool)):
+            raise ValueError(f"level must be an int or None, got {type(self.level).__name__} {self.level!r}")
         if not (1024 <= self.chunk_bytes <= (64 << 20)):
             raise ValueError(f"chunk_bytes must be between 1 KiB and 64 MiB, got {self.chunk_bytes}")
         check_level(self.codec, self.level)
