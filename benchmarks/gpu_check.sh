@@ -2,7 +2,7 @@
 # GPU check of nvcomp-checkpoint: the gpu-marked tests, the codec benchmark, then sync/async
 # saves of a GPU-resident checkpoint. Runs on the GPU machine (python3 3.12 with PyTorch, no
 # network) from the repo root, with the wheels carried in .whl/ (git-ignored). The steps' timeouts
-# add up to 520 s (typically far less); give the device tool timeout_s=600.
+# add up to 420 s (typically far less); give the device tool timeout_s=600.
 #
 # Fetch the wheels here first (the GPU machine's python3 is 3.12, its driver is CUDA 13):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -37,7 +37,7 @@ fi
 
 echo "== versions"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-"$PY" - <<'EOF' || exit 2
+"$PY" - <<'EOF' || echo "gpu_check: the version check failed (above); the GPU tests will say why they skip"
 import sys, torch, zstandard
 from nvidia import nvcomp
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}),"
@@ -46,18 +46,20 @@ print(f"nvCOMP {nvcomp.__version__} (CUDA {nvcomp.__cuda_version__}) from {nvcom
 EOF
 
 echo "== gpu-marked tests"
-# --continue-on-collection-errors: a test module of the suite that cannot import here (a
-# dependency missing from the image) must not hide the results of the GPU tests.
-timeout 150 "$PY" -m pytest tests/test_gpu_codecs.py tests -m gpu -q -p no:cacheprovider \
-    --continue-on-collection-errors -rfEsxX 2>&1 | tee "$OUT/pytest_gpu.log"
+# Only the modules that hold gpu-marked tests: collecting the whole suite would import Lightning,
+# Transformers and moto, which the image may lack. A per-test timeout (pytest-timeout, when the
+# image has it) keeps one hung nvCOMP call from eating the step and its log.
+PER_TEST=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=90")
+timeout 170 "$PY" -m pytest tests/test_gpu_codecs.py tests/test_gpu_save.py tests/test_async.py -m gpu -q \
+    -p no:cacheprovider $PER_TEST -rfEsxX 2>&1 | tee "$OUT/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== benchmark"
-timeout 250 "$PY" benchmarks/gpu_codec_bench.py --budget-s 200 --json "$OUT/gpu_codec_bench.json" 2>&1 | tee "$OUT/gpu_codec_bench.log"
+timeout 150 "$PY" benchmarks/gpu_codec_bench.py --size-mib 128 --repeats 2 --budget-s 110 --json "$OUT/gpu_codec_bench.json" 2>&1 | tee "$OUT/gpu_codec_bench.log"
 bench_rc=${PIPESTATUS[0]}
 
 echo "== async / sync saves of a GPU-resident checkpoint"
-timeout 120 "$PY" benchmarks/gpu_async_bench.py --mb 1024 --json "$OUT/gpu_async_bench.json" 2>&1 | tee "$OUT/gpu_async_bench.log"
+timeout 100 "$PY" benchmarks/gpu_async_bench.py --mb 512 --reps 2 --json "$OUT/gpu_async_bench.json" 2>&1 | tee "$OUT/gpu_async_bench.log"
 async_rc=${PIPESTATUS[0]}
 
 echo "gpu_check: tests exit $tests_rc, benchmark exit $bench_rc, async benchmark exit $async_rc"

@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                     skipped.append(label)
                     continue
                 rows.append(row)
+                if args.json:  # after every row: a run killed by its timeout keeps what it measured
+                    args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
                 print(
                     f"  {label}: ratio {row.ratio:.3f}, {row.compress_gbps:.1f} / {row.decompress_gbps:.1f} GB/s"
                     f"{'' if row.exact else ', ROUND TRIP DIFFERS'}",

@@ -172,6 +172,7 @@ def test_host_copy_of_a_gpu_tensor_records_its_gpu(tmp_path: Path) -> None:
     assert torch.equal(out, t)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("gpu_budget", [None, 0], ids=["on-gpu", "staged-through-pinned"])
 def test_gpu_snapshot_on_device_or_staged(tmp_path: Path, gpu_budget: int | None) -> None:

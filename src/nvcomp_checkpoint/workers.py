@@ -10,7 +10,7 @@ from __future__ import annotations
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-__all__ = ["worker_pool"]
+__all__ = ["worker_pool", "is_inline"]
 
 
 class _InlineExecutor(Executor):
@@ -37,3 +37,8 @@ def worker_pool(workers: int, name: str) -> Executor:
         pool.shutdown(wait=False)
         return _InlineExecutor()
     return pool
+
+
+def is_inline(pool: Executor) -> bool:
+    """True for the executor :func:`worker_pool` returns while the interpreter exits."""
+    return isinstance(pool, _InlineExecutor)

@@ -29,12 +29,17 @@ from .format.layout import MAGIC, MAX_INDEX_BYTES, Frame, Index, TensorEntry, pa
 from .format.skeleton import encode_skeleton, flatten
 from .policy import CodecPolicy, CodecSpec, Component, key_string
 from .report import ComponentStats
-from .workers import worker_pool
+from .workers import is_inline, worker_pool
 
 __all__ = [
     "PlannedTensor", "plan_tensors", "CheckpointWriter", "PinnedRing", "pre_encode_on_gpu", "default_workers", "SOURCE_DEVICE_ATTR",
 ]
 
+#: Largest chunk compressed with nvCOMP's Zstd: "Chunk sizes must not exceed 16 MB" (nvCOMP 6.0
+#: include/nvcomp/zstd.h, nvcompBatchedZstdCompressAsync), though its MaxAllowedChunkSize constant
+#: says 2 GiB. Chunks of a larger policy chunk size are cut to this on the GPU (the index records
+#: each tensor's chunk size, so any reader follows).
+GPU_ZSTD_CHUNK_LIMIT = 16 << 20
 #: Attribute set on a host copy of a GPU tensor (by an async snapshot): the device the tensor
 #: lives on, recorded in the index so that a load returns it there.
 SOURCE_DEVICE_ATTR = "_nvckpt_source_device"
@@ -131,6 +136,8 @@ def plan_tensors(
         itemsize = t.element_size()
         chunk = max(itemsize, spec.chunk_bytes // itemsize * itemsize)
         device = _compress_device(key, t, spec, policy, where)
+        if device is not None and spec.codec == "zstd":
+            chunk = min(chunk, GPU_ZSTD_CHUNK_LIMIT // itemsize * itemsize)
         planned.append(PlannedTensor(key, t, component, spec, width, chunk, device))
     return planned
 
@@ -272,17 +279,31 @@ def pre_encode_on_gpu(
             continue
         used[t.device] = used.get(t.device, 0) + item.nbytes
         flat = _flat_bytes(t)
-        source = flat.untyped_storage().data_ptr()
         batches = []
         for group in gpu_batches(item):
             frames, raw_sizes = encode_gpu_batch(flat, group, item)
-            # A frame stored raw may be a view of the live tensor: copy it, or training's next
-            # step would change what gets written.
-            frames = [f.clone() if f.untyped_storage().data_ptr() == source else f for f in frames]
-            batches.append((frames, raw_sizes))
+            batches.append((_compact(frames), raw_sizes))
         out[id(t)] = batches
     for device in used:
         torch.cuda.current_stream(device).synchronize()
+    return out
+
+
+def _compact(frames: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The frames copied into one allocation of their total size.
+
+    A frame stored raw may be a view of the live tensor (training's next step would change what
+    gets written) or of the batch's whole plane buffer, and compressed frames are views into the
+    codec's output, which also holds the frames that were not kept: held as they are, a snapshot
+    would pin up to twice its budget of GPU memory.
+    """
+    packed = torch.empty(sum(f.numel() for f in frames), dtype=torch.uint8, device=frames[0].device)
+    out, pos = [], 0
+    for f in frames:
+        dest = packed[pos : pos + f.numel()]
+        dest.copy_(f.reshape(-1))
+        out.append(dest)
+        pos += f.numel()
     return out
 
 
@@ -427,6 +448,10 @@ class CheckpointWriter:
         return self._finish(planned, frames_of, skel_frame, metadata)
 
     def _compress_and_write(self, planned: list[PlannedTensor], frames_of: list[list[Frame]]) -> None:
+        # Worker threads read CUDA tensors on their own (default) stream: the kernels that made
+        # them, queued on the caller's current stream, must be done first.
+        for device in {item.tensor.device for item in planned if item.tensor.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()
         with worker_pool(self.workers, "nvckpt-compress") as pool:
             window: deque[tuple[int, int, bool, Future[_Encoded]]] = deque()
             try:
@@ -451,12 +476,15 @@ class CheckpointWriter:
         # ran at 1.45x one; bounded in bytes, 1.6x). GPU batches are bounded by the pinned ring.
         unit = max((item.chunk_bytes for item in planned), default=1)
         budget = self.workers * self.depth * unit
+        # Jobs run in this thread while the interpreter exits (workers.worker_pool): write each
+        # at once, or a GPU batch would wait for a pinned slot that only this thread frees.
+        inline = is_inline(pool)
         in_flight = 0
         for idx, nbytes, on_gpu, job in self._jobs(planned):
             weight = min(nbytes, unit)
             window.append((idx, weight, on_gpu, pool.submit(job)))
             in_flight += weight
-            while in_flight > budget or len(window) > MAX_JOBS_IN_FLIGHT:
+            while window and (inline or in_flight > budget or len(window) > MAX_JOBS_IN_FLIGHT):
                 in_flight -= self._drain_one(window, frames_of)
         while window:
             self._drain_one(window, frames_of)

@@ -209,6 +209,42 @@ def _to_torch_bytes(array: Any, device: torch.device) -> torch.Tensor:
     return tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
 
 
+#: What nvCOMP and the buffer exchange with torch raise: its own errors come as RuntimeError or
+#: ValueError; torch's DLPack export raises BufferError, or AssertionError for a stream it refuses.
+_NVCOMP_ERRORS = (RuntimeError, ValueError, BufferError, AssertionError)
+
+#: Where every buffer handed to nvCOMP starts: "Each chunk must be aligned to the value in the
+#: `input` member of the nvcompAlignmentRequirements_t" of its algorithm (nvCOMP 6.0 headers: 4 to 8
+#: bytes for zstd, bitcomp, cascaded and gdeflate, 16 for ANS); the as_arrays docstring: "If in
+#: doubt, use 16B alignment".
+NVCOMP_ALIGNMENT = 16
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or an aligned copy of it (byte planes and file frames start anywhere)."""
+    if tensor.numel() == 0 or tensor.data_ptr() % NVCOMP_ALIGNMENT == 0:
+        return tensor
+    return tensor.clone()  # the caching allocator's blocks are 512-byte aligned
+
+
+def _pack_aligned(views: list[Any], sizes: list[int], device: torch.device) -> list[torch.Tensor]:
+    """Copy nvCOMP's output arrays into one torch allocation, each at an aligned offset.
+
+    Returns views of exactly ``sizes[i]`` bytes, so a frame made here can go back to nvCOMP as it is.
+    """
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // NVCOMP_ALIGNMENT) * NVCOMP_ALIGNMENT
+    packed = torch.empty(total, dtype=torch.uint8, device=device)
+    out = []
+    for view, size, offset in zip(views, sizes, offsets, strict=True):
+        dest = packed[offset : offset + size]
+        dest.copy_(_exact_bytes(view, size, device))
+        out.append(dest)
+    return out
+
+
 def _exact_bytes(array: Any, size: int, device: torch.device) -> torch.Tensor:
     """The first ``size`` bytes of an ``nvcomp.Array``, whose export should be exactly that long."""
     tensor = _to_torch_bytes(array, device)
@@ -380,8 +416,8 @@ class NvcompGpuCodec:
             codec = self._codec(stream)
             # as_arrays(list) wraps each tensor zero-copy through DLPack/__cuda_array_interface__
             # and "keeps the sources alive as long as the batch exists" (nvCOMP 6 as_arrays).
-            batch = nvcomp.as_arrays(chunks)
             try:
+                batch = nvcomp.as_arrays([_aligned(c) for c in chunks])
                 encoded = codec.encode(batch)
                 # Indexing "waits for the work that produced this batch ... the compressed sizes
                 # are read back from the device"; each entry is a 1-D byte view of exactly the
@@ -390,10 +426,8 @@ class NvcompGpuCodec:
                 # memory before the batch is released.
                 views = [encoded[i] for i in range(len(chunks))]
                 sizes = [int(view.buffer_size) for view in views]
-                packed = torch.cat(
-                    [_exact_bytes(view, size, self.device) for view, size in zip(views, sizes, strict=True)]
-                )
-            except (RuntimeError, ValueError) as exc:
+                frames = _pack_aligned(views, sizes, self.device)
+            except _NVCOMP_ERRORS as exc:
                 raise RuntimeError(
                     f"nvCOMP {self._algorithm} failed to compress a batch of {len(chunks)} chunks "
                     f"({sum(c.numel() for c in chunks)} bytes) on {self.device}: {exc}"
@@ -402,15 +436,15 @@ class NvcompGpuCodec:
             # for the copy first rather than trust how nvCOMP's allocator orders the free.
             stream.synchronize()
             del views, encoded, batch
-        return list(torch.split(packed, sizes))
+        return frames
 
     def _decode(self, frames: list[torch.Tensor], raw_sizes: list[int], index: list[int]) -> list[torch.Tensor]:
         nvcomp = _import_nvcomp()
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream(self.device)
             codec = self._codec(stream)
-            batch = nvcomp.as_arrays(frames)
             try:
+                batch = nvcomp.as_arrays([_aligned(f) for f in frames])
                 # With no decompression_config, decode "internally calls configure_decompression
                 # on src", which for RAW reads each frame's size from the format itself: a header
                 # field for Zstd (the frame content size), ANS, Bitcomp and Cascaded; a walk of
@@ -420,7 +454,7 @@ class NvcompGpuCodec:
                 decoded = codec.decode(batch)
                 views = [decoded[i] for i in range(len(frames))]
                 sizes = [int(view.buffer_size) for view in views]
-            except (RuntimeError, ValueError) as exc:
+            except _NVCOMP_ERRORS as exc:
                 raise FormatError(
                     f"nvCOMP {self._algorithm} could not decode a batch of {len(frames)} frames on "
                     f"{self.device} (frames {index[0]}..{index[-1]} of the call): {exc}"
@@ -430,12 +464,10 @@ class NvcompGpuCodec:
                     raise FormatError(
                         f"{self.id} frame {index[position]} decoded to {size} bytes, the index says {wanted}"
                     )
-            packed = torch.cat(
-                [_exact_bytes(view, size, self.device) for view, size in zip(views, sizes, strict=True)]
-            )
+            tensors = _pack_aligned(views, sizes, self.device)
             stream.synchronize()  # as in _encode: the copy must finish before nvCOMP frees
             del views, decoded, batch
-        return list(torch.split(packed, raw_sizes))
+        return tensors
 
 
 class NoneGpuCodec:
