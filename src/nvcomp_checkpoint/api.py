@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import time
@@ -10,12 +9,12 @@ from typing import IO, Any, Callable
 
 import torch
 
-from .errors import CheckpointError, CheckpointWriteError, FormatError
+from .errors import CheckpointError, FormatError
 from .format.layout import MAGIC
 from .policy import CodecPolicy
 from .reader import CheckpointReader, MapLocation
 from .report import SaveReport
-from .storage import open_checkpoint_stream, storage_for
+from .storage import open_checkpoint_stream, storage_for, write_errors
 from .writer import CheckpointWriter
 
 __all__ = ["save", "load", "open", "is_nvcomp_checkpoint"]
@@ -75,27 +74,13 @@ def _save(
     where = os.fspath(path)
     storage, spath = storage_for(path, storage_options)
     start = time.perf_counter()
-    try:
+    with write_errors(where):
         with storage.open_write(spath) as stream:
             if stream_wrapper is not None:
                 stream = stream_wrapper(stream)
             writer = CheckpointWriter(stream, policy, where, workers=workers, progress=progress, pre_encoded=pre_encoded)
             _, stats, raw = writer.write(obj, metadata)
             stored = writer._pos
-    except CheckpointError:
-        raise
-    except OSError as exc:
-        hint = " (the disk is full)" if exc.errno == errno.ENOSPC else ""
-        raise CheckpointWriteError(
-            f"{where}: writing the checkpoint failed{hint}: {exc}. Any previous file at this path is untouched."
-        ) from exc
-    except Exception as exc:  # noqa: BLE001
-        if type(exc).__module__ == "builtins":
-            raise  # a bug, or the caller's own callback (progress, stream_wrapper): as it was raised
-        # A storage back end's own type (botocore's NoCredentialsError ...).
-        raise CheckpointWriteError(
-            f"{where}: writing the checkpoint failed: {type(exc).__name__}: {exc}. Any previous file at this path is untouched."
-        ) from exc
     seconds = time.perf_counter() - start
     return SaveReport(where, raw, stored, seconds, stats, seconds)
 

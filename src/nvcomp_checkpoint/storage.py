@@ -8,14 +8,15 @@ a failed upload is aborted; elsewhere a temporary path is moved into place.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import uuid
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from .errors import CheckpointError, FormatError
+from .errors import CheckpointError, CheckpointWriteError, FormatError
 
-__all__ = ["Storage", "LocalStorage", "FsspecStorage", "storage_for", "open_checkpoint_stream", "is_url", "fsync_path"]
+__all__ = ["Storage", "LocalStorage", "FsspecStorage", "storage_for", "open_checkpoint_stream", "write_errors", "is_url", "fsync_path"]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2"}
 
@@ -203,6 +204,30 @@ def storage_for(path: str | os.PathLike[str], storage_options: dict[str, Any] | 
                 "backend (s3fs for s3://, gcsfs for gs://, adlfs for az://)"
             ) from exc
     return _LOCAL, text
+
+
+@contextlib.contextmanager
+def write_errors(where: str, what: str = "writing the checkpoint") -> Iterator[None]:
+    """Turn a failed write into a :class:`CheckpointWriteError` that names ``where``.
+
+    The storage's own errors (``OSError``, botocore's ...) are translated; builtin exceptions of
+    other kinds (a bug, or a caller's callback that raised) pass through as they were raised.
+    """
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        hint = " (the disk is full)" if exc.errno == errno.ENOSPC else ""
+        raise CheckpointWriteError(
+            f"{where}: {what} failed{hint}: {exc.strerror or exc}. Any previous file at this path is untouched."
+        ) from exc
+    except Exception as exc:  # noqa: BLE001
+        if type(exc).__module__ == "builtins":
+            raise
+        raise CheckpointWriteError(
+            f"{where}: {what} failed: {type(exc).__name__}: {exc}. Any previous file at this path is untouched."
+        ) from exc
 
 
 def open_checkpoint_stream(storage: Storage, path: str, where: str) -> IO[bytes]:

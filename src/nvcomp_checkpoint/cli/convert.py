@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import os
 import shutil
 import uuid
@@ -18,9 +17,9 @@ from typing import IO, Any, Callable, Iterator
 import torch
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError, UnsafeCheckpointError
+from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
 from nvcomp_checkpoint.report import format_bytes
-from nvcomp_checkpoint.storage import is_url, storage_for
+from nvcomp_checkpoint.storage import is_url, storage_for, write_errors
 
 from . import _policy
 from ._ui import EXIT_OK, Reporter, check_workers, make_table, print_json, stdout_console
@@ -140,20 +139,9 @@ def _open_output(dst: str) -> Iterator[IO[bytes]]:
     """A stream whose bytes appear at ``dst`` only when the block succeeds; a failure names
     ``dst``, not the hidden temporary file the bytes go to first (as ``nc.save`` does)."""
     storage, spath = storage_for(dst)
-    try:
+    with write_errors(dst, "writing it"):
         with storage.open_write(spath) as f:
             yield f
-    except CheckpointError:
-        raise
-    except OSError as exc:
-        hint = " (the disk is full)" if exc.errno == errno.ENOSPC else ""
-        raise CheckpointWriteError(
-            f"{dst}: writing it failed{hint}: {exc.strerror or exc}. Any previous file at this path is untouched."
-        ) from exc
-    except Exception as exc:  # noqa: BLE001 - fsspec back ends raise their own types (botocore ...)
-        raise CheckpointWriteError(
-            f"{dst}: writing it failed: {type(exc).__name__}: {exc}. Any previous file at this path is untouched."
-        ) from exc
 
 
 def _write_torch(tree: Any, dst: str) -> None:
