@@ -32,7 +32,12 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from nvcomp_checkpoint import CodecPolicy  # noqa: E402
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, UnsafeCheckpointError  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
-from nvcomp_checkpoint.lightning import NvcompCheckpointIO, NvcompCheckpointMetrics, load_from_checkpoint  # noqa: E402
+from nvcomp_checkpoint.lightning import (  # noqa: E402
+    NvcompCheckpointIO,
+    NvcompCheckpointMetrics,
+    NvcompModelCheckpoint,
+    load_from_checkpoint,
+)
 
 TESTS_DIR = Path(__file__).resolve().parent
 BATCHES_PER_EPOCH = 4
@@ -769,3 +774,32 @@ def test_async_max_pending_bounds_the_saves_in_flight(tmp_path):
         state = plugin.load_checkpoint(tmp_path / f"{i}.ckpt")
         assert state["global_step"] == i
         assert_tree_equal(expected[i], state["state_dict"])
+
+
+class StepMetricModule(TinyModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("step_metric", float(self.global_step))  # lower is better: step 0's checkpoint is the best
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("callback", [ModelCheckpoint, NvcompModelCheckpoint])
+def test_async_saves_with_repeating_names_keep_every_version(tmp_path, callback):
+    # A fixed filename and save_top_k=-1: ModelCheckpoint names each save ckpt, ckpt-v1, ... by
+    # looking for the file on disk, where a save in flight is not yet. The plain callback then
+    # reuses a name and overwrites the best checkpoint; NvcompModelCheckpoint sees pending saves.
+    ckpts = tmp_path / "ckpts"
+    plugin = NvcompCheckpointIO(async_save=True, max_pending=4, stream_wrapper=slow(0.2))
+    ck = callback(dirpath=str(ckpts), filename="ckpt", monitor="step_metric", mode="min", save_top_k=-1,
+                  every_n_train_steps=1)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(max_steps=4, plugins=[plugin], callbacks=[ck], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(StepMetricModule(), tiny_data())
+    files = sorted(os.listdir(ckpts))
+    best_step = nc.load(ck.best_model_path, weights_only=False)["global_step"]
+    if callback is ModelCheckpoint:
+        assert len(files) < 4  # the pitfall the README documents, shown so the subclass keeps its reason
+    else:
+        assert files == ["ckpt-v1.ckpt", "ckpt-v2.ckpt", "ckpt-v3.ckpt", "ckpt.ckpt"]
+        assert best_step == 1 and float(ck.best_model_score) == 0.0

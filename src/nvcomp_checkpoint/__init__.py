@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 from . import errors
 from .api import is_nvcomp_checkpoint, load, open, save
-from .async_save import AsyncSaveHandle, AsyncSaver, save_async, wait_for_saves
+from .async_save import AsyncSaveHandle, AsyncSaver, has_pending_save, save_async, wait_for_saves
 from .codecs import GPU_ONLY_CODECS, PORTABLE_CODECS, gpu_available
 from .errors import CheckpointError
 from .policy import CodecPolicy, CodecSpec, Component, classify
@@ -25,6 +25,7 @@ __all__ = [
     "is_nvcomp_checkpoint",
     "save_async",
     "wait_for_saves",
+    "has_pending_save",
     "AsyncSaver",
     "AsyncSaveHandle",
     "CodecPolicy",

@@ -31,6 +31,7 @@ __all__ = [
     "save_async",
     "wait_for_saves",
     "wait_for_path",
+    "has_pending_save",
     "default_saver",
 ]
 
@@ -518,6 +519,16 @@ def wait_for_saves(path: str | os.PathLike[str] | None = None, timeout: float | 
     for saver in _savers():
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         saver.wait(path, left)
+
+
+def has_pending_save(path: str | os.PathLike[str]) -> bool:
+    """True while an async save to ``path`` (of any saver) is snapshotted but not yet durable.
+
+    For code that decides a file name by looking for the file on disk: a pending save has not
+    created it yet.
+    """
+    with _REGISTRY_LOCK:
+        return bool(_PENDING.get(_path_key(path)))
 
 
 def wait_for_path(path: str | os.PathLike[str]) -> None:

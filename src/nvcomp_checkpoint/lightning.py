@@ -10,8 +10,9 @@ from .integrations.lightning import (
     STORAGE_OPTION_KEYS,
     NvcompCheckpointIO,
     NvcompCheckpointMetrics,
+    NvcompModelCheckpoint,
     load_from_checkpoint,
     report_metrics,
 )
 
-__all__ = ["NvcompCheckpointIO", "NvcompCheckpointMetrics", "load_from_checkpoint", "report_metrics", "STORAGE_OPTION_KEYS"]
+__all__ = ["NvcompCheckpointIO", "NvcompCheckpointMetrics", "NvcompModelCheckpoint", "load_from_checkpoint", "report_metrics", "STORAGE_OPTION_KEYS"]

@@ -39,14 +39,21 @@ except ImportError:  # pragma: no cover - only the standalone packages are insta
         ) from exc
 
 try:  # the Trainer's callbacks; Fabric-only installs have no `lightning.pytorch`
-    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 except ImportError:  # pragma: no cover
     try:
-        from pytorch_lightning.callbacks import Callback
+        from pytorch_lightning.callbacks import Callback, ModelCheckpoint
     except ImportError:
-        Callback = object  # type: ignore[assignment,misc]
+        Callback = ModelCheckpoint = object  # type: ignore[assignment,misc]
 
-__all__ = ["NvcompCheckpointIO", "NvcompCheckpointMetrics", "load_from_checkpoint", "STORAGE_OPTION_KEYS", "report_metrics"]
+__all__ = [
+    "NvcompCheckpointIO",
+    "NvcompCheckpointMetrics",
+    "NvcompModelCheckpoint",
+    "load_from_checkpoint",
+    "STORAGE_OPTION_KEYS",
+    "report_metrics",
+]
 
 _LOG = logging.getLogger(__name__)
 
@@ -522,6 +529,25 @@ def report_metrics(report: SaveReport, prefix: str = "nvckpt/") -> dict[str, flo
         metrics[f"{prefix}ratio/{name}"] = stats.ratio
     # A save too fast for the clock has an infinite throughput, which loggers reject.
     return {k: float(v) for k, v in metrics.items() if v == v and abs(v) != float("inf")}
+
+
+class NvcompModelCheckpoint(ModelCheckpoint):  # type: ignore[misc,valid-type]
+    """``ModelCheckpoint`` that counts a checkpoint still being written in the background as existing.
+
+    When names repeat (a ``filename`` without the step, ``save_top_k`` other than 1),
+    ``ModelCheckpoint`` picks a ``-v1``, ``-v2`` ... name by looking for the file on disk. With
+    ``NvcompCheckpointIO(async_save=True)`` a save in flight has not written its file yet, so the
+    next save would take the same name and overwrite it (a best checkpoint lost). This subclass
+    also asks :func:`nvcomp_checkpoint.has_pending_save`. Arguments are those of ``ModelCheckpoint``.
+    """
+
+    @override
+    def file_exists(self, filepath: Any, trainer: Any) -> bool:
+        if super().file_exists(filepath, trainer):
+            return True
+        # Every rank takes part in the reduction, as in ModelCheckpoint.file_exists.
+        pending = nc.has_pending_save(filepath) if trainer.is_global_zero else False
+        return bool(trainer.strategy.reduce_boolean_decision(pending, all=False))
 
 
 class NvcompCheckpointMetrics(Callback):  # type: ignore[misc,valid-type]
