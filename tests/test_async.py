@@ -642,3 +642,30 @@ def test_a_callback_that_calls_sys_exit_does_not_stop_later_saves(tmp_path: Path
         gate.set()
         assert second.wait(30), "the worker thread died with the callback"
     assert torch.equal(nc.load(tmp_path / "2.nvc")["v"], torch.zeros(100))
+
+
+def test_a_done_callback_that_saves_to_a_path_queued_on_its_own_worker_does_not_deadlock(tmp_path: Path) -> None:
+    wrap, gate, _ = gated()
+    with nc.AsyncSaver(max_pending=2) as saver:
+        h1 = saver.save({"v": torch.ones(1000)}, tmp_path / "step1.nvc", stream_wrapper=wrap)
+        h1.add_done_callback(lambda h: nc.save_async({"v": torch.zeros(10)}, tmp_path / "latest.nvc"))
+        h2 = saver.save({"v": torch.ones(1000)}, tmp_path / "latest.nvc")  # queued behind h1
+        gate.set()
+        assert h2.wait(30), "the worker waited on itself"
+    nc.wait_for_saves(timeout=30)
+
+
+def test_is_nvcomp_checkpoint_waits_but_leaves_a_failed_saves_error_to_be_reported(tmp_path: Path) -> None:
+    path = tmp_path / "p.nvc"
+    nc.save({"v": torch.ones(10)}, path)
+    nc.save_async({"v": torch.randn(5000)}, path, stream_wrapper=DiskFullStream).wait(30)
+    assert nc.is_nvcomp_checkpoint(path)  # the previous file, intact
+    with pytest.raises(CheckpointWriteError, match="disk is full"):
+        nc.wait_for_saves()
+
+
+def test_async_refusal_of_a_cycle_names_the_file(tmp_path: Path) -> None:
+    d: dict = {"x": torch.ones(4)}
+    d["self"] = d
+    with pytest.raises(UnsupportedObjectError, match=r"cyc\.nvc.*contains itself"):
+        nc.save_async(d, tmp_path / "cyc.nvc")

@@ -214,3 +214,53 @@ def test_codec_spec_with_wrong_types_names_the_field() -> None:
         nc.CodecSpec(codec="zstd", level="3")
     with pytest.raises(ValueError, match="chunk_bytes must be an int"):
         nc.CodecSpec(codec="zstd", chunk_bytes=4.5e6)
+
+
+# -- third review (2026-11-29): of the fixes above ---------------------------------------------
+def test_an_index_over_the_format_limit_is_refused_at_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The object tree was bounded, the index (metadata, one entry per tensor) was not.
+    import nvcomp_checkpoint.writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "MAX_INDEX_BYTES", 1 << 20)
+    path = tmp_path / "i.nvc"
+    with pytest.raises(UnsupportedObjectError, match=r"i\.nvc: metadata"):
+        nc.save({"w": torch.ones(4)}, path, metadata={"notes": "x" * (1 << 20)})
+    with pytest.raises(UnsupportedObjectError, match=r"i\.nvc: the checkpoint's index \(20000 tensors"):
+        nc.save({"t": [torch.full((4,), float(i)) for i in range(20000)]}, path)
+    assert not path.exists() and not list(tmp_path.iterdir())
+
+
+def test_keys_stay_listed_when_the_object_tree_is_damaged(tmp_path: Path) -> None:
+    path = tmp_path / "d.nvc"
+    nc.save({"a": torch.randn(1000), "b": torch.randn(1000), "step": 5}, path)
+    with nc.open(path) as reader:
+        offset = reader.index.skeleton.offset
+    data = bytearray(path.read_bytes())
+    data[offset + 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with nc.open(path) as reader:
+        assert reader.keys() == ["a", "b"]
+        assert reader.read("a").numel() == 1000
+        with pytest.raises(KeyError):
+            reader.entry("nope")
+    with pytest.raises(nc.CheckpointError, match="object tree is corrupt"):
+        nc.load(path)
+
+
+def test_a_callbacks_own_exception_passes_through_save(tmp_path: Path) -> None:
+    class Cancelled(Exception):
+        pass
+
+    def cancel(_n: int) -> None:
+        raise Cancelled("stop")
+
+    path = tmp_path / "c.nvc"
+    with pytest.raises(Cancelled):
+        nc.save({"w": torch.randn(1000)}, path, progress=cancel)
+
+    def oom(_n: int) -> None:
+        raise torch.OutOfMemoryError("fake OOM")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        nc.save({"w": torch.randn(1000)}, path, progress=oom)
+    assert not path.exists()

@@ -108,8 +108,14 @@ def _wait_for_pending_saves(path: str | os.PathLike[str]) -> None:
 
 
 def is_nvcomp_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
-    """True if ``path`` is a file that starts with this format's magic (once pending async saves to it land)."""
-    _wait_for_pending_saves(path)
+    """True if ``path`` is a file that starts with this format's magic (once pending async saves to it land).
+
+    A failed async save to ``path`` is not raised here (the file there is the previous one); it
+    stays for ``wait_for_saves``, the saver, or the next save to report.
+    """
+    from .async_save import wait_for_path  # async_save builds on this module
+
+    wait_for_path(path, raise_errors=False)
     storage, spath = storage_for(path, storage_options)
     try:
         with storage.open_read(spath) as f:

@@ -6,7 +6,6 @@ One worker thread per :class:`AsyncSaver` writes snapshots in order; no save err
 from __future__ import annotations
 
 import atexit
-import copy
 import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import logging
 import os
@@ -23,7 +22,7 @@ from .policy import CodecPolicy
 from .report import SaveReport
 from .snapshot import Snapshot, SnapshotBuffers
 from .storage import is_url
-from .writer import plan_tensors, pre_encode_on_gpu
+from .writer import checked_metadata, plan_tensors, pre_encode_on_gpu
 
 __all__ = [
     "AsyncSaveHandle",
@@ -234,14 +233,14 @@ class AsyncSaver:
         started = time.perf_counter()
         where = os.fspath(path)
         policy = policy or CodecPolicy()
-        # JSON values, copied now: the caller may change its dict while the save runs.
-        metadata = copy.deepcopy(metadata)
+        # Checked and copied now: the caller may change its dict while the save runs.
+        metadata = checked_metadata(metadata, where)
         if _EXITING:
             # The exit flush has run (and closed every saver): a background thread would be
             # killed with the interpreter, so the save is made here and now.
             return self._save_now(obj, where, started, dict(
-                policy=policy, metadata=metadata, storage_options=storage_options, workers=workers,
-                progress=progress, stream_wrapper=stream_wrapper,
+                policy=policy, metadata=metadata, storage_options=storage_options,
+                workers=workers if workers is not None else self.workers, progress=progress, stream_wrapper=stream_wrapper,
             ))
         if self._closed:
             raise CheckpointError(f"{where}: this AsyncSaver is closed; create a new one to save")
@@ -255,7 +254,9 @@ class AsyncSaver:
             # On a GPU with nvCOMP, CUDA tensors are compressed into GPU memory right away: the
             # snapshot is then the (smaller) compressed frames, not a raw copy.
             pre_encode = (lambda tensors, budget: pre_encode_on_gpu(tensors, policy, where, budget)) if gpu_available() else None
-            snapshot = self.buffers.take(obj, validate=lambda tensors: plan_tensors(tensors, policy, where), pre_encode=pre_encode)
+            snapshot = self.buffers.take(
+                obj, validate=lambda tensors: plan_tensors(tensors, policy, where), pre_encode=pre_encode, where=where
+            )
         except BaseException:
             self._slots.release()
             raise
@@ -455,6 +456,11 @@ def _unregister(handle: AsyncSaveHandle) -> None:
 def _wait_for_other_savers(saver: AsyncSaver, key: str) -> None:
     with _REGISTRY_LOCK:
         others = [h for h in _PENDING.get(key, []) if h._saver is not saver]
+        # A done callback runs on a saver's worker thread: waiting there for a save queued behind
+        # it on that same worker would never end, so ordering gives way to progress.
+        on_worker = any(s._thread is threading.current_thread() for s in _SAVERS)
+    if on_worker:
+        return
     for handle in others:
         handle.wait()
 
@@ -531,13 +537,24 @@ def has_pending_save(path: str | os.PathLike[str]) -> bool:
         return bool(_PENDING.get(_path_key(path)))
 
 
-def wait_for_path(path: str | os.PathLike[str]) -> None:
+def wait_for_path(path: str | os.PathLike[str], *, raise_errors: bool = True) -> None:
     """Wait for pending async saves to ``path`` (used by ``save``, ``load`` and ``open``).
+
+    Args:
+        path: The checkpoint file.
+        raise_errors: Raise a failed save's error (and count it as seen); with False, only wait.
 
     Raises:
         CheckpointWriteError: A save to ``path`` failed and nobody saw its error.
     """
     key = _path_key(path)
+    if not raise_errors:
+        with _REGISTRY_LOCK:
+            pending = list(_PENDING.get(key, []))
+        for handle in pending:
+            if not any(s._thread is threading.current_thread() for s in _savers()):
+                handle.wait()
+        return
     with _REGISTRY_LOCK:
         if key not in _PENDING and not any(h._key == key for s in _SAVERS for h in s._errors):
             return  # the common case: nothing pending, no lock held beyond this check

@@ -11,8 +11,9 @@ from .integrations.lightning import (
     NvcompCheckpointIO,
     NvcompCheckpointMetrics,
     NvcompModelCheckpoint,
+    NvcompModelCheckpointMixin,
     load_from_checkpoint,
     report_metrics,
 )
 
-__all__ = ["NvcompCheckpointIO", "NvcompCheckpointMetrics", "NvcompModelCheckpoint", "load_from_checkpoint", "report_metrics", "STORAGE_OPTION_KEYS"]
+__all__ = ["NvcompCheckpointIO", "NvcompCheckpointMetrics", "NvcompModelCheckpoint", "NvcompModelCheckpointMixin", "load_from_checkpoint", "report_metrics", "STORAGE_OPTION_KEYS"]

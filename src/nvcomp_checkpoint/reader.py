@@ -17,7 +17,7 @@ import torch
 import xxhash
 
 from .codecs import cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
-from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError, UnsafeCheckpointError
+from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError
 from .filters import ByteplaneFilter
 from .format.layout import FOOTER, MAGIC, Frame, Index, TensorEntry, unpack_footer
 from .format.skeleton import decode_skeleton, tensor_paths, unflatten
@@ -161,9 +161,11 @@ class CheckpointReader:
             stored = self.index.skeleton
             # The tree is read only for this; a tree that a weights-only load refuses has no
             # aliases to offer (load(weights_only=False) still restores them).
+            # A damaged tree is reported by load() and verify(); the tensors it does not hold
+            # stay listed and readable here.
             try:
                 skeleton = decode_skeleton(self._read_frame_bytes(stored, "the object tree"), weights_only=True, where=self.path)
-            except UnsafeCheckpointError:
+            except CheckpointError:
                 skeleton = None
             first_path: set[int] = set()
             for path, index in tensor_paths(skeleton):

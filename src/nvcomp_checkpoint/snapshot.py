@@ -155,6 +155,7 @@ class SnapshotBuffers:
         obj: Any,
         validate: Callable[[TensorList], None] | None = None,
         pre_encode: Callable[[TensorList, Callable[[torch.device], int]], dict[int, Any]] | None = None,
+        where: str = "checkpoint",
     ) -> Snapshot:
         """Copy ``obj``: every tensor into memory of this pool, containers and values deep.
 
@@ -165,12 +166,13 @@ class SnapshotBuffers:
             pre_encode: Compresses CUDA tensors on their GPU within a per-device budget and
                 returns ``{id(tensor): frames}``; those tensors are not copied (their compressed
                 frames are the snapshot). ``None``: every tensor is copied.
+            where: The file being saved, for error messages.
 
         Returns:
             A :class:`Snapshot`; call :meth:`Snapshot.release` when the save is done.
         """
         start = time.perf_counter()
-        skeleton, tensors = flatten(obj)
+        skeleton, tensors = flatten(obj, where=where)
         if validate is not None:
             validate(tensors)
         skeleton = _copy_plain(skeleton)

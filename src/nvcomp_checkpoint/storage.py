@@ -206,12 +206,20 @@ def storage_for(path: str | os.PathLike[str], storage_options: dict[str, Any] | 
     return _LOCAL, text
 
 
+#: Packages whose exceptions are a storage failure (fsspec and its object-store back ends).
+_STORAGE_MODULES = (
+    "fsspec", "s3fs", "botocore", "aiobotocore", "boto3", "gcsfs", "google", "adlfs", "azure",
+    "ocifs", "aiohttp", "requests", "urllib3",
+)
+
+
 @contextlib.contextmanager
 def write_errors(where: str, what: str = "writing the checkpoint") -> Iterator[None]:
     """Turn a failed write into a :class:`CheckpointWriteError` that names ``where``.
 
-    The storage's own errors (``OSError``, botocore's ...) are translated; builtin exceptions of
-    other kinds (a bug, or a caller's callback that raised) pass through as they were raised.
+    The storage's own errors (``OSError``, and the types of fsspec's back ends: botocore's
+    ``NoCredentialsError`` ...) are translated; anything else (a bug, a caller's callback that
+    raised, an out-of-memory error) passes through as it was raised.
     """
     try:
         yield
@@ -223,7 +231,7 @@ def write_errors(where: str, what: str = "writing the checkpoint") -> Iterator[N
             f"{where}: {what} failed{hint}: {exc.strerror or exc}. Any previous file at this path is untouched."
         ) from exc
     except Exception as exc:  # noqa: BLE001
-        if type(exc).__module__ == "builtins":
+        if not type(exc).__module__.startswith(_STORAGE_MODULES):
             raise
         raise CheckpointWriteError(
             f"{where}: {what} failed: {type(exc).__name__}: {exc}. Any previous file at this path is untouched."

@@ -142,6 +142,28 @@ def plan_tensors(
     return planned
 
 
+def checked_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
+    """A copy of ``metadata`` through JSON, or an error naming ``where`` if it is not JSON.
+
+    Raises:
+        UnsupportedObjectError: A value is not JSON, or the metadata alone is over the index limit.
+    """
+    try:
+        text = json.dumps(dict(metadata or {}), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedObjectError(
+            f"{where}: metadata must be JSON (str, int, finite float, bool, None, lists, dicts "
+            f"with str keys): {exc}"
+        ) from exc
+    if len(text) > MAX_INDEX_BYTES // 2:
+        raise UnsupportedObjectError(
+            f"{where}: metadata of {len(text) / 2**30:.2f} GiB as JSON; the index that holds it is limited to "
+            f"{MAX_INDEX_BYTES >> 30} GiB: store large values as tensors in the checkpoint itself"
+        )
+    loaded: dict[str, Any] = json.loads(text)
+    return loaded
+
+
 def _unique_key(key: str, used: set[str]) -> str:
     """``key``, or ``key#2``, ``key#3`` ... when two paths print alike (``{"a/b": x, "a": {"b": y}}``,
     ``{0: x, "0": y}``), so that every tensor of a file has a key of its own to be read by."""
@@ -412,14 +434,7 @@ class CheckpointWriter:
 
     def write(self, obj: Any, metadata: dict[str, Any] | None = None) -> tuple[Index, dict[str, ComponentStats], int]:
         """Write ``obj``; returns the index, per-component stats and the raw tensor bytes."""
-        try:
-            # Checked before the first byte: the index that holds it is written last.
-            json.dumps(metadata or {}, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise UnsupportedObjectError(
-                f"{self.where}: metadata must be JSON (str, int, finite float, bool, None, lists, dicts "
-                f"with str keys): {exc}"
-            ) from exc
+        metadata = checked_metadata(metadata, self.where)  # before the first byte: the index is written last
         skeleton, tensors = flatten(obj, where=self.where)
         planned = plan_tensors(tensors, self.policy, self.where)
         try:
@@ -519,6 +534,14 @@ class CheckpointWriter:
         meta.update(metadata or {})
         index = Index(skel_frame, tuple(entries), meta)
         index_bytes = index.to_json_bytes()
+        if len(index_bytes) > MAX_INDEX_BYTES:
+            # The reader refuses a larger index; fail the save (nothing lands at the path) rather
+            # than leave a file that never loads.
+            raise UnsupportedObjectError(
+                f"{self.where}: the checkpoint's index ({len(entries)} tensors and the metadata) is "
+                f"{len(index_bytes) / 2**30:.2f} GiB, over the format's limit of {MAX_INDEX_BYTES >> 30} GiB; "
+                "keep large values out of metadata, or join many small tensors into fewer large ones"
+            )
         index_offset = self._pos
         self._write(index_bytes)
         self._write(pack_footer(index_offset, len(index_bytes), xxhash.xxh3_64_intdigest(index_bytes)))

@@ -211,7 +211,8 @@ def _to_torch_bytes(array: Any, device: torch.device) -> torch.Tensor:
 
 #: What nvCOMP and the buffer exchange with torch raise: its own errors come as RuntimeError or
 #: ValueError; torch's DLPack export raises BufferError, or AssertionError for a stream it refuses.
-_NVCOMP_ERRORS = (RuntimeError, ValueError, BufferError, AssertionError)
+_EXCHANGE_ERRORS = (BufferError, AssertionError)
+_NVCOMP_ERRORS = (RuntimeError, ValueError, *_EXCHANGE_ERRORS)
 
 #: Where every buffer handed to nvCOMP starts: "Each chunk must be aligned to the value in the
 #: `input` member of the nvcompAlignmentRequirements_t" of its algorithm (nvCOMP 6.0 headers: 4 to 8
@@ -454,7 +455,12 @@ class NvcompGpuCodec:
                 decoded = codec.decode(batch)
                 views = [decoded[i] for i in range(len(frames))]
                 sizes = [int(view.buffer_size) for view in views]
-            except _NVCOMP_ERRORS as exc:
+            except _EXCHANGE_ERRORS as exc:
+                # torch refused to hand the buffers over: not a sign of a damaged file.
+                raise RuntimeError(
+                    f"nvCOMP {self._algorithm} could not take {len(frames)} frames from torch on {self.device}: {exc!r}"
+                ) from exc
+            except (RuntimeError, ValueError) as exc:
                 raise FormatError(
                     f"nvCOMP {self._algorithm} could not decode a batch of {len(frames)} frames on "
                     f"{self.device} (frames {index[0]}..{index[-1]} of the call): {exc}"

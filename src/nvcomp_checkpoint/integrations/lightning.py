@@ -50,6 +50,7 @@ __all__ = [
     "NvcompCheckpointIO",
     "NvcompCheckpointMetrics",
     "NvcompModelCheckpoint",
+    "NvcompModelCheckpointMixin",
     "load_from_checkpoint",
     "STORAGE_OPTION_KEYS",
     "report_metrics",
@@ -531,23 +532,27 @@ def report_metrics(report: SaveReport, prefix: str = "nvckpt/") -> dict[str, flo
     return {k: float(v) for k, v in metrics.items() if v == v and abs(v) != float("inf")}
 
 
-class NvcompModelCheckpoint(ModelCheckpoint):  # type: ignore[misc,valid-type]
-    """``ModelCheckpoint`` that counts a checkpoint still being written in the background as existing.
+class NvcompModelCheckpointMixin:
+    """Makes a ``ModelCheckpoint`` count a checkpoint still being written in the background as existing.
 
     When names repeat (a ``filename`` without the step, ``save_top_k`` other than 1),
     ``ModelCheckpoint`` picks a ``-v1``, ``-v2`` ... name by looking for the file on disk. With
     ``NvcompCheckpointIO(async_save=True)`` a save in flight has not written its file yet, so the
-    next save would take the same name and overwrite it (a best checkpoint lost). This subclass
-    also asks :func:`nvcomp_checkpoint.has_pending_save`. Arguments are those of ``ModelCheckpoint``.
+    next save would take the same name and overwrite it (a best checkpoint lost). The mixin also
+    asks :func:`nvcomp_checkpoint.has_pending_save`. With the standalone ``pytorch_lightning``
+    package: ``class MyCheckpoint(NvcompModelCheckpointMixin, pytorch_lightning.callbacks.ModelCheckpoint)``.
     """
 
-    @override
     def file_exists(self, filepath: Any, trainer: Any) -> bool:
-        if super().file_exists(filepath, trainer):
+        if super().file_exists(filepath, trainer):  # type: ignore[misc]
             return True
         # Every rank takes part in the reduction, as in ModelCheckpoint.file_exists.
         pending = nc.has_pending_save(filepath) if trainer.is_global_zero else False
         return bool(trainer.strategy.reduce_boolean_decision(pending, all=False))
+
+
+class NvcompModelCheckpoint(NvcompModelCheckpointMixin, ModelCheckpoint):  # type: ignore[misc,valid-type]
+    """``lightning.pytorch``'s ``ModelCheckpoint`` with :class:`NvcompModelCheckpointMixin`; same arguments."""
 
 
 class NvcompCheckpointMetrics(Callback):  # type: ignore[misc,valid-type]
