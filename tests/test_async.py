@@ -582,10 +582,12 @@ _FORK_HELD_SAVER = textwrap.dedent(
 
     saver = nc.AsyncSaver()  # made in the parent, used in the child
     saver.save({{"v": torch.zeros(10)}}, {out!r} + "/parent.nvc").result(timeout=60)
+    saver.buffers._lock.acquire()  # as if the parent's worker held it at the fork
     pid = os.fork()
     if pid == 0:
         saver.save({{"v": torch.from_numpy(np.ones(3_000_000, dtype=np.float32))}}, {out!r} + "/child.nvc")
         sys.exit(0)  # a normal exit: the exit flush must land the pending save
+    saver.buffers._lock.release()
     _, status = os.waitpid(pid, 0)
     sys.exit(os.waitstatus_to_exitcode(status))
     """

@@ -22,7 +22,7 @@ from .policy import CodecPolicy
 from .report import SaveReport
 from .snapshot import Snapshot, SnapshotBuffers
 from .storage import is_url
-from .writer import checked_metadata, plan_tensors, pre_encode_on_gpu
+from .writer import PinnedRing, checked_metadata, plan_tensors, pre_encode_on_gpu
 
 __all__ = [
     "AsyncSaveHandle",
@@ -298,6 +298,7 @@ class AsyncSaver:
         self._thread = None
         self._live = []
         self._errors = []
+        self.buffers.reset_after_fork()
 
     def _acquire_slot(self) -> None:
         # Back-pressure: wait for a save to finish rather than hold another full copy in memory.
@@ -585,6 +586,7 @@ def _after_fork_in_child() -> None:
     _PENDING.clear()
     for saver in _SAVERS:
         saver._reset_after_fork()
+    PinnedRing.reset_after_fork()
 
 
 # Pending saves must land before concurrent.futures stops taking jobs at shutdown (it does so in

@@ -143,6 +143,12 @@ class SnapshotBuffers:
         with self._lock:
             return sum(a.numel() for a in self._free)
 
+    def reset_after_fork(self) -> None:
+        """In a forked child: a lock the parent's worker held stays held there, and CUDA memory
+        of the parent is not the child's; start both afresh (the host arenas stay usable)."""
+        self._lock = threading.Lock()
+        self._pinned = None
+
     def clear(self) -> None:
         """Free every pooled buffer (host arenas and pinned staging memory)."""
         with self._lock:

@@ -340,6 +340,12 @@ class PinnedRing:
     _cache: list[torch.Tensor] = []  # buffers kept across saves: pinning is slow
     _cache_lock = threading.Lock()
 
+    @classmethod
+    def reset_after_fork(cls) -> None:
+        """In a forked child: the parent's pinned buffers are not the child's, nor a held lock."""
+        cls._cache_lock = threading.Lock()
+        cls._cache = []
+
     def __init__(self, slots: int = GPU_BATCHES_IN_FLIGHT) -> None:
         self.slots = slots
         self._buffers: list[torch.Tensor | None] = [None] * slots
