@@ -503,3 +503,32 @@ def test_async_conversion_failure_is_raised_and_leaves_the_trainers_files(
         trainer = mod.run(str(out), 8, 2, resume=True, nvcomp={"async_save": True})
         assert mod.losses(trainer) == runs["plain_losses"]  # the restored log history, then the same losses
         assert _state_of(out / "checkpoint-8") == "compressed"
+
+
+@pytest.mark.parametrize("with_scheduler", [True, False])
+def test_optimizer_state_loads_only_with_its_scheduler_as_the_trainer_does(
+    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path, with_scheduler: bool
+) -> None:
+    # The Trainer loads optimizer.pt only next to scheduler.pt; the compressed one must follow it.
+    from transformers import Trainer
+
+    _, mod = script
+    compressed = tmp_path / "nvc"
+    shutil.copytree(runs["nvc_dir"] / "checkpoint-4", compressed)
+    plain = tmp_path / "plain"
+    shutil.copytree(compressed, plain)
+    decompress_checkpoint(plain)
+    if not with_scheduler:
+        (compressed / "scheduler.pt").unlink()
+        (plain / "scheduler.pt").unlink()
+    loaded = {}
+    for name, cls, ckpt in (("nvc", NvcompTrainer, compressed), ("plain", Trainer, plain)):
+        args = TrainingArguments(output_dir=str(tmp_path / f"out-{name}"), max_steps=8, report_to=[], use_cpu=True)
+        trainer = cls(model=mod.tiny_model(), args=args, train_dataset=mod.Tokens())
+        trainer.create_optimizer_and_scheduler(num_training_steps=8)
+        trainer._load_optimizer_and_scheduler(str(ckpt))
+        loaded[name] = trainer.optimizer.state_dict()
+    assert bool(loaded["plain"]["state"]) is with_scheduler
+    assert bool(loaded["nvc"]["state"]) is with_scheduler
+    if with_scheduler:
+        assert_tree_equal(loaded["plain"], loaded["nvc"])

@@ -545,15 +545,18 @@ class NvcompTrainerMixin:
             or self._nvcomp_delegates()
         ):
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        scheduler = Path(checkpoint) / _SCHEDULER
+        if not scheduler.is_file():
+            # The Trainer loads the optimizer and the scheduler together or not at all: an
+            # optimizer state without its scheduler is not from the same save.
+            return None
         args = self.args  # type: ignore[attr-defined]
         # As the Trainer does: the CPU for one process, each rank's own device when distributed.
         map_location = args.device if args.world_size > 1 and args.device.type != "cpu" else "cpu"
         self.optimizer.load_state_dict(_load_tree(compressed, "optimizer", map_location))  # type: ignore[attr-defined]
-        scheduler = Path(checkpoint) / _SCHEDULER
-        if scheduler.is_file():
-            with warnings.catch_warnings(record=True) as caught:
-                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))  # type: ignore[attr-defined]
-            reissue_pt_warnings(caught)
+        with warnings.catch_warnings(record=True) as caught:
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))  # type: ignore[attr-defined]
+        reissue_pt_warnings(caught)
 
     def _load_best_model(self) -> None:
         _wait_for_conversions()
