@@ -264,3 +264,12 @@ def test_a_callbacks_own_exception_passes_through_save(tmp_path: Path) -> None:
     with pytest.raises(torch.OutOfMemoryError):
         nc.save({"w": torch.randn(1000)}, path, progress=oom)
     assert not path.exists()
+
+
+def test_a_tied_path_that_prints_like_another_key_is_still_reachable(tmp_path: Path) -> None:
+    t, y = torch.full((4,), 1.0), torch.full((4,), 2.0)
+    path = tmp_path / "a.nvc"
+    nc.save({"x": t, "a/b": y, "a": {"b": t}}, path)
+    with nc.open(path) as reader:
+        assert sorted(reader.keys()) == ["a/b", "a/b#2", "x"]
+        assert torch.equal(reader.read("a/b"), y) and torch.equal(reader.read("a/b#2"), t)

@@ -24,7 +24,7 @@ from .format.skeleton import decode_skeleton, tensor_paths, unflatten
 from .report import ComponentStats
 from .storage import Storage, open_checkpoint_stream, storage_for
 from .workers import worker_pool
-from .writer import GPU_BATCH_BYTES, default_workers
+from .writer import GPU_BATCH_BYTES, default_workers, unique_key
 
 __all__ = ["CheckpointReader", "MapLocation"]
 
@@ -168,13 +168,14 @@ class CheckpointReader:
             except CheckpointError:
                 skeleton = None
             first_path: set[int] = set()
+            used = set(self._by_key)
             for path, index in tensor_paths(skeleton):
                 if index not in first_path:
                     first_path.add(index)  # the path the index names the tensor by
                     continue
-                key = "/".join(str(p) for p in path)
-                if 0 <= index < len(self.index.tensors) and key not in self._by_key:
-                    aliases.setdefault(key, index)
+                if 0 <= index < len(self.index.tensors):
+                    # Named as the writer names paths that print alike: "#2", "#3" ... appended.
+                    aliases[unique_key("/".join(str(p) for p in path), used)] = index
             self._aliases = aliases
         return self._aliases
 

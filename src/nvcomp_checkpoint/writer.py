@@ -131,7 +131,7 @@ def plan_tensors(
         component = policy.component_of(key, path)
         nbytes = t.numel() * t.element_size()
         spec = policy.spec_for(key, component, nbytes)
-        key = _unique_key(key, used)
+        key = unique_key(key, used)
         width = plane_width(t.dtype)
         itemsize = t.element_size()
         chunk = max(itemsize, spec.chunk_bytes // itemsize * itemsize)
@@ -164,7 +164,7 @@ def checked_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str
     return loaded
 
 
-def _unique_key(key: str, used: set[str]) -> str:
+def unique_key(key: str, used: set[str]) -> str:
     """``key``, or ``key#2``, ``key#3`` ... when two paths print alike (``{"a/b": x, "a": {"b": y}}``,
     ``{0: x, "0": y}``), so that every tensor of a file has a key of its own to be read by."""
     unique, n = key, 1
