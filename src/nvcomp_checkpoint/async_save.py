@@ -455,15 +455,19 @@ def _unregister(handle: AsyncSaveHandle) -> None:
 
 
 def _wait_for_other_savers(saver: AsyncSaver, key: str) -> None:
-    with _REGISTRY_LOCK:
-        others = [h for h in _PENDING.get(key, []) if h._saver is not saver]
+    if _on_saver_worker():
         # A done callback runs on a saver's worker thread: waiting there for a save queued behind
         # it on that same worker would never end, so ordering gives way to progress.
-        on_worker = any(s._thread is threading.current_thread() for s in _SAVERS)
-    if on_worker:
         return
+    with _REGISTRY_LOCK:
+        others = [h for h in _PENDING.get(key, []) if h._saver is not saver]
     for handle in others:
         handle.wait()
+
+
+def _on_saver_worker() -> bool:
+    """True on the worker thread of some saver (where its done callbacks run)."""
+    return any(s._thread is threading.current_thread() for s in _savers())
 
 
 def default_saver() -> AsyncSaver:
@@ -550,11 +554,12 @@ def wait_for_path(path: str | os.PathLike[str], *, raise_errors: bool = True) ->
     """
     key = _path_key(path)
     if not raise_errors:
+        if _on_saver_worker():
+            return  # as in _wait_for_other_savers: never wait on the thread that must finish it
         with _REGISTRY_LOCK:
             pending = list(_PENDING.get(key, []))
         for handle in pending:
-            if not any(s._thread is threading.current_thread() for s in _savers()):
-                handle.wait()
+            handle.wait()
         return
     with _REGISTRY_LOCK:
         if key not in _PENDING and not any(h._key == key for s in _SAVERS for h in s._errors):

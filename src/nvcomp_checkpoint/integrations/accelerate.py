@@ -400,17 +400,18 @@ class NvcompStateHooks:
             else:
                 job.call.reports[name] = handle.result()
             job.done += 1
-            ready = job.sealed and not job.abandoned and not job.committing and job.done == len(job.handles)
-            if ready:
-                job.committing = True
-        if ready:
-            self._commit_pending(job)
+        self._commit_if_complete(job)
 
     def _seal(self, job: _PendingSave) -> None:
         """save_state handed over every file: commit now if all are already durable, else when they are."""
         with job.lock:
             job.sealed = True
-            ready = not job.committing and job.done == len(job.handles)
+        self._commit_if_complete(job)
+
+    def _commit_if_complete(self, job: _PendingSave) -> None:
+        """Commit ``job`` once: when it is sealed and every file is in (called after either event)."""
+        with job.lock:
+            ready = job.sealed and not job.abandoned and not job.committing and job.done == len(job.handles)
             if ready:
                 job.committing = True
         if ready:
