@@ -39,6 +39,7 @@ __all__ = [
     "gpu_codec",
     "is_available",
     "unavailable_reason",
+    "zstd_frames_for_host",
 ]
 
 #: What to install; named in every error that says nvCOMP or CUDA is missing.
