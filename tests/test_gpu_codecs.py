@@ -288,10 +288,10 @@ def test_zstd_decode_refuses_a_wrong_raw_size(cuda_device: torch.device) -> None
 def test_gpu_only_codec_round_trip(cuda_device: torch.device, codec_id: str, kind: str) -> None:
     tensor = _tensor_kind(kind, 600_003, seed=11).to(cuda_device)
     data = tensor.view(torch.uint8)
-    # Chunks of 256 KiB, plus a ragged tail and a 1-byte chunk.
-    chunks = list(data.split(256 * KIB)) + [data[:1]]
-    sizes = [c.numel() for c in chunks]
     codec = nvcomp_codecs.gpu_codec(codec_id, None, cuda_device)
+    # Chunks of 256 KiB (gdeflate: 64 KiB, its limit), plus a ragged tail and a 1-byte chunk.
+    chunks = list(data.split(min(256 * KIB, codec.max_chunk_bytes))) + [data[:1]]
+    sizes = [c.numel() for c in chunks]
     frames = codec.encode_batch(chunks)
     assert [f.dtype for f in frames] == [torch.uint8] * len(chunks)
     decoded = codec.decode_batch(frames, sizes)
@@ -304,8 +304,8 @@ def test_gpu_only_codec_round_trip(cuda_device: torch.device, codec_id: str, kin
 @pytest.mark.gpu
 @pytest.mark.parametrize("codec_id", GPU_ONLY)
 def test_gpu_only_codec_takes_bf16_tensors_as_bytes(cuda_device: torch.device, codec_id: str) -> None:
-    tensor = _weights_bf16(200_001, seed=3).to(cuda_device)
     codec = nvcomp_codecs.gpu_codec(codec_id, None, cuda_device)
+    tensor = _weights_bf16(min(200_001, codec.max_chunk_bytes // 2 - 1), seed=3).to(cuda_device)
     (frame,) = codec.encode_batch([tensor])
     (out,) = codec.decode_batch([frame], [tensor.numel() * 2])
     assert torch.equal(out.view(torch.bfloat16), tensor)
@@ -325,8 +325,8 @@ def test_gpu_only_codec_largest_chunk(cuda_device: torch.device, codec_id: str) 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("codec_id", "level"), [("gdeflate", 0), ("gdeflate", 5), ("bitcomp", 1), ("cascaded", 1)])
 def test_levels_round_trip(cuda_device: torch.device, codec_id: str, level: int) -> None:
-    data = _sample_bytes(300 * KIB + 5, seed=level).to(cuda_device)
     codec = nvcomp_codecs.gpu_codec(codec_id, level, cuda_device)
+    data = _sample_bytes(min(300 * KIB, codec.max_chunk_bytes) - 5, seed=level).to(cuda_device)
     (frame,) = codec.encode_batch([data])
     (out,) = nvcomp_codecs.gpu_codec(codec_id, None, cuda_device).decode_batch([frame], [data.numel()])
     assert torch.equal(out, data)
@@ -374,7 +374,8 @@ def test_threads_share_one_codec_object(cuda_device: torch.device, codec_id: str
     def work(seed: int) -> None:
         try:
             torch.cuda.set_device(cuda_device)
-            chunks = [_sample_bytes(200 * KIB + seed, seed=seed * 10 + j).to(cuda_device) for j in range(4)]
+            size = min(200 * KIB, codec.max_chunk_bytes) - seed
+            chunks = [_sample_bytes(size, seed=seed * 10 + j).to(cuda_device) for j in range(4)]
             for _ in range(5):
                 frames = codec.encode_batch(chunks)
                 decoded = codec.decode_batch(frames, [c.numel() for c in chunks])
@@ -419,12 +420,7 @@ _BAD_FRAMES_SCRIPT = textwrap.dedent(
     data = (torch.randn(128 * 1024, generator=torch.Generator().manual_seed(8)) * 0.02).to(torch.bfloat16)
     raw = data.view(torch.uint8).numpy().tobytes()
     frame = ZstdCpuCodec(1).encode(memoryview(raw))
-    bad = {{
-        "truncated": frame[: len(frame) // 2],
-        "padded": frame + b"\\x00" * 16,
-        "wrong size": frame,
-        "garbage": bytes(range(256)) * 8,
-    }}
+    bad = {{"truncated": frame[: len(frame) // 2], "wrong size": frame, "garbage": bytes(range(256)) * 8}}
     for name, forged in bad.items():
         size = len(raw) + (1 if name == "wrong size" else 0)
         on_gpu = torch.frombuffer(bytearray(forged), dtype=torch.uint8).to(device)
@@ -435,6 +431,12 @@ _BAD_FRAMES_SCRIPT = textwrap.dedent(
                 assert "not one nvCOMP may decode" in str(exc), exc
             else:
                 raise AssertionError(name + ": no FormatError")
+    # Bytes after the frame: libzstd ignores them (so does the CPU reader), nvCOMP never sees them.
+    padded = frame + bytes(16)
+    before = codec.host_decoded
+    on_gpu = torch.frombuffer(bytearray(padded), dtype=torch.uint8).to(device)
+    (out,) = codec.decode_batch([on_gpu], [len(raw)], host_frames=[padded])
+    assert codec.host_decoded == before + 1 and out.cpu().numpy().tobytes() == raw
     # The CUDA context is still usable, and nvCOMP decodes a good frame.
     good = torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(device)
     before = codec.host_decoded
