@@ -214,7 +214,7 @@ def _device_error(exc: BaseException, what: str) -> GpuCodecError | None:
     if any(m in low for m in _CUDA_FAULT_MARKERS):
         return GpuCodecError(
             f"{what}: CUDA failed ({text}). The CUDA context may now be unusable: restart the process; "
-            "to load this file without the GPU use map_location='cpu' (zstd) "
+            "to load this file without the GPU use map_location='cpu' (zstd)"
         )
     return None
 
