@@ -35,6 +35,7 @@ __all__ = [
     "light_tree",
     "retained_steps",
     "open_tier",
+    "verify_unit",
 ]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
@@ -281,6 +282,26 @@ class TierStore:
                 raise FormatError(f"{path}: the index digest differs from the manifest's (damaged or replaced)")
             if entry.xxh3 is not None and (full or entry.index_xxh3 is None) and _file_xxh3(self.storage, path) != entry.xxh3:
                 raise FormatError(f"{path}: checksum mismatch against the manifest (damaged copy)")
+
+
+def verify_unit(store: TierStore, manifest: UnitManifest, *, full: bool = True) -> str | None:
+    """``None`` if the unit checks against its manifest (``full``: every frame of every file decodes), else why not."""
+    from .reader import CheckpointReader
+
+    try:
+        store.check(manifest, full=full)
+        if not full:
+            return None
+        for entry in manifest.files:
+            if entry.index_xxh3 is None:
+                continue
+            with CheckpointReader(store.file_path(manifest, entry), storage_options=store.tier.options()) as reader:
+                for tensor, err in reader.verify():
+                    if err is not None:
+                        return f"tensor {tensor.key!r}: {err}"
+    except Exception as exc:  # noqa: BLE001 - any failure is the answer
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _walk(storage: Storage, root: str, prefix: str = "") -> list[str]:
