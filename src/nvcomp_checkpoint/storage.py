@@ -12,13 +12,13 @@ import errno
 import os
 import uuid
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 from .errors import CheckpointError, CheckpointWriteError, FormatError
 
 __all__ = [
     "Storage", "LocalStorage", "FsspecStorage", "storage_for", "open_checkpoint_stream", "write_errors", "is_url", "fsync_path",
-    "list_names", "abort_unfinished_uploads",
+    "list_names", "abort_unfinished_uploads", "upload_file",
 ]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2"}
@@ -300,3 +300,30 @@ def abort_unfinished_uploads(storage: Storage, prefix: str) -> list[str]:
             storage.fs.abort_mpu(bucket, key, upload["UploadId"])
             aborted.append(f"{bucket}/{key}")
     return aborted
+
+
+def upload_file(
+    storage: Storage, local_path: str, path: str, part_size: int, max_concurrency: int,
+    progress: Callable[[int], None] | None = None,
+) -> bool:
+    """Upload a local file to an object store in ``part_size`` parts, ``max_concurrency`` at a time.
+
+    The object appears only when the upload completes (a failed multipart upload is aborted by
+    the back end; a killed one is left for :func:`abort_unfinished_uploads`). Memory in flight
+    is at most ``part_size * max_concurrency``.
+
+    Returns:
+        False (nothing done) where ``storage`` is not an object store with a parallel upload;
+        the caller then streams the file through :meth:`Storage.open_write`.
+    """
+    if not isinstance(storage, FsspecStorage) or not storage.object_store or not hasattr(storage.fs, "_upload_file_part_concurrent"):
+        return False
+    from fsspec.callbacks import Callback
+
+    class _Progress(Callback):
+        def relative_update(self, inc: int = 1) -> None:
+            if progress is not None:
+                progress(inc)
+
+    storage.fs.put_file(local_path, storage._path(path), callback=_Progress(), chunksize=part_size, max_concurrency=max_concurrency)
+    return True

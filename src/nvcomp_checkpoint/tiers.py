@@ -22,7 +22,7 @@ from . import metrics
 from .errors import CheckpointError, CheckpointWriteError, FormatError
 from .format.layout import FOOTER, MAGIC, unpack_footer
 from .policy import CodecPolicy, Component, classify
-from .storage import Storage, abort_unfinished_uploads, is_url, list_names, storage_for, write_errors
+from .storage import LocalStorage, Storage, abort_unfinished_uploads, is_url, list_names, storage_for, upload_file, write_errors
 
 __all__ = [
     "Tier",
@@ -43,6 +43,8 @@ _LOG = logging.getLogger("nvcomp_checkpoint")
 #: Bytes read and written per step of a copy: memory stays at this plus the object store's part.
 COPY_CHUNK_BYTES = 8 << 20
 MANIFEST_SUFFIX = ".manifest.json"
+#: How much nicer than the process a copy thread runs (Linux schedules threads by their own nice value).
+COPY_NICE = 10
 _UNIT_RE = re.compile(r"^step-(\d+)(\.nvc)?$")
 _MANIFEST_RE = re.compile(r"^step-(\d+)" + re.escape(MANIFEST_SUFFIX) + "$")
 _MANIFEST_FORMAT = "nvckpt-unit"
@@ -66,6 +68,8 @@ class Tier:
         backoff_s: Wait before the first retry; doubled for each further one.
         max_queued: Copies waiting for this tier beyond the one running; a due copy that
             finds the queue full is skipped with a warning (training never waits for a copy).
+        upload_concurrency: Parts uploaded at once from a local tier to an object store
+            (memory in flight: ``part_size * upload_concurrency``).
     """
 
     url: str
@@ -79,6 +83,7 @@ class Tier:
     retries: int = 3
     backoff_s: float = 1.0
     max_queued: int = 1
+    upload_concurrency: int = 4
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", os.fspath(self.url).rstrip("/") or "/")
@@ -90,8 +95,8 @@ class Tier:
             raise ValueError(f"Tier({self.url!r}): every_minutes must be positive or None, got {self.every_minutes!r}")
         if self.part_size < 5 << 20:
             raise ValueError(f"Tier({self.url!r}): part_size must be at least 5 MiB (S3's smallest part), got {self.part_size}")
-        if self.retries < 0 or self.backoff_s < 0 or self.max_queued < 1:
-            raise ValueError(f"Tier({self.url!r}): retries and backoff_s must be >= 0 and max_queued >= 1")
+        if self.retries < 0 or self.backoff_s < 0 or self.max_queued < 1 or self.upload_concurrency < 1:
+            raise ValueError(f"Tier({self.url!r}): retries and backoff_s must be >= 0, max_queued and upload_concurrency >= 1")
 
     def options(self) -> dict[str, Any] | None:
         """The fsspec options, with the part size as the object store's block size."""
@@ -349,6 +354,8 @@ def copy_unit(src: TierStore, dst: TierStore, manifest: UnitManifest, progress: 
     try:
         for entry in manifest.files:
             s_path, d_path = src.file_path(manifest, entry), dst.file_path(manifest, entry)
+            if isinstance(src.storage, LocalStorage) and _upload_local(src, dst, manifest, entry, s_path, d_path, written, progress, entries):
+                continue
             h = xxhash.xxh3_64()
             n = 0
             with src.storage.open_read(s_path) as fin, write_errors(d_path, f"copying step {manifest.step} to {dst.label}"):
@@ -360,10 +367,7 @@ def copy_unit(src: TierStore, dst: TierStore, manifest: UnitManifest, progress: 
                         n += len(chunk)
                         if progress is not None:
                             progress(len(chunk))
-                    if n != entry.size:
-                        raise FormatError(f"{s_path}: read {n} bytes, the manifest says {entry.size}; the source changed during the copy")
-                    if entry.xxh3 is not None and h.intdigest() != entry.xxh3:
-                        raise FormatError(f"{s_path}: checksum mismatch against its manifest; the source copy is damaged")
+                    _check_source(s_path, entry, n, h.intdigest())
             entries.append(replace(entry, xxh3=h.intdigest()))
         committed = replace(manifest, files=tuple(entries), created=time.time())
         dst.check(committed)
@@ -381,6 +385,35 @@ def copy_unit(src: TierStore, dst: TierStore, manifest: UnitManifest, progress: 
             except Exception:  # noqa: BLE001
                 pass
         raise
+
+
+def _check_source(s_path: str, entry: FileEntry, n: int, digest: int) -> None:
+    if n != entry.size:
+        raise FormatError(f"{s_path}: read {n} bytes, the manifest says {entry.size}; the source changed during the copy")
+    if entry.xxh3 is not None and digest != entry.xxh3:
+        raise FormatError(f"{s_path}: checksum mismatch against its manifest; the source copy is damaged")
+
+
+def _upload_local(
+    src: TierStore, dst: TierStore, manifest: UnitManifest, entry: FileEntry, s_path: str, d_path: str,
+    written: list[str], progress: ProgressFn | None, entries: list[FileEntry],
+) -> bool:
+    """A local file to an object store: parts uploaded in parallel (s3fs ``put_file``); False where not possible."""
+    if not getattr(dst.storage, "object_store", False):
+        return False
+    # The source is checked first (a committed unit does not change): read once, from the page cache.
+    n, h = os.path.getsize(s_path), xxhash.xxh3_64()
+    with src.storage.open_read(s_path) as fin:
+        while chunk := fin.read(COPY_CHUNK_BYTES):
+            h.update(chunk)
+    _check_source(s_path, entry, n, h.intdigest())
+    written.append(d_path)
+    with write_errors(d_path, f"copying step {manifest.step} to {dst.label}"):
+        if not upload_file(dst.storage, s_path, d_path, dst.tier.part_size, dst.tier.upload_concurrency, progress):
+            written.pop()
+            return False
+    entries.append(replace(entry, xxh3=h.intdigest()))
+    return True
 
 
 def retained_steps(steps: Iterable[int], keep: int | None, keep_every_steps: int | None, protect: Iterable[int] = ()) -> set[int]:
@@ -447,6 +480,11 @@ class _CopyQueue:
         self.thread.start()
 
     def _run(self) -> None:
+        # Copies are background work: below training threads in the scheduler, where the OS allows.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + COPY_NICE))
+        except (AttributeError, OSError):
+            pass
         while True:
             item = self.queue.get()
             try:
