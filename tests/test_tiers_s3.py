@@ -251,3 +251,21 @@ def test_endpoint_stopped_mid_upload_and_restarted(moto, tmp_path, caplog):
     r = nc.CheckpointManager(tiers[:1]).restore()
     assert r.step == 4
     mgr.close()
+
+
+def test_cli_sync_to_s3_and_ls(moto, tmp_path, capsys):
+    import json
+
+    from nvcomp_checkpoint.cli.main import main
+
+    with nc.CheckpointManager([nc.Tier(tmp_path / "local")]) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    url = f"s3://{BUCKET}/synced"
+    assert main(["sync", "--json", "--endpoint-url", moto.endpoint, str(tmp_path / "local"), url, "--keep", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["kept"] == [2, 3]
+    assert main(["ls", "--json", "--endpoint-url", moto.endpoint, url]) == 0
+    rows = json.loads(capsys.readouterr().out)["tiers"][url]
+    assert [(r["step"], r["verifies"], r["light"]) for r in rows] == [(2, True, False), (3, True, False)]
+    body = moto.client().get_object(Bucket=BUCKET, Key="synced/step-0000000003.nvc")["Body"].read()
+    assert body == (tmp_path / "local" / "step-0000000003.nvc").read_bytes()
