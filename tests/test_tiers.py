@@ -284,3 +284,27 @@ def test_sync_saves_and_bad_arguments(tmp_path):
         nc.Tier("s3://b/x", part_size=1 << 20)
     with pytest.raises(ValueError, match="step must be a non-negative integer"):
         mgr.save(-1, {})
+
+
+def test_resumed_run_replaces_the_abandoned_newer_steps(tmp_path, caplog):
+    tiers = [nc.Tier(tmp_path / "local", keep=3), nc.Tier(tmp_path / "shared", every_steps=10, keep=3)]
+    with nc.CheckpointManager(tiers) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, _state(step))
+            mgr.wait()
+        assert mgr.steps(0) == [10, 20, 30] and mgr.steps(1) == [10, 20, 30]
+    # Step 30 is damaged everywhere: the run resumes from 20 and trains on.
+    for t in ("local", "shared"):
+        _flip_byte(tmp_path / t / "step-0000000030.nvc", 200)
+    caplog.set_level(logging.WARNING, logger="nvcomp_checkpoint")
+    mgr = nc.CheckpointManager(tiers)
+    r = mgr.restore()
+    assert r.step == 20
+    new = _state(25)
+    mgr.save(25, new)  # due on "shared" although only 5 steps passed: the newer copies are abandoned
+    mgr.close()
+    assert "removing step 30, newer than step 25 just saved" in caplog.text
+    assert mgr.steps(0) == [10, 20, 25] and mgr.steps(1) == [10, 20, 25]
+    r = nc.CheckpointManager(tiers).restore()
+    assert r.step == 25 and r.skipped == ()
+    assert_tree_equal(new, r.state)

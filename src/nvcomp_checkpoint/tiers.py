@@ -674,14 +674,14 @@ class CheckpointManager:
         if report is not None and report.stored_bytes:
             metrics.record_ratio(report.raw_bytes / report.stored_bytes)
         self._schedule_copies(manifest)
-        self._apply_retention(0)
+        self._apply_retention(0, step)
         return manifest
 
     def _due(self, i: int, step: int, now: float) -> bool:
         tier = self.tiers[i]
         last_step, last_time = self._last_copy.get(i, (None, None))
         if last_step is not None and step <= last_step:
-            return False
+            return True  # a run resumed from an older step: its first save replaces the tier's newer ones
         if tier.every_steps is None and tier.every_minutes is None:
             return True
         if tier.every_steps is not None and (last_step is None or step - last_step >= tier.every_steps):
@@ -744,7 +744,7 @@ class CheckpointManager:
                 _LOG.info("%s: step %d copied (%d bytes) in %.2f s", dst.label, manifest.step, committed.stored_bytes,
                           time.perf_counter() - started)
                 break
-            self._apply_retention(i)
+            self._apply_retention(i, manifest.step)
         except Exception as exc:  # noqa: BLE001 - raised from wait() / close(); training goes on
             _LOG.error("%s", exc)
             with self._lock:
@@ -762,15 +762,26 @@ class CheckpointManager:
                 _LOG.warning("%s: retention failed: %s", self.names[0], exc)
 
     # -- retention ----------------------------------------------------------------------------
-    def _apply_retention(self, i: int) -> list[int]:
-        """Delete the steps tier ``i`` no longer keeps; never its newest step or newest full step."""
+    def _apply_retention(self, i: int, committed: int | None = None) -> list[int]:
+        """Delete the steps tier ``i`` no longer keeps; never its newest step or newest full step.
+
+        ``committed``: the step just committed there. Steps above it were written by a run that
+        was since resumed from an older step (an abandoned timeline) and are removed first.
+        """
         tier, store = self.tiers[i], self._stores[i]
-        if tier.keep is None:
-            return []
         with self._retention_locks[i]:
             manifests = store.manifests()
-            if not manifests:
-                return []
+            removed = []
+            if committed is not None:
+                for step in sorted(s for s in manifests if s > committed):
+                    _LOG.warning(
+                        "%s: removing step %d, newer than step %d just saved: a run resumed from an older step "
+                        "replaces the steps after it", store.label, step, committed,
+                    )
+                    store.remove_unit(step, manifests.pop(step).directory)
+                    removed.append(step)
+            if tier.keep is None or not manifests:
+                return removed
             protect = {max(manifests)}
             full = [s for s, m in manifests.items() if not m.light]
             if full:
@@ -779,7 +790,6 @@ class CheckpointManager:
                 with self._lock:
                     protect |= set(self._pinned)
             kept = retained_steps(manifests, tier.keep, tier.keep_every_steps, protect)
-            removed = []
             for step in sorted(set(manifests) - kept):
                 store.remove_unit(step, manifests[step].directory)
                 removed.append(step)
