@@ -257,6 +257,46 @@ def test_directory_unit_copied_verified_and_retained(tmp_path, caplog):
     mgr.close()
 
 
+_KILLED_COPY = """
+import sys, time, torch
+import nvcomp_checkpoint as nc
+def hold(tier, step, nbytes):
+    if step == 2:
+        print("COPYING", flush=True)
+        time.sleep(600)
+mgr = nc.CheckpointManager([nc.Tier(sys.argv[1]), nc.Tier(sys.argv[2])], on_copy_progress=hold)
+mgr.save(1, {"w": torch.arange(1000.0)})
+mgr.wait()
+g = torch.Generator().manual_seed(0)
+mgr.save(2, {"w": torch.randint(0, 256, (20 << 20,), dtype=torch.uint8, generator=g)})
+time.sleep(600)
+"""
+
+
+def test_copy_killed_mid_way_is_never_listed_and_cleaned(tmp_path):
+    import os
+    import signal
+    import sys
+
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_COPY, str(local), str(shared)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
+    try:
+        assert proc.stdout.readline().strip() == b"COPYING", proc.stderr.read().decode()[-3000:]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    partial = [p.name for p in shared.iterdir() if ".tmp-" in p.name]
+    assert len(partial) == 1 and partial[0].startswith(".step-0000000002.nvc.tmp-")
+    tiers = [nc.Tier(local), nc.Tier(shared)]
+    assert nc.CheckpointManager(tiers, clean=False).steps(1) == [1]  # never listed
+    mgr = nc.CheckpointManager(tiers)
+    assert _files(shared) == ["step-0000000001.manifest.json", "step-0000000001.nvc"]
+    r = nc.CheckpointManager(tiers[1:]).restore()
+    assert r.step == 1 and torch.equal(r.state["w"], torch.arange(1000.0))
+    assert mgr.steps(0) == [1, 2]
+
+
 def test_leftovers_are_cleaned_by_the_next_manager(tmp_path):
     tiers = [nc.Tier(tmp_path / "local"), nc.Tier(tmp_path / "shared")]
     with nc.CheckpointManager(tiers) as mgr:
