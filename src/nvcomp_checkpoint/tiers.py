@@ -350,7 +350,10 @@ def copy_unit(src: TierStore, dst: TierStore, manifest: UnitManifest, progress: 
         The manifest committed on ``dst`` (with the whole-file checksums read on the way).
     """
     entries = []
-    written: list[str] = []
+    written: list[str] = []  # files this copy put in place (an atomic write that failed left none)
+    # A copy of this step already there (a resumed run saving the step again) is unlisted first:
+    # its manifest would not describe the new bytes.
+    dst.storage.remove(dst.manifest_path(manifest.step))
     try:
         for entry in manifest.files:
             s_path, d_path = src.file_path(manifest, entry), dst.file_path(manifest, entry)
@@ -360,7 +363,6 @@ def copy_unit(src: TierStore, dst: TierStore, manifest: UnitManifest, progress: 
             n = 0
             with src.storage.open_read(s_path) as fin, write_errors(d_path, f"copying step {manifest.step} to {dst.label}"):
                 with dst.storage.open_write(d_path) as fout:
-                    written.append(d_path)
                     while chunk := fin.read(COPY_CHUNK_BYTES):
                         h.update(chunk)
                         fout.write(chunk)
@@ -368,6 +370,7 @@ def copy_unit(src: TierStore, dst: TierStore, manifest: UnitManifest, progress: 
                         if progress is not None:
                             progress(len(chunk))
                     _check_source(s_path, entry, n, h.intdigest())
+            written.append(d_path)
             entries.append(replace(entry, xxh3=h.intdigest()))
         committed = replace(manifest, files=tuple(entries), created=time.time())
         dst.check(committed)
@@ -407,11 +410,10 @@ def _upload_local(
         while chunk := fin.read(COPY_CHUNK_BYTES):
             h.update(chunk)
     _check_source(s_path, entry, n, h.intdigest())
-    written.append(d_path)
     with write_errors(d_path, f"copying step {manifest.step} to {dst.label}"):
         if not upload_file(dst.storage, s_path, d_path, dst.tier.part_size, dst.tier.upload_concurrency, progress):
-            written.pop()
             return False
+    written.append(d_path)
     entries.append(replace(entry, xxh3=h.intdigest()))
     return True
 
