@@ -271,6 +271,11 @@ def list_names(storage: Storage, path: str) -> dict[str, bool]:
             entries = storage.fs.ls(p, detail=True, refresh=True) if storage.object_store else storage.fs.ls(p, detail=True)
         except (FileNotFoundError, NotADirectoryError):
             return {}
+        finally:
+            # A cached listing would make later size/exists calls miss objects written since
+            # (by another process, or another client of this one).
+            if storage.object_store:
+                storage.fs.invalidate_cache(p)
         out = {}
         for e in entries:
             name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]

@@ -20,7 +20,7 @@ import xxhash
 
 from . import metrics
 from .errors import CheckpointError, CheckpointWriteError, FormatError
-from .format.layout import FOOTER, MAGIC, unpack_footer
+from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
 from .policy import CodecPolicy, Component, classify
 from .storage import LocalStorage, Storage, abort_unfinished_uploads, is_url, list_names, storage_for, upload_file, write_errors
 
@@ -98,8 +98,12 @@ class Tier:
         if self.retries < 0 or self.backoff_s < 0 or self.max_queued < 1 or self.upload_concurrency < 1:
             raise ValueError(f"Tier({self.url!r}): retries and backoff_s must be >= 0, max_queued and upload_concurrency >= 1")
 
-    def options(self) -> dict[str, Any] | None:
-        """The fsspec options, with the part size as the object store's block size."""
+    def write_options(self) -> dict[str, Any] | None:
+        """The fsspec options for writing: the part size as the object store's block size.
+
+        Reads use ``storage_options`` as given: a 100 MB block would make every small read
+        (a footer, a manifest) fetch that much.
+        """
         if not is_url(self.url):
             return self.storage_options
         return {"default_block_size": self.part_size, **(self.storage_options or {})}
@@ -183,7 +187,8 @@ class TierStore:
         self.tier = tier
         self.label = label
         self.storage: Storage
-        self.storage, self.root = storage_for(tier.url, tier.options())
+        self.storage, self.root = storage_for(tier.url, tier.storage_options)
+        self.write_storage: Storage = storage_for(tier.url, tier.write_options())[0]
 
     # -- names --------------------------------------------------------------------------------
     def unit_path(self, step: int, directory: bool) -> str:
@@ -300,7 +305,7 @@ def verify_unit(store: TierStore, manifest: UnitManifest, *, full: bool = True) 
         for entry in manifest.files:
             if entry.index_xxh3 is None:
                 continue
-            with CheckpointReader(store.file_path(manifest, entry), storage_options=store.tier.options()) as reader:
+            with CheckpointReader(store.file_path(manifest, entry), storage_options=store.tier.storage_options) as reader:
                 for tensor, err in reader.verify():
                     if err is not None:
                         return f"tensor {tensor.key!r}: {err}"
@@ -318,14 +323,18 @@ def _walk(storage: Storage, root: str, prefix: str = "") -> list[str]:
 
 
 def _index_digest(storage: Storage, path: str, size: int) -> int | None:
-    """The footer's xxh3 of the index for an nvcomp-checkpoint file, None for other files."""
+    """The footer's xxh3 of the index for an nvcomp-checkpoint file, None for other files.
+
+    Only the footer is read (one small range read on an object store).
+    """
     if size < len(MAGIC) + FOOTER.size:
         return None
     with storage.open_read(path) as f:
-        if f.read(6) != MAGIC[:6]:
-            return None
         f.seek(size - FOOTER.size)
-        _, _, digest = unpack_footer(f.read(FOOTER.size), size, path)
+        data = f.read(FOOTER.size)
+    if not data.endswith(FOOTER_MAGIC):
+        return None
+    _, _, digest = unpack_footer(data, size, path)
     return digest
 
 
@@ -362,7 +371,7 @@ def copy_unit(src: TierStore, dst: TierStore, manifest: UnitManifest, progress: 
             h = xxhash.xxh3_64()
             n = 0
             with src.storage.open_read(s_path) as fin, write_errors(d_path, f"copying step {manifest.step} to {dst.label}"):
-                with dst.storage.open_write(d_path) as fout:
+                with dst.write_storage.open_write(d_path) as fout:
                     while chunk := fin.read(COPY_CHUNK_BYTES):
                         h.update(chunk)
                         fout.write(chunk)
@@ -613,7 +622,7 @@ class CheckpointManager:
             tree, dropped = light_tree(state)
             meta["nvckpt_dropped"] = dropped
         path = self.unit_path(step)
-        opts = self.tiers[0].options()
+        opts = self.tiers[0].write_options()
         started = time.perf_counter()
         if not self.async_save:
             report = sync_save(tree, path, self.policy, metadata=meta, storage_options=opts, workers=self.workers)
@@ -922,7 +931,7 @@ class CheckpointManager:
                     continue
                 try:
                     store.check(m, full=m.directory)
-                    opts = self.tiers[i].options()
+                    opts = self.tiers[i].storage_options
                     if m.directory:
                         state = loader(where, opts) if loader is not None else None
                     elif loader is not None:
