@@ -227,6 +227,35 @@ def test_tier0_full_raises_and_keeps_previous_checkpoint(tiny_tmpfs, tmp_path):
     assert mgr.steps(0) == [1, 3]
 
 
+_FSIZE_CHILD = """
+import resource, signal, sys, torch
+import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.errors import CheckpointWriteError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+mgr = nc.CheckpointManager([nc.Tier(sys.argv[1], keep=3)])
+mgr.save(1, {"w": torch.arange(1000.0)})
+mgr.wait()
+mgr.save(2, {"w": torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)})
+try:
+    mgr.wait()
+except CheckpointWriteError as exc:
+    print("CheckpointWriteError", mgr.steps(0), exc)
+"""
+
+
+def test_tier0_file_size_limit_in_child(tmp_path):
+    """Where no tmpfs can be mounted: RLIMIT_FSIZE makes the kernel fail the tier-0 write."""
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("CheckpointWriteError [1] "), proc.stdout + proc.stderr[-2000:]
+    assert _files(tmp_path / "run") == ["step-0000000001.manifest.json", "step-0000000001.nvc"]
+    r = nc.CheckpointManager([nc.Tier(tmp_path / "run")]).restore()
+    assert r.step == 1 and torch.equal(r.state["w"], torch.arange(1000.0))
+
+
 def test_directory_unit_copied_verified_and_retained(tmp_path, caplog):
     """A sharded save (a folder of files, as DCP writes) is one unit."""
     tiers = [nc.Tier(tmp_path / "local", keep=1), nc.Tier(tmp_path / "shared", keep=2)]
