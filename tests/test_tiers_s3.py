@@ -16,7 +16,6 @@ import textwrap
 import threading
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
