@@ -19,9 +19,13 @@ from typing import Any, Callable, Iterable
 import xxhash
 
 from . import metrics
+from .api import load as _load
+from .api import save as _save_sync
+from .async_save import save_async as _save_async
 from .errors import CheckpointError, CheckpointWriteError, FormatError
 from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
 from .policy import CodecPolicy, Component, classify
+from .reader import CheckpointReader
 from .storage import LocalStorage, Storage, abort_unfinished_uploads, is_url, list_names, storage_for, upload_file, write_errors
 
 __all__ = [
@@ -296,8 +300,6 @@ class TierStore:
 
 def verify_unit(store: TierStore, manifest: UnitManifest, *, full: bool = True) -> str | None:
     """``None`` if the unit checks against its manifest (``full``: every frame of every file decodes), else why not."""
-    from .reader import CheckpointReader
-
     try:
         store.check(manifest, full=full)
         if not full:
@@ -607,9 +609,6 @@ class CheckpointManager:
             CheckpointWriteError: This or an earlier tier-0 save failed (a full disk ...); the
                 previous checkpoints are untouched.
         """
-        from .api import save as sync_save
-        from .async_save import save_async
-
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         self._raise_save_errors()
@@ -625,13 +624,13 @@ class CheckpointManager:
         opts = self.tiers[0].write_options()
         started = time.perf_counter()
         if not self.async_save:
-            report = sync_save(tree, path, self.policy, metadata=meta, storage_options=opts, workers=self.workers)
+            report = _save_sync(tree, path, self.policy, metadata=meta, storage_options=opts, workers=self.workers)
             blocked = time.perf_counter() - started
             metrics.record_blocked_seconds(blocked)
             metrics.record_save_seconds(self.names[0], "write", report.seconds)
             self._committed_on_tier0(step, False, bool(light), report)
             return report
-        handle = save_async(tree, path, self.policy, metadata=meta, storage_options=opts, workers=self.workers)
+        handle = _save_async(tree, path, self.policy, metadata=meta, storage_options=opts, workers=self.workers)
         blocked = time.perf_counter() - started
         metrics.record_blocked_seconds(blocked)
         metrics.record_save_seconds(self.names[0], "snapshot", blocked)
@@ -900,8 +899,6 @@ class CheckpointManager:
         Raises:
             CheckpointError: Steps exist but no copy of any of them restores (every reason is named).
         """
-        from .api import load
-
         with self._lock:
             handles = list(self._pending_saves)
         for h in handles:
@@ -937,7 +934,7 @@ class CheckpointManager:
                     elif loader is not None:
                         state = loader(where, opts)
                     else:
-                        state = load(where, map_location, weights_only=weights_only, storage_options=opts)
+                        state = _load(where, map_location, weights_only=weights_only, storage_options=opts)
                 except Exception as exc:  # noqa: BLE001 - any failure means: try the next copy
                     reason = f"{type(exc).__name__}: {exc}"
                     _LOG.warning("restore: skipped step %d on %s (%s): %s", s, store.label, where, reason)
