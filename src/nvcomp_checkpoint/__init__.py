@@ -16,6 +16,8 @@ from .errors import CheckpointError
 from .policy import CodecPolicy, CodecSpec, Component, classify
 from .reader import CheckpointReader
 from .report import ComponentStats, SaveReport
+from .metrics import serve_metrics
+from .tiers import CheckpointManager, Restored, Tier
 
 __all__ = [
     "__version__",
@@ -40,4 +42,8 @@ __all__ = [
     "gpu_available",
     "PORTABLE_CODECS",
     "GPU_ONLY_CODECS",
+    "Tier",
+    "CheckpointManager",
+    "Restored",
+    "serve_metrics",
 ]

@@ -12,11 +12,14 @@ import errno
 import os
 import uuid
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 from .errors import CheckpointError, CheckpointWriteError, FormatError
 
-__all__ = ["Storage", "LocalStorage", "FsspecStorage", "storage_for", "open_checkpoint_stream", "write_errors", "is_url", "fsync_path"]
+__all__ = [
+    "Storage", "LocalStorage", "FsspecStorage", "storage_for", "open_checkpoint_stream", "write_errors", "is_url", "fsync_path",
+    "list_names", "abort_unfinished_uploads", "upload_file",
+]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2"}
 
@@ -254,3 +257,78 @@ def open_checkpoint_stream(storage: Storage, path: str, where: str) -> IO[bytes]
         raise
     except Exception as exc:  # noqa: BLE001 - fsspec back ends raise their own types (botocore ...)
         raise CheckpointError(f"{where}: cannot open the checkpoint: {type(exc).__name__}: {exc}") from exc
+
+
+def list_names(storage: Storage, path: str) -> dict[str, bool]:
+    """The entries of the folder (or object prefix) ``path``: ``{name: is_folder}``; empty if it does not exist.
+
+    Object-store listings are fetched afresh: another process (a killed save, another node)
+    may have changed them since this process last looked.
+    """
+    if isinstance(storage, FsspecStorage):
+        p = storage._path(path).rstrip("/")
+        try:
+            entries = storage.fs.ls(p, detail=True, refresh=True) if storage.object_store else storage.fs.ls(p, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        finally:
+            # A cached listing would make later size/exists calls miss objects written since
+            # (by another process, or another client of this one).
+            if storage.object_store:
+                storage.fs.invalidate_cache(p)
+        out = {}
+        for e in entries:
+            name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+            if name and str(e["name"]).rstrip("/") != p:
+                out[name] = e.get("type") == "directory"
+        return out
+    try:
+        with os.scandir(path) as it:
+            return {e.name: e.is_dir() for e in it}
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+
+
+def abort_unfinished_uploads(storage: Storage, prefix: str) -> list[str]:
+    """Abort the unfinished multipart uploads under ``prefix`` (a killed upload's parts); returns their keys.
+
+    Only S3-compatible stores keep such uploads; elsewhere this does nothing.
+    """
+    if not isinstance(storage, FsspecStorage) or not hasattr(storage.fs, "list_multipart_uploads"):
+        return []
+    p = storage._path(prefix).strip("/")
+    bucket, _, key_prefix = p.partition("/")
+    aborted = []
+    for upload in storage.fs.list_multipart_uploads(bucket):
+        key = upload.get("Key", "")
+        if key.startswith(key_prefix):
+            storage.fs.abort_mpu(bucket, key, upload["UploadId"])
+            aborted.append(f"{bucket}/{key}")
+    return aborted
+
+
+def upload_file(
+    storage: Storage, local_path: str, path: str, part_size: int, max_concurrency: int,
+    progress: Callable[[int], None] | None = None,
+) -> bool:
+    """Upload a local file to an object store in ``part_size`` parts, ``max_concurrency`` at a time.
+
+    The object appears only when the upload completes (a failed multipart upload is aborted by
+    the back end; a killed one is left for :func:`abort_unfinished_uploads`). Memory in flight
+    is at most ``part_size * max_concurrency``.
+
+    Returns:
+        False (nothing done) where ``storage`` is not an object store with a parallel upload;
+        the caller then streams the file through :meth:`Storage.open_write`.
+    """
+    if not isinstance(storage, FsspecStorage) or not storage.object_store or not hasattr(storage.fs, "_upload_file_part_concurrent"):
+        return False
+    from fsspec.callbacks import Callback
+
+    class _Progress(Callback):
+        def relative_update(self, inc: int = 1) -> None:
+            if progress is not None:
+                progress(inc)
+
+    storage.fs.put_file(local_path, storage._path(path), callback=_Progress(), chunksize=part_size, max_concurrency=max_concurrency)
+    return True
