@@ -6,7 +6,7 @@ Components (seeded, synthetic, --size-mib each): bf16 weights ~N(0, 0.02), fp32 
 cut into --chunk-kib chunks and sent through the library's own ``encode_batch`` /
 ``decode_batch`` (one nvCOMP batch per tensor), timed with CUDA events after a warm-up. The
 plane layout counts the split (and the inverse on decode) in its time. Synthetic mantissas are
-noisier than trained weights, so ratios here are a floor; shared/FACTS.md has real-checkpoint
+noisier than trained weights, so ratios here are a floor; docs/facts.md has real-checkpoint
 ratios measured on the CPU.
 
 Usage (from the repo root, on the GPU machine; benchmarks/gpu_check.sh does this):

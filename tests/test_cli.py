@@ -166,7 +166,7 @@ def test_compress_verify_decompress_is_bit_identical(work: Path, train_ckpt: tup
     raw = sum(t.numel() * t.element_size() for t in [*ckpt["model"].values(), *ckpt["grads"].values()]
               + [v for s in ckpt["optimizer"]["state"].values() for v in s.values()])
     assert report["raw_bytes"] == raw
-    # bf16 weights through byte planes compress well (FACTS.md: ~1.46x); the file as a whole shrinks.
+    # bf16 weights through byte planes compress well (docs/facts.md: ~1.46x); the file as a whole shrinks.
     assert report["components"]["weights"]["ratio"] > 1.2
     assert report["ratio"] > 1.05 and dst.stat().st_size < src.stat().st_size
 

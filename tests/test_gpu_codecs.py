@@ -113,7 +113,7 @@ def test_unknown_gpu_codec_is_refused() -> None:
 
 
 def test_gpu_only_codecs_see_bytes_never_floats() -> None:
-    # nvCOMP ANS with "<f2" is fp16-only; bf16 through it did not round-trip (shared/FACTS.md).
+    # nvCOMP ANS with "<f2" is fp16-only; bf16 through it did not round-trip (docs/facts.md, nvCOMP).
     for codec_id in ("ans", "bitcomp", "cascaded"):
         assert nvcomp_codecs._codec_options(codec_id, None)["data_type"] == "|u1"
     assert "data_type" not in nvcomp_codecs._codec_options("zstd", 3)

@@ -71,7 +71,7 @@ EMPTY_ZSTD_FRAME = bytes.fromhex("28b52ffd2000010000")
 
 # nvCOMP's algorithm names and the options each codec id is built with. Every GPU-only codec
 # is told its data is bytes: nvCOMP's float modes are for IEEE types, and bf16 through ANS as
-# "<f2" did not round-trip (NVIDIA/CUDALibrarySamples issue 249, see shared/FACTS.md), so
+# "<f2" did not round-trip (NVIDIA/CUDALibrarySamples issue 249, docs/facts.md), so
 # tensors of any dtype reach nvCOMP as uint8 and the data_type option is always "|u1".
 _ALGORITHMS = {
     "zstd": "Zstd",
@@ -298,7 +298,7 @@ class NvcompGpuCodec:
         try:
             # RAW: "Compresses input data as is, just using underlying compression algorithm.
             # Does not add header with nvCOMP metadata" (BitstreamKind docstring). The default,
-            # NVCOMP_NATIVE, prepends an nvCOMP header that libzstd cannot read (FACTS.md,
+            # NVCOMP_NATIVE, prepends an nvCOMP header that libzstd cannot read (docs/facts.md,
             # NVIDIA/CUDALibrarySamples issue 208). uncomp_chunk_size is not passed: it sets the
             # NVCOMP_NATIVE chunking ("For NVCOMP_NATIVE, this must be a multiple of ..."), while
             # RAW compresses each buffer as one chunk (inferred from the RAW sizes printed in
@@ -318,7 +318,7 @@ class NvcompGpuCodec:
             )
         except Exception as exc:
             # On a machine whose driver is older than the wheel's CUDA, this is where it shows:
-            # "CUDA driver version is insufficient for CUDA runtime version" (FACTS.md).
+            # "CUDA driver version is insufficient for CUDA runtime version" (docs/facts.md, nvCOMP).
             raise CodecUnavailableError(
                 f"nvCOMP could not create a {self._algorithm} codec on {self.device}: {exc}. "
                 f"Check that the nvCOMP wheel matches the CUDA driver; {INSTALL_HINT}"

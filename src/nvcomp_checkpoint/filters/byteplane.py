@@ -1,7 +1,7 @@
 """Byte-plane filter: element bytes regrouped so that byte k of every element lies together.
 
 Trained floats have structured exponent bytes and noisy low mantissa bytes; split into planes,
-the exponent plane compresses well and the noise planes can be stored raw (FACTS.md, ZipNN,
+the exponent plane compresses well and the noise planes can be stored raw (docs/facts.md, ZipNN,
 Blosc's shuffle). Planes are numbered from the least significant byte of the little-endian
 element, so files are the same on every machine.
 """
