@@ -30,7 +30,7 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian torch build is
 
 def plane_width(dtype: torch.dtype) -> int:
     """Bytes per plane group for ``dtype``: the scalar width (complex counts its two halves)."""
-    width = torch.empty((), dtype=dtype).element_size()
+    width = dtype.itemsize  # not torch.empty(...).element_size(): an allocation per tensor of every save
     if dtype.is_complex:
         width //= 2
     return width
