@@ -592,3 +592,40 @@ def test_regression_zstd_frame_larger_than_index_says(valid, tmp_path):
     path.write_bytes(_assemble(body + frame, index))
     err = _load_error(path)
     assert "optimizer/state/0/exp_avg" in str(err) and "chunk 0" in str(err) and "declares 5000" in str(err)
+
+
+def test_raw_frame_of_the_wrong_size_is_refused_at_open(tmp_path):
+    """A `none` frame shorter than the shape needs is damage, found before any decoder runs."""
+    import json
+
+    import xxhash
+
+    from nvcomp_checkpoint.errors import FormatError
+    from nvcomp_checkpoint.format.layout import FOOTER, pack_footer
+
+    path = tmp_path / "raw.nvc"
+    nc.save({"w": torch.arange(4096, dtype=torch.float32)}, path, policy=nc.CodecPolicy.uniform("none"))
+    data = bytearray(path.read_bytes())
+    offset, size, _, _ = FOOTER.unpack(bytes(data[-FOOTER.size :]))
+    index = json.loads(bytes(data[offset : offset + size]))
+    index["tensors"][0]["frames"][0][1] -= 1
+    blob = json.dumps(index, separators=(",", ":")).encode()
+    forged = bytes(data[:offset]) + blob + pack_footer(offset, len(blob), xxhash.xxh3_64_intdigest(blob))
+    path.write_bytes(forged)
+    with pytest.raises(FormatError, match="raw frame"):
+        nc.open(path)
+
+
+def test_verify_reports_every_tensor_even_after_a_bad_one(tmp_path):
+    path = tmp_path / "two.nvc"
+    nc.save({"a": torch.randn(50_000), "b": torch.randn(50_000)}, path)
+    with nc.open(path) as reader:
+        first = reader.entry("a").frames[0]
+    data = bytearray(path.read_bytes())
+    data[first.offset + 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with nc.open(path) as reader:
+        results = {entry.key: err for entry, err in reader.verify()}
+    assert set(results) == {"a", "b"}
+    assert results["a"] is not None and "'a'" in str(results["a"])
+    assert results["b"] is None

@@ -21,7 +21,8 @@ from .errors import CheckpointError, ChecksumError, CodecUnavailableError, Forma
 from .filters import ByteplaneFilter
 from .format.layout import FOOTER, MAGIC, Frame, Index, TensorEntry, unpack_footer
 from .format.skeleton import decode_skeleton, tensor_paths, unflatten
-from .report import ComponentStats
+from .policy import Component
+from .report import ComponentStats, ComponentSummary
 from .storage import Storage, open_checkpoint_stream, storage_for
 from .workers import worker_pool
 from .writer import GPU_BATCH_BYTES, default_workers, unique_key
@@ -183,12 +184,18 @@ class CheckpointReader:
     def metadata(self) -> dict[str, Any]:
         return dict(self.index.metadata)
 
-    def summary(self) -> dict[str, ComponentStats]:
-        """Per-component tensors, raw and stored bytes, codecs and filters."""
+    def summary(self) -> ComponentSummary:
+        """Per-component tensors, raw and stored bytes, codecs and filters.
+
+        A dict of :class:`ComponentStats` by component that prints as the table
+        ``SaveReport.table()`` prints.
+        """
         stats: dict[str, ComponentStats] = {}
         for t in self.index.tensors:
-            stats[t.component] = stats.get(t.component, ComponentStats()).add(t.nbytes, t.stored_bytes, t.codec.id, t.filter)
-        return stats
+            stats[t.component] = stats.get(t.component, ComponentStats()).add(t.nbytes, t.stored_bytes, t.codec.label, t.filter)
+        order = [c.value for c in Component]
+        ordered = {k: stats[k] for k in sorted(stats, key=lambda k: order.index(k) if k in order else len(order))}
+        return ComponentSummary(ordered, self.raw_bytes, self.file_bytes)
 
     @property
     def raw_bytes(self) -> int:

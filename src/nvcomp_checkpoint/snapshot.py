@@ -313,19 +313,28 @@ class SnapshotBuffers:
         return copies, staged, gpu_bytes
 
     def _copy_host(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """memcpy on a few threads that take pieces as they go.
+        """memcpy on a few threads that take jobs of about ``_PIECE`` bytes as they go.
 
         torch's ``copy_`` splits each tensor over OpenMP threads that wait for each other, so one
         preempted thread stalls the copy: on a busy 2-core machine it ran at 0.6 GB/s against
-        10-15 GB/s for this (``benchmarks/bench_async.py``).
+        10-15 GB/s for this (``benchmarks/bench_async.py``). Small tensors are batched into one
+        job: a job per tensor (500+ for a model with its AdamW state) spent more time handing
+        futures between threads than copying (``benchmarks/README.md``, async saves of bf16).
         """
         total = sum(d.nbytes for d, _ in pieces)
         if total < (32 << 20) or self._threads <= 1:
-            for dst, src in pieces:
-                np.copyto(dst, src)
+            _copy_pairs(pieces)
             return
+        jobs: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
+        size = 0
+        for pair in pieces:
+            if size >= _PIECE:
+                jobs.append([])
+                size = 0
+            jobs[-1].append(pair)
+            size += pair[0].nbytes
         pool = self._copy_pool()
-        for fut in [pool.submit(np.copyto, dst, src) for dst, src in pieces]:
+        for fut in [pool.submit(_copy_pairs, job) for job in jobs]:
             fut.result()
 
     def _copy_pool(self) -> ThreadPoolExecutor:
@@ -367,6 +376,11 @@ class SnapshotBuffers:
                     inflight.append((event, buf, dst[start : start + length]))
             while inflight:
                 drain()
+
+
+def _copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in pairs:
+        np.copyto(dst, src)
 
 
 class _RetryOnHost(Exception):

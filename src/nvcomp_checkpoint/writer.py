@@ -533,7 +533,7 @@ class CheckpointWriter:
             )
             entries.append(entry)
             comp = stats.get(entry.component, ComponentStats())
-            stats[entry.component] = comp.add(entry.nbytes, entry.stored_bytes, entry.codec.id, entry.filter)
+            stats[entry.component] = comp.add(entry.nbytes, entry.stored_bytes, entry.codec.label, entry.filter)
             raw_total += entry.nbytes
         meta = {"created_by": f"nvcomp-checkpoint {__version__}", "torch": torch.__version__, "created": time.time()}
         meta.update(metadata or {})

@@ -16,7 +16,7 @@ from rich.tree import Tree
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import UnsafeCheckpointError
-from nvcomp_checkpoint.report import component_rows, format_bytes
+from nvcomp_checkpoint.report import COMPONENT_COLUMNS, codec_notes, component_rows, format_bytes
 
 from ._ui import EXIT_OK, make_table, print_json, stdout_console
 from .sources import DIRECTORY, NVCOMP, OTHER, TensorInfo, dir_files, open_source, sniff
@@ -163,6 +163,12 @@ def _inspect_dir(args: argparse.Namespace) -> dict[str, Any]:
             "components": {k: v.to_dict() for k, v in stats.items()}, "files": files, "_stats": stats}
 
 
+def _print_codec_notes(console: Any, stats: dict[str, nc.ComponentStats]) -> None:
+    # The codec column names codecs as SaveReport.table() does (``zstd:3``) and says what ``none`` is.
+    for note in codec_notes(stats):
+        console.print(note, markup=False, highlight=False)
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     kind = sniff(args.path)
     console = stdout_console()
@@ -178,8 +184,8 @@ def run_inspect(args: argparse.Namespace) -> int:
                          format_bytes(f["file_bytes"]), f.get("note", "")])
         console.print(make_table(f"{args.path} (directory)", ["file", "format", "tensors", "raw", "on disk", "note"], rows, numeric_from=2))
         stored = sum(s.stored_bytes for s in d["_stats"].values())
-        console.print(make_table("tensor files by component", ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"],
-                                 component_rows(d["_stats"], d["raw_bytes"], stored)))
+        console.print(make_table("tensor files by component", COMPONENT_COLUMNS, component_rows(d["_stats"], d["raw_bytes"], stored)))
+        _print_codec_notes(console, d["_stats"])
         return EXIT_OK
 
     d = _describe_file(args.path, args.trust)
@@ -194,8 +200,8 @@ def run_inspect(args: argparse.Namespace) -> int:
         console.print(title, markup=False, highlight=False)
     else:
         console.print(build_tree(title, d["_infos"], args.depth, compressed))
-    console.print(make_table(None, ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"],
-                             component_rows(d["_stats"], d["raw_bytes"], d["file_bytes"])))
+    console.print(make_table(None, COMPONENT_COLUMNS, component_rows(d["_stats"], d["raw_bytes"], d["file_bytes"])))
+    _print_codec_notes(console, d["_stats"])
     if compressed:
         if d["portable"]:
             console.print("loads anywhere: every codec has a CPU decoder", markup=False, highlight=False)
