@@ -21,7 +21,6 @@ import numpy as np
 import torch
 import xxhash
 
-from . import __version__
 from .codecs import CodecConfig, cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
 from .errors import CodecUnavailableError, UnsupportedObjectError
 from .filters import ByteplaneFilter, plane_width
@@ -29,6 +28,7 @@ from .format.layout import MAGIC, MAX_INDEX_BYTES, Frame, Index, TensorEntry, pa
 from .format.skeleton import encode_skeleton, flatten
 from .policy import CodecPolicy, CodecSpec, Component, key_string
 from .report import ComponentStats
+from .version import __version__
 from .workers import is_inline, worker_pool
 
 __all__ = [
@@ -437,6 +437,11 @@ class CheckpointWriter:
         n = len(data) if not isinstance(data, np.ndarray) else data.nbytes
         self._pos += n
         return n
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes written to the stream so far (the file's size once :meth:`write` returned)."""
+        return self._pos
 
     def write(self, obj: Any, metadata: dict[str, Any] | None = None) -> tuple[Index, dict[str, ComponentStats], int]:
         """Write ``obj``; returns the index, per-component stats and the raw tensor bytes."""
