@@ -498,9 +498,9 @@ def test_user_hooks_still_run_and_compose(script: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
 def test_overwrite_same_directory_and_remove(script: Path, tmp_path: Path, exchange: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not exchange:  # the path taken on file systems and platforms without RENAME_EXCHANGE
-        from nvcomp_checkpoint.integrations import accelerate as integration
+        from nvcomp_checkpoint.storage import LocalStorage
 
-        monkeypatch.setattr(integration, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(LocalStorage, "exchange", lambda self, a, b: False)
     module = _module(script)
     objs = module.build()
     acc, ckpt = objs[0], tmp_path / "ckpt"
