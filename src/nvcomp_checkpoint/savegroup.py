@@ -130,18 +130,24 @@ class SaveSequence:
         self.__init__(state.pop("label"), **state)  # type: ignore[misc]
 
     # -- starting a group -------------------------------------------------------------------
-    def begin(self, path: str | os.PathLike[str], *, started: float | None = None, **fields: Any) -> SaveGroup:
-        """A new group, after waiting for a free slot; ``fields`` are :class:`SaveGroup`'s."""
+    def wait_for_slot(self) -> None:
+        """Wait until fewer than ``max_pending`` groups are in flight (back-pressure)."""
         self.guard("a new save")
         while True:
             with self._lock:
                 running = [g for g in self._groups if not g.finished.is_set()]
                 self._groups = running
                 if len(running) < self.max_pending:
-                    group = SaveGroup(os.fspath(path), time.perf_counter() if started is None else started, **fields)
-                    self._groups.append(group)
-                    return group
+                    return
             running[0].finished.wait()
+
+    def begin(self, path: str | os.PathLike[str], *, started: float | None = None, **fields: Any) -> SaveGroup:
+        """A new group, after waiting for a free slot; ``fields`` are :class:`SaveGroup`'s."""
+        self.wait_for_slot()
+        group = SaveGroup(os.fspath(path), time.perf_counter() if started is None else started, **fields)
+        with self._lock:
+            self._groups.append(group)
+        return group
 
     def save(self, group: SaveGroup, name: str, obj: Any, path: str | os.PathLike[str], policy: Any = None, **kwargs: Any) -> AsyncSaveHandle:
         """Snapshot ``obj`` and write it to ``path`` in the background as part ``name`` of ``group``.
@@ -271,7 +277,7 @@ class SaveSequence:
             _LOG.error("an async checkpoint save failed: %s", later.error)
         more = f" ({len(failed) - 1} more failed saves are logged)" if len(failed) > 1 else ""
         if kept:
-            consequence = f"{consequence} Kept, so that the run keeps its newest complete checkpoint: {', '.join(kept)}.".strip()
+            consequence = f"{consequence} Not removed, so that the run keeps its newest complete checkpoint: {', '.join(kept)}.".strip()
         error = failed[0].error
         assert error is not None
         raise CheckpointWriteError(
@@ -348,7 +354,7 @@ class SaveSequence:
                 _LOG.error("%s", error)
             self._run_actions(actions)
             if group.report is not None:
-                self._notify(group, group.report)
+                self.notify(group.report, group.notify)
         finally:
             self._completing = previous
             group.finished.set()
@@ -365,12 +371,14 @@ class SaveSequence:
             except Exception as exc:  # an old file left behind must not fail the new checkpoint
                 _LOG.warning("%s: could not remove this old checkpoint (%s); the new one is saved", what, exc)
 
-    def _notify(self, group: SaveGroup, report: SaveReport) -> None:
-        """The one place on_saved callbacks run: logged, never raising, never waiting on themselves."""
+    def notify(self, report: SaveReport, callbacks: Iterable[SavedCallback] = ()) -> None:
+        """A save is durable: the one place on_saved callbacks run (logged, never raising; on a
+        background completion they cannot wait for themselves, see :meth:`guard`). Entry points
+        call it for their synchronous saves too."""
         self.last_report = report
         if self.log_as is not None:
             log_report(report, self.log_as)
-        for fn in [*([self.on_saved] if self.on_saved is not None else []), *group.notify]:
+        for fn in [*([self.on_saved] if self.on_saved is not None else []), *callbacks]:
             try:
                 fn(report)
             except Exception:
