@@ -11,6 +11,7 @@ import torch
 
 from .errors import CheckpointError, FormatError, UnsafeCheckpointError
 from .format.layout import FOOTER_MAGIC, MAGIC
+from .filetype import HEAD_BYTES, NVCOMP, SAFETENSORS, TORCH, kind_of
 from .format.skeleton import weights_only_detail
 from .pending import wait_for_path
 from .policy import CodecPolicy
@@ -141,27 +142,29 @@ def load(
     where = os.fspath(path)
     storage, spath = storage_for(path, storage_options)
     with open_checkpoint_stream(storage, spath, where) as f:
-        head = f.read(len(MAGIC))
-    if head[:6] == MAGIC[:6]:
+        head = f.read(HEAD_BYTES)
+    if kind_of(head, storage.size(spath)) == NVCOMP:
         with CheckpointReader(path, storage_options=storage_options) as reader:
             return reader.load(map_location, weights_only=weights_only)
     _check_plain_head(where, storage, spath, head)
     return _load_plain(where, storage, spath, map_location, weights_only)
 
 
-#: How ``torch.save`` files start: a zip archive, or (legacy format) a pickle's PROTO opcode.
-_TORCH_SAVE_HEADS = (b"PK\x03\x04", b"\x80")
-
-
 def _check_plain_head(where: str, storage: Any, spath: str, head: bytes) -> None:
     """Refuse, with the right reason, a file that is neither format before unpickling it."""
-    if head.startswith(_TORCH_SAVE_HEADS):
+    size = storage.size(spath)
+    kind = kind_of(head, size)
+    if kind == TORCH:
         return
+    if kind == SAFETENSORS:
+        raise FormatError(
+            f"{where}: a safetensors file, not a checkpoint of this library or of torch.save; read it with "
+            "safetensors.torch.load_file(), or compress it with `nvckpt compress`"
+        )
     if not head:
         raise FormatError(f"{where}: the file is empty (an interrupted copy or save?)")
     if MAGIC.startswith(head):
         raise FormatError(f"{where}: {len(head)} bytes is too small to be a checkpoint (truncated?)")
-    size = storage.size(spath)
     if size >= len(FOOTER_MAGIC):
         with storage.open_read(spath) as f:
             f.seek(size - len(FOOTER_MAGIC))

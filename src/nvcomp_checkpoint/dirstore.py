@@ -20,9 +20,13 @@ from .errors import ChecksumError, CheckpointWriteError, FormatError
 from .storage import LOCAL
 from .version import __version__
 
-__all__ = ["DirectoryStore", "InstallError", "holds_cwd", "sync_tree", "rotate", "digest", "STAGING_SUFFIX", "OLD_SUFFIX", "DELETING_SUFFIX"]
+__all__ = ["DirectoryStore", "InstallError", "holds_cwd", "sync_tree", "rotate", "digest", "STAGING_SUFFIX", "OLD_SUFFIX", "DELETING_SUFFIX", "MARKER_NAME", "write_marker"]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
+
+#: A short text file in a directory only this library can read: what its files are and what to call.
+#: Other libraries' loaders fail on such a directory with their own "no model file" errors.
+MARKER_NAME = "NVCOMP_CHECKPOINT.txt"
 
 #: Suffixes of the temporary entries this module makes next to (or inside) a target.
 STAGING_SUFFIX = ".nvckpt-staging"
@@ -221,6 +225,11 @@ class DirectoryStore:
         except OSError as exc:
             raise InstallError(str(exc)) from exc
         LOCAL.remove(os.fspath(staging))  # empty by now
+
+
+def write_marker(directory: Path, text: str) -> None:
+    """Write :data:`MARKER_NAME` into ``directory`` (atomically)."""
+    LOCAL.write_bytes(os.fspath(directory / MARKER_NAME), text.encode("utf-8"))
 
 
 def holds_cwd(target: Path) -> bool:

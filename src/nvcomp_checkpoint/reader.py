@@ -23,8 +23,8 @@ from .format.layout import FOOTER, MAGIC, Frame, Index, TensorEntry, unpack_foot
 from .format.skeleton import decode_skeleton, tensor_paths, unflatten
 from .report import ComponentStats
 from .storage import Storage, open_checkpoint_stream, storage_for
-from .workers import worker_pool
-from .writer import GPU_BATCH_BYTES, default_workers, unique_key
+from .tensors import unique_key
+from .workers import GPU_BATCH_BYTES, default_workers, worker_pool
 
 __all__ = ["CheckpointReader", "MapLocation"]
 

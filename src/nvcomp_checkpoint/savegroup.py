@@ -69,6 +69,15 @@ class SaveGroup:
     _errors: list[BaseException] = field(default_factory=list)
     _after: list[tuple[Callable[[], None], int, str]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _idle: threading.Event = field(default_factory=threading.Event)  # every part handed over is done
+
+    def __post_init__(self) -> None:
+        self._idle.set()
+
+    def _add_part(self) -> None:
+        with self._lock:
+            self._parts += 1
+            self._idle.clear()
 
     def add_report(self, name: str, report: SaveReport) -> None:
         """A file written by the caller, durable already."""
@@ -155,8 +164,7 @@ class SaveSequence:
         Arguments are :meth:`AsyncSaver.save`'s.
         """
         handle = self._async_saver().save(obj, path, policy, workers=kwargs.pop("workers", self.workers), **kwargs)
-        with group._lock:
-            group._parts += 1
+        group._add_part()
         handle.add_done_callback(lambda h: self._part_done(group, name, h.exception(), None if h.exception() else h.result()))
         return handle
 
@@ -164,8 +172,7 @@ class SaveSequence:
         """Run ``job`` on the sequence's background thread as part ``name`` of ``group``."""
         if self._jobs is None:
             self._jobs = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvckpt-job")
-        with group._lock:
-            group._parts += 1
+        group._add_part()
 
         def work() -> None:
             try:
@@ -187,14 +194,7 @@ class SaveSequence:
         """The caller failed while handing parts over: let those finish, complete nothing."""
         with group._lock:
             group._abandoned = True
-            handles_left = group._parts - group._done
-        if handles_left:
-            deadline = time.monotonic() + 3600
-            while time.monotonic() < deadline:
-                with group._lock:
-                    if group._done == group._parts:
-                        break
-                time.sleep(0.01)
+        group._idle.wait()
         with self._lock:
             if group in self._groups:
                 self._groups.remove(group)
@@ -316,6 +316,8 @@ class SaveSequence:
             elif report is not None:
                 group.reports[name] = report
             group._done += 1
+            if group._done == group._parts:
+                group._idle.set()
         self._complete_if_ready(group)
 
     def _complete_if_ready(self, group: SaveGroup) -> None:

@@ -35,7 +35,7 @@ from accelerate.utils import (
 )
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dirstore import DirectoryStore, InstallError, holds_cwd, rotate
+from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, holds_cwd, rotate, write_marker
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
 from nvcomp_checkpoint.savegroup import SaveGroup, SaveSequence
 
@@ -43,6 +43,7 @@ __all__ = [
     "register_nvcomp_hooks",
     "NvcompStateHooks",
     "MANIFEST_NAME",
+    "MARKER_NAME",
     "is_nvcomp_state_dir",
 ]
 
@@ -64,6 +65,18 @@ _STATE_FILE = re.compile(
 _PLAIN_STATE_FILE = re.compile(
     rf"({re.escape(SAFE_MODEL_NAME)}|{re.escape(MODEL_NAME)})(_\d+)?\.(safetensors|bin)|{re.escape(OPTIMIZER_NAME)}(_\d+)?\.bin"
 )
+_MARKER_TEXT = """\
+This directory was written by accelerator.save_state() with nvcomp-checkpoint's hooks
+(https://pypi.org/project/nvcomp-checkpoint/).
+
+model.nvc and optimizer.nvc (model_1.nvc ...) hold the model weights and optimizer state,
+compressed losslessly; the other files are Accelerate's own. accelerator.load_state() without
+the hooks fails on this directory with "No such file or directory: .../pytorch_model.bin".
+
+- Load it: from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+           register_nvcomp_hooks(accelerator); accelerator.load_state("<this directory>")
+- Read one file: nvcomp_checkpoint.load("model.nvc")
+"""
 _UNSUPPORTED = {
     DistributedType.DEEPSPEED: "DeepSpeed",
     DistributedType.FSDP: "FSDP",
@@ -355,6 +368,7 @@ class NvcompStateHooks:
             "accelerate": accelerate.__version__, "step": call.step, "iteration": call.iteration,
             "models": call.models, "optimizers": call.optimizer_files, "policy": self.policy.to_dict(),
         }
+        write_marker(call.staging, _MARKER_TEXT)
         # .nvc files carry a checksum per chunk; hashing them again would double the reads.
         _STORE.write_manifest(call.staging, fields, hashed=lambda p: p.suffix != ".nvc")
         target = call.target
@@ -548,7 +562,7 @@ def _save_failed(target: Path, exc: BaseException) -> CheckpointWriteError:
 def _is_state_file(name: str) -> bool:
     """Files that a save_state writes, with or without these hooks (and their temporaries)."""
     temporary = name.startswith(".") and (".tmp-" in name or ".nvckpt-" in name)
-    return temporary or name == MANIFEST_NAME or _STATE_FILE.fullmatch(name) is not None
+    return temporary or name in (MANIFEST_NAME, MARKER_NAME) or _STATE_FILE.fullmatch(name) is not None
 
 
 def _in_place(target: Path) -> bool:

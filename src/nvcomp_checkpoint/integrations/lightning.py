@@ -232,7 +232,7 @@ class NvcompCheckpointIO(CheckpointIO):
         started = time.perf_counter()
         policy, metadata = self.policy_for(storage_options)
         info = {}
-        if isinstance(checkpoint, Mapping):  # Lightning's counters, readable with `nvckpt info`
+        if isinstance(checkpoint, Mapping):  # Lightning's counters, readable with `nvckpt inspect`
             info = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
         meta = {"written_by": type(self).__name__, **info, **(metadata or {})}
         if not self.async_save:
