@@ -203,7 +203,7 @@ def test_integrations_do_not_import_each_other() -> None:
 def test_adapters_use_the_public_api_only() -> None:
     # The CLI and the integrations build on what users may import: the package and the modules
     # with a public __all__ below it, never the writer, the reader or the snapshot.
-    internal = {"writer", "reader", "snapshot", "pending", "tensors", "workers"}
+    internal = {"writer", "reader", "snapshot", "pending", "workers"}
     bad = [
         f"{i.source}:{i.line} imports {i.target}"
         for i in OURS

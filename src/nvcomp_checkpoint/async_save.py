@@ -33,11 +33,28 @@ __all__ = [
     "wait_for_path",
     "has_pending_save",
     "default_saver",
+    "run_callback",
 ]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
 
 DoneCallback = Callable[["AsyncSaveHandle"], Any]
+
+
+def run_callback(fn: Callable[[Any], Any], arg: Any, where: str, what: str) -> None:
+    """Call ``fn(arg)`` as every done and on_saved callback is called: what it raises is logged, never raised.
+
+    A failing observer must not turn a durable save into a failed one; on a background thread
+    even ``sys.exit()`` is caught, since ending that thread would strand the saves behind it.
+    """
+    try:
+        fn(arg)
+    except Exception:
+        _LOG.exception("%s: %s raised", where, what)
+    except BaseException:
+        if threading.current_thread() is threading.main_thread():
+            raise
+        _LOG.exception("%s: %s raised", where, what)
 
 
 class AsyncSaveHandle:
@@ -129,10 +146,7 @@ class AsyncSaveHandle:
         return callbacks
 
     def _run_callback(self, fn: DoneCallback) -> None:
-        try:
-            fn(self)
-        except BaseException:  # noqa: BLE001 - even sys.exit() must not end the worker: saves behind it would never finish
-            _LOG.exception("%s: a done callback of the async save raised", self.path)
+        run_callback(fn, self, self.path, "a done callback of the async save")
 
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else "done" if self.done() else "pending"

@@ -147,6 +147,38 @@ class DirectoryStore:
                     "load another checkpoint."
                 )
 
+    # -- whole directory, or file by file ------------------------------------------------------
+    def shared_with_others(self, target: Path, saved: Callable[[str], bool]) -> bool:
+        """Whether ``target`` must be updated file by file (:meth:`install_in_place`) instead of
+        replaced as a whole (:meth:`commit`).
+
+        Replacing a directory gives it a new inode and drops whatever it held: the process's
+        working directory would vanish, and your own files in it (notes, a ``save_pretrained``
+        folder, a project's sources) would be lost. Only a directory holding nothing but saved
+        state (names for which ``saved`` is true, and what its manifest lists) is replaced.
+        """
+        if not target.is_dir():
+            return False
+        return target.is_symlink() or holds_cwd(target) or bool(self.foreign_entries(target, saved))
+
+    def foreign_entries(self, target: Path, saved: Callable[[str], bool]) -> list[str]:
+        """Entries of ``target`` that no save wrote: neither ``saved`` names nor listed in its manifest."""
+        listed = set((self.read_manifest(target, quiet=True) or {}).get("files", {}))
+        owned = {rel.split("/", 1)[0] for rel in listed}
+        foreign = []
+        for name in LOCAL.listdir(os.fspath(target)):
+            if saved(name) or name == self.manifest_name:
+                continue
+            entry = target / name
+            if entry.is_dir() and not entry.is_symlink():
+                files = (p for p in entry.rglob("*") if not p.is_dir())
+                mine = name in owned and all(p.relative_to(target).as_posix() in listed for p in files)
+            else:  # a link to a folder is yours even if a save wrote into it
+                mine = name in listed and not entry.is_dir()
+            if not mine:
+                foreign.append(name)
+        return foreign
+
     # -- commit and recovery ------------------------------------------------------------------
     def commit(self, staging: Path, target: Path) -> Path | None:
         """Put the complete staging directory at ``target`` in one step (the commit point).
@@ -211,8 +243,8 @@ class DirectoryStore:
         _check_conflicts(staging, target)  # before anything changes: the previous checkpoint stays whole
         new = set(LOCAL.listdir(os.fspath(staging)))
         try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(target / self.manifest_name)
+            if (target / self.manifest_name).exists():
+                LOCAL.remove(os.fspath(target / self.manifest_name))
                 LOCAL.fsync(os.fspath(target))
             for name in sorted(new - {self.manifest_name}, key=lambda n: (not first(n), n)):
                 _move_entry(staging / name, target / name)
@@ -288,11 +320,12 @@ def _check_conflicts(staging: Path, target: Path) -> None:
 def _move_entry(src: Path, dst: Path) -> None:
     """Move one saved file, or the files of one saved folder, to ``dst``; each file in one rename."""
     if src.is_dir() and not src.is_symlink():
-        dst.mkdir(exist_ok=True)  # an existing folder (or a link to one) is merged into
+        if not dst.is_dir():  # an existing folder (or a link to one) is merged into
+            LOCAL.makedirs(os.fspath(dst))
         for name in LOCAL.listdir(os.fspath(src)):
             _move_entry(src / name, dst / name)
         LOCAL.fsync(os.fspath(dst))
-        src.rmdir()
+        LOCAL.remove(os.fspath(src))  # empty by now
         return
     try:
         LOCAL.rename(os.fspath(src), os.fspath(dst))
@@ -307,6 +340,6 @@ def _move_entry(src: Path, dst: Path) -> None:
             LOCAL.rename(os.fspath(tmp), os.fspath(dst))
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                LOCAL.remove(os.fspath(tmp))
             raise
-        os.unlink(src)
+        LOCAL.remove(os.fspath(src))

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from .async_save import AsyncSaveHandle, AsyncSaver
+from .async_save import AsyncSaveHandle, AsyncSaver, run_callback
 from .errors import CheckpointWriteError
 from .api import log_report
 from .report import SaveReport, merge_reports
@@ -381,9 +381,5 @@ class SaveSequence:
         if self.log_as is not None:
             log_report(report, self.log_as)
         for fn in [*([self.on_saved] if self.on_saved is not None else []), *callbacks]:
-            try:
-                fn(report)
-            except Exception:
-                # A failing observer must not turn a durable checkpoint into a failed save.
-                _LOG.exception("%s: the on_saved callback raised", report.path)
+            run_callback(fn, report, report.path, "the on_saved callback")
 

@@ -8,7 +8,6 @@ order, from a bounded window of compression jobs) and, last, the index and foote
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import threading
 import time

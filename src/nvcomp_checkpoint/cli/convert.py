@@ -295,7 +295,7 @@ def _compress_dir(src: str, dst: str, policy: nc.CodecPolicy, args: argparse.Nam
         size = os.path.getsize(in_path)
         out_rel = rel + NVC_SUFFIX
         out_path = tmp / out_rel
-        out_path.parent.mkdir(parents=True, exist_ok=True)
+        LOCAL.makedirs(os.fspath(out_path.parent))
         task = reporter.start(f"compressing {rel}", _tensor_bytes(tree))
         report = nc.save(tree, str(out_path), policy, metadata=meta, workers=args.workers, progress=task.advance)
         reporter.stop()
@@ -315,7 +315,7 @@ def _decompress_dir(src: str, dst: str, args: argparse.Namespace, reporter: Repo
             return _copy_file(rel, kind, in_path, tmp)
         out_rel = rel[: -len(NVC_SUFFIX)] if rel.endswith(NVC_SUFFIX) else rel
         out_path = tmp / out_rel
-        out_path.parent.mkdir(parents=True, exist_ok=True)
+        LOCAL.makedirs(os.fspath(out_path.parent))
         # A file that was safetensors before compression goes back to safetensors.
         to = "safetensors" if out_rel.endswith(".safetensors") else args.to
         fmt, raw, written = _decompress_file(in_path, str(out_path), to, args.trust, reporter)

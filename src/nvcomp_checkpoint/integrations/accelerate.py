@@ -11,10 +11,10 @@ wrapper, crash safety, in-place updates, async saves) is in ``docs/accelerate.md
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +35,10 @@ from accelerate.utils import (
 )
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, holds_cwd, rotate, write_marker
+from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, rotate, write_marker
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
 from nvcomp_checkpoint.savegroup import SaveGroup, SaveSequence
+from nvcomp_checkpoint.storage import LOCAL
 
 __all__ = [
     "register_nvcomp_hooks",
@@ -329,12 +330,12 @@ class NvcompStateHooks:
             )
         try:
             if writes:
-                target.parent.mkdir(parents=True, exist_ok=True)
+                LOCAL.makedirs(os.fspath(target.parent))
                 _STORE.recover(target)
             # Every rank writes into the staging directory, so all must choose it from the same,
             # recovered target.
             acc.wait_for_everyone()
-            if not auto and _in_place(target):
+            if not auto and _STORE.shared_with_others(target, _is_state_file):
                 call.staging = _STORE.staging_path(target, inside=True)
             if writes:
                 _STORE.fresh(call.staging)
@@ -345,7 +346,7 @@ class NvcompStateHooks:
             config.iteration = call.iteration
             if call.group is not None:
                 self._saves.abandon(call.group)  # its files must stop writing into staging first
-                shutil.rmtree(call.staging, ignore_errors=True)
+                _remove_quietly(call.staging)
             if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)):
                 raise _save_failed(target, exc) from exc
             raise
@@ -373,14 +374,14 @@ class NvcompStateHooks:
         _STORE.write_manifest(call.staging, fields, hashed=lambda p: p.suffix != ".nvc")
         target = call.target
         # Checked again here: an async save commits later, and the cwd or the directory may have changed.
-        if call.staging.parent == target or _in_place(target):
+        if call.staging.parent == target or _STORE.shared_with_others(target, _is_state_file):
             previous = _STORE.read_manifest(target, quiet=True) or {}
-            new = set(os.listdir(call.staging))
+            new = set(LOCAL.listdir(os.fspath(call.staging)))
             _STORE.install_in_place(
                 call.staging, target, first=lambda n: n.endswith(".nvc"),
                 obsolete=[*previous.get("models", []), *previous.get("optimizers", [])],
             )
-            left = sorted(n for n in os.listdir(target) if _PLAIN_STATE_FILE.fullmatch(n) and n not in new)
+            left = sorted(n for n in LOCAL.listdir(os.fspath(target)) if _PLAIN_STATE_FILE.fullmatch(n) and n not in new)
             if not previous and left:
                 logger.warning(
                     "%s: also holds %s, written without nvcomp-checkpoint; left in place, as Accelerate leaves "
@@ -393,13 +394,13 @@ class NvcompStateHooks:
             replaced = _STORE.commit(call.staging, target)  # the commit point: nothing after it can fail the save
         self.last_reports = dict(reports)
         if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)  # the previous checkpoint; leftovers are cleaned next time
+            _remove_quietly(replaced)  # the previous checkpoint; leftovers are cleaned next time
         if rotation is not None:
             checkpoints, limit = rotation
             rotate(_numbered_dirs(checkpoints), limit, keep=target, trash=checkpoints.parent)
 
     def _failed(self, call: _SaveCall, exc: BaseException) -> BaseException:
-        shutil.rmtree(call.staging, ignore_errors=True)
+        _remove_quietly(call.staging)
         error = _save_failed(call.target, exc)
         error.__cause__ = exc
         return error
@@ -544,6 +545,12 @@ def _numbered(stem: str, i: int) -> str:
     return f"{stem}.nvc" if i == 0 else f"{stem}_{i}.nvc"
 
 
+def _remove_quietly(path: Path) -> None:
+    # A leftover is removed by the next save (a fresh staging directory, recovery).
+    with contextlib.suppress(OSError):
+        LOCAL.remove(os.fspath(path))
+
+
 def _save_failed(target: Path, exc: BaseException) -> CheckpointWriteError:
     if isinstance(exc, InstallError):
         return CheckpointWriteError(
@@ -565,38 +572,6 @@ def _is_state_file(name: str) -> bool:
     return temporary or name in (MANIFEST_NAME, MARKER_NAME) or _STATE_FILE.fullmatch(name) is not None
 
 
-def _in_place(target: Path) -> bool:
-    """Whether ``target`` must be updated file by file instead of replaced as a whole directory.
-
-    Replacing a directory gives it a new inode and drops whatever it held: the process's working
-    directory (``save_state(".")``) would vanish, and your own files and folders in it (notes, a
-    ``save_pretrained`` folder, a project's sources) would have to be copied and would lose
-    anything written to them meanwhile. Only a directory holding nothing but saved state is replaced.
-    """
-    if not target.is_dir():
-        return False
-    return target.is_symlink() or holds_cwd(target) or bool(_foreign_entries(target))
-
-
-def _foreign_entries(target: Path) -> list[str]:
-    """Entries of ``target`` that no save_state wrote: neither state files nor listed in its manifest."""
-    listed = set((_STORE.read_manifest(target, quiet=True) or {}).get("files", {}))
-    owned = {rel.split("/", 1)[0] for rel in listed}
-    foreign = []
-    for name in os.listdir(target):
-        if _is_state_file(name):
-            continue
-        entry = target / name
-        if entry.is_dir() and not entry.is_symlink():
-            files = (p for p in entry.rglob("*") if not p.is_dir())
-            mine = name in owned and all(p.relative_to(target).as_posix() in listed for p in files)
-        else:  # a link to a folder is yours even if a save wrote into it
-            mine = name in listed and not entry.is_dir()
-        if not mine:
-            foreign.append(name)
-    return foreign
-
-
 def _number(name: str) -> int | None:
     # Accelerate's own ordering: the last run of digits in the name.
     found = re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", name)
@@ -605,7 +580,7 @@ def _number(name: str) -> int | None:
 
 def _numbered_dirs(checkpoints: Path) -> list[Path]:
     entries = []
-    for name in os.listdir(checkpoints) if checkpoints.is_dir() else []:
+    for name in LOCAL.listdir(os.fspath(checkpoints)) if checkpoints.is_dir() else []:
         n = _number(name)
         if n is not None and not name.startswith("."):
             entries.append((n, checkpoints / name))

@@ -27,6 +27,7 @@ from nvcomp_checkpoint.dirstore import MARKER_NAME, write_marker
 from nvcomp_checkpoint.report import merge_reports
 from nvcomp_checkpoint.savegroup import SaveSequence
 from nvcomp_checkpoint.storage import LOCAL
+from nvcomp_checkpoint.tensors import first_difference
 
 __all__ = [
     "NvcompTrainerCallback",
@@ -239,45 +240,12 @@ def _read_plain(path: Path) -> tuple[Any, dict[str, Any]]:
 
 def _verify_copy(target: Path, key: str, original: Any) -> None:
     decoded = _load_tree(target, key, "cpu")
-    difference = _first_difference(original, decoded, key)
+    difference = first_difference(original, decoded, key)
     if difference is not None:
         raise nc.errors.FormatError(
             f"{target}: the compressed copy differs from the Trainer's file at {difference!r}; "
             "please report this as a bug (pass verify=False only to skip this check)."
         )
-
-
-def _first_difference(a: Any, b: Any, path: str) -> str | None:
-    """The key of the first value that is not bit-identical, or None."""
-    if isinstance(a, torch.Tensor):
-        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
-            return path
-        if a.numel() and not torch.equal(_bytes_of(a), _bytes_of(b)):
-            return path
-        return None
-    if isinstance(a, dict):
-        if not isinstance(b, dict) or list(a) != list(b):
-            return path
-        for k in a:
-            found = _first_difference(a[k], b[k], f"{path}/{k}")
-            if found is not None:
-                return found
-        return None
-    if isinstance(a, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
-            return path
-        for i, (x, y) in enumerate(zip(a, b)):
-            found = _first_difference(x, y, f"{path}/{i}")
-            if found is not None:
-                return found
-        return None
-    if isinstance(a, float) and a != a:  # NaN (Adam's eps, betas are never NaN, but a user value may be)
-        return None if isinstance(b, float) and b != b else path
-    return None if a == b else path
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _load_tree(path: Path | str, key: str, map_location: Any) -> Any:
@@ -317,7 +285,7 @@ def _remove_stale_temporaries(directory: Path) -> None:
 
 
 def _restore_mtime(directory: Path, stamp: os.stat_result) -> None:
-    os.utime(directory, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    LOCAL.set_times(str(directory), stamp)
 
 
 
