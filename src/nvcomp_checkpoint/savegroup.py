@@ -129,7 +129,7 @@ class SaveSequence:
         self._failures = 0
         self._saver: AsyncSaver | None = None
         self._jobs: concurrent.futures.ThreadPoolExecutor | None = None
-        self._completing: int | None = None  # the thread running a completion, which must not wait
+        self._threads = threading.local()  # .completing: this thread runs a completion and must not wait
 
     # -- pickling (Lightning sends plugins to spawned processes) -------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -237,7 +237,7 @@ class SaveSequence:
     # -- waiting and errors -----------------------------------------------------------------
     def guard(self, what: str) -> None:
         """Refuse to wait on the thread that runs this sequence's completions and callbacks."""
-        if self._completing == threading.get_ident():
+        if getattr(self._threads, "completing", False):
             raise RuntimeError(
                 f"{self.label}: {what} was called from an on_saved callback, which runs on the background "
                 "save thread and would wait for itself; call it from the training loop instead."
@@ -329,7 +329,8 @@ class SaveSequence:
             self._complete(group)
 
     def _complete(self, group: SaveGroup) -> None:
-        previous, self._completing = self._completing, threading.get_ident()
+        previous = getattr(self._threads, "completing", False)
+        self._threads.completing = True
         try:
             error: BaseException | None = group._errors[0] if group._errors else None
             if error is None and group.commit is not None:
@@ -358,7 +359,7 @@ class SaveSequence:
             if group.report is not None:
                 self.notify(group.report, group.notify)
         finally:
-            self._completing = previous
+            self._threads.completing = previous
             group.finished.set()
 
     def _run_actions(self, actions: Iterable[tuple[Callable[[], None], int, str]]) -> None:
