@@ -553,6 +553,10 @@ def test_stock_trainer_checkpoints_keep_the_weights_and_compress_the_optimizer_s
     ckpt = stock_run / "checkpoint-4"
     names = {p.name for p in ckpt.iterdir()}
     assert {"model.safetensors", "optimizer.pt.nvc", "scheduler.pt"} <= names and "optimizer.pt" not in names, names
+    # A Trainer without the callback would resume with a fresh optimizer state: the directory says so.
+    from nvcomp_checkpoint.transformers import MARKER_NAME
+
+    assert "NvcompTrainerCallback" in (ckpt / MARKER_NAME).read_text()
     reference = _trainer_files_state(runs["plain_dir"] / "checkpoint-4")
     assert_tree_equal(nc.load(ckpt / "optimizer.pt.nvc")["optimizer"], reference["optimizer"])
     # What transformers reads itself stays readable by it.

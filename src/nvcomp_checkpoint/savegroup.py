@@ -70,6 +70,7 @@ class SaveGroup:
     _after: list[tuple[Callable[[], None], int, str]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _idle: threading.Event = field(default_factory=threading.Event)  # every part handed over is done
+    _caller: int = field(default_factory=threading.get_ident)  # the thread that began the group
 
     def __post_init__(self) -> None:
         self._idle.set()
@@ -353,7 +354,8 @@ class SaveSequence:
             if error is None:
                 seconds = time.perf_counter() - group.started
                 group.report = merge_reports(group.path, group.reports.values(), seconds, group.blocked or seconds)
-            else:
+            elif threading.get_ident() != group._caller:
+                # Failed in the background: said now, raised later by whoever reports it.
                 _LOG.error("%s", error)
             self._run_actions(actions)
             if group.report is not None:

@@ -63,12 +63,15 @@ _META_KEY = "transformers"
 _MARKER_TEXT = """\
 This checkpoint directory was compressed by nvcomp-checkpoint (https://pypi.org/project/nvcomp-checkpoint/).
 
-model.safetensors.nvc and optimizer.pt.nvc hold the Trainer's model.safetensors and optimizer.pt,
-compressed losslessly. transformers alone cannot read them: Trainer(resume_from_checkpoint=...)
-says "Can't find a valid checkpoint" and from_pretrained says "no file named model.safetensors".
+optimizer.pt.nvc (and model.safetensors.nvc, if present) hold the Trainer's optimizer.pt (and
+model.safetensors), compressed losslessly. transformers alone cannot read them:
+- a Trainer without NvcompTrainerCallback resumes with a FRESH optimizer state (it skips a
+  missing optimizer.pt without a word);
+- with compressed weights, Trainer(resume_from_checkpoint=...) says "Can't find a valid
+  checkpoint" and from_pretrained says "no file named model.safetensors".
 
-- Resume training: use nvcomp_checkpoint.transformers.NvcompTrainer (or NvcompTrainerMixin on your
-  Trainer class) with NvcompTrainerCallback.
+- Resume training: keep NvcompTrainerCallback in the Trainer's callbacks (with compressed weights,
+  use nvcomp_checkpoint.transformers.NvcompTrainer, or NvcompTrainerMixin on your Trainer class).
 - Get the plain files back (from_pretrained, other tools):
     python -c "from nvcomp_checkpoint.transformers import decompress_checkpoint; decompress_checkpoint('<this directory>')"
 - Read one file: nvcomp_checkpoint.load("optimizer.pt.nvc")
@@ -159,8 +162,8 @@ def compress_checkpoint(
     # plain file goes. The weights go first: a plain Trainer then refuses the directory ("Can't
     # find a valid checkpoint") instead of loading the weights and silently skipping a
     # compressed optimizer.
-    if any(name != _OPTIMIZER for name in plain):
-        # A directory whose weights only we can read says so to whoever opens it.
+    if plain:
+        # A directory that only this library reads whole says so to whoever opens it.
         write_marker(directory, _MARKER_TEXT)
     for name in plain:
         LOCAL.remove(str(directory / name))
