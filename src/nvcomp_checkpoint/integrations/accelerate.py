@@ -143,8 +143,6 @@ def register_nvcomp_hooks(
             "register_nvcomp_hooks: this Accelerator already has nvcomp-checkpoint hooks; call .remove() on "
             "the handle returned by the first call before registering again."
         )
-    if on_saved is not None and not callable(on_saved):
-        raise TypeError(f"register_nvcomp_hooks(on_saved=...) takes a callable, got {type(on_saved).__name__}")
     return NvcompStateHooks(
         accelerator, policy or nc.CodecPolicy(), workers,
         async_save=async_save, on_saved=on_saved, stream_wrapper=stream_wrapper,
@@ -213,7 +211,7 @@ class NvcompStateHooks:
         self.on_saved = on_saved
         self.stream_wrapper = stream_wrapper
         self.last_reports: dict[str, nc.SaveReport] = {}
-        self._saves = SaveSequence("NvcompStateHooks", workers=workers, on_saved=on_saved, log_as="save_state")
+        self._saves = SaveSequence("register_nvcomp_hooks", workers=workers, on_saved=on_saved, log_as="save_state")
         self._saving: _SaveCall | None = None
         self._loading: _LoadCall | None = None
         # Whatever save_state/load_state were before (Accelerate's, or another wrapper's) is

@@ -25,14 +25,13 @@ import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
 from nvcomp_checkpoint.errors import UnsafeCheckpointError
 from nvcomp_checkpoint.savegroup import SavedCallback, SaveSequence
+from nvcomp_checkpoint.storage import storage_for
 
 try:  # the unified package: `lightning.pytorch.Trainer` and `lightning.fabric.Fabric`
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-    from lightning.fabric.utilities.cloud_io import get_filesystem
 except ImportError:  # pragma: no cover - only the standalone packages are installed
     try:
         from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
-        from lightning_fabric.utilities.cloud_io import get_filesystem
     except ImportError as exc:
         raise ImportError(
             "nvcomp_checkpoint.lightning needs Lightning: pip install 'nvcomp-checkpoint[lightning]'"
@@ -299,8 +298,8 @@ class NvcompCheckpointIO(CheckpointIO):
             # A checkpoint still being written must not be read as missing, or as the older one.
             self._saves.wait()
             self._saves.raise_errors(f"load_checkpoint({os.fspath(path)!r})", "Nothing was loaded; fix the cause and save again.")
-        fs = get_filesystem(path, **self.fsspec_options)
-        if not fs.exists(path):
+        storage, spath = storage_for(path, self.fsspec_options or None)
+        if not storage.exists(spath):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         if map_location is None and not nc.is_nvcomp_checkpoint(path, storage_options=self.fsspec_options or None):
             map_location = _storage_as_loaded
@@ -337,9 +336,8 @@ class NvcompCheckpointIO(CheckpointIO):
         self._remove_now(path)
 
     def _remove_now(self, path: Any) -> None:
-        fs = get_filesystem(path, **self.fsspec_options)
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
+        storage, spath = storage_for(path, self.fsspec_options or None)
+        storage.remove(spath)
 
     @override
     def teardown(self) -> None:
