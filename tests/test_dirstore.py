@@ -94,3 +94,22 @@ def test_an_in_place_install_moves_the_manifest_last_and_leaves_other_files(tmp_
     STORE.install_in_place(staging, target, first=lambda n: n.endswith(".nvc"), obsolete=["old.nvc"])
     assert sorted(os.listdir(target)) == ["manifest.json", "new.nvc", "notes.txt"]
     assert os.stat(target / "notes.txt").st_ino == inode
+
+
+def test_nvckpt_directory_conversion_recovers_an_interrupted_replacement(tmp_path: Path) -> None:
+    import torch
+
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.cli.main import main
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    torch.save({"w": torch.ones(8)}, src / "optimizer.pt")
+    assert main(["compress", str(src), str(dst), "--quiet"]) == 0
+    # A later `--force` conversion crashed between its two renames: only the old directory is left.
+    os.rename(dst, STORE.old_path(dst))
+    assert main(["decompress", str(dst), str(tmp_path / "back"), "--quiet"]) != 0  # nothing at dst yet
+    torch.save({"w": torch.zeros(8)}, src / "optimizer.pt")
+    assert main(["compress", str(src), str(dst), "--quiet", "--force"]) == 0  # recovers, then replaces
+    assert sorted(os.listdir(tmp_path)) == ["dst", "src"]
+    assert torch.equal(nc.load(dst / "optimizer.pt.nvc")["w"], torch.zeros(8))
