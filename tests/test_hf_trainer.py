@@ -564,9 +564,9 @@ def test_stock_trainer_checkpoints_keep_the_weights_and_compress_the_optimizer_s
     assert_tree_equal(model.state_dict(), runs["at"][4]["model"])
 
 
-@pytest.mark.parametrize("resume", ["latest", "path"])
+@pytest.mark.parametrize(("resume", "mode"), [("latest", "sync"), ("path", "async")])
 def test_stock_trainer_resumes_in_a_fresh_process_with_the_uninterrupted_runs_losses(
-    runs: dict[str, Any], stock_run: Path, script: tuple[Path, ModuleType], tmp_path: Path, resume: str
+    runs: dict[str, Any], stock_run: Path, script: tuple[Path, ModuleType], tmp_path: Path, resume: str, mode: str
 ) -> None:
     path, _ = script
     out = tmp_path / "resumed"
@@ -574,7 +574,8 @@ def test_stock_trainer_resumes_in_a_fresh_process_with_the_uninterrupted_runs_lo
     shutil.copytree(stock_run / "checkpoint-4", source)
     proc = _python(
         [str(path), str(out), "--stock", "--resume", "latest" if resume == "latest" else str(source),
-         "--dump", str(tmp_path / "start.pt"), "--log", str(tmp_path / "log.json")],
+         "--dump", str(tmp_path / "start.pt"), "--log", str(tmp_path / "log.json")]
+        + (["--async-save"] if mode == "async" else []),
         tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -584,6 +585,8 @@ def test_stock_trainer_resumes_in_a_fresh_process_with_the_uninterrupted_runs_lo
     assert_tree_equal(start["optimizer"], runs["at"][4]["optimizer"])
     resumed = {int(k): v for k, v in json.loads((tmp_path / "log.json").read_text()).items()}
     assert resumed == runs["plain_losses"]
+    names = {p.name for p in (out / "checkpoint-8").iterdir()}
+    assert {"model.safetensors", "optimizer.pt.nvc"} <= names and "optimizer.pt" not in names
 
 
 def test_stock_trainer_load_best_model_at_end_loads_the_best_weights(

@@ -67,7 +67,7 @@ class SaveGroup:
     _abandoned: bool = False
     _completing: bool = False
     _errors: list[BaseException] = field(default_factory=list)
-    _after: list[tuple[Callable[[], None], int, str]] = field(default_factory=list)
+    _after: list[tuple[Callable[[], None], int, str]] | None = field(default_factory=list)  # None once taken
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _idle: threading.Event = field(default_factory=threading.Event)  # every part handed over is done
     _caller: int = field(default_factory=threading.get_ident)  # the thread that began the group
@@ -199,6 +199,9 @@ class SaveSequence:
         with self._lock:
             if group in self._groups:
                 self._groups.remove(group)
+            # Whatever waited for this checkpoint to be durable must not run: it never will be.
+            actions, group._after = group._after or [], None
+            self._kept.extend(what for _, _, what in actions)
         group.finished.set()
 
     def result(self, group: SaveGroup) -> SaveReport:
@@ -225,14 +228,15 @@ class SaveSequence:
             open_groups = [g for g in self._groups if not g.finished.is_set()]
             if not open_groups:
                 return False
-            last = open_groups[-1]
-            with last._lock:
-                if not last._completing:
-                    last._after.append((action, self._failures, what))
-                    return True
-        # The last group is completing right now: its queue is closed, so wait for it.
+            last, before = open_groups[-1], self._failures
+            if last._after is not None:
+                last._after.append((action, before, what))
+                return True
+            # The last group has just taken its actions (its outcome, counted in _failures, is set).
+            if last.error is not None:
+                before -= 1
         self.wait()
-        self._run_actions([(action, self._failures, what)])
+        self._run_actions([(action, before, what)])
         return True
 
     # -- waiting and errors -----------------------------------------------------------------
@@ -349,8 +353,8 @@ class SaveSequence:
                 if error is not None:
                     self._failures += 1
                     self._unreported.append(group)
-                actions, group._after = group._after, []
-            group.error = error
+                actions, group._after = group._after or [], None
+                group.error = error
             if error is None:
                 seconds = time.perf_counter() - group.started
                 group.report = merge_reports(group.path, group.reports.values(), seconds, group.blocked or seconds)
