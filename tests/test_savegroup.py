@@ -161,3 +161,16 @@ def test_a_background_job_is_a_part_of_its_group(tmp_path: Path) -> None:
     report = seq.result(group)
     assert report.raw_bytes == 64 * 64 * 4 and threads and threads[0] != threading.main_thread().name
     seq.close()
+
+
+def test_an_abandoned_group_commits_nothing_and_runs_nothing_queued_behind_it(tmp_path: Path) -> None:
+    seq = SaveSequence("test")
+    commits: list[Any] = []
+    ran: list[int] = []
+    group = seq.begin(tmp_path / "unit", commit=commits.append)
+    seq.save(group, "a", _tree(1), tmp_path / "a.nvc", stream_wrapper=Slow(0.2))
+    assert seq.after_pending(lambda: ran.append(1), "old.nvc")
+    seq.abandon(group)  # the caller failed: waits for the file handed over, then gives up
+    assert (tmp_path / "a.nvc").exists() and commits == [] and ran == []
+    assert group.done() and seq.pending() == 0
+    seq.close()
