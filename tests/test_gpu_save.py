@@ -97,6 +97,42 @@ def test_cuda_tensors_save_and_load_on_gpu_and_cpu(tmp_path: Path, cuda_device: 
             assert all(err is None for _, err in reader.verify())
 
 
+def _zstd_host_decodes(device: torch.device) -> int:
+    codec = nvcomp_codecs.gpu_codec("zstd", None, device)
+    return codec.host_decoded
+
+
+@pytest.mark.gpu
+def test_the_default_policy_round_trips_through_nvcomp_and_libzstd(tmp_path: Path, cuda_device: torch.device) -> None:
+    # The writer's real settings (4 MiB chunks, byte planes, 16 MiB cap on the GPU): written by
+    # nvCOMP, read back by libzstd on the CPU, and by nvCOMP without a frame left to libzstd.
+    tree = _odd_tree(cuda_device)
+    tree["big"] = torch.randn(9 << 20, generator=torch.Generator().manual_seed(1)).to(cuda_device)  # 36 MiB
+    path = tmp_path / "default.nvc"
+    nc.save(tree, path)
+    assert_tree_equal(tree, nc.load(path, map_location="cpu"))
+    before = _zstd_host_decodes(cuda_device)
+    assert_tree_equal(tree, nc.load(path, map_location=str(cuda_device)))
+    assert _zstd_host_decodes(cuda_device) == before, "frames nvCOMP wrote were decoded by libzstd"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("filt", ["byteplane", "none"])
+def test_a_cpu_written_file_of_64_mib_chunks_loads_on_the_gpu(tmp_path: Path, cuda_device: torch.device, filt: str) -> None:
+    # The largest frames a file can hold (the 64 MiB chunk cap, no filter): libzstd's frames,
+    # decoded by nvCOMP up to the facts table's gpu_decode_max_bytes, by libzstd above it.
+    g = torch.Generator().manual_seed(2)
+    tree = {"w": torch.randn((64 << 20) // 4 + 1001, generator=g), "b": (torch.randn(5 << 20, generator=g) * 0.02).to(torch.bfloat16)}
+    policy = nc.CodecPolicy.uniform(nc.CodecSpec("zstd", 1, filt, chunk_bytes=64 << 20), device="cpu")
+    path = tmp_path / "cpu64.nvc"
+    nc.save(tree, path, policy)
+    before = _zstd_host_decodes(cuda_device)
+    loaded = nc.load(path, map_location=str(cuda_device))
+    assert loaded["w"].device == cuda_device
+    assert_tree_equal(tree, {k: v.cpu() for k, v in loaded.items()})
+    assert _zstd_host_decodes(cuda_device) == before
+
+
 @pytest.mark.gpu
 def test_tensor_made_on_a_side_stream_is_saved_as_it_ends_up(tmp_path: Path, cuda_device: torch.device) -> None:
     side = torch.cuda.Stream(cuda_device)

@@ -11,6 +11,8 @@ __all__ = [
     "FormatError",
     "ChecksumError",
     "CodecUnavailableError",
+    "GpuCodecError",
+    "GpuOutOfMemoryError",
     "UnsafeCheckpointError",
     "UnsupportedObjectError",
     "CheckpointWriteError",
@@ -31,6 +33,16 @@ class ChecksumError(FormatError):
 
 class CodecUnavailableError(CheckpointError):
     """A codec needed to write or read a tensor is not available on this machine."""
+
+
+class GpuCodecError(CheckpointError, RuntimeError):
+    """nvCOMP or CUDA failed for a reason that is not the file's: a CUDA fault, a driver or
+    binding mismatch. Unlike :class:`FormatError`, the same file may load elsewhere (on the CPU).
+    """
+
+
+class GpuOutOfMemoryError(GpuCodecError):
+    """The GPU ran out of memory while compressing or decompressing."""
 
 
 class UnsafeCheckpointError(CheckpointError):

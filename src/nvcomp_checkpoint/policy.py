@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any, Mapping, Sequence
 
-from .codecs import CODEC_IDS, check_level
+from .codecs import CODEC_IDS, check_level, codec_facts
+from .codecs.registry import CHUNK_CAP_BYTES, MIN_CHUNK_BYTES
 from .filters import FILTER_IDS
 
 __all__ = ["Component", "CodecSpec", "CodecPolicy", "classify", "key_string"]
@@ -89,9 +90,6 @@ def classify(path: Sequence[Any]) -> Component:
     return Component.WEIGHTS
 
 
-_SMALL_CHUNK_CODECS = ("ans", "bitcomp", "cascaded")
-
-
 @dataclass(frozen=True)
 class CodecSpec:
     """How one tensor is stored.
@@ -102,28 +100,38 @@ class CodecSpec:
         level: Compression level for codecs that have one.
         filter: ``"byteplane"`` (bytes of equal significance grouped) or ``"none"``.
         chunk_bytes: Raw bytes per chunk; chunks compress in parallel and stream to storage.
+            None (the default): the codec's default from the facts table (codecs/registry.py),
+            4 MiB for all but ``gdeflate``, whose nvCOMP chunks are 64 KiB at most.
     """
 
     codec: str = "zstd"
     level: int | None = 1
     filter: str = "byteplane"
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int | None = None  # an int once the spec is built
 
     def __post_init__(self) -> None:
         if self.codec not in CODEC_IDS:
             raise ValueError(f"unknown codec {self.codec!r}; choose one of {', '.join(CODEC_IDS)}")
         if self.filter not in FILTER_IDS:
             raise ValueError(f"unknown filter {self.filter!r}; choose one of {', '.join(FILTER_IDS)}")
+        facts = codec_facts(self.codec)
+        if self.chunk_bytes is None:
+            object.__setattr__(self, "chunk_bytes", facts.default_chunk_bytes)
         if not isinstance(self.chunk_bytes, int) or isinstance(self.chunk_bytes, bool):
             raise ValueError(f"chunk_bytes must be an int (bytes), got {type(self.chunk_bytes).__name__} {self.chunk_bytes!r}")
         if self.level is not None and (not isinstance(self.level, int) or isinstance(self.level, bool)):
             raise ValueError(f"level must be an int or None, got {type(self.level).__name__} {self.level!r}")
-        if not (1024 <= self.chunk_bytes <= (64 << 20)):
-            raise ValueError(f"chunk_bytes must be between 1 KiB and 64 MiB, got {self.chunk_bytes}")
+        if not (MIN_CHUNK_BYTES <= self.chunk_bytes <= CHUNK_CAP_BYTES):
+            raise ValueError(
+                f"chunk_bytes must be between {MIN_CHUNK_BYTES >> 10} KiB and {CHUNK_CAP_BYTES >> 20} MiB, got {self.chunk_bytes}"
+            )
         check_level(self.codec, self.level)
-        if self.codec in _SMALL_CHUNK_CODECS and self.chunk_bytes > (16 << 20):
-            # nvCOMP's ANS, Bitcomp and Cascaded take at most 16 MiB per chunk (nvCOMP 6 headers).
-            raise ValueError(f"codec {self.codec!r} takes chunks of at most 16 MiB, got {self.chunk_bytes}")
+        if self.chunk_bytes > facts.max_chunk_bytes:
+            # GPU-only codecs cannot cut a chunk on another device, so their nvCOMP limit is the
+            # policy's (ans, bitcomp, cascaded: 16 MiB; gdeflate: 64 KiB; codecs/registry.py).
+            raise ValueError(
+                f"codec {self.codec!r} takes chunks of at most {facts.max_chunk_bytes} bytes, got {self.chunk_bytes}"
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "CodecSpec" | str) -> "CodecSpec":
@@ -149,7 +157,7 @@ _SPEC_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "codec": ((str,), "a str (a codec id such as 'zstd')"),
     "level": ((int, type(None)), "an int or None"),
     "filter": ((str,), "a str ('byteplane' or 'none')"),
-    "chunk_bytes": ((int,), "an int (bytes)"),
+    "chunk_bytes": ((int, type(None)), "an int (bytes) or None"),
 }
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .codecs import CodecConfig, cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
+from .codecs import CodecConfig, codec_facts, cpu_codec, gpu_available, gpu_chunk_bytes, gpu_codec, has_cpu_decoder
 from .errors import CodecUnavailableError, UnsupportedObjectError
 from .filters import ByteplaneFilter, plane_width
 from .format.layout import MAGIC, MAX_INDEX_BYTES, Frame, Index, TensorEntry, pack_footer
@@ -35,11 +35,10 @@ __all__ = [
     "PlannedTensor", "plan_tensors", "CheckpointWriter", "PinnedRing", "pre_encode_on_gpu", "default_workers", "SOURCE_DEVICE_ATTR",
 ]
 
-#: Largest chunk compressed with nvCOMP's Zstd: "Chunk sizes must not exceed 16 MB" (nvCOMP 6.0
-#: include/nvcomp/zstd.h, nvcompBatchedZstdCompressAsync), though its MaxAllowedChunkSize constant
-#: says 2 GiB. Chunks of a larger policy chunk size are cut to this on the GPU (the index records
+#: Largest chunk compressed with nvCOMP's Zstd (the facts table, codecs/registry.py, says why).
+#: Chunks of a larger policy chunk size are cut to the codec's limit on the GPU (the index records
 #: each tensor's chunk size, so any reader follows).
-GPU_ZSTD_CHUNK_LIMIT = 16 << 20
+GPU_ZSTD_CHUNK_LIMIT = codec_facts("zstd").gpu_max_chunk_bytes
 
 #: GPU batches in flight: one compressing, one crossing to the host, one being written.
 GPU_BATCHES_IN_FLIGHT = 3
@@ -125,8 +124,8 @@ def plan_tensors(
         itemsize = t.element_size()
         chunk = max(itemsize, spec.chunk_bytes // itemsize * itemsize)
         device = _compress_device(key, t, spec, policy, where)
-        if device is not None and spec.codec == "zstd":
-            chunk = min(chunk, GPU_ZSTD_CHUNK_LIMIT // itemsize * itemsize)
+        if device is not None and spec.codec != "none":
+            chunk = gpu_chunk_bytes(spec.codec, chunk, itemsize)
         planned.append(PlannedTensor(key, t, component, spec, width, chunk, device))
     return planned
 

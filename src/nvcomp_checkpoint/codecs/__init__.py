@@ -2,7 +2,8 @@
 
 A codec id names a byte format. ``zstd`` and ``none`` have a CPU and a GPU implementation that
 read and write the same bytes; ``ans`` (and the other nvCOMP-only ids) exist only on the GPU, so a
-file that uses them needs a CUDA machine with nvCOMP to load.
+file that uses them needs a CUDA machine with nvCOMP to load. What is known about each id (chunk
+limits, levels, nvCOMP options) is one table, :mod:`.registry`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,15 @@ import torch
 
 from ..errors import CodecUnavailableError
 from .base import CodecConfig, CpuCodec, GpuCodec
-from .cpu import ZSTD_MAX_LEVEL, NoneCpuCodec, ZstdCpuCodec
+from .cpu import NoneCpuCodec, ZstdCpuCodec
+from .registry import CODEC_FACTS, CodecFacts, codec_facts, gpu_chunk_bytes
 
 __all__ = [
     "CodecConfig",
+    "CodecFacts",
+    "CODEC_FACTS",
+    "codec_facts",
+    "gpu_chunk_bytes",
     "CpuCodec",
     "GpuCodec",
     "CODEC_IDS",
@@ -31,9 +37,9 @@ __all__ = [
 
 _CPU_CODECS = {"zstd": ZstdCpuCodec, "none": NoneCpuCodec}
 #: Codecs with a CPU and a GPU implementation: files using only these load anywhere.
-PORTABLE_CODECS = ("zstd", "none")
+PORTABLE_CODECS = tuple(f.id for f in CODEC_FACTS.values() if f.portable)
 #: nvCOMP codecs with no maintained CPU decoder (NVIDIA/nvcomp issues 62, 80, 104).
-GPU_ONLY_CODECS = ("ans", "bitcomp", "gdeflate", "cascaded")
+GPU_ONLY_CODECS = tuple(f.id for f in CODEC_FACTS.values() if not f.portable)
 CODEC_IDS = PORTABLE_CODECS + GPU_ONLY_CODECS
 
 
@@ -41,17 +47,9 @@ def check_level(codec_id: str, level: int | None) -> None:
     """Refuse a level ``codec_id``'s encoder would reject, before any data is written.
 
     Raises:
-        ValueError: ``level`` is out of the codec's range.
+        ValueError: ``level`` is out of the codec's range (from the facts table).
     """
-    if level is None or codec_id == "none":
-        return
-    if codec_id == "zstd":
-        if level > ZSTD_MAX_LEVEL:
-            raise ValueError(f"zstd level must be at most {ZSTD_MAX_LEVEL}, got {level}")
-        return
-    from . import nvcomp  # imports without CUDA; only the option table is used
-
-    nvcomp._codec_options(codec_id, level)
+    codec_facts(codec_id).check_level(level)
 
 
 def has_cpu_decoder(codec_id: str) -> bool:

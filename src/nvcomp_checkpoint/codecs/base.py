@@ -63,6 +63,16 @@ class GpuCodec(Protocol):
         """Compress 1-D contiguous uint8 CUDA tensors; one frame (uint8 CUDA tensor) each."""
         ...
 
-    def decode_batch(self, frames: Sequence[torch.Tensor], raw_sizes: Sequence[int]) -> list[torch.Tensor]:
-        """Decompress frames (1-D uint8 CUDA tensors) into tensors of ``raw_sizes`` bytes."""
+    def decode_batch(
+        self,
+        frames: Sequence[torch.Tensor],
+        raw_sizes: Sequence[int],
+        *,
+        host_frames: Sequence[bytes | bytearray | memoryview] | None = None,
+    ) -> list[torch.Tensor]:
+        """Decompress frames (1-D uint8 CUDA tensors) into tensors of ``raw_sizes`` bytes.
+
+        ``host_frames``, when given, are the same frames in host memory: an implementation may
+        check them there before its GPU decoder sees them.
+        """
         ...

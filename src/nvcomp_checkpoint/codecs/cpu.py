@@ -11,6 +11,7 @@ import threading
 import zstandard
 
 from ..errors import FormatError
+from .registry import CHUNK_CAP_BYTES
 
 __all__ = ["ZstdCpuCodec", "NoneCpuCodec", "LARGE_FRAME_BYTES", "ZSTD_MAX_LEVEL"]
 
@@ -92,7 +93,7 @@ class ZstdCpuCodec:
 
 
 #: Largest output decoded in one call without a size from the frame header: a chunk's cap.
-_ONE_SHOT_LIMIT = 64 << 20
+_ONE_SHOT_LIMIT = CHUNK_CAP_BYTES
 
 
 def _read_across_frames(dctx: zstandard.ZstdDecompressor, frame: memoryview, raw_size: int) -> bytearray:

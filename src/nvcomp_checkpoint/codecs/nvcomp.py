@@ -24,7 +24,10 @@ from typing import Any
 
 import torch
 
-from ..errors import CodecUnavailableError, FormatError
+from ..errors import CodecUnavailableError, FormatError, GpuCodecError, GpuOutOfMemoryError
+from .cpu import ZstdCpuCodec
+from .registry import CHUNK_CAP_BYTES, CODEC_FACTS, codec_facts, nvcomp_options
+from .zstd_frame import gpu_safe_reason
 
 __all__ = [
     "INSTALL_HINT",
@@ -36,6 +39,7 @@ __all__ = [
     "gpu_codec",
     "is_available",
     "unavailable_reason",
+    "zstd_frames_for_host",
 ]
 
 #: What to install; named in every error that says nvCOMP or CUDA is missing.
@@ -45,23 +49,14 @@ INSTALL_HINT = (
     "`pip install nvcomp-checkpoint[cu13]` (CUDA 13 driver)"
 )
 
-#: Largest raw (and compressed) Zstd frame nvCOMP compresses or decompresses as one chunk:
-#: ``nvcompZstdCompressionMaxAllowedChunkSize`` and ``nvcompZstdDecompressionMaxAllowedChunkSize``
-#: are both ``(1 << 31) - 1`` in nvCOMP 6.0 ``include/nvcomp/zstd.h`` (nvCOMP 2.x had 16 MiB).
-#: So standard frames written by libzstd of 16 MiB raw, or far more, decode on the GPU. The
-#: header's own note: decompression is fastest on many small chunks (it suggests 64 KiB).
-MAX_ZSTD_FRAME_BYTES = (1 << 31) - 1
-
-#: Largest raw chunk each codec accepts, from the ``*CompressionMaxAllowedChunkSize`` constants
-#: of nvCOMP 6.0's headers (ans.h, bitcomp.h, cascaded.h: ``1 << 24``; gdeflate.h: ``1 << 31``).
+#: Largest raw chunk nvCOMP compresses as one chunk, per codec: the facts table's
+#: ``gpu_max_chunk_bytes`` (codecs/registry.py cites the nvCOMP 6.0 headers behind each number).
 MAX_CHUNK_BYTES: dict[str, int] = {
-    "zstd": MAX_ZSTD_FRAME_BYTES,
-    "ans": 1 << 24,
-    "bitcomp": 1 << 24,
-    "cascaded": 1 << 24,
-    "gdeflate": 1 << 31,
+    **{f.id: f.gpu_max_chunk_bytes for f in CODEC_FACTS.values() if f.nvcomp_algorithm},
     "none": sys.maxsize,
 }
+#: Largest zstd frame nvCOMP compresses (zstd.h: "Chunk sizes must not exceed 16 MB").
+MAX_ZSTD_FRAME_BYTES = MAX_CHUNK_BYTES["zstd"]
 
 #: The frame libzstd writes for empty input (``zstandard.ZstdCompressor(level=1).compress(b"")``).
 #: nvCOMP rejects zero-byte buffers ("each entry must be greater than zero",
@@ -69,17 +64,11 @@ MAX_CHUNK_BYTES: dict[str, int] = {
 #: standard frame the CPU decoder reads back as b"".
 EMPTY_ZSTD_FRAME = bytes.fromhex("28b52ffd2000010000")
 
-# nvCOMP's algorithm names and the options each codec id is built with. Every GPU-only codec
-# is told its data is bytes: nvCOMP's float modes are for IEEE types, and bf16 through ANS as
-# "<f2" did not round-trip (NVIDIA/CUDALibrarySamples issue 249, see shared/FACTS.md), so
-# tensors of any dtype reach nvCOMP as uint8 and the data_type option is always "|u1".
-_ALGORITHMS = {
-    "zstd": "Zstd",
-    "ans": "ANS",
-    "bitcomp": "Bitcomp",
-    "gdeflate": "GDeflate",
-    "cascaded": "Cascaded",
-}
+# nvCOMP's algorithm name of each codec id, from the facts table. Every GPU-only codec is told
+# its data is bytes (the table's options give data_type "|u1"): nvCOMP's float modes are for
+# IEEE types, and bf16 through ANS as "<f2" did not round-trip (NVIDIA/CUDALibrarySamples
+# issue 249), so tensors of any dtype reach nvCOMP as uint8.
+_ALGORITHMS = {f.id: f.nvcomp_algorithm for f in CODEC_FACTS.values() if f.nvcomp_algorithm}
 
 # Bound on the per-thread cache of nvcomp.Codec objects: one per (device, stream) a thread
 # has used; a long-lived thread that cycles through many streams must not keep them all.
@@ -128,42 +117,15 @@ def is_available() -> bool:
 def _codec_options(codec_id: str, level: int | None) -> dict[str, Any]:
     """The algorithm-specific ``nvcomp.Codec`` keyword options for ``codec_id`` at ``level``.
 
-    Option names and ranges are those of ``help(nvidia.nvcomp.Codec.__init__)`` in nvCOMP 6.0.
-    Levels only change how hard the encoder works; decoders ignore them.
+    Option names and ranges are those of ``help(nvidia.nvcomp.Codec.__init__)`` in nvCOMP 6.0,
+    kept in the facts table (codecs/registry.py). Levels only change how hard the encoder
+    works; decoders ignore them. nvCOMP's Zstd has no level (its options are "Currently
+    empty", zstd.h): the level is the CPU encoder's only.
 
     Raises:
         ValueError: ``level`` is outside the range the codec accepts.
     """
-    if codec_id == "zstd":
-        # nvCOMP's GPU Zstd has no level: nvcompBatchedZstdCompressOpts_t is reserved bytes only
-        # (zstd.h: "The Zstd compression options to use. Currently empty"), and the Python Codec
-        # lists no Zstd options. The level is kept in the config for the CPU encoder only.
-        return {}
-    if codec_id == "ans":
-        # ANS has no level; "|u1" is the generic 1-byte symbol type (ans.h NVCOMP_TYPE_UCHAR).
-        return {"data_type": "|u1"}
-    if codec_id == "bitcomp":
-        # algorithm_type 0 = default (best ratio), 1 = "sparse" (many zeros, usually faster).
-        algorithm_type = 0 if level is None else level
-        if algorithm_type not in (0, 1):
-            raise ValueError(f"bitcomp level must be 0 (default) or 1 (sparse), got {level}")
-        return {"data_type": "|u1", "algorithm_type": algorithm_type}
-    if codec_id == "gdeflate":
-        # algorithm_type 0 (entropy only, fastest) .. 5 (best ratio); nvCOMP's default is 1.
-        algorithm_type = 1 if level is None else level
-        if not 0 <= algorithm_type <= 5:
-            raise ValueError(f"gdeflate level must be in 0..5, got {level}")
-        return {"algorithm_type": algorithm_type}
-    if codec_id == "cascaded":
-        # Asymmetric mode (nvCOMP's default) takes any integer type and a compression_level
-        # (default 3: how many optional RLE/delta stages it tries per internal chunk).
-        options: dict[str, Any] = {"data_type": "|u1"}
-        if level is not None:
-            if level < 0:
-                raise ValueError(f"cascaded level must be >= 0, got {level}")
-            options["compression_level"] = level
-        return options
-    raise ValueError(f"no nvCOMP algorithm for codec {codec_id!r}")
+    return nvcomp_options(codec_id, level)
 
 
 def _as_byte_chunk(tensor: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
@@ -204,15 +166,102 @@ def _to_torch_bytes(array: Any, device: torch.device) -> torch.Tensor:
         except Exception as exc:  # which exchange path works is settled on the GPU, not here
             first_error = first_error or exc
     else:
-        raise RuntimeError(f"could not view an nvCOMP array as a torch tensor: {first_error}") from first_error
+        raise GpuCodecError(f"could not view an nvCOMP array as a torch tensor: {first_error!r}") from first_error
     tensor = tensor.reshape(-1)
     return tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
 
 
-#: What nvCOMP and the buffer exchange with torch raise: its own errors come as RuntimeError or
-#: ValueError; torch's DLPack export raises BufferError, or AssertionError for a stream it refuses.
+#: What nvCOMP and the buffer exchange with torch raise. nvCOMP's own errors come as RuntimeError
+#: or ValueError; torch's DLPack export raises BufferError, or AssertionError for a stream it
+#: refuses; a keyword or attribute the installed bindings do not have raises TypeError or
+#: AttributeError; torch raises torch.cuda.OutOfMemoryError (a RuntimeError).
 _EXCHANGE_ERRORS = (BufferError, AssertionError)
-_NVCOMP_ERRORS = (RuntimeError, ValueError, *_EXCHANGE_ERRORS)
+_BINDING_ERRORS = (RuntimeError, ValueError, TypeError, AttributeError, MemoryError, *_EXCHANGE_ERRORS)
+_OOM_MARKERS = ("out of memory", "cudaerrormemoryallocation", "cuda_error_out_of_memory")
+#: CUDA faults, as nvCOMP ("Encountered Cuda Error from previous asynchronous launches") and torch
+#: word them. After one the CUDA context may be unusable for the rest of the process.
+_CUDA_FAULT_MARKERS = ("cuda error", "cudaerror", "cuda_error", "illegal memory access", "launch failure", "cuda driver")
+
+
+def _bindings_version() -> str:
+    try:
+        return f"nvidia.nvcomp {_import_nvcomp().__version__}"
+    except Exception:  # noqa: BLE001 - only for the message
+        return "nvidia.nvcomp (version unknown)"
+
+
+def _device_error(exc: BaseException, what: str) -> GpuCodecError | None:
+    """The error for ``exc`` when the GPU stack, not the data, is at fault; None otherwise.
+
+    Out of memory, a CUDA fault, a binding that does not take our call, or torch and nvCOMP
+    failing to exchange a buffer say nothing about the file, so they are never a FormatError:
+    the same file may load on the CPU or after a restart.
+    """
+    text = str(exc)
+    low = text.lower()
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or any(m in low for m in _OOM_MARKERS):
+        return GpuOutOfMemoryError(
+            f"{what}: the GPU ran out of memory ({text}). Free GPU memory (torch.cuda.empty_cache(), "
+            "smaller batches), or load with map_location='cpu' (zstd decodes on the CPU too)"
+        )
+    if isinstance(exc, (TypeError, AttributeError)):
+        return GpuCodecError(
+            f"{what}: the installed nvCOMP bindings ({_bindings_version()}) do not take this call: {exc!r}. "
+            f"nvcomp-checkpoint is written against nvCOMP 6.0; {INSTALL_HINT}"
+        )
+    if isinstance(exc, _EXCHANGE_ERRORS):
+        return GpuCodecError(f"{what}: torch and nvCOMP could not exchange a buffer: {exc!r}")
+    if any(m in low for m in _CUDA_FAULT_MARKERS):
+        return GpuCodecError(
+            f"{what}: CUDA failed ({text}). The CUDA context may now be unusable: restart the process; "
+            "to load this file without the GPU use map_location='cpu' (zstd)"
+        )
+    return None
+
+
+class _CudaBuffer:
+    """A CUDA tensor shown to nvCOMP through ``__cuda_array_interface__`` only.
+
+    ``nvcomp.as_arrays`` takes objects with ``__cuda_array_interface__``, ``__array_interface__``
+    or ``__dlpack__``. Through DLPack, nvCOMP would pass its ``cuda_stream`` (default 0) to
+    ``torch.Tensor.__dlpack__``, which refuses 0 on CUDA with an AssertionError ("unsupported
+    stream"), and 0 is also what ``torch.cuda.current_stream().cuda_stream`` is on the default
+    stream. The interface torch exports (version 2) carries no stream, and none is needed: the
+    nvCOMP Codec runs on the same stream that produced the tensor (see ``NvcompGpuCodec._codec``).
+    The wrapper keeps the tensor alive as long as nvCOMP keeps the wrapper.
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return self.tensor.__cuda_array_interface__
+
+
+def zstd_frames_for_host(
+    host_frames: Sequence[bytes | bytearray | memoryview], raw_sizes: Sequence[int], gpu_decode_max_bytes: int
+) -> dict[int, str]:
+    """Which zstd frames libzstd must decode instead of nvCOMP, each with the reason.
+
+    A frame goes to nvCOMP only if :func:`~nvcomp_checkpoint.codecs.zstd_frame.gpu_safe_reason`
+    finds its headers sound and its size is one nvCOMP was checked to decode (the facts table's
+    ``gpu_decode_max_bytes``). Everything else goes to libzstd, which checks all of it: a frame
+    that is valid but unusual still loads, a corrupt one raises FormatError, and neither can
+    leave a sticky CUDA error.
+    """
+    out: dict[int, str] = {}
+    for k, (frame, raw_size) in enumerate(zip(host_frames, raw_sizes, strict=True)):
+        if raw_size > gpu_decode_max_bytes:
+            out[k] = f"{raw_size} bytes is over the {gpu_decode_max_bytes} that nvCOMP is known to decode"
+            continue
+        reason = gpu_safe_reason(frame, raw_size)
+        if reason is not None:
+            out[k] = reason
+    return out
+
 
 #: Where every buffer handed to nvCOMP starts: "Each chunk must be aligned to the value in the
 #: `input` member of the nvcompAlignmentRequirements_t" of its algorithm (nvCOMP 6.0 headers: 4 to 8
@@ -250,7 +299,7 @@ def _exact_bytes(array: Any, size: int, device: torch.device) -> torch.Tensor:
     """The first ``size`` bytes of an ``nvcomp.Array``, whose export should be exactly that long."""
     tensor = _to_torch_bytes(array, device)
     if tensor.numel() < size:
-        raise RuntimeError(f"nvCOMP array exports {tensor.numel()} bytes but reports buffer_size {size}")
+        raise GpuCodecError(f"nvCOMP array exports {tensor.numel()} bytes but reports buffer_size {size}")
     return tensor[:size]
 
 
@@ -267,19 +316,28 @@ class NvcompGpuCodec:
         id: The codec id (``"zstd"``, ``"ans"``, ``"bitcomp"``, ``"gdeflate"``, ``"cascaded"``).
         level: The level the codec was asked for (None: nvCOMP's default).
         device: The CUDA device, with its index resolved.
-        max_chunk_bytes: Largest raw chunk one frame may hold (:data:`MAX_CHUNK_BYTES`).
+        max_chunk_bytes: Largest raw chunk one frame may hold when compressing
+            (:data:`MAX_CHUNK_BYTES`, the facts table's ``gpu_max_chunk_bytes``).
+        host_decoded: Frames :meth:`decode_batch` handed to libzstd instead of nvCOMP so far.
     """
 
     def __init__(self, codec_id: str, level: int | None, device: torch.device) -> None:
         if codec_id not in _ALGORITHMS:
             raise ValueError(f"no nvCOMP algorithm for codec {codec_id!r}")
+        facts = codec_facts(codec_id)
         self.id = codec_id
         self.level = level
         self.device = device
         self.max_chunk_bytes = MAX_CHUNK_BYTES[codec_id]
+        # A file's frames may be as large as the format's chunk cap (a zstd file written on the
+        # CPU); above gpu_decode_max_bytes a portable frame is decoded by libzstd instead.
+        self._max_raw_bytes = CHUNK_CAP_BYTES if facts.portable else facts.gpu_decode_max_bytes
+        self._gpu_decode_max_bytes = facts.gpu_decode_max_bytes
         self._algorithm = _ALGORITHMS[codec_id]
         self._options = _codec_options(codec_id, level)  # validates the level now, not mid-save
         self._local = threading.local()
+        self._host_codec = ZstdCpuCodec() if codec_id == "zstd" else None
+        self.host_decoded = 0
 
     def __repr__(self) -> str:
         return f"NvcompGpuCodec(id={self.id!r}, level={self.level!r}, device={self.device})"
@@ -317,6 +375,9 @@ class NvcompGpuCodec:
                 **self._options,
             )
         except Exception as exc:
+            device_error = _device_error(exc, f"creating an nvCOMP {self._algorithm} codec on {self.device}")
+            if isinstance(exc, (TypeError, AttributeError, MemoryError)) or isinstance(device_error, GpuOutOfMemoryError):
+                raise device_error from exc  # a binding mismatch or no memory: not a missing install
             # On a machine whose driver is older than the wheel's CUDA, this is where it shows:
             # "CUDA driver version is insufficient for CUDA runtime version" (FACTS.md).
             raise CodecUnavailableError(
@@ -341,7 +402,8 @@ class NvcompGpuCodec:
 
         Raises:
             ValueError: A chunk is on another device, not contiguous, or too large.
-            RuntimeError: nvCOMP failed to compress.
+            GpuOutOfMemoryError: The GPU ran out of memory.
+            GpuCodecError: nvCOMP or CUDA failed (a GpuCodecError is a RuntimeError).
         """
         frames: list[torch.Tensor | None] = [None] * len(chunks)
         todo_index: list[int] = []
@@ -363,12 +425,26 @@ class NvcompGpuCodec:
                 frames[i] = frame
         return frames  # type: ignore[return-value]  # every slot is filled above
 
-    def decode_batch(self, frames: Sequence[torch.Tensor], raw_sizes: Sequence[int]) -> list[torch.Tensor]:
+    def decode_batch(
+        self,
+        frames: Sequence[torch.Tensor],
+        raw_sizes: Sequence[int],
+        *,
+        host_frames: Sequence[bytes | bytearray | memoryview] | None = None,
+    ) -> list[torch.Tensor]:
         """Decompress frames written by :meth:`encode_batch` (or, for ``zstd``, by libzstd).
+
+        Zstd frames are checked on the host first (:func:`zstd_frames_for_host`): only frames
+        whose headers are sound reach nvCOMP, whose decoder must never see invalid input; the
+        others are decoded by libzstd and copied to the device. GPU-only codecs have no CPU
+        decoder; for them the reader's per-frame xxh3 checksum is the check.
 
         Args:
             frames: 1-D uint8 CUDA tensors on :attr:`device`, exactly one frame each.
             raw_sizes: The decompressed size of each frame, from the checkpoint index.
+            host_frames: The same frames in host memory, when the caller has them (the reader
+                read them from the file). Without them, zstd frames are copied back from the
+                device to be checked.
 
         Returns:
             One uint8 CUDA tensor per frame, of exactly ``raw_sizes[i]`` bytes. Tensors of one
@@ -377,18 +453,22 @@ class NvcompGpuCodec:
         Raises:
             FormatError: A frame is corrupt or does not decode to its ``raw_sizes`` entry.
             ValueError: The arguments do not match (lengths, devices, sizes).
+            GpuOutOfMemoryError: The GPU ran out of memory (the file may be fine).
+            GpuCodecError: nvCOMP or CUDA failed for a reason that is not the file's.
         """
         if len(frames) != len(raw_sizes):
             raise ValueError(f"{len(frames)} frames but {len(raw_sizes)} raw sizes")
+        if host_frames is not None and len(host_frames) != len(frames):
+            raise ValueError(f"{len(frames)} frames but {len(host_frames)} host frames")
         out: list[torch.Tensor | None] = [None] * len(frames)
         todo_index: list[int] = []
         todo: list[torch.Tensor] = []
         for i, (frame, raw_size) in enumerate(zip(frames, raw_sizes, strict=True)):
             data = _as_byte_chunk(frame, self.device, f"frame {i}")
             raw_size = int(raw_size)
-            if raw_size < 0 or raw_size > self.max_chunk_bytes:
+            if raw_size < 0 or raw_size > self._max_raw_bytes:
                 raise FormatError(
-                    f"frame {i}: raw size {raw_size} is outside 0..{self.max_chunk_bytes} for {self.id}"
+                    f"frame {i}: raw size {raw_size} is outside 0..{self._max_raw_bytes} for {self.id}"
                 )
             if raw_size == 0:
                 # Mirrors encode: empty chunks never reach nvCOMP (see EMPTY_ZSTD_FRAME).
@@ -396,13 +476,46 @@ class NvcompGpuCodec:
                 continue
             if data.numel() == 0:
                 raise FormatError(f"frame {i} is empty but the index says it holds {raw_size} bytes")
+            if host_frames is not None and len(host_frames[i]) != data.numel():
+                raise ValueError(f"frame {i}: {data.numel()} bytes on the device but {len(host_frames[i])} on the host")
             todo_index.append(i)
             todo.append(data)
-        if todo:
-            wanted = [int(raw_sizes[i]) for i in todo_index]
-            for i, tensor in zip(todo_index, self._decode(todo, wanted, todo_index), strict=True):
-                out[i] = tensor
+        if not todo:
+            return out  # type: ignore[return-value]  # every slot is filled above
+        wanted = [int(raw_sizes[i]) for i in todo_index]
+        on_host: dict[int, str] = {}
+        if self._host_codec is not None:
+            host = [host_frames[i] for i in todo_index] if host_frames is not None else self._to_host(todo)
+            on_host = zstd_frames_for_host(host, wanted, self._gpu_decode_max_bytes)
+            for k, reason in on_host.items():
+                out[todo_index[k]] = self._decode_on_host(host[k], wanted[k], todo_index[k], reason)
+        gpu = [k for k in range(len(todo)) if k not in on_host]
+        if gpu:
+            tensors = self._decode([todo[k] for k in gpu], [wanted[k] for k in gpu], [todo_index[k] for k in gpu])
+            for k, tensor in zip(gpu, tensors, strict=True):
+                out[todo_index[k]] = tensor
         return out  # type: ignore[return-value]  # every slot is filled above
+
+    def _to_host(self, frames: list[torch.Tensor]) -> list[memoryview]:
+        """Host copies of device frames, to be checked before nvCOMP sees them."""
+        with torch.cuda.device(self.device):
+            packed = torch.cat([f.reshape(-1) for f in frames]).cpu()
+        view = memoryview(packed.numpy()).cast("B")
+        out, pos = [], 0
+        for f in frames:
+            out.append(view[pos : pos + f.numel()])
+            pos += f.numel()
+        return out
+
+    def _decode_on_host(self, frame: bytes | bytearray | memoryview, raw_size: int, index: int, reason: str) -> torch.Tensor:
+        """Decode one zstd frame with libzstd (which checks everything) and copy it to the device."""
+        assert self._host_codec is not None
+        try:
+            raw = self._host_codec.decode(memoryview(frame), raw_size)
+        except FormatError as exc:
+            raise FormatError(f"zstd frame {index} is not one nvCOMP may decode ({reason}), and libzstd says: {exc}") from exc
+        self.host_decoded += 1
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)
 
     def _empty_frame(self) -> torch.Tensor:
         """The frame of an empty chunk: libzstd's empty frame for zstd, no bytes otherwise."""
@@ -412,13 +525,17 @@ class NvcompGpuCodec:
 
     def _encode(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         nvcomp = _import_nvcomp()
+        what = (
+            f"nvCOMP {self._algorithm} compressing a batch of {len(chunks)} chunks "
+            f"({sum(c.numel() for c in chunks)} bytes) on {self.device}"
+        )
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream(self.device)
             codec = self._codec(stream)
-            # as_arrays(list) wraps each tensor zero-copy through DLPack/__cuda_array_interface__
-            # and "keeps the sources alive as long as the batch exists" (nvCOMP 6 as_arrays).
             try:
-                batch = nvcomp.as_arrays([_aligned(c) for c in chunks])
+                # as_arrays(list) wraps each buffer zero-copy and "keeps the sources alive as
+                # long as the batch exists" (nvCOMP 6 as_arrays); _CudaBuffer says why not DLPack.
+                batch = nvcomp.as_arrays([_CudaBuffer(_aligned(c)) for c in chunks])
                 encoded = codec.encode(batch)
                 # Indexing "waits for the work that produced this batch ... the compressed sizes
                 # are read back from the device"; each entry is a 1-D byte view of exactly the
@@ -428,50 +545,54 @@ class NvcompGpuCodec:
                 views = [encoded[i] for i in range(len(chunks))]
                 sizes = [int(view.buffer_size) for view in views]
                 frames = _pack_aligned(views, sizes, self.device)
-            except _NVCOMP_ERRORS as exc:
-                raise RuntimeError(
-                    f"nvCOMP {self._algorithm} failed to compress a batch of {len(chunks)} chunks "
-                    f"({sum(c.numel() for c in chunks)} bytes) on {self.device}: {exc}"
-                ) from exc
-            # The copy runs on `stream`; nvCOMP frees its buffers when `encoded` goes, so wait
-            # for the copy first rather than trust how nvCOMP's allocator orders the free.
-            stream.synchronize()
+                # The copy runs on `stream`; nvCOMP frees its buffers when `encoded` goes, so wait
+                # for the copy first rather than trust how nvCOMP's allocator orders the free.
+                stream.synchronize()
+            except GpuCodecError:
+                raise
+            except _BINDING_ERRORS as exc:
+                raise (_device_error(exc, what) or GpuCodecError(f"{what} failed: {exc}")) from exc
             del views, encoded, batch
         return frames
 
     def _decode(self, frames: list[torch.Tensor], raw_sizes: list[int], index: list[int]) -> list[torch.Tensor]:
         nvcomp = _import_nvcomp()
+        what = (
+            f"nvCOMP {self._algorithm} decoding a batch of {len(frames)} frames on {self.device} "
+            f"(frames {index[0]}..{index[-1]} of the call)"
+        )
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream(self.device)
             codec = self._codec(stream)
             try:
-                batch = nvcomp.as_arrays([_aligned(f) for f in frames])
+                batch = nvcomp.as_arrays([_CudaBuffer(_aligned(f)) for f in frames])
                 # With no decompression_config, decode "internally calls configure_decompression
                 # on src", which for RAW reads each frame's size from the format itself: a header
                 # field for Zstd (the frame content size), ANS, Bitcomp and Cascaded; a walk of
                 # the stream for GDeflate (Codec.get_uncomp_buffer_size docstring). nvCOMP then
                 # allocates exact-size outputs, so a frame whose true size disagrees with the
-                # index is caught below instead of leaving stale bytes in a larger buffer.
-                decoded = codec.decode(batch)
+                # index is caught below instead of leaving stale bytes in a larger buffer. That
+                # costs one stream synchronization per batch (64 MiB of raw bytes in the reader),
+                # not per frame; a config built from our sizes would skip it, but then nvCOMP's
+                # own sizes could no longer be checked against the index.
+                # data_type "|u1": the output is bytes whatever the codec's data_type option
+                # (decode's default is "|u1" too, but only "when out is omitted").
+                decoded = codec.decode(batch, data_type="|u1")
                 views = [decoded[i] for i in range(len(frames))]
                 sizes = [int(view.buffer_size) for view in views]
-            except _EXCHANGE_ERRORS as exc:
-                # torch refused to hand the buffers over: not a sign of a damaged file.
-                raise RuntimeError(
-                    f"nvCOMP {self._algorithm} could not take {len(frames)} frames from torch on {self.device}: {exc!r}"
-                ) from exc
-            except (RuntimeError, ValueError) as exc:
-                raise FormatError(
-                    f"nvCOMP {self._algorithm} could not decode a batch of {len(frames)} frames on "
-                    f"{self.device} (frames {index[0]}..{index[-1]} of the call): {exc}"
-                ) from exc
-            for position, (size, wanted) in enumerate(zip(sizes, raw_sizes, strict=True)):
-                if size != wanted:
-                    raise FormatError(
-                        f"{self.id} frame {index[position]} decoded to {size} bytes, the index says {wanted}"
-                    )
-            tensors = _pack_aligned(views, sizes, self.device)
-            stream.synchronize()  # as in _encode: the copy must finish before nvCOMP frees
+                for position, (size, wanted) in enumerate(zip(sizes, raw_sizes, strict=True)):
+                    if size != wanted:
+                        raise FormatError(
+                            f"{self.id} frame {index[position]} decoded to {size} bytes, the index says {wanted}"
+                        )
+                tensors = _pack_aligned(views, sizes, self.device)
+                stream.synchronize()  # as in _encode: the copy must finish before nvCOMP frees
+            except GpuCodecError:
+                raise
+            except _BINDING_ERRORS as exc:
+                # Out of memory, CUDA faults and binding mismatches are not the file's fault;
+                # what nvCOMP reports about the data itself is.
+                raise (_device_error(exc, what) or FormatError(f"{what}: {exc}")) from exc
             del views, decoded, batch
         return tensors
 
@@ -493,8 +614,14 @@ class NoneGpuCodec:
         """Copy each chunk (any dtype, as bytes) into a frame of its own."""
         return [_as_byte_chunk(c, self.device, f"chunk {i}").clone() for i, c in enumerate(chunks)]
 
-    def decode_batch(self, frames: Sequence[torch.Tensor], raw_sizes: Sequence[int]) -> list[torch.Tensor]:
-        """Copy each frame back; a stored frame must already be its raw size."""
+    def decode_batch(
+        self,
+        frames: Sequence[torch.Tensor],
+        raw_sizes: Sequence[int],
+        *,
+        host_frames: Sequence[bytes | bytearray | memoryview] | None = None,
+    ) -> list[torch.Tensor]:
+        """Copy each frame back; a stored frame must already be its raw size (``host_frames`` unused)."""
         if len(frames) != len(raw_sizes):
             raise ValueError(f"{len(frames)} frames but {len(raw_sizes)} raw sizes")
         out = []

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..codecs import CODEC_IDS, CodecConfig
+from ..codecs.registry import CHUNK_CAP_BYTES
 from ..errors import FormatError
 from ..filters import FILTER_IDS
 
@@ -41,7 +42,7 @@ FOOTER_MAGIC = b"NVCKEND\x00"
 #: index offset (u64), index size (u64), xxh3-64 of the index (u64), FOOTER_MAGIC; little-endian.
 FOOTER = struct.Struct("<QQQ8s")
 MAX_INDEX_BYTES = 1 << 30
-MAX_CHUNK_BYTES = 64 << 20
+MAX_CHUNK_BYTES = CHUNK_CAP_BYTES  # the facts table's cap (codecs/registry.py)
 
 _DTYPES = {
     name: value

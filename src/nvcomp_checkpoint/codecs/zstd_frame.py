@@ -1,0 +1,270 @@
+"""A host-side check of Zstd frames, run before a frame may reach nvCOMP's Zstd decoder.
+
+nvCOMP's decoder "can only operate on valid input data" (release notes 5.1, 5.3) and corrupt
+input is "undefined behavior or out-of-bound errors" (zstd.h), which can leave a sticky CUDA
+error. libzstd checks everything. So a frame goes to the GPU only if this walk of its headers
+(RFC 8878) finds nothing wrong; anything else is decoded by libzstd on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ZstdFrameInfo", "ZstdFrameError", "read_frame", "gpu_safe_reason", "BLOCK_SIZE_MAX", "WINDOW_SIZE_MAX"]
+
+_MAGIC = 0xFD2FB528
+_SKIPPABLE_MAGIC = 0x184D2A50  # ...0 to ...F
+#: RFC 8878 3.1.1.2.3: a block regenerates at most min(Window_Size, 128 KiB).
+BLOCK_SIZE_MAX = 128 << 10
+#: Largest window accepted: nvCOMP's decoder takes chunks below 2 GiB (zstd.h).
+WINDOW_SIZE_MAX = 1 << 31
+#: Blocks allowed per frame: raw_size // this + _BLOCKS_SLACK. libzstd and nvCOMP write blocks of
+#: 128 KiB (fewer, smaller blocks for small frames); far more blocks means a frame made by
+#: hand, and bounding them bounds the time this pure-Python walk can take.
+_BYTES_PER_BLOCK_MIN = 1 << 10
+_BLOCKS_SLACK = 16
+
+
+class ZstdFrameError(ValueError):
+    """The bytes are not one well-formed Zstd frame of the expected size."""
+
+
+@dataclass(frozen=True)
+class ZstdFrameInfo:
+    """What the walk of one frame found.
+
+    Attributes:
+        content_size: Frame_Content_Size from the header (equal to the expected raw size).
+        window_size: Window_Size (the content size for single-segment frames).
+        blocks: Number of blocks.
+        compressed_blocks: Of those, compressed blocks (the rest are raw or RLE).
+        has_checksum: The frame ends with a 4-byte content checksum.
+    """
+
+    content_size: int
+    window_size: int
+    blocks: int
+    compressed_blocks: int
+    has_checksum: bool
+
+
+class _Entropy:
+    """Which tables earlier blocks of the frame defined (treeless / repeat modes need them)."""
+
+    __slots__ = ("huffman", "sequences")
+
+    def __init__(self) -> None:
+        self.huffman = False
+        self.sequences = False
+
+
+def read_frame(frame: bytes | bytearray | memoryview, raw_size: int) -> ZstdFrameInfo:
+    """Walk one Zstd frame's headers and check that it decodes to exactly ``raw_size`` bytes.
+
+    Checked: magic, frame header (reserved bit, no dictionary, a declared content size equal to
+    ``raw_size``, window), every block header (type, size, bounds), in compressed blocks the
+    literals and sequences section headers, the checksum's presence, and that nothing follows
+    the frame. Not checked: the entropy-coded payloads (Huffman and FSE bitstreams), which only
+    a decoder can check; the reader's xxh3 checksum of every frame catches damage to them.
+
+    Raises:
+        ZstdFrameError: what is wrong, with the byte offset.
+    """
+    mv = memoryview(frame).cast("B") if memoryview(frame).format != "B" else memoryview(frame)
+    n = len(mv)
+    if raw_size < 0:
+        raise ZstdFrameError(f"raw size {raw_size} is negative")
+    if n < 6:
+        raise ZstdFrameError(f"{n} bytes is shorter than any zstd frame header")
+    magic = int.from_bytes(mv[0:4], "little")
+    if magic != _MAGIC:
+        if magic & 0xFFFFFFF0 == _SKIPPABLE_MAGIC:
+            raise ZstdFrameError("starts with a skippable frame, which our writers never write")
+        raise ZstdFrameError(f"no zstd magic number (found 0x{magic:08x})")
+    descriptor = mv[4]
+    fcs_flag, single_segment = descriptor >> 6, (descriptor >> 5) & 1
+    if descriptor & 0x08:
+        raise ZstdFrameError("reserved bit of the frame header descriptor is set")
+    has_checksum = bool(descriptor & 0x04)
+    pos = 5
+    window = 0
+    if not single_segment:
+        wd = mv[pos]
+        pos += 1
+        base = 1 << (10 + (wd >> 3))
+        window = base + (base >> 3) * (wd & 7)
+    did_size = (0, 1, 2, 4)[descriptor & 3]
+    fcs_size = (1 if single_segment else 0, 2, 4, 8)[fcs_flag]
+    if fcs_size == 0:
+        raise ZstdFrameError("the frame header does not declare its content size")
+    if pos + did_size + fcs_size > n:
+        raise ZstdFrameError(f"frame header runs past the {n} bytes")
+    if did_size and int.from_bytes(mv[pos : pos + did_size], "little"):
+        raise ZstdFrameError("the frame needs a dictionary, which our writers never use")
+    pos += did_size
+    content_size = int.from_bytes(mv[pos : pos + fcs_size], "little") + (256 if fcs_size == 2 else 0)
+    pos += fcs_size
+    if content_size != raw_size:
+        raise ZstdFrameError(f"frame declares {content_size} bytes, the index says {raw_size}")
+    if single_segment:
+        window = content_size
+    if window > WINDOW_SIZE_MAX:
+        raise ZstdFrameError(f"window of {window} bytes is over {WINDOW_SIZE_MAX}")
+    block_max = min(window, BLOCK_SIZE_MAX)
+    max_blocks = raw_size // _BYTES_PER_BLOCK_MIN + _BLOCKS_SLACK
+
+    exact = 0  # bytes regenerated by raw and RLE blocks
+    least = 0  # ... plus a lower bound for compressed blocks
+    blocks = compressed = 0
+    entropy = _Entropy()
+    while True:
+        if pos + 3 > n:
+            raise ZstdFrameError(f"block header at byte {pos} runs past the {n} bytes (truncated frame?)")
+        header = mv[pos] | (mv[pos + 1] << 8) | (mv[pos + 2] << 16)
+        pos += 3
+        last, block_type, size = header & 1, (header >> 1) & 3, header >> 3
+        blocks += 1
+        if blocks > max_blocks:
+            raise ZstdFrameError(f"more than {max_blocks} blocks for {raw_size} bytes")
+        if block_type == 3:
+            raise ZstdFrameError(f"block at byte {pos - 3} has the reserved block type")
+        if size > block_max:
+            raise ZstdFrameError(f"block at byte {pos - 3} holds {size} bytes, over the block maximum {block_max}")
+        if block_type == 0:  # raw
+            if pos + size > n:
+                raise ZstdFrameError(f"raw block at byte {pos - 3} runs past the {n} bytes (truncated frame?)")
+            exact += size
+            least += size
+            pos += size
+        elif block_type == 1:  # RLE: one byte, repeated `size` times
+            if pos + 1 > n:
+                raise ZstdFrameError(f"RLE block at byte {pos - 3} runs past the {n} bytes (truncated frame?)")
+            exact += size
+            least += size
+            pos += 1
+        else:
+            if size == 0 or pos + size > n:
+                raise ZstdFrameError(
+                    f"compressed block at byte {pos - 3} of {size} bytes runs past the {n} bytes (truncated frame?)"
+                )
+            least += _check_compressed_block(mv, pos, pos + size, block_max, entropy)
+            compressed += 1
+            pos += size
+        if least > raw_size:
+            raise ZstdFrameError(f"blocks up to byte {pos} regenerate more than the declared {raw_size} bytes")
+        if last:
+            break
+    if has_checksum:
+        if pos + 4 > n:
+            raise ZstdFrameError("the content checksum is missing (truncated frame?)")
+        pos += 4
+    if pos != n:
+        raise ZstdFrameError(f"{n - pos} bytes follow the frame (a second frame, or garbage)")
+    if exact + compressed * block_max < raw_size:
+        raise ZstdFrameError(f"{blocks} blocks cannot regenerate the declared {raw_size} bytes")
+    return ZstdFrameInfo(content_size, window, blocks, compressed, has_checksum)
+
+
+def _check_compressed_block(mv: memoryview, start: int, end: int, block_max: int, entropy: _Entropy) -> int:
+    """Check a compressed block's section headers; returns a lower bound of its regenerated size."""
+    b0 = mv[start]
+    lit_type, size_format = b0 & 3, (b0 >> 2) & 3
+    if lit_type < 2:  # raw or RLE literals
+        if size_format in (0, 2):
+            header, regenerated = 1, b0 >> 3
+        elif size_format == 1:
+            header = 2
+            regenerated = (b0 >> 4) + (_byte(mv, start + 1, end) << 4)
+        else:
+            header = 3
+            regenerated = (b0 >> 4) + (_byte(mv, start + 1, end) << 4) + (_byte(mv, start + 2, end) << 12)
+        lit_end = start + header + (regenerated if lit_type == 0 else 1)
+    else:  # Huffman-compressed literals (2) or treeless (3), which reuses the previous table
+        if lit_type == 3 and not entropy.huffman:
+            raise ZstdFrameError(f"block at byte {start - 3}: treeless literals with no earlier Huffman table")
+        header = 3 if size_format < 2 else size_format + 2
+        if start + header > end:
+            raise ZstdFrameError(f"block at byte {start - 3}: literals header runs past the block")
+        bits = int.from_bytes(mv[start : start + header], "little") >> 4
+        width = (10, 10, 14, 18)[size_format]
+        regenerated, lit_size = bits & ((1 << width) - 1), bits >> width
+        lit_end = start + header + lit_size
+        if lit_end > end or lit_size == 0:
+            raise ZstdFrameError(f"block at byte {start - 3}: {lit_size} bytes of literals do not fit the block")
+        streams_start = start + header
+        if lit_type == 2:
+            tree = mv[streams_start]
+            tree_size = 1 + (tree if tree < 128 else (tree - 127 + 1) // 2)
+            if tree_size >= lit_size:
+                raise ZstdFrameError(f"block at byte {start - 3}: Huffman table larger than its literals")
+            entropy.huffman = True
+            streams_start += tree_size
+        _check_streams(mv, streams_start, lit_end, 1 if size_format == 0 else 4, start - 3)
+    if lit_end > end:
+        raise ZstdFrameError(f"block at byte {start - 3}: literals run past the block")
+    if regenerated > block_max:
+        raise ZstdFrameError(f"block at byte {start - 3}: {regenerated} literals, over the block maximum {block_max}")
+
+    pos = lit_end
+    if pos >= end:
+        raise ZstdFrameError(f"block at byte {start - 3}: no sequences section")
+    first = mv[pos]
+    if first == 0:
+        if pos + 1 != end:
+            raise ZstdFrameError(f"block at byte {start - 3}: bytes after an empty sequences section")
+        return regenerated
+    if first < 128:
+        sequences, pos = first, pos + 1
+    elif first < 255:
+        sequences, pos = ((first - 128) << 8) + _byte(mv, pos + 1, end), pos + 2
+    else:
+        sequences, pos = _byte(mv, pos + 1, end) + (_byte(mv, pos + 2, end) << 8) + 0x7F00, pos + 3
+    # Every sequence copies a match of at least 3 bytes.
+    if regenerated + 3 * sequences > block_max:
+        raise ZstdFrameError(f"block at byte {start - 3}: {sequences} sequences cannot fit the block maximum {block_max}")
+    modes = _byte(mv, pos, end)
+    pos += 1
+    if modes & 3:
+        raise ZstdFrameError(f"block at byte {start - 3}: reserved bits of the symbol compression modes are set")
+    for mode in (modes >> 6, (modes >> 4) & 3, (modes >> 2) & 3):
+        if mode == 3 and not entropy.sequences:
+            raise ZstdFrameError(f"block at byte {start - 3}: repeat mode with no earlier sequence table")
+        pos += 1 if mode == 1 else 0  # an RLE table is one byte; FSE tables are not parsed
+    entropy.sequences = True
+    if pos >= end or mv[end - 1] == 0:
+        raise ZstdFrameError(f"block at byte {start - 3}: the sequences bitstream is missing or has no end mark")
+    return regenerated + 3 * sequences
+
+
+def _check_streams(mv: memoryview, start: int, end: int, streams: int, block: int) -> None:
+    """Huffman streams: each non-empty, ending in a byte that holds the end mark."""
+    if streams == 1:
+        sizes = [end - start]
+        first = start
+    else:
+        if start + 6 > end:
+            raise ZstdFrameError(f"block at byte {block}: the jump table of 4 literal streams runs past the literals")
+        s1, s2, s3 = (int.from_bytes(mv[start + 2 * i : start + 2 * i + 2], "little") for i in range(3))
+        sizes = [s1, s2, s3, end - start - 6 - s1 - s2 - s3]
+        first = start + 6
+    if min(sizes) <= 0:
+        raise ZstdFrameError(f"block at byte {block}: a Huffman stream is empty or runs past the literals")
+    for size in sizes:
+        if mv[first + size - 1] == 0:
+            raise ZstdFrameError(f"block at byte {block}: a Huffman stream has no end mark")
+        first += size
+
+
+def _byte(mv: memoryview, pos: int, end: int) -> int:
+    if pos >= end:
+        raise ZstdFrameError(f"a section header at byte {pos} runs past its block")
+    return mv[pos]
+
+
+def gpu_safe_reason(frame: bytes | bytearray | memoryview, raw_size: int) -> str | None:
+    """None when ``frame`` may go to nvCOMP's Zstd decoder, else why it must not."""
+    try:
+        read_frame(frame, raw_size)
+    except ZstdFrameError as exc:
+        return str(exc)
+    return None
