@@ -627,3 +627,17 @@ def test_a_directory_with_compressed_weights_says_what_it_is(runs: dict[str, Any
     decompress_checkpoint(ckpt)
     assert not (ckpt / MARKER_NAME).exists()
     assert_tree_equal(GPT2LMHeadModel.from_pretrained(str(ckpt)).state_dict(), runs["at"][4]["model"])
+
+
+def test_a_stock_trainer_asked_to_resume_from_compressed_weights_is_refused_when_created(
+    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, mod = script
+    ckpt = tmp_path / "out" / "checkpoint-4"
+    shutil.copytree(runs["nvc_dir"] / "checkpoint-4", ckpt)  # written by NvcompTrainer: weights compressed
+    with pytest.raises(nc.CheckpointError, match=r"checkpoint-4: a stock Trainer cannot read its compressed weights.*NvcompTrainer"):
+        mod.run(str(tmp_path / "probe"), 4, 4, stock=True, resume_from_checkpoint=str(ckpt))
+    # Found in output_dir, where resume_from_checkpoint=True would look: a warning before train().
+    with caplog.at_level("WARNING", logger="nvcomp_checkpoint.integrations.transformers"):
+        mod.run(str(tmp_path / "out"), 6, 6, stock=True)
+    assert any("cannot read its compressed weights" in r.getMessage() for r in caplog.records)

@@ -396,6 +396,21 @@ class NvcompTrainerCallback(TrainerCallback):
             if self in callbacks:
                 callbacks.remove(self)
                 callbacks.insert(0, self)
+            self._check_stock_resume(args, trainer)
+
+    def _check_stock_resume(self, args: TrainingArguments, trainer: Trainer) -> None:
+        """A stock Trainer cannot read compressed weights: say so now, not with its own error at train()."""
+        fix = (
+            f"a stock {type(trainer).__name__} cannot read its compressed weights (it would say \"Can't find a "
+            "valid checkpoint\"). Resume with nvcomp_checkpoint.transformers.NvcompTrainer (or NvcompTrainerMixin "
+            "first in your Trainer class's bases), or run decompress_checkpoint() on it first."
+        )
+        wanted = args.resume_from_checkpoint  # set by the example scripts' --resume_from_checkpoint
+        if isinstance(wanted, str) and os.path.isdir(wanted) and _compressed_weights(wanted) is not None:
+            raise nc.CheckpointError(f"{wanted}: {fix}")
+        latest = _newest_checkpoint(args.output_dir)
+        if latest is not None and _compressed_weights(latest) is not None:
+            logger.warning("%s: if this run resumes from it, %s", latest, fix)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Resuming with a stock Trainer: load the compressed optimizer state it skipped."""
@@ -533,6 +548,12 @@ def _load_optimizer_and_scheduler(checkpoint: Path, args: TrainingArguments, opt
         with warnings.catch_warnings(record=True) as caught:
             scheduler.load_state_dict(torch.load(checkpoint / _SCHEDULER, weights_only=True))
         reissue_pt_warnings(caught)
+
+
+def _newest_checkpoint(output_dir: str) -> Path | None:
+    """``checkpoint-<largest step>`` in ``output_dir`` (what ``resume_from_checkpoint=True`` picks)."""
+    found = [(s, p) for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and (s := _step_of(p.name)) is not None]
+    return max(found)[1] if found else None
 
 
 def _saved_checkpoint(output_dir: str, step: int) -> Path | None:
