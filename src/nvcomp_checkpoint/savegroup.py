@@ -166,7 +166,11 @@ class SaveSequence:
         """
         handle = self._async_saver().save(obj, path, policy, workers=kwargs.pop("workers", self.workers), **kwargs)
         group._add_part()
-        handle.add_done_callback(lambda h: self._part_done(group, name, h.exception(), None if h.exception() else h.result()))
+        def done(h: AsyncSaveHandle) -> None:
+            error = h.exception()  # taken here: the group owns it
+            self._part_done(group, name, error, None if error is not None else h.result())
+
+        handle.add_done_callback(done)
         return handle
 
     def run(self, group: SaveGroup, name: str, job: Callable[[], SaveReport]) -> None:
