@@ -9,15 +9,18 @@ from typing import IO, Any, Callable
 
 import torch
 
-from .errors import CheckpointError, FormatError
-from .format.layout import MAGIC
+from .errors import CheckpointError, FormatError, UnsafeCheckpointError
+from .format.layout import FOOTER_MAGIC, MAGIC
+from .filetype import HEAD_BYTES, NVCOMP, SAFETENSORS, TORCH, kind_of
+from .format.skeleton import weights_only_detail
+from .pending import wait_for_path
 from .policy import CodecPolicy
 from .reader import CheckpointReader, MapLocation
 from .report import SaveReport
 from .storage import open_checkpoint_stream, storage_for, write_errors
 from .writer import CheckpointWriter
 
-__all__ = ["save", "load", "open", "is_nvcomp_checkpoint"]
+__all__ = ["save", "load", "open", "is_nvcomp_checkpoint", "write_checkpoint", "log_report"]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
 
@@ -52,13 +55,13 @@ def save(
     Returns:
         A :class:`SaveReport` with raw and stored bytes, time and a per-component table.
     """
-    _wait_for_pending_saves(path)
-    report = _save(obj, path, policy, metadata, storage_options, workers, progress, stream_wrapper)
+    wait_for_path(path)
+    report = write_checkpoint(obj, path, policy, metadata, storage_options, workers, progress, stream_wrapper)
     log_report(report)
     return report
 
 
-def _save(
+def write_checkpoint(
     obj: Any,
     path: str | os.PathLike[str],
     policy: CodecPolicy | None,
@@ -69,7 +72,7 @@ def _save(
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None,
     pre_encoded: dict[int, Any] | None = None,
 ) -> SaveReport:
-    """:func:`save` without waiting for async saves or logging (the async worker runs this)."""
+    """:func:`save` without waiting for async saves or logging (the async saver's worker runs this)."""
     policy = policy or CodecPolicy()
     where = os.fspath(path)
     storage, spath = storage_for(path, storage_options)
@@ -80,7 +83,7 @@ def _save(
                 stream = stream_wrapper(stream)
             writer = CheckpointWriter(stream, policy, where, workers=workers, progress=progress, pre_encoded=pre_encoded)
             _, stats, raw = writer.write(obj, metadata)
-            stored = writer._pos
+            stored = writer.bytes_written
     seconds = time.perf_counter() - start
     return SaveReport(where, raw, stored, seconds, stats, seconds)
 
@@ -99,22 +102,12 @@ def log_report(report: SaveReport, what: str = "saved") -> None:
     )
 
 
-def _wait_for_pending_saves(path: str | os.PathLike[str]) -> None:
-    # An async save to this path that has not landed would make a reader see the previous
-    # checkpoint, or overwrite a newer synchronous save after it; let it finish first.
-    from .async_save import wait_for_path  # async_save builds on this module
-
-    wait_for_path(path)
-
-
 def is_nvcomp_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
     """True if ``path`` is a file that starts with this format's magic (once pending async saves to it land).
 
     A failed async save to ``path`` is not raised here (the file there is the previous one); it
     stays for ``wait_for_saves``, the saver, or the next save to report.
     """
-    from .async_save import wait_for_path  # async_save builds on this module
-
     wait_for_path(path, raise_errors=False)
     storage, spath = storage_for(path, storage_options)
     try:
@@ -145,33 +138,33 @@ def load(
     Returns:
         The saved tree with bit-identical tensors.
     """
-    _wait_for_pending_saves(path)
+    wait_for_path(path)
     where = os.fspath(path)
     storage, spath = storage_for(path, storage_options)
     with open_checkpoint_stream(storage, spath, where) as f:
-        head = f.read(len(MAGIC))
-    if head[:6] == MAGIC[:6]:
+        head = f.read(HEAD_BYTES)
+    if kind_of(head, storage.size(spath)) == NVCOMP:
         with CheckpointReader(path, storage_options=storage_options) as reader:
             return reader.load(map_location, weights_only=weights_only)
     _check_plain_head(where, storage, spath, head)
     return _load_plain(where, storage, spath, map_location, weights_only)
 
 
-#: How ``torch.save`` files start: a zip archive, or (legacy format) a pickle's PROTO opcode.
-_TORCH_SAVE_HEADS = (b"PK\x03\x04", b"\x80")
-
-
 def _check_plain_head(where: str, storage: Any, spath: str, head: bytes) -> None:
     """Refuse, with the right reason, a file that is neither format before unpickling it."""
-    if head.startswith(_TORCH_SAVE_HEADS):
+    size = storage.size(spath)
+    kind = kind_of(head, size)
+    if kind == TORCH:
         return
+    if kind == SAFETENSORS:
+        raise FormatError(
+            f"{where}: a safetensors file, not a checkpoint of this library or of torch.save; read it with "
+            "safetensors.torch.load_file(), or compress it with `nvckpt compress`"
+        )
     if not head:
         raise FormatError(f"{where}: the file is empty (an interrupted copy or save?)")
     if MAGIC.startswith(head):
         raise FormatError(f"{where}: {len(head)} bytes is too small to be a checkpoint (truncated?)")
-    from .format.layout import FOOTER_MAGIC
-
-    size = storage.size(spath)
     if size >= len(FOOTER_MAGIC):
         with storage.open_read(spath) as f:
             f.seek(size - len(FOOTER_MAGIC))
@@ -200,8 +193,6 @@ def _load_plain(where: str, storage: Any, spath: str, map_location: MapLocation,
         # torch's weights-only unpickler also says "Weights only load failed" for bytes that
         # are no pickle at all ("Unsupported operand"): that is damage, not an unsafe object.
         if "Weights only load failed" in text and "Unsupported operand" not in text:
-            from .errors import UnsafeCheckpointError
-
             detail = _first_line(exc)
             raise UnsafeCheckpointError(
                 f"{where}: this plain torch.save file holds Python objects that a weights-only load refuses"
@@ -223,8 +214,6 @@ def _load_plain(where: str, storage: Any, spath: str, map_location: MapLocation,
 
 def _first_line(exc: BaseException) -> str:
     # torch's load errors run to a page of advice; keep the line that names the problem.
-    from .format.skeleton import weights_only_detail
-
     return weights_only_detail(exc)
 
 
@@ -235,5 +224,5 @@ def open(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None
         >>> with nvcomp_checkpoint.open("ckpt.nvc") as reader:
         ...     reader.keys(); reader.read("model/weight"); reader.summary()
     """
-    _wait_for_pending_saves(path)
+    wait_for_path(path)
     return CheckpointReader(path, storage_options=storage_options)

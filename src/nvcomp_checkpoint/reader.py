@@ -24,8 +24,8 @@ from .format.skeleton import decode_skeleton, tensor_paths, unflatten
 from .policy import Component
 from .report import ComponentStats, ComponentSummary
 from .storage import Storage, open_checkpoint_stream, storage_for
-from .workers import worker_pool
-from .writer import GPU_BATCH_BYTES, default_workers, unique_key
+from .tensors import unique_key
+from .workers import GPU_BATCH_BYTES, default_workers, worker_pool
 
 __all__ = ["CheckpointReader", "MapLocation"]
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .format.skeleton import TensorRef, flatten, unflatten
-from .writer import SOURCE_DEVICE_ATTR, _flat_bytes
+from .tensors import SOURCE_DEVICE_ATTR, flat_bytes
 
 __all__ = ["Snapshot", "SnapshotBuffers", "SOURCE_DEVICE_ATTR"]
 
@@ -302,7 +302,7 @@ class SnapshotBuffers:
             if src.device.type == "cuda" and i not in on_gpu:
                 staged.setdefault(src.device, []).append((src, flat))
             elif n and _plain_host(src):
-                src_bytes = _flat_bytes(src).numpy()
+                src_bytes = flat_bytes(src).numpy()
                 dst_bytes = flat.numpy()
                 for start in range(0, n, _PIECE):
                     host_pieces.append((dst_bytes[start : start + _PIECE], src_bytes[start : start + _PIECE]))
@@ -363,7 +363,7 @@ class SnapshotBuffers:
         slot = 0
         with torch.cuda.device(device):
             for src, dst in pairs:
-                flat = _flat_bytes(src)
+                flat = flat_bytes(src)
                 for start in range(0, flat.numel(), half):
                     if len(inflight) == 2:
                         drain()  # frees the half this piece goes into

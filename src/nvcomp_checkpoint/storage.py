@@ -8,8 +8,11 @@ a failed upload is aborted; elsewhere a temporary path is moved into place.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
+import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
@@ -17,8 +20,8 @@ from typing import IO, Any, Callable, Iterator
 from .errors import CheckpointError, CheckpointWriteError, FormatError
 
 __all__ = [
-    "Storage", "LocalStorage", "FsspecStorage", "storage_for", "open_checkpoint_stream", "write_errors", "is_url", "fsync_path",
-    "list_names", "abort_unfinished_uploads", "upload_file",
+    "Storage", "LocalStorage", "FsspecStorage", "LOCAL", "storage_for", "open_checkpoint_stream", "write_errors", "is_url",
+    "fsync_path", "exchange_paths", "list_names", "abort_unfinished_uploads", "upload_file",
 ]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2"}
@@ -52,6 +55,25 @@ class Storage:
 
     def makedirs(self, path: str) -> None:
         raise NotImplementedError
+
+    # Directory operations: what a directory commit (stage, fsync, rename into place) needs.
+    def listdir(self, path: str) -> list[str]:
+        """Names of the entries of the directory ``path``, sorted."""
+        raise NotImplementedError
+
+    def isdir(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move ``src`` to ``dst``, replacing a file there (atomic where the storage allows it)."""
+        raise NotImplementedError
+
+    def exchange(self, a: str, b: str) -> bool:
+        """Swap two paths atomically; False where the storage cannot (then rename twice)."""
+        return False
+
+    def fsync(self, path: str) -> None:
+        """Make a file's bytes, or a directory's entries, durable (a no-op where not needed)."""
 
 
 class LocalStorage(Storage):
@@ -90,15 +112,62 @@ class LocalStorage(Storage):
 
     def remove(self, path: str) -> None:
         p = Path(path)
-        if p.is_dir():
-            import shutil
-
+        if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
 
     def makedirs(self, path: str) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
+
+    def listdir(self, path: str) -> list[str]:
+        return sorted(os.listdir(path))
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def exchange(self, a: str, b: str) -> bool:
+        return exchange_paths(a, b)
+
+    def fsync(self, path: str) -> None:
+        fsync_path(path)
+
+    def copy(self, src: str, dst: str) -> None:
+        """Copy one file or link byte for byte, with its times and mode, made durable."""
+        shutil.copy2(src, dst, follow_symlinks=False)
+        if not os.path.islink(dst):
+            fsync_path(dst)
+
+    def set_times(self, path: str, stat: os.stat_result) -> None:
+        """Give ``path`` the access and modification times of ``stat`` (rotation orders by them)."""
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write a small file atomically and durably."""
+        with self.open_write(path) as f:
+            f.write(data)
+
+
+def exchange_paths(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Atomically swap two paths with Linux ``renameat2(RENAME_EXCHANGE)``; False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False  # the file system or kernel cannot exchange: fall back to two renames
+    raise OSError(err, os.strerror(err), os.fspath(b))
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
@@ -190,7 +259,7 @@ class FsspecStorage(Storage):
             self.fs.makedirs(self._path(path), exist_ok=True)
 
 
-_LOCAL = LocalStorage()
+LOCAL = _LOCAL = LocalStorage()
 
 
 def storage_for(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> tuple[Storage, str]:
