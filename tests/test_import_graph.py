@@ -3,10 +3,10 @@
 Every import counts, also those inside functions. Layers, lowest first (a module may import its own
 layer and those below):
 
-    base        errors, version, tensors, workers, codecs/*, filters/*
+    base        errors, version, tensors, workers, codecs/*, filters/*, metrics
     format      format/*, policy, storage, report, filetype, pending, dirstore
     pipeline    writer, reader, snapshot
-    api         api, async_save, savegroup, the package __init__
+    api         api, async_save, savegroup, tiers, the package __init__
     adapters    cli/*, integrations/*, the short-name shims lightning/accelerate/transformers
 
 The core never imports Lightning, Accelerate or Transformers; an integration imports its own
@@ -25,10 +25,10 @@ PACKAGE = "nvcomp_checkpoint"
 ROOT = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("errors", "version", "tensors", "workers", "codecs", "filters")),
+    ("base", ("errors", "version", "tensors", "workers", "codecs", "filters", "metrics")),
     ("format", ("format", "policy", "storage", "report", "filetype", "pending", "dirstore")),
     ("pipeline", ("writer", "reader", "snapshot")),
-    ("api", ("api", "async_save", "savegroup", "")),
+    ("api", ("api", "async_save", "savegroup", "tiers", "")),
     ("adapters", ("cli", "integrations", "lightning", "accelerate", "transformers")),
 ]
 FRAMEWORKS = {
