@@ -329,3 +329,45 @@ def test_cuda_shards_round_trip(tmp_path: Path) -> None:
     assert_tree_equal(fresh, state)
     with nc.open(next(tmp_path.glob("*.nvcdcp"))) as reader:
         assert all(reader.entry(k).device.startswith("cuda") for k in reader.keys() if k.startswith("model."))
+
+
+# -- the names and bytes that are part of the format (docs/dcp.md) --------------------------------
+def test_metadata_layout_is_pinned(two_rank_run: Path) -> None:
+    import pickletools
+
+    from nvcomp_checkpoint.dcp import StoredItem
+    from nvcomp_checkpoint.dcp.layout import RECORD_MAGIC, REFUSAL_HEAD
+
+    assert REFUSAL_HEAD == b"\x80\x02cnvcomp_checkpoint.dcp.layout\nrefuse_stock_reader\n"
+    assert RECORD_MAGIC == b"NVCDCP\x01\x00"
+    assert f"{StoredItem.__module__}.{StoredItem.__qualname__}" == "nvcomp_checkpoint.dcp.layout.StoredItem"
+    data = (two_rank_run / "ours" / ".metadata").read_bytes()
+    assert data.startswith(REFUSAL_HEAD)
+    stop = next(pos for op, _, pos in pickletools.genops(data) if op.name == "STOP") + 1
+    assert data[stop : stop + 8] == RECORD_MAGIC
+    assert b"nvcomp_checkpoint.dcp.layout" in data[stop:] and b"StoredItem" in data[stop:]
+    metadata = NvcompReader(two_rank_run / "ours").read_metadata()
+    items = list(metadata.storage_data.values())
+    assert all(isinstance(v, StoredItem) for v in items)
+    assert {v.key for v in items} >= {"model.0.weight", "optim.state.0.weight.exp_avg", "bytes:extra.note"}
+
+
+def test_forged_metadata_runs_no_code(tmp_path: Path) -> None:
+    import pickle
+
+    from nvcomp_checkpoint.errors import FormatError
+
+    class _Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    model, opt = _plain()
+    with pytest.raises(CheckpointException) as info:
+        _load_into(model, opt, NvcompReader(tmp_path))
+    assert "not a DCP metadata type" in str(info.value)
+    assert not (tmp_path / "pwned").exists()
+    from nvcomp_checkpoint.dcp import read_stored_metadata
+
+    with pytest.raises(FormatError, match="posix.system|os.system"):
+        read_stored_metadata(tmp_path)
