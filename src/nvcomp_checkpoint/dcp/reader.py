@@ -148,30 +148,30 @@ class NvcompReader(StorageReader):
         return fut
 
     def _read_file(self, reader: CheckpointReader, reqs: list[ReadItem], planner: LoadPlanner) -> None:
-        # Requests for one stored shard come together, so each shard is decoded once and freed.
-        reqs = sorted(reqs, key=lambda r: self.storage_data[r.storage_index].key)
-        cached_key: str | None = None
-        cached: torch.Tensor | None = None
+        # Every request for one stored shard is served by one decode; shards are decoded ahead
+        # on one worker pool, in file order, and each is freed once its slices are copied.
+        by_key: dict[str, list[tuple[ReadItem, torch.Tensor | None]]] = {}
         for req in reqs:
-            key = self.storage_data[req.storage_index].key
-            if req.type == LoadItemType.BYTE_IO:
-                raw = reader.read(key, map_location="cpu")
-                planner.load_bytes(req, io.BytesIO(raw.numpy().tobytes()))
-                continue
-            target = planner.resolve_tensor(req).detach()
-            if key != cached_key:
-                cached = None  # free the previous shard first
-                device = target.device if target.device.type == "cuda" and gpu_available() else torch.device("cpu")
-                cached, cached_key = reader.read(key, map_location=device), key
-            assert cached is not None
-            piece = narrow_tensor_by_index(cached, req.storage_offsets, req.lengths)
-            if target.size() != piece.size():
-                raise FormatError(
-                    f"{reader.path}: tensor {key!r}: the stored slice has shape {list(piece.shape)}, the state dict "
-                    f"expects {list(target.shape)}; the checkpoint does not match this model"
-                )
-            target.copy_(piece)
-            planner.commit_tensor(req, target)
+            target = None if req.type == LoadItemType.BYTE_IO else planner.resolve_tensor(req).detach()
+            by_key.setdefault(self.storage_data[req.storage_index].key, []).append((req, target))
+        keys = sorted(by_key, key=lambda k: min((f.offset for f in reader.entry(k).frames), default=0))
+        on_gpu = gpu_available() and all(t is None or t.device.type == "cuda" for k in keys for _, t in by_key[k])
+        devices = {t.device for k in keys for _, t in by_key[k] if t is not None}
+        # Decoded where the targets live: on their GPU with nvCOMP when they all share one.
+        location = next(iter(devices)) if on_gpu and len(devices) == 1 else torch.device("cpu")
+        for key, stored in reader.read_many(keys, map_location=location):
+            for req, target in by_key.pop(key):
+                if target is None:
+                    planner.load_bytes(req, io.BytesIO(stored.cpu().numpy().tobytes()))
+                    continue
+                piece = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
+                if target.size() != piece.size():
+                    raise FormatError(
+                        f"{reader.path}: tensor {key!r}: the stored slice has shape {list(piece.shape)}, the state dict "
+                        f"expects {list(target.shape)}; the checkpoint does not match this model"
+                    )
+                target.copy_(piece)
+                planner.commit_tensor(req, target)
 
     @property
     def checkpoint_id(self) -> str:
