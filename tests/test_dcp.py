@@ -371,3 +371,14 @@ def test_forged_metadata_runs_no_code(tmp_path: Path) -> None:
 
     with pytest.raises(FormatError, match="posix.system|os.system"):
         read_stored_metadata(tmp_path)
+
+
+def test_fsspec_url_round_trip() -> None:
+    model, opt = _plain()
+    _train(model, opt, 1, 0)
+    url = "memory://nvckpt-dcp-test/ckpt"
+    dcp.save(_state(model, opt), storage_writer=NvcompWriter(url))
+    assert is_compressed_dcp_checkpoint(url)
+    fresh, fresh_opt = _plain()
+    loaded = _load_into(fresh, fresh_opt, NvcompReader(url))
+    assert_tree_equal(_full(fresh, fresh_opt, loaded["extra"]), _full(model, opt, {"step": 7, "note": "sharded"}), "memory://")
