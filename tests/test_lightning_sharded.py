@@ -161,3 +161,12 @@ def test_strategy_takes_the_plugin_policy() -> None:
 def test_fsdp1_strategy_refuses_without_cuda() -> None:
     with pytest.raises(CheckpointError, match="NvcompModelParallelStrategy"):
         NvcompFSDPStrategy(state_dict_type="sharded")
+
+
+def test_compressed_full_file_is_refused_with_the_fix(tmp_path: Path) -> None:
+    import nvcomp_checkpoint as nc
+
+    path = tmp_path / "full.ckpt"
+    nc.save({"state_dict": {"w": torch.ones(4)}}, path)
+    with pytest.raises(CheckpointError, match="nvckpt decompress"):
+        NvcompModelParallelStrategy(save_distributed_checkpoint=False).load_checkpoint(path)

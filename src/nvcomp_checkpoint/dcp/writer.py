@@ -164,7 +164,8 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 assert isinstance(data, io.BytesIO)
-                tree[key] = torch.frombuffer(bytearray(data.getbuffer()), dtype=torch.uint8) if data.getbuffer().nbytes else torch.empty(0, dtype=torch.uint8)
+                raw = data.getvalue()
+                tree[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             else:
                 # A DTensor's local shard, perhaps a view or on a GPU: the core writes the
                 # values it shows, compressing CUDA tensors on their GPU where nvCOMP is present.

@@ -50,6 +50,20 @@ def _is_sharded_dir(path: Path) -> bool:
     return path.is_dir() and (path / _METADATA_FILENAME).is_file()
 
 
+def _refuse_compressed_full_file(path: Path, strategy: str) -> None:
+    """Lightning loads a full (one-file) checkpoint of a sharded strategy with ``torch.load`` itself."""
+    if path.is_file():
+        from nvcomp_checkpoint import is_nvcomp_checkpoint
+
+        if is_nvcomp_checkpoint(path):
+            raise CheckpointError(
+                f"{path}: a compressed full checkpoint; {strategy} loads one-file checkpoints with torch.load "
+                "(Lightning's code), which cannot read it. Save sharded checkpoints instead "
+                "(save_distributed_checkpoint=True / state_dict_type='sharded'), or decompress this one first: "
+                "nvckpt decompress <file> <file>.pt"
+            )
+
+
 def _save_sharded(strategy: Any, converted: dict[str, Any], checkpoint: dict[str, Any], path: Path, policy: CodecPolicy | None, workers: int | None) -> None:
     """The sharded state through NvcompWriter, then Lightning's ``meta.pt`` (loops, callbacks ...).
 
@@ -125,6 +139,7 @@ class NvcompModelParallelStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if not _is_sharded_dir(path):
+            _refuse_compressed_full_file(path, type(self).__name__)
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
@@ -191,6 +206,7 @@ class NvcompFSDPStrategy(FSDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if not _is_sharded_dir(path):
+            _refuse_compressed_full_file(path, type(self).__name__)
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         import torch.distributed.checkpoint as dcp
         from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
