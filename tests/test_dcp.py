@@ -295,10 +295,14 @@ def test_failed_save_into_a_checkpoint_directory_keeps_that_checkpoint(tmp_path:
     fresh, fresh_opt = _plain()
     loaded = _load_into(fresh, fresh_opt, NvcompReader(tmp_path))
     assert_tree_equal(_full(fresh, fresh_opt, loaded["extra"]), ref, "kept")
-    # A save that succeeds replaces the checkpoint and removes the files it no longer uses.
-    dcp.save(_state(model, opt), storage_writer=NvcompWriter(tmp_path))
+    # A save that succeeds replaces the checkpoint and removes the files it no longer uses; one
+    # writer used for two saves names its files afresh each time.
+    writer = NvcompWriter(tmp_path)
+    dcp.save(_state(model, opt), storage_writer=writer)
+    first = {p.name for p in tmp_path.iterdir()}
+    dcp.save(_state(model, opt), storage_writer=writer)
     names = {p.name for p in tmp_path.iterdir()}
-    assert len(names) == 2 and not (names & (old_files - {".metadata"}))
+    assert len(first) == len(names) == 2 and not (names & (old_files | first) - {".metadata"})
 
 
 def test_fqn_classification() -> None:

@@ -130,6 +130,9 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         self.save_id = uuid.uuid4().hex[:12]
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # A fresh id for every save, also when one writer serves several saves (DCP calls
+        # reset() only when given a checkpoint_id): a save never reuses committed file names.
+        self.save_id = uuid.uuid4().hex[:12]
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         if kwargs.get("use_collectives", True) is False:
@@ -177,7 +180,7 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
                 if self.stream_wrapper is not None:
                     stream = self.stream_wrapper(stream)
                 writer = CheckpointWriter(stream, self.policy, where, workers=self.workers)
-                index, _, _ = writer.write(tree, {"dcp_rank": self.rank, "dcp_save_id": self.save_id})
+                index, _, _ = writer.write(tree, {"dcp_rank": self.rank, "dcp_file": name})
         stored = {entry.key: entry.stored_bytes for entry in index.tensors}
         return [
             WriteResult(index=item.index, size_in_bytes=stored[key], storage_data=StoredItem(name, key))
