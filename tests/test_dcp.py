@@ -77,6 +77,15 @@ def _sharded(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
+def _tensor_parallel(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = parallelize_module(_model(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
 def _plain() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = _model()
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -143,6 +152,15 @@ def _save_on_two(rank: int, world: int, tmp: str) -> None:
     if rank == 0:
         torch.save(full_async, root / "ref_async.pt")
     dist.barrier()
+
+    # A tensor-parallel layout: the first layer's rows and the second's columns split (Shard(0), Shard(1)).
+    tp_model, tp_opt = _tensor_parallel(world)
+    _train(tp_model, tp_opt, 1, 0)  # every rank sees the same batch, as tensor parallelism needs
+    tp_state = _state(tp_model, tp_opt)
+    dcp.save(tp_state, storage_writer=NvcompWriter(root / "tp"))
+    tp_full = _full(tp_model, tp_opt, tp_state["extra"])
+    if rank == 0:
+        torch.save(tp_full, root / "ref_tp.pt")
 
     # Round trips on 2 ranks, from ours and from the plain checkpoint, into fresh models.
     for name in ("ours", "plain"):
@@ -216,6 +234,13 @@ def test_two_ranks_to_one_without_process_group(two_rank_run: Path) -> None:
     model, opt = _plain()
     loaded = _load_into(model, opt, NvcompReader(two_rank_run / "ours"))
     assert_tree_equal(_full(model, opt, loaded["extra"]), ref, "2->1")
+
+
+def test_tensor_parallel_layout_loads_on_one_process(two_rank_run: Path) -> None:
+    ref = torch.load(two_rank_run / "ref_tp.pt", weights_only=True)
+    model, opt = _plain()
+    loaded = _load_into(model, opt, NvcompReader(two_rank_run / "tp"))
+    assert_tree_equal(_full(model, opt, loaded["extra"]), ref, "tensor parallel 2->1")
 
 
 def test_async_save_loads_bit_identical(two_rank_run: Path) -> None:
