@@ -7,8 +7,6 @@ take the same arguments and write (and read) that state compressed.
 
 from __future__ import annotations
 
-import os
-import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -18,6 +16,7 @@ from typing_extensions import override
 from nvcomp_checkpoint import CodecPolicy
 from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
 from nvcomp_checkpoint.errors import CheckpointError
+from nvcomp_checkpoint.storage import storage_for, write_errors
 
 try:
     from lightning.fabric.utilities.load import _METADATA_FILENAME
@@ -73,21 +72,19 @@ def _save_sharded(strategy: Any, converted: dict[str, Any], checkpoint: dict[str
     """
     import torch.distributed.checkpoint as dcp
 
-    meta = path / _METADATA_FILENAME
+    storage, _ = storage_for(str(path))
+    meta = str(path / _METADATA_FILENAME)
     if strategy.global_rank == 0:
-        if path.is_file():
-            path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
-        meta.unlink(missing_ok=True)
+        with write_errors(str(path), "preparing the checkpoint directory"):
+            if path.is_file():
+                storage.remove(str(path))
+            storage.makedirs(str(path))
+            storage.remove(meta)
     strategy.barrier("nvckpt_sharded_save_start")
     dcp.save(converted, storage_writer=NvcompWriter(path, policy, workers=workers))
     if strategy.global_rank == 0:
-        tmp = path / f".{_METADATA_FILENAME}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, meta)
+        with write_errors(meta), storage.open_write(meta) as stream:  # fsync + rename: the directory's commit
+            torch.save(checkpoint, stream)
     strategy.barrier("nvckpt_sharded_save_end")
 
 
