@@ -409,3 +409,24 @@ def test_fsspec_url_round_trip() -> None:
     fresh, fresh_opt = _plain()
     loaded = _load_into(fresh, fresh_opt, NvcompReader(url))
     assert_tree_equal(_full(fresh, fresh_opt, loaded["extra"]), _full(model, opt, {"step": 7, "note": "sharded"}), "memory://")
+
+
+def test_nvckpt_verify_checks_every_rank_file(two_rank_run: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    def verify(path: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "nvcomp_checkpoint.cli", "verify", str(path)], capture_output=True, text=True, timeout=120)
+
+    ok = verify(two_rank_run / "ours")
+    assert ok.returncode == 0 and "2 files" in ok.stdout, ok.stdout + ok.stderr
+    damaged = tmp_path / "damaged"
+    shutil.copytree(two_rank_run / "ours", damaged)
+    rank_file = sorted(damaged.glob("__0_*.nvcdcp"))[0]
+    with nc.open(rank_file) as reader:
+        frame = reader.entry("optim.state.0.weight.exp_avg").frames[-1]
+    data = bytearray(rank_file.read_bytes())
+    data[frame.offset] ^= 0x01
+    rank_file.write_bytes(bytes(data))
+    bad = verify(damaged)
+    assert bad.returncode == 1 and "optim.state.0.weight.exp_avg" in bad.stdout and rank_file.name in bad.stdout, bad.stdout + bad.stderr
