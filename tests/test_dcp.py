@@ -430,3 +430,32 @@ def test_nvckpt_verify_checks_every_rank_file(two_rank_run: Path, tmp_path: Path
     rank_file.write_bytes(bytes(data))
     bad = verify(damaged)
     assert bad.returncode == 1 and "optim.state.0.weight.exp_avg" in bad.stdout and rank_file.name in bad.stdout, bad.stdout + bad.stderr
+
+
+def test_plain_directory_compressed_and_back(two_rank_run: Path, tmp_path: Path) -> None:
+    from nvcomp_checkpoint.dcp import compress_directory, decompress_directory
+
+    ref = torch.load(two_rank_run / "ref.pt", weights_only=True)
+    compress_directory(two_rank_run / "plain", tmp_path / "ours")
+    assert is_compressed_dcp_checkpoint(tmp_path / "ours") and len(list((tmp_path / "ours").glob("*.nvcdcp"))) == 2
+    decompress_directory(tmp_path / "ours", tmp_path / "plain")
+    for name, reader in (("ours", NvcompReader(tmp_path / "ours")), ("plain", dcp.FileSystemReader(tmp_path / "plain"))):
+        model, opt = _plain()
+        loaded = _load_into(model, opt, reader)
+        assert_tree_equal(_full(model, opt, loaded["extra"]), ref, name)
+    with pytest.raises(CheckpointError, match="already holds"):
+        compress_directory(two_rank_run / "plain", tmp_path / "ours")
+
+
+def test_zstandard_extension_directory_compressed(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    from nvcomp_checkpoint.dcp import compress_directory
+
+    model, opt = _plain()
+    _train(model, opt, 1, 0)
+    dcp.save(_state(model, opt), storage_writer=dcp.FileSystemWriter(tmp_path / "zstd", _extensions=[ZStandard()]))
+    compress_directory(tmp_path / "zstd", tmp_path / "ours")
+    fresh, fresh_opt = _plain()
+    loaded = _load_into(fresh, fresh_opt, NvcompReader(tmp_path / "ours"))
+    assert_tree_equal(_full(fresh, fresh_opt, loaded["extra"]), _full(model, opt, {"step": 7, "note": "sharded"}), "zstd->ours")

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from .convert import compress_directory, decompress_directory
 from .layout import StoredItem
 from .reader import NvcompReader, is_compressed_dcp_checkpoint, read_stored_metadata
 from .writer import FqnPolicy, NvcompWriter, fqn_component
@@ -18,4 +19,6 @@ __all__ = [
     "fqn_component",
     "is_compressed_dcp_checkpoint",
     "read_stored_metadata",
+    "compress_directory",
+    "decompress_directory",
 ]

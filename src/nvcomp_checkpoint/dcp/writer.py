@@ -27,10 +27,12 @@ from ..writer import CheckpointWriter
 from .layout import METADATA_NAME, StoredItem, encode_metadata, join, shard_name
 from .reader import read_stored_metadata
 
-__all__ = ["NvcompWriter", "FqnPolicy", "fqn_component"]
+__all__ = ["NvcompWriter", "FqnPolicy", "fqn_component", "bytes_key", "unique_key"]
 
 #: The version ``FileSystemWriter`` records (torch.distributed.checkpoint.filesystem).
 DCP_VERSION = "1.0.0"
+#: Keys of byte entries in a rank file start with this (never a tensor FQN: DCP names are dotted).
+_BYTES_PREFIX = "bytes:"
 
 
 def fqn_component(fqn: str) -> Component:
@@ -60,24 +62,32 @@ class FqnPolicy(CodecPolicy):
         return cls(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(CodecPolicy)})
 
 
-#: Keys of byte entries in a rank file start with this (never a tensor FQN: DCP names are dotted).
-_BYTES_PREFIX = "bytes:"
+def bytes_key(fqn: str) -> str:
+    """The key of a non-tensor (pickled) item in a rank file."""
+    return _BYTES_PREFIX + fqn
 
 
-def _item_key(item: WriteItem, used: set[str]) -> str:
-    """The key of a write item in its rank file: the FQN, with the chunk offsets when a rank
-    holds several chunks of one tensor."""
-    base = (_BYTES_PREFIX if item.type == WriteItemType.BYTE_IO else "") + item.index.fqn
+def unique_key(base: str, offsets: tuple[Any, ...], used: set[str]) -> str:
+    """``base``, or ``base@<offsets>`` when a rank holds several chunks of one tensor (``#2`` ...
+    appended if that is taken too); added to ``used``."""
     key = base
     if key in used:
-        offsets = item.tensor_data.chunk.offsets if item.tensor_data is not None else (item.index.index,)
-        key = f"{base}@{','.join(str(int(o)) for o in offsets)}"
+        tail = ",".join(str(o) for o in offsets)
+        key = f"{base}@{tail}"
         n = 1
         while key in used:
             n += 1
-            key = f"{base}@{','.join(str(int(o)) for o in offsets)}#{n}"
+            key = f"{base}@{tail}#{n}"
     used.add(key)
     return key
+
+
+def _item_key(item: WriteItem, used: set[str]) -> str:
+    """The key of a write item in its rank file: its FQN (see :func:`unique_key`)."""
+    if item.type == WriteItemType.BYTE_IO:
+        return unique_key(bytes_key(item.index.fqn), (item.index.index,), used)
+    offsets = tuple(int(o) for o in item.tensor_data.chunk.offsets) if item.tensor_data is not None else (item.index.index,)
+    return unique_key(item.index.fqn, offsets, used)
 
 
 class NvcompWriter(StorageWriter, BlockingAsyncStager):
