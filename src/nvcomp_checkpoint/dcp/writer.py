@@ -141,7 +141,8 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         # A fresh id for every save, also when one writer serves several saves (DCP calls
-        # reset() only when given a checkpoint_id): a save never reuses committed file names.
+        # reset() only when given a checkpoint_id): a save never reuses committed file names,
+        # so a checkpoint in the directory stays whole until the new .metadata replaces it.
         self.save_id = uuid.uuid4().hex[:12]
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
@@ -158,8 +159,9 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # The coordinator names every rank's file, with its own save id: one id per save.
-        return [dataclasses.replace(plan, storage_data=shard_name(i, self.save_id)) for i, plan in enumerate(plans)]
+        # Each rank names its own file (rank and a save id of its own): nothing rides in the
+        # plan, which DCP's plan caching may replay from an earlier save.
+        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fut: Future[list[WriteResult]] = Future()
@@ -169,7 +171,7 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
     def _write_rank_file(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         if not plan.items:
             return []
-        name = plan.storage_data if isinstance(plan.storage_data, str) else shard_name(self.rank, self.save_id)
+        name = shard_name(self.rank, self.save_id)
         used: set[str] = set()
         keyed: list[tuple[WriteItem, str]] = [(item, _item_key(item, used)) for item in plan.items]
         tree: dict[str, torch.Tensor] = {}
