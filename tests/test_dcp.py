@@ -404,7 +404,7 @@ def test_fsspec_url_round_trip() -> None:
     model, opt = _plain()
     _train(model, opt, 1, 0)
     url = "memory://nvckpt-dcp-test/ckpt"
-    dcp.save(_state(model, opt), storage_writer=NvcompWriter(url))
+    dcp.save(_state(model, opt), checkpoint_id=url, storage_writer=NvcompWriter())
     assert is_compressed_dcp_checkpoint(url)
     fresh, fresh_opt = _plain()
     loaded = _load_into(fresh, fresh_opt, NvcompReader(url))

@@ -72,7 +72,7 @@ class NvcompReader(StorageReader):
     decodes each stored shard it needs once per load step and copies the requested slices.
 
     Args:
-        path: The checkpoint directory (local path or fsspec URL).
+        path: The checkpoint directory (local path or fsspec URL); or ``dcp.load(..., checkpoint_id=path)``.
         storage_options: Passed to fsspec for URLs.
         workers: Decompression threads per rank.
 
@@ -82,10 +82,10 @@ class NvcompReader(StorageReader):
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, workers: int | None = None
+        self, path: str | os.PathLike[str] | None = None, *, storage_options: dict[str, Any] | None = None, workers: int | None = None
     ) -> None:
         super().__init__()
-        self.path = os.fspath(path)
+        self.path = os.fspath(path) if path is not None else ""
         self.storage_options = storage_options
         self.workers = workers
         self.storage_data: dict[Any, Any] = {}
@@ -102,6 +102,8 @@ class NvcompReader(StorageReader):
     def read_metadata(self, *args: Any) -> Metadata:  # type: ignore[override]
         # No **kwargs: DCP then does not look for per-rank metadata (saves without collectives),
         # which NvcompWriter never writes, and reports only the real reason a load cannot start.
+        if not self.path:
+            raise CheckpointError("NvcompReader has no directory: pass NvcompReader(path) or dcp.load(..., checkpoint_id=path)")
         metadata = read_stored_metadata(self.path, self.storage_options)
         if metadata is None:
             storage, spath = storage_for(self.path, self.storage_options)

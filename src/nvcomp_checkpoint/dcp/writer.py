@@ -99,7 +99,8 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
     with :class:`~nvcomp_checkpoint.dcp.NvcompReader`.
 
     Args:
-        path: The checkpoint directory (local path or fsspec URL); created if missing.
+        path: The checkpoint directory (local path or fsspec URL); created if missing. May be
+            left out when ``dcp.save(..., checkpoint_id=path)`` gives it.
         policy: Codec settings per component; DCP names such as ``optim.state.layer.weight.exp_avg``
             are classified as ``exp_avg``; ``patterns`` and ``overrides`` globs match dotted names.
         workers: Compression threads per rank (default: every core, at most 16).
@@ -114,7 +115,7 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None = None,
         policy: CodecPolicy | None = None,
         *,
         workers: int | None = None,
@@ -124,7 +125,7 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
     ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
-        self.path = os.fspath(path)
+        self.path = os.fspath(path) if path is not None else ""
         self.policy = FqnPolicy.of(policy or CodecPolicy())
         self.workers = workers
         self.storage_options = storage_options
@@ -146,6 +147,8 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         self.save_id = uuid.uuid4().hex[:12]
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
+        if not self.path:
+            raise CheckpointError("NvcompWriter has no directory: pass NvcompWriter(path) or dcp.save(..., checkpoint_id=path)")
         if kwargs.get("use_collectives", True) is False:
             raise CheckpointError(
                 f"{self.path}: NvcompWriter needs DCP's collectives (one .metadata for all ranks, written last); "
