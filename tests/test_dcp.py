@@ -182,6 +182,22 @@ def _reshard_to_three(rank: int, world: int, tmp: str) -> None:
     # Saved on 3 ranks in turn (loaded 3 -> 1 by the test process).
     dcp.save(_state(model, opt), storage_writer=NvcompWriter(root / "ours3"))
 
+    # A ShardedTensor (FSDP1's sharded state dict) whose rank 0 holds two chunks of it.
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu", "rank:2/cpu", "rank:0/cpu"])
+    st = sharded_tensor.empty(spec, 10, 6)
+    for shard in st.local_shards():
+        offset = shard.metadata.shard_offsets[0]
+        rows = shard.tensor.shape[0]
+        shard.tensor.copy_(_sharded_tensor_value()[offset : offset + rows])
+    dcp.save({"st": st}, storage_writer=NvcompWriter(root / "sharded_tensor"))
+
+
+def _sharded_tensor_value() -> torch.Tensor:
+    return torch.arange(60, dtype=torch.float64).reshape(10, 6) / 8  # exact in any thread count
+
 
 def _killed_mid_save(rank: int, world: int, tmp: str) -> None:
     root = Path(tmp)
@@ -257,6 +273,16 @@ def test_two_ranks_to_three_and_three_to_one(two_rank_run: Path) -> None:
     model, opt = _plain()
     loaded = _load_into(model, opt, NvcompReader(two_rank_run / "ours3"))
     assert_tree_equal(_full(model, opt, loaded["extra"]), ref, "3->1")
+
+
+def test_sharded_tensor_with_two_chunks_on_a_rank_loads_on_one_process(two_rank_run: Path) -> None:
+    files = sorted((two_rank_run / "sharded_tensor").glob("__0_*.nvcdcp"))
+    assert len(files) == 1
+    with nc.open(files[0]) as reader:
+        assert sorted(reader.keys()) == ["st", "st@9,0"]  # the second chunk of rank 0, by its offsets
+    state = {"st": torch.zeros(10, 6, dtype=torch.float64)}
+    dcp.load(state, storage_reader=NvcompReader(two_rank_run / "sharded_tensor"))
+    assert torch.equal(state["st"], _sharded_tensor_value())
 
 
 def test_stock_reader_is_told_to_use_nvcomp_reader(two_rank_run: Path) -> None:
