@@ -134,7 +134,12 @@ def decode_metadata(data: bytes, where: str) -> Any:
 
 #: What a DCP ``Metadata`` pickle may build: DCP's metadata classes, torch sizes, dtypes and
 #: layouts, paths (``StorageMeta.checkpoint_id``) and the storage records of both writers.
-_ALLOWED_MODULE_PREFIXES = ("torch.distributed.checkpoint.metadata",)
+_ALLOWED_MODULE_PREFIXES = (
+    "torch.distributed.checkpoint.metadata",
+    # Where older torch releases kept TensorProperties and shard metadata (checkpoints they wrote).
+    "torch.distributed._shard.sharded_tensor.metadata",
+    "torch.distributed._shard.metadata",
+)
 _ALLOWED = {
     ("torch", "Size"),
     ("torch._utils", "_get_layout"),
