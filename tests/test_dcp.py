@@ -437,15 +437,15 @@ def test_fsspec_url_round_trip() -> None:
     assert_tree_equal(_full(fresh, fresh_opt, loaded["extra"]), _full(model, opt, {"step": 7, "note": "sharded"}), "memory://")
 
 
-def test_nvckpt_verify_checks_every_rank_file(two_rank_run: Path, tmp_path: Path) -> None:
-    import subprocess
-    import sys
+def test_nvckpt_verify_checks_every_rank_file(two_rank_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from nvcomp_checkpoint.cli.main import main
 
-    def verify(path: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "nvcomp_checkpoint.cli", "verify", str(path)], capture_output=True, text=True, timeout=120)
+    def verify(path: Path) -> tuple[int, str]:
+        code = main(["verify", str(path)])
+        return code, capsys.readouterr().out
 
-    ok = verify(two_rank_run / "ours")
-    assert ok.returncode == 0 and "2 files" in ok.stdout, ok.stdout + ok.stderr
+    code, out = verify(two_rank_run / "ours")
+    assert code == 0 and "2 files" in out, out
     damaged = tmp_path / "damaged"
     shutil.copytree(two_rank_run / "ours", damaged)
     rank_file = sorted(damaged.glob("__0_*.nvcdcp"))[0]
@@ -454,8 +454,8 @@ def test_nvckpt_verify_checks_every_rank_file(two_rank_run: Path, tmp_path: Path
     data = bytearray(rank_file.read_bytes())
     data[frame.offset] ^= 0x01
     rank_file.write_bytes(bytes(data))
-    bad = verify(damaged)
-    assert bad.returncode == 1 and "optim.state.0.weight.exp_avg" in bad.stdout and rank_file.name in bad.stdout, bad.stdout + bad.stderr
+    code, out = verify(damaged)
+    assert code == 1 and "optim.state.0.weight.exp_avg" in out and rank_file.name in out, out
 
 
 def test_plain_directory_compressed_and_back(two_rank_run: Path, tmp_path: Path) -> None:
