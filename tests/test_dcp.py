@@ -36,8 +36,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 # -- helpers shared by the ranks and the test process ------------------------------------------
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    # 48 and 40 rows shard unevenly over 3 ranks: resharding crosses shard boundaries.
-    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
+    # 48 and 40 rows shard unevenly over 3 ranks (resharding crosses shard boundaries); the 2 rows
+    # of the last layer leave the third rank an empty shard.
+    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 2))
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, rank: int) -> list[float]:
