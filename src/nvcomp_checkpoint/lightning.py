@@ -17,3 +17,4 @@ from .integrations.lightning import (
 )
 
 __all__ = ["NvcompCheckpointIO", "NvcompCheckpointMetrics", "NvcompModelCheckpoint", "NvcompModelCheckpointMixin", "load_from_checkpoint", "report_metrics", "STORAGE_OPTION_KEYS"]
+from .integrations.lightning_sharded import NvcompFSDPStrategy, NvcompModelParallelStrategy, check_sharded_checkpoint_io  # noqa: E402,F401 - sharded strategies

@@ -240,6 +240,25 @@ class CheckpointReader:
                 tensors.append(self._finish(done, finish(), map_location))
         return unflatten(skeleton, lambda i: _lookup(tensors, i, self.path))
 
+    def read_many(self, keys: list[str], map_location: MapLocation = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(key, tensor)`` for each of ``keys`` in that order, decoded ahead on one worker pool
+        (as :meth:`load` does), for callers that want many tensors but not the whole tree."""
+        with worker_pool(self.workers, "nvckpt-decode") as pool:
+            pending: deque[tuple[str, TensorEntry, Callable[[], torch.Tensor], int]] = deque()
+            ahead = 0
+            for key in keys:
+                entry = self.entry(key)
+                device = _check_device(_target_device(entry, map_location), entry, self.path)
+                pending.append((key, entry, self._start_decode(entry, device, pool), entry.stored_bytes))
+                ahead += entry.stored_bytes
+                while pending and (ahead > READ_AHEAD_BYTES or len(pending) > READ_AHEAD_TENSORS):
+                    done_key, done, finish, size = pending.popleft()
+                    ahead -= size
+                    yield done_key, self._finish(done, finish(), map_location)
+            while pending:
+                done_key, done, finish, _ = pending.popleft()
+                yield done_key, self._finish(done, finish(), map_location)
+
     def verify(self) -> Iterator[tuple[TensorEntry, Exception | None]]:
         """Decode every tensor on the CPU; yields ``(entry, error or None)`` for each."""
         self._read_frame_bytes(self.index.skeleton, "the object tree")
