@@ -9,7 +9,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import errors
-from .api import is_nvcomp_checkpoint, load, open, save
+from .api import VerifyProblem, VerifyResult, is_nvcomp_checkpoint, load, open, save, verify
 from .async_save import AsyncSaveHandle, AsyncSaver, has_pending_save, save_async, wait_for_saves
 from .codecs import GPU_ONLY_CODECS, PORTABLE_CODECS, gpu_available
 from .errors import CheckpointError
@@ -22,6 +22,9 @@ __all__ = [
     "save",
     "load",
     "open",
+    "verify",
+    "VerifyResult",
+    "VerifyProblem",
     "is_nvcomp_checkpoint",
     "save_async",
     "wait_for_saves",

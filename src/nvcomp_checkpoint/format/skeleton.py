@@ -11,13 +11,19 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import pickletools
+import struct
+import zipfile
 from typing import Any, Callable
 
 import torch
 
 from ..errors import FormatError, UnsafeCheckpointError, UnsupportedObjectError
 
-__all__ = ["TensorRef", "flatten", "tensor_paths", "unflatten", "encode_skeleton", "decode_skeleton", "weights_only_detail"]
+__all__ = [
+    "TensorRef", "flatten", "tensor_paths", "check_skeleton", "unflatten", "encode_skeleton", "decode_skeleton",
+    "weights_only_detail", "MAX_TREE_DEPTH", "MAX_TREE_NODES", "MAX_PICKLE_NESTING",
+]
 
 
 class TensorRef:
@@ -47,6 +53,50 @@ def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
+#: Containers deeper than this are refused by the writer (UnsupportedObjectError) and by the
+#: reader (FormatError): torch.save's C pickler recurses once per level and stops near 1000
+#: levels anyway, and a reader must not hand a user a tree that breaks recursive code.
+MAX_TREE_DEPTH = 500
+#: Items (containers, tensors and plain values inside dicts, lists and tuples) a tree may hold,
+#: and path components that the tensor paths of a tree may add up to. A model with a million
+#: tensors and its Adam state stays well under it.
+MAX_TREE_NODES = 1 << 24
+#: Nesting of tuples inside a weights-only pickle: hashing a tuple recurses in C without a
+#: guard, so a dict key of tuples nested 100,000 deep crashes the interpreter. A little over
+#: the tree depth, for the argument tuples pickle wraps around values.
+MAX_PICKLE_NESTING = MAX_TREE_DEPTH + 16
+
+_CONTAINERS = (dict, list, tuple)
+
+
+class _Level:
+    """One container being walked: where it hangs in its parent, and its copy or new items."""
+
+    __slots__ = ("node", "items", "out", "parent", "key", "depth", "changed")
+
+    def __init__(self, node: Any, items: Any, out: Any, parent: "_Level | None", key: Any, depth: int) -> None:
+        self.node, self.items, self.out, self.parent, self.key, self.depth = node, items, out, parent, key, depth
+        self.changed = False
+
+
+def _path_of(level: _Level | None, key: Any) -> tuple[Any, ...]:
+    parts = [key]
+    while level is not None and level.parent is not None:
+        parts.append(level.key)
+        level = level.parent
+    return tuple(reversed(parts))
+
+
+def _rebuilt_tuple(node: tuple[Any, ...], items: list[Any]) -> tuple[Any, ...]:
+    if hasattr(node, "_fields"):  # namedtuple
+        return type(node)(*items)
+    return type(node)(items) if type(node) is not tuple else tuple(items)
+
+
+def _items(node: Any) -> Any:
+    return iter(list(node.items())) if isinstance(node, dict) else enumerate(node)
+
+
 def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[Any, ...], torch.Tensor]]]:
     """Split ``obj`` into a skeleton and its tensors.
 
@@ -59,25 +109,18 @@ def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[
         ``TensorRef(i)`` where the tensor was. Containers are copied, tensors are not.
 
     Raises:
-        UnsupportedObjectError: A container holds itself, or a lazy module's parameter has not
-            been initialized.
+        UnsupportedObjectError: A container holds itself, the tree is deeper than
+            :data:`MAX_TREE_DEPTH` or holds more than :data:`MAX_TREE_NODES` items, or a lazy
+            module's parameter has not been initialized.
     """
     tensors: list[tuple[tuple[Any, ...], torch.Tensor]] = []
     seen: dict[tuple[Any, ...], int] = {}
     open_containers: set[int] = set()
+    count = 0
 
-    def walk(node: Any, path: tuple[Any, ...]) -> Any:
-        if isinstance(node, (dict, list, tuple)):
-            if id(node) in open_containers:
-                raise UnsupportedObjectError(
-                    f"{where}: the checkpoint tree contains itself at {_path_text(path)}; remove the cycle before saving"
-                )
-            open_containers.add(id(node))
-            try:
-                return walk_container(node, path)
-            finally:
-                open_containers.discard(id(node))
+    def leaf(node: Any, level: _Level | None, key: Any) -> Any:
         if isinstance(node, torch.Tensor):
+            path = _path_of(level, key) if level is not None else ()
             if isinstance(node, torch.nn.parameter.UninitializedTensorMixin):
                 raise UnsupportedObjectError(
                     f"{where}: tensor {_path_text(path)} is a lazy module's parameter that is not initialized "
@@ -102,74 +145,186 @@ def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[
             return TensorRef(index)
         return node
 
-    def walk_container(node: Any, path: tuple[Any, ...]) -> Any:
+    def open_level(node: Any, parent: _Level | None, key: Any, depth: int) -> _Level:
+        if id(node) in open_containers:
+            path = _path_of(parent, key) if parent is not None else ()
+            raise UnsupportedObjectError(
+                f"{where}: the checkpoint tree contains itself at {_path_text(path)}; remove the cycle before saving"
+            )
+        if depth > MAX_TREE_DEPTH:
+            raise UnsupportedObjectError(
+                f"{where}: the checkpoint tree nests containers more than {MAX_TREE_DEPTH} deep (at "
+                f"{_path_text(_path_of(parent, key))[:200]}); flatten it before saving"
+            )
+        open_containers.add(id(node))
         if isinstance(node, dict):
-            new = node.copy() if type(node) in (dict,) else copy.copy(node)
-            for key, value in node.items():
-                new[key] = walk(value, path + (key,))
-            return new
-        if isinstance(node, list):
-            new_list = copy.copy(node) if type(node) is not list else list(node)
-            for i, value in enumerate(node):
-                new_list[i] = walk(value, path + (i,))
-            return new_list
-        if isinstance(node, tuple):
-            items = [walk(value, path + (i,)) for i, value in enumerate(node)]
-            if hasattr(node, "_fields"):  # namedtuple
-                return type(node)(*items)
-            return type(node)(items) if type(node) is not tuple else tuple(items)
-        return node
+            out: Any = node.copy() if type(node) is dict else copy.copy(node)
+        elif isinstance(node, list):
+            out = copy.copy(node) if type(node) is not list else list(node)
+        else:
+            out = list(node)
+        return _Level(node, _items(node), out, parent, key, depth)
 
-    return walk(obj, ()), tensors
+    if not isinstance(obj, _CONTAINERS):
+        return leaf(obj, None, None), tensors
+    stack = [open_level(obj, None, None, 1)]
+    result: Any = None
+    while stack:
+        level = stack[-1]
+        for key, value in level.items:
+            count += 1
+            if count > MAX_TREE_NODES:
+                raise UnsupportedObjectError(
+                    f"{where}: the checkpoint tree holds more than {MAX_TREE_NODES} items; "
+                    "store large collections of numbers as tensors"
+                )
+            if isinstance(value, _CONTAINERS):
+                stack.append(open_level(value, level, key, level.depth + 1))
+                break
+            level.out[key] = leaf(value, level, key)
+        else:
+            stack.pop()
+            open_containers.discard(id(level.node))
+            done = _rebuilt_tuple(level.node, level.out) if isinstance(level.node, tuple) else level.out
+            if stack:
+                stack[-1].out[level.key] = done
+            else:
+                result = done
+    return result, tensors
 
 
 def _path_text(path: tuple[Any, ...]) -> str:
     return repr("/".join(str(p) for p in path)) if path else "its root"
 
 
-def tensor_paths(skeleton: Any) -> list[tuple[tuple[Any, ...], int]]:
+def _walk_skeleton(
+    skeleton: Any, where: str, tensor_count: int | None, on_ref: Callable[[int, _Level | None, Any], Any], rebuild: bool
+) -> Any:
+    """Visit every :class:`TensorRef` of a skeleton once, without recursion; returns the new root.
+
+    ``on_ref(index, level, key)`` gives the value that replaces the reference when ``rebuild``
+    (dicts and lists are changed in place, tuples rebuilt). A non-empty container reached twice
+    (shared, or a cycle: the writer copies every container, so only a forged file has one), a
+    tree deeper than :data:`MAX_TREE_DEPTH`, more than :data:`MAX_TREE_NODES` items, and a
+    reference that is not ``TensorRef(i)`` with ``0 <= i < tensor_count`` are refused, so the
+    work is linear in the size of the tree whatever its shape.
+
+    Raises:
+        FormatError: The tree breaks one of these rules.
+    """
+    seen: set[int] = set()
+    count = 0
+
+    def ref(node: TensorRef, level: _Level | None, key: Any) -> Any:
+        index = getattr(node, "index", None)
+        if type(index) is not int or index < 0 or (tensor_count is not None and index >= tensor_count):
+            path = _path_of(level, key) if level is not None else ()
+            held = f"; the index holds {tensor_count}" if tensor_count is not None else ""
+            raise FormatError(
+                f"{where}: the checkpoint's object tree refers to tensor {_short(index)} at {_path_text(path)[:200]}"
+                f"{held}; the file is corrupt or forged"
+            )
+        return on_ref(index, level, key)
+
+    if isinstance(skeleton, TensorRef):
+        return ref(skeleton, None, None)
+    if not isinstance(skeleton, _CONTAINERS) or not skeleton:
+        return skeleton
+    seen.add(id(skeleton))
+    stack = [_Level(skeleton, _items(skeleton), None, None, None, 1)]
+    result: Any = skeleton
+    while stack:
+        level = stack[-1]
+        for key, value in level.items:
+            count += 1
+            if count > MAX_TREE_NODES:
+                raise FormatError(f"{where}: the checkpoint's object tree holds more than {MAX_TREE_NODES} items; the file is corrupt or forged")
+            if isinstance(value, TensorRef):
+                new = ref(value, level, key)
+            elif isinstance(value, _CONTAINERS) and value:
+                if id(value) in seen:
+                    raise FormatError(
+                        f"{where}: the checkpoint's object tree reaches one {type(value).__name__} twice (at "
+                        f"{_path_text(_path_of(level, key))[:200]}); a writer copies every container, so the file is "
+                        "corrupt or forged"
+                    )
+                if level.depth >= MAX_TREE_DEPTH:
+                    raise FormatError(
+                        f"{where}: the checkpoint's object tree nests containers more than {MAX_TREE_DEPTH} deep; "
+                        "the file is corrupt or forged"
+                    )
+                seen.add(id(value))
+                stack.append(_Level(value, _items(value), None, level, key, level.depth + 1))
+                break
+            else:
+                continue
+            if rebuild and new is not value:
+                _put(level, key, new)
+        else:
+            stack.pop()
+            done = level.node
+            if rebuild and level.changed and isinstance(done, tuple):
+                done = _rebuilt_tuple(done, level.out)
+            if not stack:
+                result = done
+            elif rebuild and done is not level.node:
+                _put(stack[-1], level.key, done)
+    return result
+
+
+def _put(level: _Level, key: Any, value: Any) -> None:
+    if isinstance(level.node, tuple):
+        if level.out is None:
+            level.out = list(level.node)
+        level.out[key] = value
+        level.changed = True
+    else:
+        level.node[key] = value
+
+
+def _short(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a forged object's repr may raise anything
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def tensor_paths(skeleton: Any, where: str = "checkpoint", tensor_count: int | None = None) -> list[tuple[tuple[Any, ...], int]]:
     """``(path, tensor index)`` of every :class:`TensorRef` in a skeleton, in tree order.
 
     A tensor reached by several paths (tied weights) is listed once per path.
+
+    Raises:
+        FormatError: The tree breaks a rule of :func:`_walk_skeleton`, or its paths add up to
+            more than :data:`MAX_TREE_NODES` components.
     """
     found: list[tuple[tuple[Any, ...], int]] = []
+    budget = [MAX_TREE_NODES]
 
-    def walk(node: Any, path: tuple[Any, ...]) -> None:
-        if isinstance(node, TensorRef):
-            found.append((path, node.index))
-        elif isinstance(node, dict):
-            for key, value in node.items():
-                walk(value, path + (key,))
-        elif isinstance(node, (list, tuple)):
-            for i, value in enumerate(node):
-                walk(value, path + (i,))
+    def collect(index: int, level: _Level | None, key: Any) -> None:
+        path = _path_of(level, key) if level is not None else ()
+        budget[0] -= len(path) + 1
+        if budget[0] < 0:
+            raise FormatError(f"{where}: the checkpoint's object tree names its tensors by paths too long to list; the file is corrupt or forged")
+        found.append((path, index))
 
-    walk(skeleton, ())
+    _walk_skeleton(skeleton, where, tensor_count, collect, rebuild=False)
     return found
 
 
-def unflatten(skeleton: Any, resolve: Callable[[int], Any]) -> Any:
-    """Inverse of :func:`flatten`: ``TensorRef(i)`` replaced by ``resolve(i)``."""
+def check_skeleton(skeleton: Any, tensor_count: int, where: str) -> None:
+    """Raise :class:`FormatError` unless ``load`` would accept the tree (see :func:`_walk_skeleton`)."""
+    _walk_skeleton(skeleton, where, tensor_count, lambda *_: None, rebuild=False)
 
-    def walk(node: Any) -> Any:
-        if isinstance(node, TensorRef):
-            return resolve(node.index)
-        if isinstance(node, dict):
-            for key, value in node.items():
-                node[key] = walk(value)
-            return node
-        if isinstance(node, list):
-            for i, value in enumerate(node):
-                node[i] = walk(value)
-            return node
-        if isinstance(node, tuple):
-            items = [walk(v) for v in node]
-            if hasattr(node, "_fields"):
-                return type(node)(*items)
-            return type(node)(items) if type(node) is not tuple else tuple(items)
-        return node
 
-    return walk(skeleton)
+def unflatten(skeleton: Any, resolve: Callable[[int], Any], *, where: str = "checkpoint", tensor_count: int | None = None) -> Any:
+    """Inverse of :func:`flatten`: ``TensorRef(i)`` replaced by ``resolve(i)``.
+
+    Raises:
+        FormatError: The tree breaks a rule of :func:`_walk_skeleton`.
+    """
+    return _walk_skeleton(skeleton, where, tensor_count, lambda index, *_: resolve(index), rebuild=True)
 
 
 def encode_skeleton(skeleton: Any) -> bytes:
@@ -185,10 +340,20 @@ def encode_skeleton(skeleton: Any) -> bytes:
 def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
     """Deserialize a skeleton; with ``weights_only`` nothing but safe types is constructed.
 
+    With ``weights_only`` the pickle is first scanned (:func:`_check_weights_only_pickle`) for
+    what the weights-only unpickler would build but the interpreter cannot survive.
+
     Raises:
         UnsafeCheckpointError: the skeleton holds objects that ``weights_only`` refuses.
         FormatError: the bytes are not a skeleton.
     """
+    corrupt = f"{where}: the checkpoint's object tree is corrupt"
+    if not data.startswith(_ZIP_MAGIC):
+        # torch.save's zip archive is what every writer of this format stores; anything else
+        # (a legacy torch pickle, random bytes) is damage, not an object the rules refuse.
+        raise FormatError(f"{corrupt}: it is not a torch.save archive (it starts with {bytes(data[:8])!r})")
+    if weights_only:
+        _check_weights_only_pickle(_archive_pickle(data, corrupt), corrupt)
     try:
         if weights_only:
             # Added for good, never removed: the ``safe_globals`` context manager edits one
@@ -197,16 +362,139 @@ def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except pickle.UnpicklingError as exc:
-        if weights_only and "Weights only load failed" in str(exc):
+        if weights_only and "Weights only load failed" in str(exc) and "Unsupported operand" not in str(exc):
             detail = weights_only_detail(exc)
             raise UnsafeCheckpointError(
                 f"{where}: the checkpoint holds Python objects that a weights-only load refuses "
                 f"({detail}). If you trust this file, load it with weights_only=False, or allow "
                 "the type with torch.serialization.add_safe_globals([...])."
             ) from exc
-        raise FormatError(f"{where}: the checkpoint's object tree is corrupt: {exc}") from exc
-    except (RuntimeError, EOFError, ValueError, KeyError, AttributeError, TypeError) as exc:
-        raise FormatError(f"{where}: the checkpoint's object tree is corrupt: {exc}") from exc
+        raise FormatError(f"{corrupt}: {weights_only_detail(exc)}") from exc
+    except (RuntimeError, EOFError, ValueError, KeyError, AttributeError, TypeError, IndexError, MemoryError) as exc:
+        raise FormatError(f"{corrupt}: {type(exc).__name__}: {str(exc)[:300]}") from exc
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _archive_pickle(data: bytes, corrupt: str) -> bytes:
+    """The ``data.pkl`` record of a torch.save archive, which torch reads the tree from."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            infos = archive.infolist()
+            names = [info.filename for info in infos]
+            picks = [info for info in infos if info.filename.endswith("/data.pkl") or info.filename == "data.pkl"]
+            if len(picks) != 1 or len(set(names)) != len(names):
+                raise FormatError(f"{corrupt}: its archive holds {len(picks)} data.pkl records among {len(names)} names")
+            # torch writes records uncompressed; a deflated one could expand without bound.
+            if picks[0].compress_type != zipfile.ZIP_STORED or picks[0].file_size > len(data):
+                raise FormatError(f"{corrupt}: its data.pkl record is compressed or larger than the archive")
+            return archive.read(picks[0])
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError, RuntimeError, NotImplementedError) as exc:
+        raise FormatError(f"{corrupt}: not a readable archive ({exc})") from exc
+
+
+# Opcodes the weights-only unpickler executes (torch/_weights_only_unpickler.py), by their
+# argument: a fixed number of bytes, or a length prefix of 1 or 4 bytes.
+_FIXED_ARG = {
+    b"\x80"[0]: 1, b"J"[0]: 4, b"K"[0]: 1, b"M"[0]: 2, b"G"[0]: 8, b"h"[0]: 1, b"j"[0]: 4, b"q"[0]: 1, b"r"[0]: 4,
+    b"\x81"[0]: 0, b"R"[0]: 0, b"b"[0]: 0, b"a"[0]: 0, b"e"[0]: 0, b"s"[0]: 0, b"u"[0]: 0, b"("[0]: 0,
+    b"t"[0]: 0, b"\x85"[0]: 0, b"\x86"[0]: 0, b"\x87"[0]: 0, b"N"[0]: 0, b"\x89"[0]: 0, b"\x88"[0]: 0,
+    b")"[0]: 0, b"]"[0]: 0, b"}"[0]: 0, b"\x8f"[0]: 0, b"Q"[0]: 0, b"."[0]: 0,
+}
+# Tags kept with each simulated stack value, next to its tuple nesting (value >> 3).
+_INT, _BYTEARRAY, _INT_FIRST = 1, 2, 4
+
+
+def _check_weights_only_pickle(pkl: bytes, corrupt: str) -> None:
+    """Refuse, before torch builds anything, a pickle that would crash or exhaust the process.
+
+    A linear pass over the opcodes that simulates the unpickler's stack with a tuple nesting
+    depth per value. Refused: tuples nested deeper than :data:`MAX_PICKLE_NESTING` (hashing
+    them as a dict key overflows the C stack), and ``bytearray(n)`` of an integer ``n`` (a few
+    bytes that commit ``n`` bytes of zeros; a writer pickles a bytearray from its bytes).
+    Anything else the weights-only unpickler rejects is left for it to reject.
+
+    Raises:
+        FormatError: The pickle is refused, or its opcodes are not a pickle.
+    """
+    stack: list[int] = []
+    marks: list[int] = []
+    memo: dict[int, int] = {}
+    view = memoryview(pkl)
+    pos, end = 0, len(pkl)
+    unpack_from = struct.unpack_from
+    try:
+        while pos < end:
+            op = pkl[pos]
+            pos += 1
+            size = _FIXED_ARG.get(op)
+            if size is None:
+                if op == 0x58:  # BINUNICODE
+                    pos += 4 + unpack_from("<I", pkl, pos)[0]
+                    stack.append(0)
+                elif op in (0x55, 0x8A):  # SHORT_BINSTRING, LONG1
+                    pos += 1 + pkl[pos]
+                    stack.append(_INT if op == 0x8A else 0)
+                elif op == 0x63:  # GLOBAL: two lines
+                    first = pkl.index(b"\n", pos)
+                    second = pkl.index(b"\n", first + 1)
+                    name = bytes(view[pos:second]).replace(b"\n", b".")
+                    pos = second + 1
+                    stack.append(_BYTEARRAY if name in (b"builtins.bytearray", b"__builtin__.bytearray") else 0)
+                elif chr(op) in _PICKLE_OPCODES:
+                    return  # a real opcode that the weights-only unpickler refuses by itself
+                else:
+                    raise FormatError(f"{corrupt}: byte {pos - 1} of its pickle is no pickle opcode ({op:#04x})")
+                continue
+            arg = view[pos : pos + size]
+            pos += size
+            if op in (0x4A, 0x4B, 0x4D):  # BININT, BININT1, BININT2
+                stack.append(_INT)
+            elif op in (0x47, 0x4E, 0x88, 0x89, 0x5D, 0x7D, 0x8F):  # float, None, bools, [] {} set()
+                stack.append(0)
+            elif op == 0x29:  # EMPTY_TUPLE
+                stack.append(1 << 3)
+            elif op == 0x28:  # MARK
+                marks.append(len(stack))
+            elif op in (0x74, 0x85, 0x86, 0x87):  # TUPLE, TUPLE1, TUPLE2, TUPLE3
+                n = len(stack) - marks.pop() if op == 0x74 else op - 0x84
+                if n < 0 or n > len(stack):
+                    raise IndexError("tuple of missing items")
+                items = stack[len(stack) - n :]
+                del stack[len(stack) - n :]
+                depth = 1 + max((v >> 3 for v in items), default=0)
+                if depth > MAX_PICKLE_NESTING:
+                    raise FormatError(f"{corrupt}: its pickle nests tuples more than {MAX_PICKLE_NESTING} deep")
+                stack.append(depth << 3 | (_INT_FIRST if items and items[0] & _INT else 0))
+            elif op == 0x52:  # REDUCE: func(*args)
+                args = stack.pop()
+                if stack[-1] & _BYTEARRAY and args & _INT_FIRST:
+                    raise FormatError(f"{corrupt}: its pickle builds a bytearray from a size, which no writer does")
+                stack[-1] = args & ~7
+            elif op == 0x81:  # NEWOBJ: cls.__new__(cls, *args)
+                args = stack.pop()
+                stack[-1] = args & ~7
+            elif op in (0x62, 0x61, 0x51):  # BUILD, APPEND pop one; BINPERSID replaces one
+                if op == 0x51:
+                    stack[-1] = 0
+                else:
+                    stack.pop()
+            elif op == 0x73:  # SETITEM
+                del stack[-2:]
+            elif op in (0x65, 0x75):  # APPENDS, SETITEMS
+                del stack[marks.pop() :]
+            elif op in (0x68, 0x6A):  # BINGET, LONG_BINGET
+                stack.append(memo[arg[0] if size == 1 else unpack_from("<I", arg)[0]])
+            elif op in (0x71, 0x72):  # BINPUT, LONG_BINPUT
+                memo[arg[0] if size == 1 else unpack_from("<I", arg)[0]] = stack[-1]
+            elif op == 0x2E:  # STOP
+                return
+    except (IndexError, KeyError, ValueError, struct.error) as exc:
+        raise FormatError(f"{corrupt}: its pickle is malformed near byte {pos} ({type(exc).__name__})") from exc
+
+
+_PICKLE_OPCODES = {op.code for op in pickletools.opcodes}
 
 
 def weights_only_detail(exc: BaseException) -> str:
