@@ -54,16 +54,19 @@ def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 #: Containers deeper than this are refused by the writer (UnsupportedObjectError) and by the
-#: reader (FormatError): torch.save's C pickler recurses once per level and stops near 1000
-#: levels anyway, and a reader must not hand a user a tree that breaks recursive code.
-MAX_TREE_DEPTH = 500
+#: reader (FormatError): torch.save spends two of Python's 1000 recursion levels per level of
+#: the tree (measured: 497 levels at most from an empty stack), so deeper trees would save or
+#: not depending on the caller's stack; and a reader must not hand a user a tree that breaks
+#: recursive code (deepcopy, repr, ==).
+MAX_TREE_DEPTH = 256
 #: Items (containers, tensors and plain values inside dicts, lists and tuples) a tree may hold,
 #: and path components that the tensor paths of a tree may add up to. A model with a million
 #: tensors and its Adam state stays well under it.
 MAX_TREE_NODES = 1 << 24
-#: Nesting of tuples inside a weights-only pickle: hashing a tuple recurses in C without a
-#: guard, so a dict key of tuples nested 100,000 deep crashes the interpreter. A little over
-#: the tree depth, for the argument tuples pickle wraps around values.
+#: Nesting of containers inside a weights-only pickle, checked before torch builds anything:
+#: hashing a tuple recurses in C without a guard, so a dict key of tuples nested 100,000 deep
+#: crashes the interpreter. A little over the tree depth, for the argument tuples that pickle
+#: wraps around values.
 MAX_PICKLE_NESTING = MAX_TREE_DEPTH + 16
 
 _CONTAINERS = (dict, list, tuple)
@@ -333,7 +336,13 @@ def encode_skeleton(skeleton: Any) -> bytes:
     The default protocol matters: ``torch.load(weights_only=True)`` rejects protocol 4 streams.
     """
     buf = io.BytesIO()
-    torch.save(skeleton, buf)
+    try:
+        torch.save(skeleton, buf)
+    except RecursionError as exc:
+        # flatten() bounds the depth of dicts, lists and tuples; other objects can nest too.
+        raise UnsupportedObjectError(
+            "the checkpoint tree nests objects too deep for torch.save's pickler here; flatten it before saving"
+        ) from exc
     return buf.getvalue()
 
 
@@ -394,79 +403,93 @@ def _archive_pickle(data: bytes, corrupt: str) -> bytes:
         raise FormatError(f"{corrupt}: not a readable archive ({exc})") from exc
 
 
-# Opcodes the weights-only unpickler executes (torch/_weights_only_unpickler.py), by their
-# argument: a fixed number of bytes, or a length prefix of 1 or 4 bytes.
-_FIXED_ARG = {
-    b"\x80"[0]: 1, b"J"[0]: 4, b"K"[0]: 1, b"M"[0]: 2, b"G"[0]: 8, b"h"[0]: 1, b"j"[0]: 4, b"q"[0]: 1, b"r"[0]: 4,
-    b"\x81"[0]: 0, b"R"[0]: 0, b"b"[0]: 0, b"a"[0]: 0, b"e"[0]: 0, b"s"[0]: 0, b"u"[0]: 0, b"("[0]: 0,
-    b"t"[0]: 0, b"\x85"[0]: 0, b"\x86"[0]: 0, b"\x87"[0]: 0, b"N"[0]: 0, b"\x89"[0]: 0, b"\x88"[0]: 0,
-    b")"[0]: 0, b"]"[0]: 0, b"}"[0]: 0, b"\x8f"[0]: 0, b"Q"[0]: 0, b"."[0]: 0,
-}
-# Tags kept with each simulated stack value, next to its tuple nesting (value >> 3).
+# Tags kept with each simulated stack value, next to its nesting depth (value >> 3).
 _INT, _BYTEARRAY, _INT_FIRST = 1, 2, 4
+_DEEP = (MAX_PICKLE_NESTING + 1) << 3
 
 
 def _check_weights_only_pickle(pkl: bytes, corrupt: str) -> None:
     """Refuse, before torch builds anything, a pickle that would crash or exhaust the process.
 
-    A linear pass over the opcodes that simulates the unpickler's stack with a tuple nesting
-    depth per value. Refused: tuples nested deeper than :data:`MAX_PICKLE_NESTING` (hashing
-    them as a dict key overflows the C stack), and ``bytearray(n)`` of an integer ``n`` (a few
-    bytes that commit ``n`` bytes of zeros; a writer pickles a bytearray from its bytes).
-    Anything else the weights-only unpickler rejects is left for it to reject.
+    A linear pass over the opcodes that simulates the unpickler's stack with a nesting depth per
+    value. Refused: containers nested deeper than :data:`MAX_PICKLE_NESTING` (tuples that deep
+    overflow the C stack when hashed as a dict key; other containers are refused here before
+    torch spends time building what the tree rules refuse), and ``bytearray(n)`` of an integer
+    ``n`` (a few bytes that commit ``n`` bytes of zeros; a writer pickles a bytearray from its
+    bytes). The depth of a tuple is exact (tuples never change); that of a list or dict counts
+    what was added to it before it was used elsewhere, a lower bound that the tree walk then
+    completes. Anything else the weights-only unpickler rejects is left for it to reject.
 
     Raises:
         FormatError: The pickle is refused, or its opcodes are not a pickle.
     """
+    # One branch per opcode, the most frequent first: this runs over every byte of the tree.
     stack: list[int] = []
+    push = stack.append
     marks: list[int] = []
     memo: dict[int, int] = {}
-    view = memoryview(pkl)
     pos, end = 0, len(pkl)
     unpack_from = struct.unpack_from
     try:
         while pos < end:
             op = pkl[pos]
             pos += 1
-            size = _FIXED_ARG.get(op)
-            if size is None:
-                if op == 0x58:  # BINUNICODE
-                    pos += 4 + unpack_from("<I", pkl, pos)[0]
-                    stack.append(0)
-                elif op in (0x55, 0x8A):  # SHORT_BINSTRING, LONG1
-                    pos += 1 + pkl[pos]
-                    stack.append(_INT if op == 0x8A else 0)
-                elif op == 0x63:  # GLOBAL: two lines
-                    first = pkl.index(b"\n", pos)
-                    second = pkl.index(b"\n", first + 1)
-                    name = bytes(view[pos:second]).replace(b"\n", b".")
-                    pos = second + 1
-                    stack.append(_BYTEARRAY if name in (b"builtins.bytearray", b"__builtin__.bytearray") else 0)
-                elif chr(op) in _PICKLE_OPCODES:
-                    return  # a real opcode that the weights-only unpickler refuses by itself
-                else:
-                    raise FormatError(f"{corrupt}: byte {pos - 1} of its pickle is no pickle opcode ({op:#04x})")
-                continue
-            arg = view[pos : pos + size]
-            pos += size
-            if op in (0x4A, 0x4B, 0x4D):  # BININT, BININT1, BININT2
-                stack.append(_INT)
-            elif op in (0x47, 0x4E, 0x88, 0x89, 0x5D, 0x7D, 0x8F):  # float, None, bools, [] {} set()
-                stack.append(0)
-            elif op == 0x29:  # EMPTY_TUPLE
-                stack.append(1 << 3)
+            if op == 0x71:  # BINPUT
+                memo[pkl[pos]] = stack[-1]
+                pos += 1
+            elif op == 0x72:  # LONG_BINPUT
+                memo[unpack_from("<I", pkl, pos)[0]] = stack[-1]
+                pos += 4
+            elif op == 0x58:  # BINUNICODE
+                pos += 4 + unpack_from("<I", pkl, pos)[0]
+                push(0)
+            elif op == 0x4B:  # BININT1
+                pos += 1
+                push(_INT)
             elif op == 0x28:  # MARK
                 marks.append(len(stack))
+            elif op == 0x68:  # BINGET
+                push(memo[pkl[pos]])
+                pos += 1
+            elif op == 0x6A:  # LONG_BINGET
+                push(memo[unpack_from("<I", pkl, pos)[0]])
+                pos += 4
+            elif op in (0x61, 0x73, 0x65, 0x75):  # APPEND, SETITEM, APPENDS, SETITEMS: into stack[-1]
+                if op == 0x61:
+                    depth = stack.pop()
+                elif op == 0x73:
+                    depth = stack.pop()
+                    stack.pop()  # the key: hashed, and a tuple's depth is bounded where it is built
+                else:
+                    mark = marks.pop()
+                    added = stack[mark + 1 :: 2] if op == 0x75 else stack[mark:]
+                    del stack[mark:]
+                    depth = max(added, default=0)
+                depth = ((depth >> 3) + 1) << 3
+                if depth > stack[-1]:
+                    if depth >= _DEEP:
+                        raise FormatError(f"{corrupt}: its pickle nests containers more than {MAX_PICKLE_NESTING} deep")
+                    stack[-1] = depth | (stack[-1] & 7)
+            elif op in (0x5D, 0x7D, 0x29, 0x8F):  # [], {}, (), set()
+                push(1 << 3)
+            elif op in (0x4A, 0x4D):  # BININT, BININT2
+                pos += 4 if op == 0x4A else 2
+                push(_INT)
+            elif op == 0x47:  # BINFLOAT
+                pos += 8
+                push(0)
+            elif op in (0x4E, 0x88, 0x89):  # None, True, False
+                push(0)
             elif op in (0x74, 0x85, 0x86, 0x87):  # TUPLE, TUPLE1, TUPLE2, TUPLE3
-                n = len(stack) - marks.pop() if op == 0x74 else op - 0x84
-                if n < 0 or n > len(stack):
-                    raise IndexError("tuple of missing items")
-                items = stack[len(stack) - n :]
-                del stack[len(stack) - n :]
-                depth = 1 + max((v >> 3 for v in items), default=0)
-                if depth > MAX_PICKLE_NESTING:
-                    raise FormatError(f"{corrupt}: its pickle nests tuples more than {MAX_PICKLE_NESTING} deep")
-                stack.append(depth << 3 | (_INT_FIRST if items and items[0] & _INT else 0))
+                mark = marks.pop() if op == 0x74 else len(stack) - (op - 0x84)
+                if mark < 0:
+                    raise IndexError("a tuple of missing items")
+                items = stack[mark:]
+                del stack[mark:]
+                depth = ((max(items, default=0) >> 3) + 1) << 3
+                if depth >= _DEEP:
+                    raise FormatError(f"{corrupt}: its pickle nests containers more than {MAX_PICKLE_NESTING} deep")
+                push(depth | (_INT_FIRST if items and items[0] & _INT else 0))
             elif op == 0x52:  # REDUCE: func(*args)
                 args = stack.pop()
                 if stack[-1] & _BYTEARRAY and args & _INT_FIRST:
@@ -475,21 +498,27 @@ def _check_weights_only_pickle(pkl: bytes, corrupt: str) -> None:
             elif op == 0x81:  # NEWOBJ: cls.__new__(cls, *args)
                 args = stack.pop()
                 stack[-1] = args & ~7
-            elif op in (0x62, 0x61, 0x51):  # BUILD, APPEND pop one; BINPERSID replaces one
-                if op == 0x51:
-                    stack[-1] = 0
-                else:
-                    stack.pop()
-            elif op == 0x73:  # SETITEM
-                del stack[-2:]
-            elif op in (0x65, 0x75):  # APPENDS, SETITEMS
-                del stack[marks.pop() :]
-            elif op in (0x68, 0x6A):  # BINGET, LONG_BINGET
-                stack.append(memo[arg[0] if size == 1 else unpack_from("<I", arg)[0]])
-            elif op in (0x71, 0x72):  # BINPUT, LONG_BINPUT
-                memo[arg[0] if size == 1 else unpack_from("<I", arg)[0]] = stack[-1]
+            elif op == 0x62:  # BUILD: the state goes into the object
+                stack.pop()
+            elif op == 0x51:  # BINPERSID: a storage in place of its id
+                stack[-1] = 0
+            elif op == 0x63:  # GLOBAL: module and name, a line each
+                first = pkl.index(b"\n", pos)
+                second = pkl.index(b"\n", first + 1)
+                name = pkl[pos:second].replace(b"\n", b".")
+                pos = second + 1
+                push(_BYTEARRAY if name in (b"builtins.bytearray", b"__builtin__.bytearray") else 0)
+            elif op in (0x55, 0x8A):  # SHORT_BINSTRING, LONG1
+                pos += 1 + pkl[pos]
+                push(_INT if op == 0x8A else 0)
+            elif op == 0x80:  # PROTO
+                pos += 1
             elif op == 0x2E:  # STOP
                 return
+            elif chr(op) in _PICKLE_OPCODES:
+                return  # a real opcode that the weights-only unpickler refuses by itself
+            else:
+                raise FormatError(f"{corrupt}: byte {pos - 1} of its pickle is no pickle opcode ({op:#04x})")
     except (IndexError, KeyError, ValueError, struct.error) as exc:
         raise FormatError(f"{corrupt}: its pickle is malformed near byte {pos} ({type(exc).__name__})") from exc
 
