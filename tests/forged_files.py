@@ -19,7 +19,7 @@ from nvcomp_checkpoint.format.layout import FOOTER, MAGIC, Frame, Index, pack_fo
 from nvcomp_checkpoint.format.skeleton import TensorRef
 
 __all__ = [
-    "pickle2", "archive", "with_object_tree", "int_op", "ref", "ref_with", "global_op", "str_op", "laughs",
+    "pickle2", "archive", "with_object_tree", "int_op", "ref", "ref_with", "global_op", "str_op", "put", "get", "laughs",
     "deep_list", "deep_tuple_key", "FORGED_TREES",
 ]
 
