@@ -21,7 +21,7 @@ import torch
 import nvcomp_checkpoint as nc
 import nvcomp_checkpoint.format.skeleton as skeleton_module
 from conftest import assert_tree_equal
-from forged_files import FORGED_TREES, archive, deep_list, laughs, pickle2, ref, with_object_tree
+from forged_files import FORGED_TREES, archive, deep_list, deep_tuple_key, laughs, pickle2, ref, with_object_tree
 from nvcomp_checkpoint.cli.main import main
 from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError, UnsupportedObjectError
 from nvcomp_checkpoint.format.skeleton import MAX_TREE_DEPTH
@@ -219,3 +219,14 @@ def test_a_tree_just_over_the_depth_cap_is_refused(valid, tmp_path, lists):
             nc.load(path, weights_only=weights_only)
     with pytest.raises(FormatError, match="deep"):
         nc.open(path).keys()
+
+
+def test_a_plain_torch_file_with_a_deep_tuple_key_is_refused_not_crashed(tmp_path):
+    # torch.load(weights_only=True) of this 400 KB file kills the interpreter (SIGSEGV) while it
+    # hashes the key; nc.load scans the pickle first. In a child, so a regression fails one test.
+    path = tmp_path / "plain.pt"
+    path.write_bytes(archive(deep_tuple_key()))
+    child = "import sys, nvcomp_checkpoint as nc\ntry:\n    nc.load(sys.argv[1])\nexcept nc.CheckpointError as exc:\n    print(type(exc).__name__, exc)\n"
+    proc = subprocess.run([sys.executable, "-c", child, str(path)], capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.startswith(f"FormatError {path}: this torch.save file is refused: its pickle nests containers"), proc.stdout

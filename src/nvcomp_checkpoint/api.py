@@ -201,6 +201,13 @@ def _load_plain(where: str, storage: Any, spath: str, map_location: MapLocation,
 
     try:
         with storage.open_read(spath) as f:
+            if weights_only and f.read(4) == _TORCH_SAVE_HEADS[0]:
+                # What the weights-only unpickler would build but the process cannot survive
+                # (a dict key of tuples 100,000 deep) is refused first, as for our own files.
+                from .format.skeleton import check_torch_archive
+
+                check_torch_archive(f, storage.size(spath), where)
+            f.seek(0)
             if map_location is None and not torch.cuda.is_available():
                 # As for our own files: a checkpoint saved on a GPU still loads where there is none.
                 map_location = "cpu"

@@ -14,7 +14,7 @@ import pickle
 import pickletools
 import struct
 import zipfile
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 import torch
 
@@ -22,7 +22,7 @@ from ..errors import FormatError, UnsafeCheckpointError, UnsupportedObjectError
 
 __all__ = [
     "TensorRef", "flatten", "tensor_paths", "check_skeleton", "unflatten", "encode_skeleton", "decode_skeleton",
-    "weights_only_detail", "MAX_TREE_DEPTH", "MAX_TREE_NODES", "MAX_PICKLE_NESTING",
+    "weights_only_detail", "check_torch_archive", "MAX_TREE_DEPTH", "MAX_TREE_NODES", "MAX_PICKLE_NESTING",
 ]
 
 
@@ -362,7 +362,7 @@ def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
         # (a legacy torch pickle, random bytes) is damage, not an object the rules refuse.
         raise FormatError(f"{corrupt}: it is not a torch.save archive (it starts with {bytes(data[:8])!r})")
     if weights_only:
-        _check_weights_only_pickle(_archive_pickle(data, corrupt), corrupt)
+        _check_weights_only_pickle(_archive_pickle(io.BytesIO(data), len(data), corrupt), corrupt)
     try:
         if weights_only:
             # Added for good, never removed: the ``safe_globals`` context manager edits one
@@ -386,17 +386,30 @@ def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
-def _archive_pickle(data: bytes, corrupt: str) -> bytes:
+def check_torch_archive(stream: IO[bytes], size: int, where: str) -> None:
+    """Apply the pickle scan of :func:`decode_skeleton` to a plain ``torch.save`` zip archive.
+
+    Only the ``data.pkl`` record is read (tensors are separate records), so this costs little
+    before a weights-only ``torch.load`` of the same file.
+
+    Raises:
+        FormatError: The archive is unreadable, or its pickle is refused by the scan.
+    """
+    refused = f"{where}: this torch.save file is refused"
+    _check_weights_only_pickle(_archive_pickle(stream, size, refused), refused)
+
+
+def _archive_pickle(stream: IO[bytes], size: int, corrupt: str) -> bytes:
     """The ``data.pkl`` record of a torch.save archive, which torch reads the tree from."""
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        with zipfile.ZipFile(stream) as archive:
             infos = archive.infolist()
             names = [info.filename for info in infos]
             picks = [info for info in infos if info.filename.endswith("/data.pkl") or info.filename == "data.pkl"]
             if len(picks) != 1 or len(set(names)) != len(names):
                 raise FormatError(f"{corrupt}: its archive holds {len(picks)} data.pkl records among {len(names)} names")
             # torch writes records uncompressed; a deflated one could expand without bound.
-            if picks[0].compress_type != zipfile.ZIP_STORED or picks[0].file_size > len(data):
+            if picks[0].compress_type != zipfile.ZIP_STORED or picks[0].file_size > size:
                 raise FormatError(f"{corrupt}: its data.pkl record is compressed or larger than the archive")
             return archive.read(picks[0])
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError, RuntimeError, NotImplementedError) as exc:
