@@ -20,14 +20,14 @@ from nvcomp_checkpoint.format.skeleton import TensorRef
 
 __all__ = [
     "pickle2", "archive", "with_object_tree", "int_op", "ref", "ref_with", "global_op", "str_op", "put", "get", "laughs",
-    "deep_list", "deep_tuple_key", "FORGED_TREES",
+    "deep_list", "deep_tuple_key", "codec_chain", "device_copy_of_a_view", "FORGED_TREES",
 ]
 
 PROTO2 = b"\x80\x02"
 STOP = b"."
 EMPTY_LIST, EMPTY_DICT, EMPTY_TUPLE, MARK = b"]", b"}", b")", b"("
 APPEND, APPENDS, SETITEM, SETITEMS = b"a", b"e", b"s", b"u"
-TUPLE, TUPLE1, REDUCE, NONE, NEWTRUE = b"t", b"\x85", b"R", b"N", b"\x88"
+TUPLE, TUPLE1, TUPLE2, REDUCE, NONE, NEWTRUE = b"t", b"\x85", b"\x86", b"R", b"N", b"\x88"
 
 
 def pickle2(body: bytes) -> bytes:
@@ -85,6 +85,32 @@ def deep_tuple_key(depth: int = 200_000) -> bytes:
     return pickle2(EMPTY_DICT + EMPTY_TUPLE + TUPLE1 * depth + int_op(1) + SETITEM)
 
 
+def codec_chain(levels: int = 40) -> bytes:
+    """``encode(encode(... encode("ab", "latin1") ..., "hex"), "hex")``: each level doubles the bytes (2**40 here)."""
+    ops = global_op("_codecs", "encode") + str_op("ab") + str_op("latin1") + TUPLE2 + REDUCE
+    for _ in range(levels):
+        ops = global_op("_codecs", "encode") + ops + str_op("hex") + TUPLE2 + REDUCE
+    return pickle2(ops)
+
+
+def device_copy_of_a_view() -> bytes:
+    """``_rebuild_device_tensor_from_cpu_tensor(<stride-0 view of 2**30 elements>, float64, "cpu", False)``.
+
+    With the storage record torch.save writes, torch.load(weights_only=True) of this materializes
+    8 GiB; the reader refuses the global before the storage is needed.
+    """
+    view = (
+        global_op("torch._utils", "_rebuild_tensor_v2") + MARK
+        + MARK + str_op("storage") + global_op("torch", "FloatStorage") + str_op("0") + str_op("cpu") + int_op(1) + TUPLE + b"Q"
+        + int_op(0) + b"J" + struct.pack("<i", 1 << 30) + TUPLE1 + int_op(0) + TUPLE1 + b"\x89"
+        + global_op("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE + TUPLE + REDUCE
+    )
+    return pickle2(
+        global_op("torch._utils", "_rebuild_device_tensor_from_cpu_tensor") + MARK + view
+        + global_op("torch", "float64") + str_op("cpu") + b"\x89" + TUPLE + REDUCE
+    )
+
+
 def archive(pkl: bytes) -> bytes:
     """A torch.save archive (torch's own records) whose ``data.pkl`` is ``pkl``."""
     buf = io.BytesIO()
@@ -131,6 +157,8 @@ FORGED_TREES: dict[str, tuple[bytes, str, str]] = {
     "ref_negative": (archive(pickle2(ref(-1))), "FormatError", "refers to tensor -1"),
     "ref_past_the_index": (archive(pickle2(EMPTY_LIST + ref(0) + APPEND + EMPTY_LIST + ref(7) + APPEND + APPEND)), "FormatError", "refers to tensor 7 at '1/0'; the index holds 1"),
     "bytearray_of_a_size": (archive(pickle2(global_op("builtins", "bytearray") + int_op(1 << 30) + TUPLE1 + REDUCE)), "FormatError", "bytearray from a size"),
+    "codec_chain": (archive(codec_chain()), "FormatError", "encodes something other than a string literal"),
+    "device_copy_of_a_view": (archive(device_copy_of_a_view()), "FormatError", "_rebuild_device_tensor_from_cpu_tensor"),
     "not_a_pickle": (b"this object tree is no pickle at all " * 4, "FormatError", "not a torch.save archive"),
     "archive_of_garbage": (archive(b"\x80\x02\xff\xfe\xfd."), "FormatError", "no pickle opcode"),
     "legacy_torch_pickle": (pickle2(int_op(1)), "FormatError", "not a torch.save archive"),

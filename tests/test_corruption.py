@@ -542,8 +542,10 @@ _leaf_ops = st.one_of(
     st.sampled_from([forged.EMPTY_LIST, forged.NONE, forged.NEWTRUE, forged.str_op("1"), forged.EMPTY_TUPLE])
     .map(lambda arg: forged.ref_with(arg + forged.TUPLE1)),
     st.just(forged.ref_with(forged.EMPTY_TUPLE)),  # TensorRef() without its index
-    st.sampled_from([("builtins", "bytearray"), ("os", "system"), ("collections", "OrderedDict"), ("builtins", "set")])
+    st.sampled_from([("builtins", "bytearray"), ("os", "system"), ("collections", "OrderedDict"), ("builtins", "set"), ("_codecs", "encode")])
     .map(lambda g: forged.global_op(*g) + forged.int_op(3) + forged.TUPLE1 + forged.REDUCE),
+    st.integers(0, 3).map(lambda n: forged.codec_chain(n)[2:-1]),  # bytes, then hex of hex of ... of them
+    st.just(forged.device_copy_of_a_view()[2:-1]),
 )
 
 

@@ -21,7 +21,7 @@ import torch
 import nvcomp_checkpoint as nc
 import nvcomp_checkpoint.format.skeleton as skeleton_module
 from conftest import assert_tree_equal
-from forged_files import FORGED_TREES, archive, deep_list, deep_tuple_key, laughs, pickle2, ref, with_object_tree
+from forged_files import FORGED_TREES, archive, deep_list, laughs, pickle2, ref, with_object_tree
 from nvcomp_checkpoint.cli.main import main
 from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError, UnsupportedObjectError
 from nvcomp_checkpoint.format.skeleton import MAX_TREE_DEPTH
@@ -190,7 +190,10 @@ def test_the_node_cap_holds_for_save_and_load(tmp_path, monkeypatch):
 def test_shared_and_empty_containers_of_a_users_tree_still_load(tmp_path):
     shared = {"lr": 0.1, "betas": (0.9, 0.99)}
     t = torch.randn(4)
-    tree = {"a": shared, "b": shared, "c": [(), (), [], {}], "t": t, "tied": [t, t], "nt": torch.Size([2, 3])}
+    tree = {
+        "a": shared, "b": shared, "c": [(), (), [], {}], "t": t, "tied": [t, t], "nt": torch.Size([2, 3]),
+        "bytes": b"\x00\xff" * 3, "bytearray": bytearray(b"xy"), "set": {1, 2}, "complex": 1 + 2j,
+    }
     path = tmp_path / "shared.nvc"
     nc.save(tree, path)
     loaded = nc.load(path)
@@ -221,12 +224,17 @@ def test_a_tree_just_over_the_depth_cap_is_refused(valid, tmp_path, lists):
         nc.open(path).keys()
 
 
-def test_a_plain_torch_file_with_a_deep_tuple_key_is_refused_not_crashed(tmp_path):
-    # torch.load(weights_only=True) of this 400 KB file kills the interpreter (SIGSEGV) while it
-    # hashes the key; nc.load scans the pickle first. In a child, so a regression fails one test.
+@pytest.mark.parametrize(
+    "case,words",
+    [("deep_tuple_key", "nests containers"), ("codec_chain", "encodes something other than a string literal")],
+)
+def test_plain_torch_files_are_scanned_before_torch_load(tmp_path, case, words):
+    # torch.load(weights_only=True) of the first kills the interpreter (SIGSEGV) while it hashes
+    # the key; the second doubles its bytes at each of 40 levels. nc.load scans the pickle first.
+    # In a child, so that a regression fails one test, not the run.
     path = tmp_path / "plain.pt"
-    path.write_bytes(archive(deep_tuple_key()))
+    path.write_bytes(FORGED_TREES[case][0])
     child = "import sys, nvcomp_checkpoint as nc\ntry:\n    nc.load(sys.argv[1])\nexcept nc.CheckpointError as exc:\n    print(type(exc).__name__, exc)\n"
     proc = subprocess.run([sys.executable, "-c", child, str(path)], capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
-    assert proc.stdout.startswith(f"FormatError {path}: this torch.save file is refused: its pickle nests containers"), proc.stdout
+    assert proc.stdout.startswith(f"FormatError {path}: this torch.save file is refused: its pickle {words}"), proc.stdout

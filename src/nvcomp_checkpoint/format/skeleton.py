@@ -362,7 +362,7 @@ def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
         # (a legacy torch pickle, random bytes) is damage, not an object the rules refuse.
         raise FormatError(f"{corrupt}: it is not a torch.save archive (it starts with {bytes(data[:8])!r})")
     if weights_only:
-        _check_weights_only_pickle(_archive_pickle(io.BytesIO(data), len(data), corrupt), corrupt)
+        _check_weights_only_pickle(_archive_pickle(io.BytesIO(data), len(data), corrupt), corrupt, _REFUSED_IN_OBJECT_TREES)
     try:
         if weights_only:
             # Added for good, never removed: the ``safe_globals`` context manager edits one
@@ -416,20 +416,35 @@ def _archive_pickle(stream: IO[bytes], size: int, corrupt: str) -> bytes:
         raise FormatError(f"{corrupt}: not a readable archive ({exc})") from exc
 
 
-# Tags kept with each simulated stack value, next to its nesting depth (value >> 3).
-_INT, _BYTEARRAY, _INT_FIRST = 1, 2, 4
-_DEEP = (MAX_PICKLE_NESTING + 1) << 3
+# Tags kept with each simulated stack value, below its nesting depth (value >> _TAG_BITS):
+# what it is (an int, a str literal, the bytearray or _codecs.encode global), and for a tuple
+# what its first item is (the first argument of a call).
+_INT, _STR, _BYTEARRAY, _ENCODE, _INT_FIRST, _STR_FIRST = 1, 2, 4, 8, 16, 32
+_TAG_BITS = 6
+_TAGS = (1 << _TAG_BITS) - 1
+_ONE = 1 << _TAG_BITS
+_DEEP = (MAX_PICKLE_NESTING + 1) << _TAG_BITS
+#: Allowed by the weights-only rules, but never in an object tree a writer makes: they copy a
+#: tensor whose size the pickle states into new memory, so a stride-0 view of one element
+#: becomes gigabytes (1.1 KB of pickle took 8 GiB).
+_REFUSED_IN_OBJECT_TREES = (
+    b"torch._utils._rebuild_device_tensor_from_cpu_tensor",
+    b"torch._utils._rebuild_device_tensor_from_numpy",
+)
 
 
-def _check_weights_only_pickle(pkl: bytes, corrupt: str) -> None:
+def _check_weights_only_pickle(pkl: bytes, corrupt: str, refused: tuple[bytes, ...] = ()) -> None:
     """Refuse, before torch builds anything, a pickle that would crash or exhaust the process.
 
     A linear pass over the opcodes that simulates the unpickler's stack with a nesting depth per
     value. Refused: containers nested deeper than :data:`MAX_PICKLE_NESTING` (tuples that deep
     overflow the C stack when hashed as a dict key; other containers are refused here before
-    torch spends time building what the tree rules refuse), and ``bytearray(n)`` of an integer
+    torch spends time building what the tree rules refuse); ``bytearray(n)`` of an integer
     ``n`` (a few bytes that commit ``n`` bytes of zeros; a writer pickles a bytearray from its
-    bytes). The depth of a tuple is exact (tuples never change); that of a list or dict counts
+    bytes); ``_codecs.encode`` of anything but a string literal (``encode(encode(..., "hex"),
+    "hex")`` doubles per level: 1.5 KB of pickle made 128 MB, and each level more doubles it;
+    a writer pickles bytes as ``encode("<latin-1 text>", "latin1")``); and the globals named in
+    ``refused``. The depth of a tuple is exact (tuples never change); that of a list or dict counts
     what was added to it before it was used elsewhere, a lower bound that the tree walk then
     completes. Anything else the weights-only unpickler rejects is left for it to reject.
 
@@ -455,7 +470,7 @@ def _check_weights_only_pickle(pkl: bytes, corrupt: str) -> None:
                 pos += 4
             elif op == 0x58:  # BINUNICODE
                 pos += 4 + unpack_from("<I", pkl, pos)[0]
-                push(0)
+                push(_STR)
             elif op == 0x4B:  # BININT1
                 pos += 1
                 push(_INT)
@@ -478,13 +493,13 @@ def _check_weights_only_pickle(pkl: bytes, corrupt: str) -> None:
                     added = stack[mark + 1 :: 2] if op == 0x75 else stack[mark:]
                     del stack[mark:]
                     depth = max(added, default=0)
-                depth = ((depth >> 3) + 1) << 3
+                depth = ((depth >> _TAG_BITS) + 1) << _TAG_BITS
                 if depth > stack[-1]:
                     if depth >= _DEEP:
                         raise FormatError(f"{corrupt}: its pickle nests containers more than {MAX_PICKLE_NESTING} deep")
-                    stack[-1] = depth | (stack[-1] & 7)
+                    stack[-1] = depth | (stack[-1] & _TAGS)
             elif op in (0x5D, 0x7D, 0x29, 0x8F):  # [], {}, (), set()
-                push(1 << 3)
+                push(_ONE)
             elif op in (0x4A, 0x4D):  # BININT, BININT2
                 pos += 4 if op == 0x4A else 2
                 push(_INT)
@@ -499,18 +514,21 @@ def _check_weights_only_pickle(pkl: bytes, corrupt: str) -> None:
                     raise IndexError("a tuple of missing items")
                 items = stack[mark:]
                 del stack[mark:]
-                depth = ((max(items, default=0) >> 3) + 1) << 3
+                depth = ((max(items, default=0) >> _TAG_BITS) + 1) << _TAG_BITS
                 if depth >= _DEEP:
                     raise FormatError(f"{corrupt}: its pickle nests containers more than {MAX_PICKLE_NESTING} deep")
-                push(depth | (_INT_FIRST if items and items[0] & _INT else 0))
+                first = items[0] if items else 0
+                push(depth | (_INT_FIRST if first & _INT else 0) | (_STR_FIRST if first & _STR else 0))
             elif op == 0x52:  # REDUCE: func(*args)
                 args = stack.pop()
                 if stack[-1] & _BYTEARRAY and args & _INT_FIRST:
                     raise FormatError(f"{corrupt}: its pickle builds a bytearray from a size, which no writer does")
-                stack[-1] = args & ~7
+                if stack[-1] & _ENCODE and not args & _STR_FIRST:
+                    raise FormatError(f"{corrupt}: its pickle encodes something other than a string literal, which no writer does")
+                stack[-1] = args & ~_TAGS
             elif op == 0x81:  # NEWOBJ: cls.__new__(cls, *args)
                 args = stack.pop()
-                stack[-1] = args & ~7
+                stack[-1] = args & ~_TAGS
             elif op == 0x62:  # BUILD: the state goes into the object
                 stack.pop()
             elif op == 0x51:  # BINPERSID: a storage in place of its id
@@ -520,10 +538,12 @@ def _check_weights_only_pickle(pkl: bytes, corrupt: str) -> None:
                 second = pkl.index(b"\n", first + 1)
                 name = pkl[pos:second].replace(b"\n", b".")
                 pos = second + 1
-                push(_BYTEARRAY if name in (b"builtins.bytearray", b"__builtin__.bytearray") else 0)
+                if name in refused:
+                    raise FormatError(f"{corrupt}: its pickle calls {name.decode(errors='replace')}, which no writer puts in an object tree")
+                push(_BYTEARRAY if name in (b"builtins.bytearray", b"__builtin__.bytearray") else _ENCODE if name == b"_codecs.encode" else 0)
             elif op in (0x55, 0x8A):  # SHORT_BINSTRING, LONG1
                 pos += 1 + pkl[pos]
-                push(_INT if op == 0x8A else 0)
+                push(_INT if op == 0x8A else _STR)
             elif op == 0x80:  # PROTO
                 pos += 1
             elif op == 0x2E:  # STOP
