@@ -424,12 +424,16 @@ _TAG_BITS = 6
 _TAGS = (1 << _TAG_BITS) - 1
 _ONE = 1 << _TAG_BITS
 _DEEP = (MAX_PICKLE_NESTING + 1) << _TAG_BITS
-#: Allowed by the weights-only rules, but never in an object tree a writer makes: they copy a
-#: tensor whose size the pickle states into new memory, so a stride-0 view of one element
-#: becomes gigabytes (1.1 KB of pickle took 8 GiB).
+#: Allowed by the weights-only rules, but never in an object tree a writer makes. The first two
+#: copy a tensor whose size the pickle states into new memory, so a stride-0 view of one element
+#: becomes gigabytes (1.1 KB of pickle took 8 GiB); the others rebuild sparse, nested and
+#: quantized tensors, which the writer refuses (and whose validation walks every stated element).
 _REFUSED_IN_OBJECT_TREES = (
     b"torch._utils._rebuild_device_tensor_from_cpu_tensor",
     b"torch._utils._rebuild_device_tensor_from_numpy",
+    b"torch._utils._rebuild_sparse_tensor",
+    b"torch._utils._rebuild_nested_tensor",
+    b"torch._utils._rebuild_qtensor",
 )
 
 
