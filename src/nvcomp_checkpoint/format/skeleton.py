@@ -97,7 +97,8 @@ def _rebuilt_tuple(node: tuple[Any, ...], items: list[Any]) -> tuple[Any, ...]:
 
 
 def _items(node: Any) -> Any:
-    return iter(list(node.items())) if isinstance(node, dict) else enumerate(node)
+    # Values are replaced in place while a dict is iterated; its size never changes.
+    return iter(node.items()) if isinstance(node, dict) else enumerate(node)
 
 
 def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[Any, ...], torch.Tensor]]]:
@@ -215,39 +216,48 @@ def _walk_skeleton(
     Raises:
         FormatError: The tree breaks one of these rules.
     """
-    seen: set[int] = set()
-    count = 0
+    limit = tensor_count if tensor_count is not None else float("inf")
 
-    def ref(node: TensorRef, level: _Level | None, key: Any) -> Any:
-        index = getattr(node, "index", None)
-        if type(index) is not int or index < 0 or (tensor_count is not None and index >= tensor_count):
-            path = _path_of(level, key) if level is not None else ()
-            held = f"; the index holds {tensor_count}" if tensor_count is not None else ""
-            raise FormatError(
-                f"{where}: the checkpoint's object tree refers to tensor {_short(index)} at {_path_text(path)[:200]}"
-                f"{held}; the file is corrupt or forged"
-            )
-        return on_ref(index, level, key)
+    def bad_ref(index: Any, level: _Level | None, key: Any) -> FormatError:
+        path = _path_of(level, key) if level is not None else ()
+        held = f"; the index holds {tensor_count}" if tensor_count is not None else ""
+        return FormatError(
+            f"{where}: the checkpoint's object tree refers to tensor {_short(index)} at {_path_text(path)[:200]}"
+            f"{held}; the file is corrupt or forged"
+        )
 
     if isinstance(skeleton, TensorRef):
-        return ref(skeleton, None, None)
+        index = getattr(skeleton, "index", None)
+        if type(index) is not int or not 0 <= index < limit:
+            raise bad_ref(index, None, None)
+        return on_ref(index, None, None)
     if not isinstance(skeleton, _CONTAINERS) or not skeleton:
         return skeleton
-    seen.add(id(skeleton))
+    seen = {id(skeleton)}
+    count = 0
     stack = [_Level(skeleton, _items(skeleton), None, None, None, 1)]
     result: Any = skeleton
+    # The loop is the hot path of every load: locals, exact type checks first.
     while stack:
         level = stack[-1]
+        node = level.node
+        in_place = rebuild and not isinstance(node, tuple)
         for key, value in level.items:
             count += 1
-            if count > MAX_TREE_NODES:
-                raise FormatError(f"{where}: the checkpoint's object tree holds more than {MAX_TREE_NODES} items; the file is corrupt or forged")
-            if isinstance(value, TensorRef):
-                new = ref(value, level, key)
-            elif isinstance(value, _CONTAINERS) and value:
+            kind = type(value)
+            if kind is TensorRef:
+                index = getattr(value, "index", None)
+                if type(index) is not int or not 0 <= index < limit:
+                    raise bad_ref(index, level, key)
+                new = on_ref(index, level, key)
+                if in_place:
+                    node[key] = new
+                elif rebuild:
+                    _put(level, key, new)
+            elif (kind is dict or kind is list or kind is tuple or isinstance(value, _CONTAINERS)) and value:
                 if id(value) in seen:
                     raise FormatError(
-                        f"{where}: the checkpoint's object tree reaches one {type(value).__name__} twice (at "
+                        f"{where}: the checkpoint's object tree reaches one {kind.__name__} twice (at "
                         f"{_path_text(_path_of(level, key))[:200]}); a writer copies every container, so the file is "
                         "corrupt or forged"
                     )
@@ -259,19 +269,20 @@ def _walk_skeleton(
                 seen.add(id(value))
                 stack.append(_Level(value, _items(value), None, level, key, level.depth + 1))
                 break
-            else:
-                continue
-            if rebuild and new is not value:
-                _put(level, key, new)
         else:
+            if count > MAX_TREE_NODES:
+                raise FormatError(f"{where}: the checkpoint's object tree holds more than {MAX_TREE_NODES} items; the file is corrupt or forged")
             stack.pop()
-            done = level.node
+            done = node
             if rebuild and level.changed and isinstance(done, tuple):
                 done = _rebuilt_tuple(done, level.out)
             if not stack:
                 result = done
-            elif rebuild and done is not level.node:
+            elif rebuild and done is not node:
                 _put(stack[-1], level.key, done)
+            continue
+        if count > MAX_TREE_NODES:
+            raise FormatError(f"{where}: the checkpoint's object tree holds more than {MAX_TREE_NODES} items; the file is corrupt or forged")
     return result
 
 
