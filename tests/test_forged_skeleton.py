@@ -23,7 +23,7 @@ import nvcomp_checkpoint.format.skeleton as skeleton_module
 from conftest import assert_tree_equal
 from forged_files import FORGED_TREES, archive, deep_list, laughs, pickle2, ref, with_object_tree
 from nvcomp_checkpoint.cli.main import main
-from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError, UnsupportedObjectError
+from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsupportedObjectError
 from nvcomp_checkpoint.format.skeleton import MAX_TREE_DEPTH
 
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
