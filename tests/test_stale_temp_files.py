@@ -164,3 +164,10 @@ def test_temporary_files_not_known_to_be_dead_are_kept(tmp_path, name):
     assert stale_temp_files(tmp_path) == []
     nc.save({"w": torch.ones(3)}, tmp_path / "ckpt.nvc")
     assert path.read_bytes() == b"partial"
+
+
+def test_a_target_name_near_the_file_system_limit_still_saves(tmp_path):
+    target = tmp_path / ("n" * 220 + ".nvc")  # with the host tag, its temporary name would pass 255 bytes
+    nc.save({"w": torch.ones(3)}, target)
+    assert torch.equal(nc.load(target)["w"], torch.ones(3))
+    assert _temps(tmp_path) == []

@@ -32,7 +32,7 @@ try:
     _PID_NAMESPACE = os.stat("/proc/self/ns/pid").st_ino
 except OSError:
     _PID_NAMESPACE = 0
-_HOST_TAG = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] + f"~{_PID_NAMESPACE:x}"
+_HOST_TAG = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:32] + f"~{_PID_NAMESPACE:x}"
 #: ``.<target>.tmp-<pid>-<8 hex>@<host tag>``; files without the tag predate it (never removed).
 _TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}(?:@(?P<host>[^@/]+))?$")
 
@@ -74,7 +74,11 @@ class LocalStorage(Storage):
     def open_write(self, path: str) -> Iterator[IO[bytes]]:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}@{_HOST_TAG}")
+        name = f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Tagged so that the next save can tell a dead writer's file (stale_temp_files); a name
+        # that would pass the file system's 255 bytes goes untagged (never removed, as before).
+        tagged = f"{name}@{_HOST_TAG}"
+        tmp = target.with_name(tagged if len(os.fsencode(tagged)) <= 255 else name)
         f = open(tmp, "wb")
         try:
             yield f
