@@ -7,7 +7,7 @@ chooses codecs per component (weights, optimizer moments, gradients, the rest).
 from __future__ import annotations
 
 from . import errors
-from .api import is_nvcomp_checkpoint, load, open, save
+from .api import VerifyProblem, VerifyResult, is_nvcomp_checkpoint, load, open, save, verify
 from .async_save import AsyncSaveHandle, AsyncSaver, save_async
 from .codecs import GPU_ONLY_CODECS, PORTABLE_CODECS, gpu_available
 from .errors import CheckpointError
@@ -24,6 +24,9 @@ __all__ = [
     "save",
     "load",
     "open",
+    "verify",
+    "VerifyResult",
+    "VerifyProblem",
     "is_nvcomp_checkpoint",
     "save_async",
     "wait_for_saves",

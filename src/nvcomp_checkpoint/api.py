@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import IO, Any, Callable
 
 import torch
 
-from .errors import CheckpointError, FormatError, UnsafeCheckpointError
+from .errors import CheckpointError, FormatError, SizeLimitError, UnsafeCheckpointError
 from .format.layout import FOOTER_MAGIC, MAGIC
 from .filetype import HEAD_BYTES, NVCOMP, SAFETENSORS, TORCH, kind_of
 from .format.skeleton import weights_only_detail
@@ -17,10 +18,10 @@ from .pending import wait_for_path
 from .policy import CodecPolicy
 from .reader import CheckpointReader, MapLocation
 from .report import SaveReport
-from .storage import open_checkpoint_stream, storage_for, write_errors
+from .storage import LocalStorage, open_checkpoint_stream, stale_temp_files, storage_for, write_errors
 from .writer import CheckpointWriter
 
-__all__ = ["save", "load", "open", "is_nvcomp_checkpoint", "write_checkpoint", "log_report"]
+__all__ = ["save", "load", "open", "verify", "is_nvcomp_checkpoint", "VerifyResult", "VerifyProblem", "write_checkpoint", "log_report"]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
 
@@ -77,6 +78,9 @@ def write_checkpoint(
     where = os.fspath(path)
     storage, spath = storage_for(path, storage_options)
     start = time.perf_counter()
+    if isinstance(storage, LocalStorage):
+        # Temporary files of saves killed in this directory (same host, process gone).
+        stale_temp_files(os.path.dirname(os.path.abspath(spath)), remove=True)
     with write_errors(where):
         with storage.open_write(spath) as stream:
             if stream_wrapper is not None:
@@ -123,6 +127,7 @@ def load(
     *,
     weights_only: bool = True,
     storage_options: dict[str, Any] | None = None,
+    max_bytes: int | None = None,
 ) -> Any:
     """Load a checkpoint saved by :func:`save`, or a plain ``torch.save`` file.
 
@@ -134,6 +139,9 @@ def load(
         weights_only: Refuse to construct arbitrary Python objects (the rules of
             ``torch.load(weights_only=True)``). Pass ``False`` only for files you trust.
         storage_options: Passed to fsspec for URLs.
+        max_bytes: For files from untrusted sources: a :class:`SizeLimitError` instead of
+            decoding more than this many bytes (object tree plus tensors; for a plain
+            ``torch.save`` file, its size), checked before anything is allocated.
 
     Returns:
         The saved tree with bit-identical tensors.
@@ -144,9 +152,11 @@ def load(
     with open_checkpoint_stream(storage, spath, where) as f:
         head = f.read(HEAD_BYTES)
     if kind_of(head, storage.size(spath)) == NVCOMP:
-        with CheckpointReader(path, storage_options=storage_options) as reader:
+        with CheckpointReader(path, storage_options=storage_options, max_bytes=max_bytes) as reader:
             return reader.load(map_location, weights_only=weights_only)
     _check_plain_head(where, storage, spath, head)
+    if max_bytes is not None and storage.size(spath) > max_bytes:
+        raise SizeLimitError(f"{where}: a torch.save file of {storage.size(spath)} bytes, over max_bytes={max_bytes}")
     return _load_plain(where, storage, spath, map_location, weights_only)
 
 
@@ -184,6 +194,13 @@ def _load_plain(where: str, storage: Any, spath: str, map_location: MapLocation,
 
     try:
         with storage.open_read(spath) as f:
+            if weights_only and f.read(4) == _TORCH_SAVE_HEADS[0]:
+                # What the weights-only unpickler would build but the process cannot survive
+                # (a dict key of tuples 100,000 deep) is refused first, as for our own files.
+                from .format.skeleton import check_torch_archive
+
+                check_torch_archive(f, storage.size(spath), where)
+            f.seek(0)
             if map_location is None and not torch.cuda.is_available():
                 # As for our own files: a checkpoint saved on a GPU still loads where there is none.
                 map_location = "cpu"
@@ -217,12 +234,75 @@ def _first_line(exc: BaseException) -> str:
     return weights_only_detail(exc)
 
 
-def open(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> CheckpointReader:  # noqa: A001
+def open(  # noqa: A001
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, max_bytes: int | None = None
+) -> CheckpointReader:
     """Open a checkpoint for lazy reading of single tensors or components.
+
+    ``max_bytes`` bounds what one ``load``/``read``/``keys`` call may decode (see :func:`load`).
 
     Example:
         >>> with nvcomp_checkpoint.open("ckpt.nvc") as reader:
         ...     reader.keys(); reader.read("model/weight"); reader.summary()
     """
     wait_for_path(path)
-    return CheckpointReader(path, storage_options=storage_options)
+    return CheckpointReader(path, storage_options=storage_options, max_bytes=max_bytes)
+
+
+@dataclass(frozen=True)
+class VerifyProblem:
+    """One thing :func:`verify` found wrong: in a tensor (its key), or in the file itself (``None``)."""
+
+    tensor: str | None
+    error: CheckpointError
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What :func:`verify` checked in one file, and every problem it found."""
+
+    path: str
+    tensors: int
+    raw_bytes: int
+    problems: tuple[VerifyProblem, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyResult:
+    """Check a checkpoint file as ``load`` would read it, without keeping anything.
+
+    The index is parsed, the object tree decoded with the weights-only rules and checked
+    (every tensor reference points at a tensor of the index), and every chunk of every tensor
+    checksummed and decoded. A file passes exactly when ``load(path)`` accepts it; tensors of
+    nvCOMP-only codecs on a machine without a GPU are problems too (they cannot be loaded here).
+
+    Args:
+        path: Local path or fsspec URL of an nvcomp-checkpoint file.
+        storage_options: Passed to fsspec for URLs.
+        progress: Called with the raw bytes of each tensor once it is checked.
+    """
+    where = os.fspath(path)
+    wait_for_path(path)
+    problems: list[VerifyProblem] = []
+    try:
+        reader = CheckpointReader(path, storage_options=storage_options)
+    except FormatError as exc:
+        return VerifyResult(where, 0, 0, (VerifyProblem(None, exc),))
+    with reader:
+        try:
+            for entry, error in reader.verify():
+                if progress is not None:
+                    progress(entry.nbytes)
+                if isinstance(error, CheckpointError):
+                    problems.append(VerifyProblem(entry.key, error))
+        except CheckpointError as exc:  # the object tree is checked before any tensor
+            problems.append(VerifyProblem(None, exc))
+        return VerifyResult(where, len(reader.index.tensors), reader.raw_bytes, tuple(problems))

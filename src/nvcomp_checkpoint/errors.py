@@ -16,6 +16,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedObjectError",
     "CheckpointWriteError",
+    "SizeLimitError",
 ]
 
 
@@ -55,3 +56,7 @@ class UnsupportedObjectError(CheckpointError):
 
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint failed; the previous file at the target path is untouched."""
+
+
+class SizeLimitError(CheckpointError):
+    """Decoding would take more memory than the caller's ``max_bytes`` allows (refused before allocating)."""

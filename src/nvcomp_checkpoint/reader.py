@@ -17,10 +17,10 @@ import torch
 import xxhash
 
 from .codecs import cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
-from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError
+from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError, SizeLimitError, UnsafeCheckpointError
 from .filters import ByteplaneFilter
 from .format.layout import FOOTER, MAGIC, Frame, Index, TensorEntry, unpack_footer
-from .format.skeleton import decode_skeleton, tensor_paths, unflatten
+from .format.skeleton import check_skeleton, decode_skeleton, tensor_paths, unflatten
 from .policy import Component
 from .report import ComponentStats, ComponentSummary
 from .storage import Storage, open_checkpoint_stream, storage_for
@@ -87,10 +87,21 @@ class CheckpointReader:
         path: Local path or fsspec URL.
         storage_options: Passed to fsspec for URLs.
         workers: Decompression threads.
+        max_bytes: For files from untrusted sources: refuse, before allocating, to decode more
+            than this many bytes (the object tree plus the tensors) in one ``load``, ``read``
+            or ``keys``. ``None``: no limit beyond the format's own.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, workers: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: dict[str, Any] | None = None,
+        workers: int | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
         self.path = os.fspath(path)
+        self.max_bytes = max_bytes
         self.storage: Storage
         self.storage, self._spath = storage_for(self.path, storage_options)
         self.workers = workers or default_workers()
@@ -162,15 +173,18 @@ class CheckpointReader:
             stored = self.index.skeleton
             # The tree is read only for this; a tree that a weights-only load refuses has no
             # aliases to offer (load(weights_only=False) still restores them).
-            # A damaged tree is reported by load() and verify(); the tensors it does not hold
-            # stay listed and readable here.
+            # A damaged tree (checksum mismatch) is reported by load() and verify(); the tensors
+            # it does not hold stay listed and readable here. A tree whose checksum holds but
+            # that breaks the format's rules (not a torch.save archive, shared or too deep
+            # containers, a reference to no tensor) was made so: refused, as load() refuses it.
+            self._check_size(stored.raw_size, "the object tree")
             try:
                 skeleton = decode_skeleton(self._read_frame_bytes(stored, "the object tree"), weights_only=True, where=self.path)
-            except CheckpointError:
+            except (ChecksumError, UnsafeCheckpointError):
                 skeleton = None
             first_path: set[int] = set()
             used = set(self._by_key)
-            for path, index in tensor_paths(skeleton):
+            for path, index in tensor_paths(skeleton, self.path, len(self.index.tensors)):
                 if index not in first_path:
                     first_path.add(index)  # the path the index names the tensor by
                     continue
@@ -209,6 +223,7 @@ class CheckpointReader:
     def read(self, key: str, map_location: MapLocation = None) -> torch.Tensor:
         """Decode one tensor (bit-identical to what was saved)."""
         entry = self.entry(key)
+        self._check_size(entry.nbytes, f"tensor {entry.key!r}")
         device = _check_device(_target_device(entry, map_location), entry, self.path)
         with worker_pool(self.workers, "nvckpt-decode") as pool:
             return self._finish(entry, self._decode(entry, device, pool), map_location)
@@ -219,7 +234,10 @@ class CheckpointReader:
 
     def load(self, map_location: MapLocation = None, *, weights_only: bool = True) -> Any:
         """The whole tree, as it was saved."""
+        self._check_size(self.index.skeleton.raw_size + self.raw_bytes, "the whole checkpoint")
         skeleton = decode_skeleton(self._read_frame_bytes(self.index.skeleton, "the object tree"), weights_only=weights_only, where=self.path)
+        count = len(self.index.tensors)
+        check_skeleton(skeleton, count, self.path)  # before any tensor is decoded
         tensors: list[torch.Tensor] = []
         with worker_pool(self.workers, "nvckpt-decode") as pool:
             # Tensors are decoded ahead of the one being finished, so that the many small
@@ -238,7 +256,14 @@ class CheckpointReader:
             while pending:
                 done, finish, _ = pending.popleft()
                 tensors.append(self._finish(done, finish(), map_location))
-        return unflatten(skeleton, lambda i: _lookup(tensors, i, self.path))
+        return unflatten(skeleton, lambda i: _lookup(tensors, i, self.path), where=self.path, tensor_count=count)
+
+    def _check_size(self, nbytes: int, what: str) -> None:
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise SizeLimitError(
+                f"{self.path}: {what} decodes to {nbytes} bytes, over max_bytes={self.max_bytes}; "
+                "raise max_bytes if you trust the file, or read single tensors with open()"
+            )
 
     def read_many(self, keys: list[str], map_location: MapLocation = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(key, tensor)`` for each of ``keys`` in that order, decoded ahead on one worker pool
@@ -260,8 +285,22 @@ class CheckpointReader:
                 yield done_key, self._finish(done, finish(), map_location)
 
     def verify(self) -> Iterator[tuple[TensorEntry, Exception | None]]:
-        """Decode every tensor on the CPU; yields ``(entry, error or None)`` for each."""
-        self._read_frame_bytes(self.index.skeleton, "the object tree")
+        """Check the object tree as ``load`` does, then decode every tensor on the CPU.
+
+        The tree is decoded with the weights-only rules and every tensor reference in it is
+        checked against the index, so a file passes exactly when ``load`` accepts it.
+
+        Yields:
+            ``(entry, error or None)`` for each tensor.
+
+        Raises:
+            CheckpointError: The object tree is damaged, forged or holds objects that a
+                weights-only load refuses (checked before any tensor).
+        """
+        self._check_size(self.index.skeleton.raw_size, "the object tree")
+        skeleton = decode_skeleton(self._read_frame_bytes(self.index.skeleton, "the object tree"), weights_only=True, where=self.path)
+        check_skeleton(skeleton, len(self.index.tensors), self.path)
+        del skeleton
         with worker_pool(self.workers, "nvckpt-decode") as pool:
             for entry in self.index.tensors:
                 try:

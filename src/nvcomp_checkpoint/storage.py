@@ -11,7 +11,9 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import shutil
+import socket
 import sys
 import uuid
 from pathlib import Path
@@ -21,10 +23,21 @@ from .errors import CheckpointError, CheckpointWriteError, FormatError
 
 __all__ = [
     "Storage", "LocalStorage", "FsspecStorage", "LOCAL", "storage_for", "open_checkpoint_stream", "write_errors", "is_url",
-    "fsync_path", "exchange_paths", "list_names", "abort_unfinished_uploads", "upload_file",
+    "fsync_path", "exchange_paths", "list_names", "abort_unfinished_uploads", "upload_file", "stale_temp_files",
 ]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2"}
+
+#: Who writes a local temporary file: this host and its PID namespace, so that a file of a
+#: dead process can be told from one of a live process on another host (a shared file system)
+#: or in another container. The PID follows in the name.
+try:
+    _PID_NAMESPACE = os.stat("/proc/self/ns/pid").st_ino
+except OSError:
+    _PID_NAMESPACE = 0
+_HOST_TAG = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:32] + f"~{_PID_NAMESPACE:x}"
+#: ``.<target>.tmp-<pid>-<8 hex>@<host tag>``; files without the tag predate it (never removed).
+_TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}(?:@(?P<host>[^@/]+))?$")
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -83,7 +96,11 @@ class LocalStorage(Storage):
     def open_write(self, path: str) -> Iterator[IO[bytes]]:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        name = f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Tagged so that the next save can tell a dead writer's file (stale_temp_files); a name
+        # that would pass the file system's 255 bytes goes untagged (never removed, as before).
+        tagged = f"{name}@{_HOST_TAG}"
+        tmp = target.with_name(tagged if len(os.fsencode(tagged)) <= 255 else name)
         f = open(tmp, "wb")
         try:
             yield f
@@ -190,6 +207,58 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def stale_temp_files(directory: str | os.PathLike[str], *, remove: bool = False) -> list[str]:
+    """Temporary files in ``directory`` left by local saves whose process is gone.
+
+    A save killed before it completes (SIGKILL, a crashed node) cannot remove its temporary
+    file. One is stale when it was written on this host, in this PID namespace, by a process
+    that no longer runs (or is a zombie); a file of a live process, of another host or of an
+    older version (no host tag) is never listed, so never removed.
+
+    Args:
+        directory: A local directory.
+        remove: Delete the stale files (a save does, before it writes).
+
+    Returns:
+        The paths of the stale files, sorted (those removed, with ``remove``).
+    """
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    stale = []
+    for name in names:
+        match = _TEMP_NAME.match(name)
+        if match is None or match.group("host") != _HOST_TAG:
+            continue
+        pid = int(match.group("pid"))
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            pass  # gone
+        except (PermissionError, OverflowError, OSError):
+            continue  # alive, owned by another user (or not a PID we can ask about)
+        else:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:  # a zombie has exited: only its parent has not reaped it
+                    if f.read().rsplit(b")", 1)[-1].split()[0] != b"Z":
+                        continue
+            except (OSError, IndexError):
+                continue
+        path = os.path.join(directory, name)
+        if remove:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue  # another save removed it first
+            except OSError:
+                continue  # left for the next save; this one must not fail for it
+        stale.append(path)
+    return stale
 
 
 class FsspecStorage(Storage):

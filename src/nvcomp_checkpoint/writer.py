@@ -23,7 +23,7 @@ import xxhash
 from .codecs import CodecConfig, codec_facts, cpu_codec, gpu_available, gpu_chunk_bytes, gpu_codec, has_cpu_decoder
 from .errors import CodecUnavailableError, UnsupportedObjectError
 from .filters import ByteplaneFilter, plane_width
-from .format.layout import MAGIC, MAX_INDEX_BYTES, Frame, Index, TensorEntry, pack_footer
+from .format.layout import MAGIC, MAX_INDEX_BYTES, QUANTIZED_DTYPES, Frame, Index, TensorEntry, pack_footer
 from .format.skeleton import encode_skeleton, flatten
 from .policy import CodecPolicy, CodecSpec, Component, key_string
 from .report import ComponentStats
@@ -72,7 +72,7 @@ def _check_tensor(key: str, t: torch.Tensor, where: str) -> None:
         raise UnsupportedObjectError(f"{where}: tensor {key!r} has layout {t.layout}; call .to_dense() before saving")
     if t.device.type == "meta":
         raise UnsupportedObjectError(f"{where}: tensor {key!r} is on the meta device and has no data to save")
-    if t.is_quantized:
+    if t.is_quantized or t.dtype in QUANTIZED_DTYPES:  # a plain view with a quantized dtype has no scale either
         raise UnsupportedObjectError(f"{where}: tensor {key!r} is quantized; call .dequantize() or use torch.save")
     if t.is_nested:
         raise UnsupportedObjectError(f"{where}: tensor {key!r} is a nested tensor; save its components instead")
