@@ -17,17 +17,23 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+import time
+import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
 
 import nvcomp_checkpoint as nc
+from conftest import assert_tree_equal
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -174,6 +180,48 @@ with open("checkpoint-500/trainer_state.json", "w") as f:
     json.dump({"global_step": 500}, f)
 """
 
+# `step` comes from README_STEP, and the weights are seeded with it: a run that resumes ends with
+# the weights of the run before it, not with its own.
+_TIERS = """
+import os
+import torch
+import nvcomp_checkpoint as nc
+step = int(os.environ.get("README_STEP", "100"))
+torch.manual_seed(step)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model(torch.randn(4, 32)).sum().backward()
+opt.step()
+"""
+
+# What a run of the Storage tiers snippet leaves after steps 100, 200 and 300: the newest two on
+# nvme/run1, all three on fsx/run1, and 100 and 300 on S3 (the endpoint comes from AWS_ENDPOINT_URL).
+_TIERS_CLI = _TINY_MODEL + """
+tiers = [nc.Tier("nvme/run1", keep=2, name="local"), nc.Tier("fsx/run1", name="shared"),
+         nc.Tier("s3://bucket/run1", every_steps=200, name="object")]
+with nc.CheckpointManager(tiers) as mgr:
+    for step in (100, 200, 300):
+        model(torch.randn(4, 32)).sum().backward()
+        opt.step()
+        mgr.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+        mgr.wait()
+    assert [mgr.steps(i) for i in range(3)] == [[200, 300], [100, 200, 300], [100, 300]], [mgr.steps(i) for i in range(3)]
+"""
+
+_TIERS_LOOP = _TIERS + """
+steps = 1001
+
+def train_step(step):
+    opt.zero_grad()
+    model(torch.randn(4, 32)).square().mean().backward()
+    opt.step()
+"""
+
+_TIERS_DCP = _TINY_MODEL + """
+mgr = nc.CheckpointManager([nc.Tier("nvme/run1", keep=2, name="local"), nc.Tier("fsx/run1", name="shared")])
+step, rank = 100, 0
+"""
+
 #: Python run before a snippet (python: in its process; bash: as a script of its own, first).
 SETUPS: dict[str, str] = {
     "model": _TINY_MODEL,
@@ -188,6 +236,10 @@ scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
 """,
     "hf_trainer_resume": _HF_MODEL,
     "cli_files": _CLI_FILES,
+    "tiers": _TIERS,
+    "tiers_cli": _TIERS_CLI,
+    "tiers_loop": _TIERS_LOOP,
+    "tiers_dcp": _TIERS_DCP,
 }
 
 #: Python run after a python snippet, in its process: prints what the checks look at.
@@ -202,7 +254,32 @@ print({_RESULT!r} + json.dumps({{"ckpt_path": trainer.ckpt_path, "global_step": 
 import json
 print({_RESULT!r} + json.dumps({{"global_step": trainer.state.global_step, "forwards": CountedGPT2.forwards}}))
 """,
+    "tiers": f"""
+import json, torch
+torch.save({{"model": model.state_dict(), "optimizer": opt.state_dict()}}, f"state-{{step}}.pt")
+print({_RESULT!r} + json.dumps({{
+    "restored": None if r is None else {{"step": r.step, "tier": r.tier_name, "light": r.light}},
+    "steps": {{name: mgr.steps(i) for i, name in enumerate(mgr.names)}},
+}}))
+""",
+    # The unit restored again from the shared tier alone, into a model whose weights were zeroed.
+    "tiers_dcp": f"""
+import json, shutil, torch
+mgr.close()
+shutil.rmtree("nvme/run1")
+expected = {{k: v.clone() for k, v in model.state_dict().items()}}
+with torch.no_grad():
+    for p in model.parameters():
+        p.zero_()
+again = mgr.restore(loader=load_dcp)
+print({_RESULT!r} + json.dumps({{
+    "restored": [again.step, again.tier_name, again.light],
+    "equal": all(torch.equal(again.state["model"][k], expected[k]) for k in expected),
+    "files": [f.path for f in mgr.manifest(step, 1).files],
+}}))
+""",
 }
+EPILOGUES["tiers_loop"] = EPILOGUES["tiers"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -241,6 +318,52 @@ def _ok(proc: subprocess.CompletedProcess[str], s: Snippet) -> str:
 def _result(stdout: str) -> dict:
     line = next(ln for ln in stdout.splitlines() if ln.startswith(_RESULT))
     return json.loads(line[len(_RESULT):])
+
+
+@contextmanager
+def s3_endpoint(bucket: str = "bucket") -> Iterator[tuple[dict[str, str], Any]]:
+    """moto's standalone S3 server in its own process, with ``bucket``.
+
+    Yields the environment a user's shell would have for an S3-compatible store (dummy
+    credentials, ``AWS_ENDPOINT_URL``: s3fs and ``nvckpt`` read it through botocore) and a
+    boto3 client to look at what the snippet stored.
+    """
+    boto3 = pytest.importorskip("boto3")
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(**env))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto_server did not start on port {port}") from None
+                time.sleep(0.1)
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                              aws_access_key_id="testing", aws_secret_access_key="testing")
+        client.create_bucket(Bucket=bucket)
+        yield env, client
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _keys(client: Any, bucket: str, prefix: str) -> list[str]:
+    return sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
+
+
+def _unit_keys(prefix: str, steps: list[int]) -> list[str]:
+    return sorted(f"{prefix}step-{s:010d}{ext}" for s in steps for ext in (".nvc", ".manifest.json"))
 
 
 # -- what each snippet must have done ---------------------------------------------------------
@@ -307,6 +430,58 @@ def check_cli_files(s: Snippet, tmp_path: Path) -> None:
     assert all(torch.equal(x, y) for x, y in zip(a["model"].values(), b["model"].values()))
 
 
+def check_tiers(s: Snippet, tmp_path: Path) -> None:
+    # A fresh start, then the node lost (tier 0 gone: resume from the shared copy), then a fresh
+    # node elsewhere (only the object store left): each run resumes the previous run's state.
+    with s3_endpoint() as (env, client):
+        first = _result(_ok(run_snippet(s, tmp_path, **env), s))
+        assert first == {"restored": None, "steps": {"local": [100], "shared": [100], "object": [100]}}, first
+        shutil.rmtree(tmp_path / "nvme")
+        second = _result(_ok(run_snippet(s, tmp_path, README_STEP="200", **env), s))
+        assert second["restored"] == {"step": 100, "tier": "shared", "light": False}, second
+        assert second["steps"] == {"local": [200], "shared": [100, 200], "object": [100, 200]}, second
+        shutil.rmtree(tmp_path / "nvme")
+        shutil.rmtree(tmp_path / "fsx")
+        third = _result(_ok(run_snippet(s, tmp_path, README_STEP="300", **env), s))
+        assert third["restored"] == {"step": 200, "tier": "object", "light": False}, third
+        assert third["steps"] == {"local": [300], "shared": [300], "object": [100, 200, 300]}, third
+        assert _keys(client, "bucket", "") == _unit_keys("run1/", [100, 200, 300])
+    # Seeded by step, the runs would differ; resumed, each ends with the state the first one saved.
+    saved = torch.load(tmp_path / "state-100.pt")
+    assert_tree_equal(torch.load(tmp_path / "state-200.pt"), saved)
+    assert_tree_equal(torch.load(tmp_path / "state-300.pt"), saved)
+
+
+def check_tiers_loop(s: Snippet, tmp_path: Path) -> None:
+    # Saves at steps 0, 500 and 1000: the first full (full_every=5) and kept on tier 0 as the
+    # newest full step; only the first is due on the other tiers within their minutes.
+    with s3_endpoint() as (env, client):
+        first = _result(_ok(run_snippet(s, tmp_path, **env), s))
+        assert first == {"restored": None, "steps": {"local": [0, 500, 1000], "shared": [0], "object": [0]}}, first
+        # The node lost: the newest full step is 0, on "shared"; the resumed run saves 500 (full) and 1000.
+        shutil.rmtree(tmp_path / "nvme")
+        second = _result(_ok(run_snippet(s, tmp_path, **env), s))
+        assert second["restored"] == {"step": 0, "tier": "shared", "light": False}, second
+        assert second["steps"] == {"local": [500, 1000], "shared": [0, 500], "object": [0, 500]}, second
+        assert _keys(client, "bucket", "") == _unit_keys("run1/", [0, 500])
+
+
+def check_tiers_dcp(s: Snippet, tmp_path: Path) -> None:
+    result = _result(_ok(run_snippet(s, tmp_path), s))
+    assert result["restored"] == [100, "shared", False] and result["equal"], result
+    assert ".metadata" in result["files"] and len(result["files"]) > 1, result
+
+
+def check_tiers_cli(s: Snippet, tmp_path: Path) -> None:
+    with s3_endpoint() as (env, client):
+        out = _ok(run_snippet(s, tmp_path, **env), s)
+        # sync copied step 200, the one S3 lacked; every listed step verified.
+        assert _keys(client, "bucket", "") == _unit_keys("run1/", [100, 200, 300])
+    assert "nvme/run1: 2 step(s)" in out and "s3://bucket/run1: 2 step(s)" in out, out
+    assert "NO:" not in out, out
+    assert "storage per tier" in out and all(name in out for name in ("local", "shared", "object")), out
+
+
 def check_bare(s: Snippet, tmp_path: Path) -> None:
     _ok(run_snippet(s, tmp_path), s)
 
@@ -318,6 +493,10 @@ CHECKS: dict[str, Callable[[Snippet, Path], None]] = {
     "accelerate": check_accelerate,
     "hf_trainer_resume": check_hf_trainer_resume,
     "cli_files": check_cli_files,
+    "tiers": check_tiers,
+    "tiers_cli": check_tiers_cli,
+    "tiers_loop": check_tiers_loop,
+    "tiers_dcp": check_tiers_dcp,
 }
 
 
