@@ -12,8 +12,8 @@ import torch
 
 from .errors import CheckpointError, FormatError, SizeLimitError, UnsafeCheckpointError
 from .format.layout import FOOTER_MAGIC, MAGIC
-from .filetype import HEAD_BYTES, NVCOMP, SAFETENSORS, TORCH, kind_of
-from .format.skeleton import weights_only_detail
+from .filetype import HEAD_BYTES, NVCOMP, SAFETENSORS, TORCH, ZIP_HEAD, kind_of
+from .format.skeleton import check_torch_archive, weights_only_detail
 from .pending import wait_for_path
 from .policy import CodecPolicy
 from .reader import CheckpointReader, MapLocation
@@ -194,11 +194,9 @@ def _load_plain(where: str, storage: Any, spath: str, map_location: MapLocation,
 
     try:
         with storage.open_read(spath) as f:
-            if weights_only and f.read(4) == _TORCH_SAVE_HEADS[0]:
+            if weights_only and f.read(len(ZIP_HEAD)) == ZIP_HEAD:
                 # What the weights-only unpickler would build but the process cannot survive
                 # (a dict key of tuples 100,000 deep) is refused first, as for our own files.
-                from .format.skeleton import check_torch_archive
-
                 check_torch_archive(f, storage.size(spath), where)
             f.seek(0)
             if map_location is None and not torch.cuda.is_available():

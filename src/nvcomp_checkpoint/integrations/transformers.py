@@ -26,7 +26,7 @@ import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirstore import MARKER_NAME, write_marker
 from nvcomp_checkpoint.report import merge_reports
 from nvcomp_checkpoint.savegroup import SaveSequence
-from nvcomp_checkpoint.storage import LOCAL
+from nvcomp_checkpoint.storage import LOCAL, stale_temp_files
 from nvcomp_checkpoint.tensors import first_difference
 
 __all__ = [
@@ -125,7 +125,7 @@ def compress_checkpoint(
     stamp = directory.stat()
     start = time.perf_counter()
     plain = [name for name in _plain_files(directory) if weights or name == _OPTIMIZER]
-    _remove_stale_temporaries(directory)
+    stale_temp_files(directory, remove=True)  # a conversion killed mid-write left nc.save's temporary file
     written: list[Path] = []
     reports: list[nc.SaveReport] = []
     try:
@@ -278,13 +278,6 @@ def _resume_hint(checkpoint: Path) -> str:
 def _step_of(name: str) -> int | None:
     match = re.fullmatch(r"checkpoint-(\d+)", name)
     return int(match.group(1)) if match else None
-
-
-def _remove_stale_temporaries(directory: Path) -> None:
-    # A conversion killed mid-write leaves nc.save's temporary file (".<name>.tmp-<pid>-<id>").
-    for name in _TREE_KEY:
-        for stale in directory.glob(f".{name}{COMPRESSED_SUFFIX}.tmp-*"):
-            LOCAL.remove(str(stale))
 
 
 def _restore_mtime(directory: Path, stamp: os.stat_result) -> None:
