@@ -954,6 +954,24 @@ class CheckpointManager:
                 _LOG.error("while closing the checkpoint manager: %s", err)
 
     # -- restoring ----------------------------------------------------------------------------
+    def fetch(self, step: int, tier: int, local_dir: str | os.PathLike[str]) -> str:
+        """Copy ``step`` from ``tier`` into the folder ``local_dir`` (checked, with its manifest); its local path.
+
+        For a framework that loads only local paths (a ``save_state`` folder, a ``checkpoint-N``)
+        from a copy on an object store.
+
+        Raises:
+            CheckpointError: ``tier`` does not hold ``step``.
+        """
+        src = self._stores[tier]
+        manifest = src.manifest(step)
+        if manifest is None:
+            raise CheckpointError(f"{src.label} ({src.root}): holds no step {step}")
+        local = TierStore(Tier(os.path.abspath(os.fspath(local_dir)), name="fetched"), "fetched")
+        os.makedirs(local.root, exist_ok=True)
+        copy_unit(src, local, manifest)
+        return local.unit_path(step, manifest.directory)
+
     def locate(self, step: int | None = None, *, allow_light: bool = False) -> Restored | None:
         """The newest copy that checks (size, digests and every byte against its manifest), without loading it.
 
@@ -1120,7 +1138,18 @@ class TierCopies:
         """The newest copy on the tiers that checks (see :meth:`CheckpointManager.locate`)."""
         return self.manager().locate(step)
 
-    def resume_path(self) -> str | None:
-        """Where the newest restorable copy is (``None``: no tier holds one, a fresh start)."""
+    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
+        """Where the newest restorable copy is (``None``: no tier holds one, a fresh start).
+
+        A copy on an object store is first downloaded, checked, into ``local_dir`` (default
+        ``.nvckpt-restore`` in the working directory), since frameworks load local paths.
+        """
         found = self.locate()
-        return None if found is None else found.path
+        if found is None:
+            return None
+        if not is_url(found.path):
+            return found.path
+        target = local_dir if local_dir is not None else os.path.join(os.getcwd(), ".nvckpt-restore")
+        path = self.manager().fetch(found.step, found.tier, target)
+        _LOG.info("%s: step %d downloaded from %s to %s", self.owner, found.step, found.tier_name, path)
+        return path

@@ -283,18 +283,19 @@ class NvcompStateHooks:
         if self.tiers is not None:
             self.tiers.wait()
 
-    def resume_path(self) -> str | None:
+    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
         """The newest ``save_state`` folder copy on ``tiers`` that checks (every file), or ``None``.
 
         ``accelerator.load_state(path)`` resumes from it on a fresh node, where tier 0 is gone;
-        damaged or incomplete newer copies are skipped (logged).
+        damaged or incomplete newer copies are skipped (logged). A copy on an object store is
+        downloaded, checked, into ``local_dir`` first (default ``.nvckpt-restore`` in the working directory).
 
         Raises:
             ValueError: The hooks have no ``tiers``.
         """
         if self.tiers is None:
             raise ValueError("NvcompStateHooks.resume_path(): no tiers; pass register_nvcomp_hooks(accelerator, tiers=[nc.Tier(...)])")
-        return self.tiers.resume_path()
+        return self.tiers.resume_path(local_dir)
 
     def _raise_pending(self, when: str) -> None:
         failed = self._saves.failed_group()

@@ -465,18 +465,20 @@ class NvcompTrainerCallback(TrainerCallback):
         assert self.tiers is not None
         self.tiers.adopt(step, directory)
 
-    def resume_path(self) -> str | None:
+    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
         """The newest ``checkpoint-N`` copy on ``tiers`` that checks (every file), or ``None`` (a fresh start).
 
         ``trainer.train(resume_from_checkpoint=callback.resume_path())`` resumes from it on a
         fresh node, where ``output_dir`` is gone; damaged or incomplete newer copies are skipped.
+        A copy on an object store is downloaded, checked, into ``local_dir`` first (default
+        ``.nvckpt-restore`` in the working directory).
 
         Raises:
             ValueError: The callback has no ``tiers``.
         """
         if self.tiers is None:
             raise ValueError("NvcompTrainerCallback.resume_path(): no tiers; pass NvcompTrainerCallback(tiers=[nc.Tier(...)])")
-        return self.tiers.resume_path()
+        return self.tiers.resume_path(local_dir)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Before the Trainer saves (and rotates), let the pending conversion finish."""
