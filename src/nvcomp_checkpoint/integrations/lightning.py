@@ -274,19 +274,21 @@ class NvcompCheckpointIO(CheckpointIO):
         assert self.tiers is not None
         self.tiers.adopt(step, path)
 
-    def resume_path(self) -> str | None:
+    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
         """The newest checkpoint copy on ``tiers`` that checks, or ``None`` (nothing there: a fresh start).
 
         ``trainer.fit(model, ckpt_path=plugin.resume_path())`` resumes on a fresh node, where
         ``ModelCheckpoint``'s own folder is gone; newer copies that are damaged or incomplete are
-        skipped (logged), falling back to the next tier, then to older steps.
+        skipped (logged), falling back to the next tier, then to older steps. A copy on an object
+        store is downloaded, checked, into ``local_dir`` first (default ``.nvckpt-restore`` in the
+        working directory).
 
         Raises:
             ValueError: The plugin has no ``tiers``.
         """
         if self.tiers is None:
             raise ValueError("NvcompCheckpointIO.resume_path(): no tiers; pass NvcompCheckpointIO(tiers=[nc.Tier(...)])")
-        return self.tiers.resume_path()
+        return self.tiers.resume_path(local_dir)
 
     def _tell_listeners(self, report: SaveReport, info: dict[str, Any]) -> None:
         for listener in list(self._listeners):
