@@ -227,6 +227,7 @@ SETUPS: dict[str, str] = {
     "model": _TINY_MODEL,
     "lightning_resume": _LIGHTNING_MODULE,
     "lightning_async": _LIGHTNING_MODULE,
+    "lightning_tiers": _LIGHTNING_MODULE,
     "accelerate": _TINY_MODEL + """
 import torch
 from accelerate import Accelerator
@@ -249,6 +250,11 @@ import json, torch
 torch.save(trainer.lightning_module.state_dict(), "final.pt")
 print({_RESULT!r} + json.dumps({{"ckpt_path": trainer.ckpt_path, "global_step": trainer.global_step,
                                  "loaded": type(model).__name__, "best": checkpoints.best_model_path}}))
+""",
+    "lightning_tiers": f"""
+import json, os, torch
+torch.save(trainer.lightning_module.state_dict(), f"final-{{os.environ['README_RUN']}}.pt")
+print({_RESULT!r} + json.dumps({{"ckpt_path": trainer.ckpt_path, "global_step": trainer.global_step}}))
 """,
     "hf_trainer_resume": f"""
 import json
@@ -399,6 +405,28 @@ def check_lightning_async(s: Snippet, tmp_path: Path) -> None:
     assert any("nvckpt/ratio" in text for text in logged), logged
 
 
+def check_lightning_tiers(s: Snippet, tmp_path: Path) -> None:
+    # A first run copies its first checkpoint (step 4: the first one is due at once, the next only
+    # after 30 / 60 minutes) to the folder and to S3; the node is then lost, and the same snippet
+    # on a fresh node resumes from the shared copy and ends with the weights of the first run.
+    from nvcomp_checkpoint.tiers import open_tier
+
+    with s3_endpoint() as (env, client):
+        first = _result(_ok(run_snippet(s, tmp_path, README_RUN="1", **env), s))
+        assert first == {"ckpt_path": None, "global_step": 12}, first
+        assert len(list((tmp_path / "nvme" / "ckpt").glob("*.ckpt"))) == 2  # ModelCheckpoint's top-k
+        assert open_tier(str(tmp_path / "fsx" / "run1")).steps() == [4]
+        assert _keys(client, "bucket", "") == _unit_keys("run1/", [4])
+        shutil.rmtree(tmp_path / "nvme")
+        second = _result(_ok(run_snippet(s, tmp_path, README_RUN="2", **env), s))
+        assert second == {"ckpt_path": "fsx/run1/step-0000000004.nvc", "global_step": 12}, second
+        # The resumed process copies its first checkpoint (step 8) at once.
+        assert open_tier(str(tmp_path / "fsx" / "run1")).steps() == [4, 8]
+        assert _keys(client, "bucket", "") == _unit_keys("run1/", [4, 8])
+    a, b = torch.load(tmp_path / "final-1.pt"), torch.load(tmp_path / "final-2.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def check_accelerate(s: Snippet, tmp_path: Path) -> None:
     out = _ok(run_snippet(s, tmp_path), s)
     assert (tmp_path / "ckpt" / "model.nvc").exists() and (tmp_path / "ckpt" / "optimizer.nvc").exists()
@@ -490,6 +518,7 @@ CHECKS: dict[str, Callable[[Snippet, Path], None]] = {
     "model": check_model,
     "lightning_resume": check_lightning_resume,
     "lightning_async": check_lightning_async,
+    "lightning_tiers": check_lightning_tiers,
     "accelerate": check_accelerate,
     "hf_trainer_resume": check_hf_trainer_resume,
     "cli_files": check_cli_files,

@@ -32,6 +32,7 @@ __all__ = [
     "Tier",
     "CheckpointManager",
     "Restored",
+    "TierCopies",
     "UnitManifest",
     "FileEntry",
     "TierStore",
@@ -132,6 +133,9 @@ class UnitManifest:
     light: bool
     files: tuple[FileEntry, ...]
     created: float
+    #: Where the unit's bytes are when a framework wrote them itself (see :meth:`CheckpointManager.adopt`);
+    #: never stored: a committed copy lives at its tier's own path.
+    source: str | None = field(default=None, compare=False)
 
     @property
     def stored_bytes(self) -> int:
@@ -205,6 +209,12 @@ class TierStore:
         unit = self.unit_path(manifest.step, manifest.directory)
         return _join(unit, entry.path) if entry.path else unit
 
+    def source_path(self, manifest: UnitManifest, entry: FileEntry) -> str:
+        """Where a copy reads ``entry`` from: the adopted file or folder, else this tier's own path."""
+        if manifest.source is None:
+            return self.file_path(manifest, entry)
+        return _join(manifest.source, entry.path) if entry.path else manifest.source
+
     # -- listing ------------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Steps whose manifest is committed, oldest first."""
@@ -264,9 +274,9 @@ class TierStore:
         return removed
 
     # -- checks -------------------------------------------------------------------------------
-    def describe(self, step: int, directory: bool, light: bool) -> UnitManifest:
-        """The manifest of a unit just written to this tier by a save (tier 0)."""
-        unit = self.unit_path(step, directory)
+    def describe(self, step: int, directory: bool, light: bool, source: str | None = None) -> UnitManifest:
+        """The manifest of a unit just written to this tier by a save (tier 0), or at ``source``."""
+        unit = self.unit_path(step, directory) if source is None else source
         entries = []
         if directory:
             rels = _walk(self.storage, unit)
@@ -280,7 +290,7 @@ class TierStore:
             digest = _index_digest(self.storage, path, size)
             whole = None if digest is not None else _file_xxh3(self.storage, path)
             entries.append(FileEntry(rel, size, digest, whole))
-        return UnitManifest(step, directory, light, tuple(entries), time.time())
+        return UnitManifest(step, directory, light, tuple(entries), time.time(), source)
 
     def check(self, manifest: UnitManifest, *, full: bool = False) -> None:
         """Raise :class:`FormatError` unless every file has its size and digest (``full``: every byte)."""
@@ -314,6 +324,20 @@ def verify_unit(store: TierStore, manifest: UnitManifest, *, full: bool = True) 
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def _is_dir(storage: Storage, path: str) -> bool:
+    if isinstance(storage, LocalStorage):
+        return os.path.isdir(path)
+    return bool(storage.fs.isdir(path))  # type: ignore[attr-defined]
+
+
+def _source_intact(src: TierStore, manifest: UnitManifest) -> bool:
+    """Whether every file of an adopted unit is still there with its size."""
+    try:
+        return all(src.storage.size(src.source_path(manifest, e)) == e.size for e in manifest.files)
+    except (FileNotFoundError, OSError):
+        return False
 
 
 def _walk(storage: Storage, root: str, prefix: str = "") -> list[str]:
@@ -367,7 +391,7 @@ def copy_unit(src: TierStore, dst: TierStore, manifest: UnitManifest, progress: 
     dst.storage.remove(dst.manifest_path(manifest.step))
     try:
         for entry in manifest.files:
-            s_path, d_path = src.file_path(manifest, entry), dst.file_path(manifest, entry)
+            s_path, d_path = src.source_path(manifest, entry), dst.file_path(manifest, entry)
             if isinstance(src.storage, LocalStorage) and _upload_local(src, dst, manifest, entry, s_path, d_path, written, progress, entries):
                 continue
             h = xxhash.xxh3_64()
@@ -383,7 +407,7 @@ def copy_unit(src: TierStore, dst: TierStore, manifest: UnitManifest, progress: 
                     _check_source(s_path, entry, n, h.intdigest())
             written.append(d_path)
             entries.append(replace(entry, xxh3=h.intdigest()))
-        committed = replace(manifest, files=tuple(entries), created=time.time())
+        committed = replace(manifest, files=tuple(entries), created=time.time(), source=None)
         dst.check(committed)
         dst.write_manifest(committed)
         return committed
@@ -523,6 +547,10 @@ class CheckpointManager:
         clean: Remove leftovers of interrupted saves and copies from every tier now. Only one
             manager may work on a tier root at a time.
         on_copy_progress: Called as ``fn(tier_name, step, nbytes)`` for each chunk copied.
+        tier0_external: Tier 0 is a framework's own checkpoint folder (Lightning's
+            ``ModelCheckpoint``, Accelerate's ``save_state``, the Trainer's ``checkpoint-N``),
+            written and rotated by it: the manager never writes, cleans, retains or restores
+            there; units come in through :meth:`adopt` and are copied to the other tiers.
 
     Example:
         >>> mgr = nc.CheckpointManager([nc.Tier("/nvme/run1", keep=2), nc.Tier("s3://b/run1", every_minutes=60, keep=24)])
@@ -541,6 +569,7 @@ class CheckpointManager:
         workers: int | None = None,
         clean: bool = True,
         on_copy_progress: Callable[[str, int, int], None] | None = None,
+        tier0_external: bool = False,
     ) -> None:
         if not tiers:
             raise ValueError("CheckpointManager needs at least one Tier")
@@ -556,6 +585,8 @@ class CheckpointManager:
         self.policy = policy
         self.workers = workers
         self.on_copy_progress = on_copy_progress
+        self.tier0_external = bool(tier0_external)
+        self._last_adopted: tuple[int, str] | None = None
         labels = [t.name or f"tier{i}" for i, t in enumerate(tiers)]
         if len(set(labels)) != len(labels):
             raise ValueError(f"tier names must differ, got {labels}")
@@ -570,7 +601,7 @@ class CheckpointManager:
         self._queues: dict[int, _CopyQueue] = {}
         self._closed = False
         for i, store in enumerate(self._stores):
-            if clean:
+            if clean and not (i == 0 and self.tier0_external):
                 try:
                     removed = store.clean_leftovers()
                 except Exception as exc:  # noqa: BLE001 - an unreachable tier must not stop training
@@ -611,6 +642,7 @@ class CheckpointManager:
         """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        self._refuse_external("save()")
         self._raise_save_errors()
         if light is None:
             light = self.full_every is not None and self._saves % self.full_every != 0
@@ -645,11 +677,57 @@ class CheckpointManager:
         Raises:
             CheckpointError: Nothing is there for ``step``.
         """
+        self._refuse_external("commit()")
         store = self._stores[0]
         if directory is None:
             names = list_names(store.storage, store.root)
             directory = names.get(f"step-{step:010d}", False)
         return self._committed_on_tier0(step, directory, light, None)
+
+    def _refuse_external(self, what: str) -> None:
+        if self.tier0_external:
+            raise CheckpointError(
+                f"CheckpointManager.{what}: tier 0 ({self.tiers[0].url}) belongs to the framework that writes it "
+                "(tier0_external=True); hand each checkpoint it wrote to adopt(step, path) instead."
+            )
+
+    def adopt(self, step: int, path: str | os.PathLike[str], *, light: bool = False) -> UnitManifest | None:
+        """Copy a file or folder someone else wrote and made durable (a framework's checkpoint) as ``step``.
+
+        The unit stays where it is, owned and rotated by whoever wrote it; its size and digests
+        are taken now, and the tiers due get a checked copy in the background, with their
+        retention, exactly as for :meth:`save`. A copy whose source is deleted before it is done
+        (the framework's own rotation) is skipped with a warning. Adopting the step adopted last
+        again (Lightning's ``last.ckpt`` beside the top-k file) does nothing.
+
+        Returns:
+            The unit's manifest (``None`` when it repeats the last adopted step).
+
+        A failed copy is logged at once and raised by :meth:`wait` / :meth:`close` (never here:
+        adopt runs where the framework's save completes, often a background thread).
+
+        Raises:
+            CheckpointError: Nothing is at ``path`` (or an empty folder).
+        """
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        store = self._stores[0]
+        _, spath = storage_for(os.fspath(path), self.tiers[0].storage_options)
+        if isinstance(store.storage, LocalStorage):
+            spath = os.path.abspath(spath)  # the copy runs later, maybe after a chdir
+        if not store.storage.exists(spath):
+            raise CheckpointError(f"{spath}: nothing to adopt as step {step} (the checkpoint is not there)")
+        if self._last_adopted == (step, spath):
+            return None
+        if self._last_adopted is not None and self._last_adopted[0] == step:
+            _LOG.debug("step %d already adopted from %s; %s is not copied again", step, self._last_adopted[1], spath)
+            return None
+        directory = _is_dir(store.storage, spath)
+        manifest = store.describe(step, directory, light, source=spath)
+        self._last_adopted = (step, spath)
+        metrics.record_last_step(store.label, step)
+        self._schedule_copies(manifest)
+        return manifest
 
     def _on_saved(self, step: int, light: bool, handle: Any) -> None:
         try:
@@ -738,6 +816,13 @@ class CheckpointManager:
                 try:
                     committed = copy_unit(src, dst, manifest, progress)
                 except Exception as exc:  # noqa: BLE001
+                    if manifest.source is not None and not _source_intact(src, manifest):
+                        _LOG.warning(
+                            "%s: step %d was removed or replaced at %s (by the rotation of whoever wrote it) before "
+                            "its copy was done; the copy is skipped. Keep more checkpoints there for the copies to "
+                            "finish.", dst.label, manifest.step, manifest.source,
+                        )
+                        return
                     if attempt == tier.retries or isinstance(exc, FormatError) and "source" in str(exc):
                         raise CheckpointWriteError(
                             f"{dst.label} ({dst.root}): copying step {manifest.step} failed after {attempt + 1} attempt(s): "
@@ -869,6 +954,35 @@ class CheckpointManager:
                 _LOG.error("while closing the checkpoint manager: %s", err)
 
     # -- restoring ----------------------------------------------------------------------------
+    def fetch(self, step: int, tier: int, local_dir: str | os.PathLike[str]) -> str:
+        """Copy ``step`` from ``tier`` into the folder ``local_dir`` (checked, with its manifest); its local path.
+
+        For a framework that loads only local paths (a ``save_state`` folder, a ``checkpoint-N``)
+        from a copy on an object store.
+
+        Raises:
+            CheckpointError: ``tier`` does not hold ``step``.
+        """
+        src = self._stores[tier]
+        manifest = src.manifest(step)
+        if manifest is None:
+            raise CheckpointError(f"{src.label} ({src.root}): holds no step {step}")
+        local = TierStore(Tier(os.path.abspath(os.fspath(local_dir)), name="fetched"), "fetched")
+        os.makedirs(local.root, exist_ok=True)
+        copy_unit(src, local, manifest)
+        return local.unit_path(step, manifest.directory)
+
+    def locate(self, step: int | None = None, *, allow_light: bool = False) -> Restored | None:
+        """The newest copy that checks (size, digests and every byte against its manifest), without loading it.
+
+        For a framework that loads the checkpoint itself from ``r.path`` (``trainer.fit(ckpt_path=...)``,
+        ``accelerator.load_state(...)``). Same order and fallback as :meth:`restore`; ``r.state`` is None.
+        """
+        def check_only(path: str, options: dict[str, Any] | None) -> None:
+            return None
+
+        return self.restore(step, allow_light=allow_light, loader=check_only, _every_byte=True)
+
     def restore(
         self,
         step: int | None = None,
@@ -877,6 +991,7 @@ class CheckpointManager:
         map_location: Any = None,
         weights_only: bool = True,
         loader: Callable[[str, dict[str, Any] | None], Any] | None = None,
+        _every_byte: bool = False,
     ) -> Restored | None:
         """Load the newest step whose copy checks and loads, fastest tier first.
 
@@ -906,6 +1021,8 @@ class CheckpointManager:
         found: dict[int, list[tuple[int, UnitManifest]]] = {}
         skipped: list[tuple[int, str, str]] = []
         for i, store in enumerate(self._stores):
+            if i == 0 and self.tier0_external:
+                continue
             try:
                 manifests = store.manifests()
             except Exception as exc:  # noqa: BLE001 - an unreachable tier is skipped, not fatal
@@ -927,7 +1044,7 @@ class CheckpointManager:
                     skipped.append((s, store.label, "light (weights only); pass allow_light=True to use it"))
                     continue
                 try:
-                    store.check(m, full=m.directory)
+                    store.check(m, full=m.directory or _every_byte)
                     opts = self.tiers[i].storage_options
                     if m.directory:
                         state = loader(where, opts) if loader is not None else None
@@ -953,3 +1070,86 @@ def open_tier(url: str, storage_options: dict[str, Any] | None = None, name: str
     """A :class:`TierStore` for a tier root URL (the CLI lists and syncs with it)."""
     tier = Tier(url, name=name, storage_options=storage_options)
     return TierStore(tier, name or tier.url)
+
+
+class TierCopies:
+    """The ``tiers=`` argument of the integrations: copies of the checkpoints a framework writes itself.
+
+    The framework's own checkpoint (Lightning's ``ModelCheckpoint`` file, Accelerate's
+    ``save_state`` folder, the Trainer's ``checkpoint-N``) is tier 0, kept and rotated by the
+    framework. Once a save is durable the integration calls :meth:`adopt`; a
+    :class:`CheckpointManager` (``tier0_external=True``) copies it to the listed tiers on their
+    schedules, checked, with their retention. :meth:`resume_path` is the newest restorable copy.
+
+    Args:
+        tiers: The tiers to copy to, fastest first (each a :class:`Tier`; none may be the framework's folder).
+        owner: Names the integration in errors and labels tier 0 in logs and metrics.
+        on_copy_progress: As for :class:`CheckpointManager`.
+    """
+
+    def __init__(self, tiers: Iterable[Tier], owner: str, *, on_copy_progress: Callable[[str, int, int], None] | None = None) -> None:
+        if isinstance(tiers, (Tier, str, bytes, os.PathLike)):
+            raise TypeError(f"{owner}(tiers=...) takes a list of nvcomp_checkpoint.Tier, got one {type(tiers).__name__}; wrap it in [...]")
+        tiers = list(tiers)
+        if not tiers:
+            raise ValueError(f"{owner}(tiers=[]): give at least one nc.Tier to copy to, or leave tiers unset")
+        bad = [t for t in tiers if not isinstance(t, Tier)]
+        if bad:
+            raise TypeError(
+                f"{owner}(tiers=...) takes nvcomp_checkpoint.Tier objects, got {type(bad[0]).__name__} ({bad[0]!r}); "
+                "write nc.Tier(url, every_minutes=..., keep=...)"
+            )
+        self.tiers = tiers
+        self.owner = owner
+        self.label = owner.split("(")[0]
+        self.on_copy_progress = on_copy_progress
+        self._manager: CheckpointManager | None = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:  # Lightning sends plugins to spawned processes
+        return {"tiers": self.tiers, "owner": self.owner, "on_copy_progress": self.on_copy_progress}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state.pop("tiers"), state.pop("owner"), **state)  # type: ignore[misc]
+
+    def manager(self, near: str | os.PathLike[str] | None = None) -> CheckpointManager:
+        """The manager (made on first use; tier 0 is the folder of ``near``, or the working directory)."""
+        with self._lock:
+            if self._manager is None:
+                root = os.path.dirname(os.path.abspath(os.fspath(near))) if near is not None and not is_url(os.fspath(near)) else None
+                if near is not None and is_url(os.fspath(near)):
+                    root = os.fspath(near).rstrip("/").rsplit("/", 1)[0]
+                source = Tier(root or os.getcwd(), name=self.label)
+                self._manager = CheckpointManager(
+                    [source, *self.tiers], async_save=False, tier0_external=True, on_copy_progress=self.on_copy_progress,
+                )
+            return self._manager
+
+    def adopt(self, step: int, path: str | os.PathLike[str]) -> None:
+        """``path`` (a durable checkpoint file or folder of ``step``) is copied to the tiers due."""
+        self.manager(path).adopt(step, path)
+
+    def wait(self) -> None:
+        """Wait for the copies started so far; raise the first failure (once)."""
+        if self._manager is not None:
+            self._manager.wait()
+
+    def locate(self, step: int | None = None) -> Restored | None:
+        """The newest copy on the tiers that checks (see :meth:`CheckpointManager.locate`)."""
+        return self.manager().locate(step)
+
+    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
+        """Where the newest restorable copy is (``None``: no tier holds one, a fresh start).
+
+        A copy on an object store is first downloaded, checked, into ``local_dir`` (default
+        ``.nvckpt-restore`` in the working directory), since frameworks load local paths.
+        """
+        found = self.locate()
+        if found is None:
+            return None
+        if not is_url(found.path):
+            return found.path
+        target = local_dir if local_dir is not None else os.path.join(os.getcwd(), ".nvckpt-restore")
+        path = self.manager().fetch(found.step, found.tier, target)
+        _LOG.info("%s: step %d downloaded from %s to %s", self.owner, found.step, found.tier_name, path)
+        return path

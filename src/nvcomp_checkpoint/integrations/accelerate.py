@@ -39,6 +39,7 @@ from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
 from nvcomp_checkpoint.savegroup import SaveGroup, SaveSequence
 from nvcomp_checkpoint.storage import LOCAL
+from nvcomp_checkpoint.tiers import Tier, TierCopies
 
 __all__ = [
     "register_nvcomp_hooks",
@@ -94,6 +95,7 @@ def register_nvcomp_hooks(
     async_save: bool = False,
     on_saved: Callable[[nc.SaveReport], Any] | None = None,
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+    tiers: list[Tier] | None = None,
 ) -> "NvcompStateHooks":
     """Make ``accelerator.save_state``/``load_state`` compress model weights and optimizer state.
 
@@ -109,6 +111,12 @@ def register_nvcomp_hooks(
             once its directory is committed (with ``async_save``, on the background thread).
         stream_wrapper: Wraps the output stream of each ``.nvc`` file (throttling, byte
             counting ...); its ``write`` must pass every byte on, in order.
+        tiers: :class:`~nvcomp_checkpoint.Tier` s to copy each committed ``save_state`` folder to
+            (a shared file system, an object store), on their schedules, with their retention.
+            The folder ``save_state`` writes is tier 0 (with ``total_limit`` as its retention);
+            a copy is named by the save's iteration (``save_iteration``), and ``load_state`` of a
+            folder these hooks saved sets ``save_iteration`` to the one after it. On a fresh node,
+            ``accelerator.load_state(hooks.resume_path())`` loads the newest copy that checks.
 
     Returns:
         A handle: ``handle.last_report`` is the :class:`~nvcomp_checkpoint.SaveReport` of the
@@ -145,7 +153,7 @@ def register_nvcomp_hooks(
         )
     return NvcompStateHooks(
         accelerator, policy or nc.CodecPolicy(), workers,
-        async_save=async_save, on_saved=on_saved, stream_wrapper=stream_wrapper,
+        async_save=async_save, on_saved=on_saved, stream_wrapper=stream_wrapper, tiers=tiers,
     )
 
 
@@ -203,7 +211,10 @@ class NvcompStateHooks:
         async_save: bool = False,
         on_saved: Callable[[nc.SaveReport], Any] | None = None,
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+        tiers: list[Tier] | None = None,
     ) -> None:
+        # Checked first: a wrong argument must not leave the accelerator half wrapped.
+        self.tiers: TierCopies | None = None if tiers is None else TierCopies(tiers, "register_nvcomp_hooks")
         self.accelerator = accelerator
         self.policy = policy
         self.workers = workers
@@ -269,6 +280,22 @@ class NvcompStateHooks:
         """
         self._saves.wait(timeout)
         self._raise_pending("wait()")
+        if self.tiers is not None:
+            self.tiers.wait()
+
+    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
+        """The newest ``save_state`` folder copy on ``tiers`` that checks (every file), or ``None``.
+
+        ``accelerator.load_state(path)`` resumes from it on a fresh node, where tier 0 is gone;
+        damaged or incomplete newer copies are skipped (logged). A copy on an object store is
+        downloaded, checked, into ``local_dir`` first (default ``.nvckpt-restore`` in the working directory).
+
+        Raises:
+            ValueError: The hooks have no ``tiers``.
+        """
+        if self.tiers is None:
+            raise ValueError("NvcompStateHooks.resume_path(): no tiers; pass register_nvcomp_hooks(accelerator, tiers=[nc.Tier(...)])")
+        return self.tiers.resume_path(local_dir)
 
     def _raise_pending(self, when: str) -> None:
         failed = self._saves.failed_group()
@@ -322,9 +349,12 @@ class NvcompStateHooks:
         call = _SaveCall(staging, target, acc._optimizers, config.iteration, writes, acc.step, background=self.async_save)
         rotation = (checkpoints, config.total_limit) if auto and config.total_limit is not None else None
         if writes:
+            # Copies to the tiers start once the folder is committed (the group's completion).
+            notify = [] if self.tiers is None else [lambda report: self._copy_to_tiers(call)]
             call.group = self._saves.begin(
                 os.fspath(shown), started=entered, info={"iteration": call.iteration},
                 commit=lambda reports: self._commit(call, reports, rotation), failed=lambda exc: self._failed(call, exc),
+                notify=notify,
             )
         try:
             if writes:
@@ -396,6 +426,10 @@ class NvcompStateHooks:
         if rotation is not None:
             checkpoints, limit = rotation
             rotate(_numbered_dirs(checkpoints), limit, keep=target, trash=checkpoints.parent)
+
+    def _copy_to_tiers(self, call: _SaveCall) -> None:
+        assert self.tiers is not None
+        self.tiers.adopt(call.iteration, call.target)
 
     def _failed(self, call: _SaveCall, exc: BaseException) -> BaseException:
         _remove_quietly(call.staging)
@@ -517,6 +551,9 @@ class NvcompStateHooks:
             self._loading = None
             acc._optimizers = call.optimizers
             handle.remove()
+        if self.tiers is not None and isinstance(manifest.get("iteration"), int):
+            # The tiers name copies by iteration: the next save must come after the one loaded.
+            acc.project_configuration.iteration = manifest["iteration"] + 1
 
     def _load_hook(self, models: list[torch.nn.Module], input_dir: str) -> None:
         call = self._loading

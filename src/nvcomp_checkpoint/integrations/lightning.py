@@ -26,6 +26,7 @@ from nvcomp_checkpoint import CodecPolicy, SaveReport
 from nvcomp_checkpoint.errors import UnsafeCheckpointError
 from nvcomp_checkpoint.savegroup import SavedCallback, SaveSequence
 from nvcomp_checkpoint.storage import storage_for
+from nvcomp_checkpoint.tiers import Tier, TierCopies
 
 try:  # the unified package: `lightning.pytorch.Trainer` and `lightning.fabric.Fabric`
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -129,6 +130,12 @@ class NvcompCheckpointIO(CheckpointIO):
             background thread; it must not call :meth:`wait`.
         stream_wrapper: Wraps each file's output stream (throttling, byte counting ...); its
             ``write`` must pass every byte on, in order.
+        tiers: :class:`~nvcomp_checkpoint.Tier` s to copy each checkpoint to once it is durable
+            (a shared file system, an object store), each on its own schedule and with its own
+            retention. ``ModelCheckpoint`` keeps writing where it writes, with its own top-k: that
+            is tier 0. Copies run in the background, named by the checkpoint's ``global_step``;
+            :meth:`resume_path` is the newest copy that checks, for ``trainer.fit(ckpt_path=...)``
+            on a fresh node. :meth:`wait` and :meth:`teardown` wait for the copies and raise a failed one.
 
     Attributes:
         last_report: The :class:`SaveReport` of the most recent completed save (``None`` before one);
@@ -150,6 +157,7 @@ class NvcompCheckpointIO(CheckpointIO):
         max_pending: int = 1,
         on_saved: SavedCallback | None = None,
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+        tiers: list[Tier] | None = None,
     ) -> None:
         super().__init__()
         _register_with_standalone_packages()
@@ -168,6 +176,7 @@ class NvcompCheckpointIO(CheckpointIO):
         self.max_pending = max_pending
         self.on_saved = on_saved
         self.stream_wrapper = stream_wrapper
+        self.tiers: TierCopies | None = None if tiers is None else TierCopies(tiers, "NvcompCheckpointIO")
         self._listeners: list[Callable[[SaveReport, dict[str, Any]], None]] = []
 
     @property
@@ -234,16 +243,22 @@ class NvcompCheckpointIO(CheckpointIO):
         if isinstance(checkpoint, Mapping):  # Lightning's counters, readable with `nvckpt inspect`
             info = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
         meta = {"written_by": type(self).__name__, **info, **(metadata or {})}
+        after = [lambda r: self._tell_listeners(r, info)]
+        if self.tiers is not None:
+            step = info.get("global_step")
+            if step is not None:
+                # Once durable (the group's completion, on the background thread with async_save).
+                after.append(lambda r: self._copy_to_tiers(step, path))
         if not self.async_save:
             report = nc.save(
                 checkpoint, path, policy, metadata=meta, storage_options=self.fsspec_options or None,
                 workers=self.workers, stream_wrapper=self.stream_wrapper,
             )
-            self._saves.notify(report, [lambda r: self._tell_listeners(r, info)])
+            self._saves.notify(report, after)
             return
         self._saves.wait_for_slot()
         self._saves.raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
-        group = self._saves.begin(path, started=started, notify=[lambda r: self._tell_listeners(r, info)])
+        group = self._saves.begin(path, started=started, notify=after)
         try:
             self._saves.save(
                 group, "checkpoint", checkpoint, path, policy, metadata=meta,
@@ -254,6 +269,26 @@ class NvcompCheckpointIO(CheckpointIO):
             raise
         group.blocked = time.perf_counter() - started
         self._saves.seal(group)
+
+    def _copy_to_tiers(self, step: int, path: Any) -> None:
+        assert self.tiers is not None
+        self.tiers.adopt(step, path)
+
+    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
+        """The newest checkpoint copy on ``tiers`` that checks, or ``None`` (nothing there: a fresh start).
+
+        ``trainer.fit(model, ckpt_path=plugin.resume_path())`` resumes on a fresh node, where
+        ``ModelCheckpoint``'s own folder is gone; newer copies that are damaged or incomplete are
+        skipped (logged), falling back to the next tier, then to older steps. A copy on an object
+        store is downloaded, checked, into ``local_dir`` first (default ``.nvckpt-restore`` in the
+        working directory).
+
+        Raises:
+            ValueError: The plugin has no ``tiers``.
+        """
+        if self.tiers is None:
+            raise ValueError("NvcompCheckpointIO.resume_path(): no tiers; pass NvcompCheckpointIO(tiers=[nc.Tier(...)])")
+        return self.tiers.resume_path(local_dir)
 
     def _tell_listeners(self, report: SaveReport, info: dict[str, Any]) -> None:
         for listener in list(self._listeners):
@@ -272,6 +307,8 @@ class NvcompCheckpointIO(CheckpointIO):
         """
         self._saves.wait()
         self._saves.raise_errors("wait()")
+        if self.tiers is not None:
+            self.tiers.wait()
 
     @override
     def load_checkpoint(
@@ -341,19 +378,26 @@ class NvcompCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        """Wait for pending saves, stop the background thread, and raise a background failure.
+        """Wait for pending saves (and copies to ``tiers``), stop the background thread, and raise a background failure.
 
         The Trainer calls this at the end of ``fit``/``validate``/``test``; a later save starts
         a new background thread. While another exception is propagating (the Trainer tears down
         after an error too), a background failure is logged instead, so the first error stays visible.
         """
-        if not self.async_save:
-            return
-        self._saves.close()
-        if sys.exc_info()[1] is not None:
-            self._saves.log_errors()
-            return
-        self._saves.raise_errors("teardown, at the end of the run")
+        if self.async_save:
+            self._saves.close()
+            if sys.exc_info()[1] is not None:
+                self._saves.log_errors()
+            else:
+                self._saves.raise_errors("teardown, at the end of the run")
+        if self.tiers is not None:
+            if sys.exc_info()[1] is not None:
+                try:
+                    self.tiers.wait()
+                except Exception as exc:  # noqa: BLE001 - the first error stays visible
+                    _LOG.error("a checkpoint copy to a tier failed: %s", exc)
+            else:
+                self.tiers.wait()
 
 
 def report_metrics(report: SaveReport, prefix: str = "nvckpt/") -> dict[str, float]:

@@ -27,6 +27,7 @@ from nvcomp_checkpoint.dirstore import MARKER_NAME, write_marker
 from nvcomp_checkpoint.report import merge_reports
 from nvcomp_checkpoint.savegroup import SaveSequence
 from nvcomp_checkpoint.storage import LOCAL, stale_temp_files
+from nvcomp_checkpoint.tiers import Tier, TierCopies
 from nvcomp_checkpoint.tensors import first_difference
 
 __all__ = [
@@ -324,6 +325,13 @@ class NvcompTrainerCallback(TrainerCallback):
         compress_weights: ``None`` (default): compress the weights only when the Trainer is an
             :class:`NvcompTrainerMixin`, which can resume from them. ``True`` with a stock
             Trainer is refused when the Trainer is created.
+        tiers: :class:`~nvcomp_checkpoint.Tier` s to copy each converted ``checkpoint-N`` folder
+            to (a shared file system, an object store), on their schedules, with their retention;
+            ``output_dir`` is tier 0 (with ``save_total_limit`` as its retention). A copy is named
+            by the step N and starts once the conversion is durable. On a fresh node,
+            ``trainer.train(resume_from_checkpoint=callback.resume_path())`` resumes from the
+            newest copy that checks. Copies never hold up training; ``on_train_end`` waits
+            for them and raises a failed one.
 
     Attributes:
         last_report: The :class:`~nvcomp_checkpoint.SaveReport` of the latest conversion;
@@ -341,7 +349,9 @@ class NvcompTrainerCallback(TrainerCallback):
         on_saved: Callable[[nc.SaveReport], Any] | None = None,
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         compress_weights: bool | None = None,
+        tiers: list[Tier] | None = None,
     ) -> None:
+        self.tiers: TierCopies | None = None if tiers is None else TierCopies(tiers, "NvcompTrainerCallback")
         self._saves = SaveSequence("NvcompTrainerCallback", workers=workers, on_saved=on_saved, log_as="compressed")
         self.policy = policy
         self.verify = verify
@@ -436,10 +446,13 @@ class NvcompTrainerCallback(TrainerCallback):
             directory, self.policy, verify=self.verify, workers=self.workers, stream_wrapper=self.stream_wrapper,
             weights=self._weights,
         )
+        step = state.global_step
+        # Copies to the tiers start once the converted directory is durable (the group's completion).
+        after = [] if self.tiers is None else [lambda report: self._copy_to_tiers(step, directory)]
         if not self.async_save:
-            self._saves.notify(convert())
+            self._saves.notify(convert(), after)
             return
-        group = self._saves.begin(directory, started=entered)
+        group = self._saves.begin(directory, started=entered, notify=after)
         self._saves.run(group, directory.name, convert)
         group.blocked = time.perf_counter() - entered
         self._saves.seal(group)
@@ -447,6 +460,25 @@ class NvcompTrainerCallback(TrainerCallback):
             # The last save: nothing left to overlap with, and what follows (loading the best
             # model, the final rotation, the end of the process) must see a finished directory.
             self.wait("on_save at the end of training")
+
+    def _copy_to_tiers(self, step: int, directory: Path) -> None:
+        assert self.tiers is not None
+        self.tiers.adopt(step, directory)
+
+    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
+        """The newest ``checkpoint-N`` copy on ``tiers`` that checks (every file), or ``None`` (a fresh start).
+
+        ``trainer.train(resume_from_checkpoint=callback.resume_path())`` resumes from it on a
+        fresh node, where ``output_dir`` is gone; damaged or incomplete newer copies are skipped.
+        A copy on an object store is downloaded, checked, into ``local_dir`` first (default
+        ``.nvckpt-restore`` in the working directory).
+
+        Raises:
+            ValueError: The callback has no ``tiers``.
+        """
+        if self.tiers is None:
+            raise ValueError("NvcompTrainerCallback.resume_path(): no tiers; pass NvcompTrainerCallback(tiers=[nc.Tier(...)])")
+        return self.tiers.resume_path(local_dir)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Before the Trainer saves (and rotates), let the pending conversion finish."""
@@ -464,9 +496,11 @@ class NvcompTrainerCallback(TrainerCallback):
             self.wait("the next save")
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        """Wait for the pending conversion and raise its error."""
+        """Wait for the pending conversion (and the copies to ``tiers``) and raise its error."""
         self.wait("on_train_end")
         self._saves.close()
+        if self.tiers is not None:
+            self.tiers.wait()
 
     def pending(self) -> bool:
         """True while a background conversion runs."""

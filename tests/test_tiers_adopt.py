@@ -1,0 +1,86 @@
+"""``CheckpointManager.adopt``: units written by someone else (a framework's checkpoint) copied to the tiers."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.errors import CheckpointError
+from nvcomp_checkpoint.tiers import TierCopies, verify_unit
+
+
+def test_adopted_files_and_folders_are_copied_checked_and_retained(tmp_path: Path) -> None:
+    fw = tmp_path / "framework"
+    fw.mkdir()
+    mgr = nc.CheckpointManager(
+        [nc.Tier(fw, name="fw"), nc.Tier(tmp_path / "shared", keep=2, name="shared", max_queued=8)], tier0_external=True,
+    )
+    for step in (10, 20, 30):
+        nc.save({"w": torch.full((100,), float(step))}, fw / f"epoch-{step}.ckpt")
+        assert mgr.adopt(step, fw / f"epoch-{step}.ckpt") is not None
+    assert mgr.adopt(30, fw / "epoch-30.ckpt") is None  # the same step again (Lightning: last.ckpt beside the top-k file)
+    folder = fw / "checkpoint-40"
+    folder.mkdir()
+    nc.save({"w": torch.ones(5)}, folder / "model.nvc")
+    (folder / "state.json").write_text("{}")
+    mgr.adopt(40, folder)
+    mgr.wait()
+    assert mgr.steps(1) == [30, 40]
+    assert mgr.steps(0) == []  # tier 0 is the framework's: no manifest is written there
+    assert sorted(os.listdir(fw)) == ["checkpoint-40", "epoch-10.ckpt", "epoch-20.ckpt", "epoch-30.ckpt"]
+    store = mgr._stores[1]
+    assert verify_unit(store, store.manifest(40)) is None
+    assert (Path(mgr.path(40, 1)) / "state.json").read_text() == "{}"
+    r = mgr.restore(30)
+    assert r is not None and r.tier_name == "shared" and torch.equal(r.state["w"], torch.full((100,), 30.0))
+    located = mgr.locate()
+    assert located is not None and located.step == 40 and located.state is None and located.path == mgr.path(40, 1)
+    mgr.close()
+
+
+def test_tier0_external_refuses_saves_and_missing_units(tmp_path: Path) -> None:
+    mgr = nc.CheckpointManager([nc.Tier(tmp_path / "fw"), nc.Tier(tmp_path / "shared")], tier0_external=True)
+    with pytest.raises(CheckpointError, match=r"belongs to the framework .* adopt\(step, path\)"):
+        mgr.save(1, {"w": torch.ones(2)})
+    with pytest.raises(CheckpointError, match="adopt"):
+        mgr.commit(1)
+    with pytest.raises(CheckpointError, match="nothing to adopt as step 3"):
+        mgr.adopt(3, tmp_path / "fw" / "gone.ckpt")
+    mgr.close()
+
+
+def test_a_source_the_framework_rotates_away_mid_copy_is_skipped_with_a_warning(tmp_path: Path, caplog) -> None:
+    src = tmp_path / "fw" / "epoch-1.ckpt"
+    src.parent.mkdir()
+    nc.save({"w": torch.randn(3_000_000, generator=torch.Generator().manual_seed(0))}, src)  # > one copy chunk
+    assert src.stat().st_size > 9 << 20
+
+    def rotate_away(tier: str, step: int, nbytes: int) -> None:
+        if src.exists() and src.stat().st_size > 100:
+            with open(src, "r+b") as f:  # the framework replaces the file while the copy reads it
+                f.truncate(100)
+
+    mgr = nc.CheckpointManager(
+        [nc.Tier(src.parent, name="fw"), nc.Tier(tmp_path / "shared", name="shared")],
+        tier0_external=True, on_copy_progress=rotate_away,
+    )
+    with caplog.at_level(logging.WARNING, logger="nvcomp_checkpoint"):
+        mgr.adopt(1, src)
+        mgr.close()  # no error: the copy is skipped, not failed
+    assert mgr.steps(1) == []
+    assert "removed or replaced" in caplog.text and "the copy is skipped" in caplog.text
+    assert os.listdir(tmp_path / "shared") == []  # nothing half-copied left
+
+
+def test_tier_copies_take_a_list_of_tiers(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"Owner\(tiers=\[\]\)"):
+        TierCopies([], "Owner")
+    with pytest.raises(TypeError, match="takes nvcomp_checkpoint.Tier objects, got str"):
+        TierCopies(["fsx/run1"], "Owner")
+    with pytest.raises(TypeError, match=r"wrap it in \[...\]"):
+        TierCopies(nc.Tier(tmp_path), "Owner")  # type: ignore[arg-type]
