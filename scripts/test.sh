@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh test
 . .venv/bin/activate
 set +e
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider --durations=20 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

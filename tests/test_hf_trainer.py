@@ -392,15 +392,21 @@ def test_plain_checkpoints_still_resume_with_nvcomp_trainer(
 
 # -- async conversion ---------------------------------------------------------------------------
 class SlowStream:
-    """Holds the first write of each compressed file for ``delay`` seconds (a slow disk)."""
+    """Holds the first write of each compressed file for ``delay`` seconds (a slow disk).
 
-    def __init__(self, inner: IO[bytes], delay: float) -> None:
-        self.inner, self.delay, self.first = inner, delay, True
+    With ``release``, the first write also waits (up to 60 s) until that event is set, so a
+    conversion is still running when training reaches its next step, however slow the steps are.
+    """
+
+    def __init__(self, inner: IO[bytes], delay: float, release: threading.Event | None = None) -> None:
+        self.inner, self.delay, self.first, self.release = inner, delay, True, release
 
     def write(self, data: Any) -> int:
         if self.first:
             self.first = False
             time.sleep(self.delay)
+            if self.release is not None:
+                self.release.wait(timeout=60)
         return self.inner.write(data)
 
 
@@ -433,6 +439,7 @@ class WatchCheckpoints(TrainerCallback):
         self.output_dir = Path(output_dir)
         self.in_progress_seen = 0
         self.before_save: list[dict[str, str]] = []
+        self.saw_conversion = threading.Event()  # releases the held conversion (SlowStream)
 
     def _states(self) -> dict[str, str]:
         return {p.name: _state_of(p) for p in sorted(self.output_dir.glob("checkpoint-*"))}
@@ -442,7 +449,10 @@ class WatchCheckpoints(TrainerCallback):
         if control.should_save:
             self.before_save.append(states)  # our callback has waited: the Trainer saves and rotates now
         else:
-            self.in_progress_seen += any(v != "compressed" for v in states.values())
+            in_progress = any(v != "compressed" for v in states.values())
+            self.in_progress_seen += in_progress
+            if in_progress:
+                self.saw_conversion.set()
 
 
 def test_async_conversion_overlaps_training_and_finishes_before_the_next_save(
@@ -459,7 +469,7 @@ def test_async_conversion_overlaps_training_and_finishes_before_the_next_save(
     watch = WatchCheckpoints(str(out))
     trainer = mod.run(
         str(out), 8, 2, save_total_limit=1, after=[watch],
-        nvcomp={"async_save": True, "on_saved": on_saved, "stream_wrapper": lambda s: SlowStream(s, delay)},
+        nvcomp={"async_save": True, "on_saved": on_saved, "stream_wrapper": lambda s: SlowStream(s, delay, watch.saw_conversion)},
     )
     # Training went on while checkpoints were converted (two files held 0.3 s each) ...
     assert watch.in_progress_seen >= 1
