@@ -80,6 +80,9 @@ def _rank(rank: int, world: int, port: int, root: str) -> None:
         for name, load in (
             ("one_node", lambda: nc.load_broadcast(url)),
             ("two_nodes", lambda: nc.load_broadcast(url, node=f"node{rank // 2}")),
+            # Again: the node groups made by the first call serve the second.
+            ("two_nodes_again", lambda: nc.load_broadcast(url, node=f"node{rank // 2}")),
+            ("one_reader", lambda: nc.load_broadcast(url, readers="one", node=f"node{rank}")),
             ("every_rank", lambda: nc.load(url)),
         ):
             dist.barrier()
@@ -119,8 +122,10 @@ def test_four_ranks_read_the_checkpoint_once(tmp_path: Path) -> None:
     counts = [json.loads((tmp_path / f"counts_{r}.json").read_text()) for r in range(4)]
     assert [c["one_node"] for c in counts] == [once, 0, 0, 0]
     assert [c["two_nodes"] for c in counts] == [once, 0, once, 0]
+    assert [c["two_nodes_again"] for c in counts] == [once, 0, once, 0]
+    assert [c["one_reader"] for c in counts] == [once, 0, 0, 0]
     assert sum(c["every_rank"] for c in counts) == 4 * once
-    for name in ("one_node", "two_nodes", "every_rank"):
+    for name in ("one_node", "two_nodes", "two_nodes_again", "one_reader", "every_rank"):
         for r in range(4):
             got = torch.load(tmp_path / f"{name}_{r}.pt", weights_only=True)
             assert_tree_equal(got, tree, f"{name} rank {r}")

@@ -122,8 +122,8 @@ def load_broadcast(
     Args:
         path: Local path or fsspec URL of a checkpoint saved by :func:`nvcomp_checkpoint.save`
             (or a plain ``torch.save`` file).
-        map_location: ``None`` (the CPU for tensors saved on a GPU there is none of) or one
-            device every tensor goes to after it is received.
+        map_location: ``None`` (every tensor on the CPU, where the reader loads it) or one
+            device every tensor goes to once received.
         group: The process group (default: the whole job). On NCCL, tensors cross on this rank's
             current CUDA device.
         readers: ``"node"``: one reader per node (ranks are grouped by ``node``); ``"one"``: the
@@ -149,17 +149,32 @@ def load_broadcast(
     if len(members) == 1:
         return load(path, map_location, weights_only=weights_only, storage_options=storage_options, max_bytes=max_bytes)
     global_members = [dist.get_global_rank(group, r) for r in members]
-    # A group per node, created by its members only (the others need not take part).
-    sub = group if len(members) == world else dist.new_group(global_members, use_local_synchronization=True)
+    sub = group if len(members) == world else _node_group(global_members)
     src = global_members[0]
     comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(sub) == "nccl" else torch.device("cpu")
-    try:
-        if rank == members[0]:
-            return _send(path, src, sub, comm, device, weights_only, storage_options, max_bytes)
-        return _receive(path, src, sub, comm, device)
-    finally:
-        if sub is not group:
-            dist.destroy_process_group(sub)
+    if rank == members[0]:
+        return _send(path, src, sub, comm, device, weights_only, storage_options, max_bytes)
+    return _receive(path, src, sub, comm, device)
+
+
+#: Node subgroups by (default process group, member ranks), kept for the life of the job.
+_NODE_GROUPS: dict[tuple[int, tuple[int, ...]], Any] = {}
+
+
+def _node_group(global_members: list[int]) -> Any:
+    """The process group of one node's ranks, created by its members only (the other ranks need
+    not take part), once: a group of the same ranks made again would be named as the first (the
+    name is a hash of the ranks) and find that group's stale addresses in the store."""
+    key = (id(dist.group.WORLD), tuple(global_members))
+    sub = _NODE_GROUPS.get(key)
+    if sub is not None:
+        try:
+            if dist.get_process_group_ranks(sub) == global_members:
+                return sub
+        except (ValueError, KeyError, RuntimeError):
+            pass  # destroyed with its job (a new one was started in this process since)
+    sub = _NODE_GROUPS[key] = dist.new_group(global_members, use_local_synchronization=True)
+    return sub
 
 
 def _broadcast_bytes(data: bytes | None, src: int, group: Any, comm: torch.device) -> bytes:

@@ -373,6 +373,8 @@ def _convert_dcp(args: argparse.Namespace, what: str, policy: nc.CodecPolicy | N
         LOCAL.remove(os.fspath(tmp))
         raise
     src_d, dst_d = _dcp.describe_dcp(args.src), _dcp.describe_dcp(args.dst)
+    # The converters name the i-th source file (in name order) __<i>_...: pair the rows by that i.
+    dst_d["files"].sort(key=lambda f: int(f["file"].split("_")[2]))
     total_in = sum(f["file_bytes"] for f in src_d["files"]) + src_d["metadata_bytes"]
     total_out = sum(f["file_bytes"] for f in dst_d["files"]) + dst_d["metadata_bytes"]
     if args.json:
