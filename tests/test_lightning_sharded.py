@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -170,3 +171,110 @@ def test_compressed_full_file_is_refused_with_the_fix(tmp_path: Path) -> None:
     nc.save({"state_dict": {"w": torch.ones(4)}}, path)
     with pytest.raises(CheckpointError, match="nvckpt decompress"):
         NvcompModelParallelStrategy(save_distributed_checkpoint=False).load_checkpoint(path)
+
+
+_CHECK_SCRIPT = textwrap.dedent(
+    '''
+    import json, sys, warnings
+    from pathlib import Path
+    warnings.filterwarnings("ignore")
+    import torch
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from nvcomp_checkpoint.lightning import NvcompCheckpointIO, NvcompModelCheckpoint, NvcompModelParallelStrategy
+
+    torch.set_num_threads(1)
+
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(8, 4)
+            self.steps = 0
+
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, batch_idx):
+            self.steps += 1
+            return self.net(batch).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(8, 8), batch_size=4)
+
+
+    def run(mode, root):
+        kwargs = dict(data_parallel_size=1, tensor_parallel_size=1)
+        strategy = NvcompModelParallelStrategy(**kwargs) if mode == "ours" else ModelParallelStrategy(**kwargs)
+        plugins = [] if mode == "no_plugin" else [NvcompCheckpointIO()]
+        callbacks = [NvcompModelCheckpoint(dirpath=root / "ckpt")] if mode == "callback" else []
+        model = Net()
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, plugins=plugins, callbacks=callbacks, max_epochs=1,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=mode == "callback")
+        out = {"callbacks": [type(c).__name__ for c in trainer.callbacks]}
+        try:
+            trainer.fit(model)
+        except Exception as exc:
+            out.update(error=type(exc).__name__, message=str(exc))
+        out["steps"] = model.steps
+        return out
+
+
+    # Several fits in one process (Lightning's import is most of the time); plugins die in between.
+    import gc
+    results = {}
+    for mode in sys.argv[1].split(","):
+        results[mode] = run(mode, Path(sys.argv[2]))
+        gc.collect()
+    print("RESULT " + json.dumps(results))
+    '''
+)
+
+
+def _check_run(tmp_path: Path, mode: str, entry_point: bool) -> dict[str, Any]:
+    """Fits in one process (``mode``: comma-separated), stock or our strategy; ``entry_point`` installs the package's entry points
+    (as pip does: a dist-info directory on the path, written from pyproject.toml)."""
+    import tomllib
+
+    script = tmp_path / "check.py"
+    script.write_text(_CHECK_SCRIPT)
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if entry_point:
+        project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+        site = tmp_path / "site"
+        info = site / "nvcomp_checkpoint_entry_points-0.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nvcomp-checkpoint-entry-points\nVersion: 0\n")
+        (info / "entry_points.txt").write_text("".join(
+            f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in points.items())
+            for group, points in project["entry-points"].items()
+        ))
+        env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(script), mode, str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_stock_strategy_with_plugin_fails_at_setup_through_the_entry_point(tmp_path: Path) -> None:
+    runs = _check_run(tmp_path, "plugin,no_plugin,ours", entry_point=True)
+    got = runs["plugin"]
+    assert "NvcompStrategyCheck" in got["callbacks"], got
+    assert got.get("error") == "CheckpointError" and "NvcompModelParallelStrategy" in str(got["message"]), got
+    assert got["steps"] == 0, got  # refused before training, not after an epoch of uncompressed saves
+    # Without a plugin alive the entry point adds nothing; our strategy with the plugin passes.
+    got = runs["no_plugin"]
+    assert "NvcompStrategyCheck" not in got["callbacks"] and "error" not in got and got["steps"] == 2, got
+    got = runs["ours"]
+    assert "NvcompStrategyCheck" in got["callbacks"] and "error" not in got and got["steps"] == 2, got
+
+
+def test_stock_strategy_with_nvcomp_model_checkpoint_fails_at_setup(tmp_path: Path) -> None:
+    got = _check_run(tmp_path, "callback", entry_point=False)["callback"]
+    assert got.get("error") == "CheckpointError" and "NvcompModelParallelStrategy" in str(got["message"]), got
+    assert got["steps"] == 0, got

@@ -9,6 +9,7 @@ from __future__ import annotations
 from . import errors
 from .api import VerifyProblem, VerifyResult, is_nvcomp_checkpoint, load, open, save, verify
 from .async_save import AsyncSaveHandle, AsyncSaver, save_async
+from .broadcast import load_broadcast
 from .codecs import GPU_ONLY_CODECS, PORTABLE_CODECS, gpu_available
 from .errors import CheckpointError
 from .pending import has_pending_save, wait_for_saves
@@ -23,6 +24,7 @@ __all__ = [
     "__version__",
     "save",
     "load",
+    "load_broadcast",
     "open",
     "verify",
     "VerifyResult",

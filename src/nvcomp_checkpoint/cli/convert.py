@@ -20,7 +20,7 @@ from nvcomp_checkpoint.dirstore import DirectoryStore, sync_tree
 from nvcomp_checkpoint.report import component_rows, format_bytes
 from nvcomp_checkpoint.storage import LOCAL, is_url, storage_for, write_errors
 
-from . import _policy
+from . import _dcp, _policy
 from ._ui import EXIT_OK, Reporter, check_workers, make_table, print_json, stdout_console
 from .sources import (
     DIRECTORY,
@@ -338,6 +338,59 @@ def _print_dir_rows(title: str, rows: list[dict[str, Any]]) -> None:
     stdout_console().print(make_table(title, ["file", "action", "output", "in", "out", "ratio", "note"], table_rows, numeric_from=3))
 
 
+# -- DCP checkpoint directories -------------------------------------------------------------
+def _convert_dcp(args: argparse.Namespace, what: str, policy: nc.CodecPolicy | None = None) -> int:
+    """A DCP directory (``.metadata`` inside) converts rank file by rank file through
+    :mod:`nvcomp_checkpoint.dcp`, staged and put at DST in one rename as other directories are."""
+    from nvcomp_checkpoint.dcp import compress_directory, decompress_directory
+
+    _check_dst_dir(args.src, args.dst, args.force)
+    kind = _dcp.dcp_kind(args.src)
+    if what == "compress" and kind == _dcp.DCP_OURS and args.policy is None and args.device is None:
+        raise CheckpointError(f"{args.src}: already a compressed DCP checkpoint; pass --policy to re-compress it")
+    if what == "decompress" and kind == _dcp.DCP_PLAIN:
+        raise CheckpointError(f"{args.src}: a plain DCP checkpoint already; nothing to decompress")
+    tmp = _tmp_dir_for(args.dst)
+    reporter = Reporter(args.quiet)
+    try:
+        reporter.start(f"{what}ing {args.src}")
+        try:
+            if what == "decompress":
+                decompress_directory(args.src, tmp)
+            elif kind == _dcp.DCP_OURS:  # re-compress with another policy: through plain, rank file by rank file
+                plain = _DIRS.fresh(_DIRS.staging_path(Path(os.fspath(tmp) + "-plain")))
+                try:
+                    decompress_directory(args.src, plain)
+                    compress_directory(plain, tmp, policy, workers=args.workers)
+                finally:
+                    LOCAL.remove(os.fspath(plain))
+            else:
+                compress_directory(args.src, tmp, policy, workers=args.workers)
+        finally:
+            reporter.stop()
+        _commit_dir(tmp, args.dst)
+    except BaseException:
+        LOCAL.remove(os.fspath(tmp))
+        raise
+    src_d, dst_d = _dcp.describe_dcp(args.src), _dcp.describe_dcp(args.dst)
+    # The converters name the i-th source file (in name order) __<i>_...: pair the rows by that i.
+    dst_d["files"].sort(key=lambda f: int(f["file"].split("_")[2]))
+    total_in = sum(f["file_bytes"] for f in src_d["files"]) + src_d["metadata_bytes"]
+    total_out = sum(f["file_bytes"] for f in dst_d["files"]) + dst_d["metadata_bytes"]
+    if args.json:
+        print_json({"source": args.src, "destination": args.dst, "layout": "dcp", "format": dst_d["format"],
+                    "input_bytes": total_in, "output_bytes": total_out,
+                    "files": [{"file": a["file"], "output": b["file"], "input_bytes": a["file_bytes"], "output_bytes": b["file_bytes"]}
+                              for a, b in zip(src_d["files"], dst_d["files"])]})
+    elif not args.quiet:
+        rows = [[a["file"], what + "ed", b["file"], format_bytes(a["file_bytes"]), format_bytes(b["file_bytes"]),
+                 f"{a['file_bytes'] / b['file_bytes']:.3f}x" if b["file_bytes"] else "-", ""] for a, b in zip(src_d["files"], dst_d["files"])]
+        rows.append(["total", "", "", format_bytes(total_in), format_bytes(total_out), f"{total_in / total_out:.3f}x" if total_out else "-",
+                     "DCP checkpoint" + (", loads with nvcomp_checkpoint.dcp.NvcompReader" if dst_d["format"] == _dcp.DCP_OURS else "")])
+        stdout_console().print(make_table(f"{args.src} -> {args.dst}", ["file", "action", "output", "in", "out", "ratio", "note"], rows, numeric_from=3))
+    return EXIT_OK
+
+
 # -- commands -------------------------------------------------------------------------------
 def run_compress(args: argparse.Namespace) -> int:
     # Every option is checked before any input is read: a typo fails in a second, not after a 100 GB load.
@@ -345,6 +398,8 @@ def run_compress(args: argparse.Namespace) -> int:
     policy = _policy_from(args)
     reporter = Reporter(args.quiet)
     kind = sniff(args.src)
+    if kind == DIRECTORY and _dcp.is_dcp_dir(args.src):
+        return _convert_dcp(args, "compress", policy)
     if kind == DIRECTORY:
         rows = _compress_dir(args.src, args.dst, policy, args, reporter)
         if args.json:
@@ -369,6 +424,8 @@ def run_compress(args: argparse.Namespace) -> int:
 
 def run_decompress(args: argparse.Namespace) -> int:
     reporter = Reporter(args.quiet)
+    if sniff(args.src) == DIRECTORY and _dcp.is_dcp_dir(args.src):
+        return _convert_dcp(args, "decompress")
     if sniff(args.src) == DIRECTORY:
         rows = _decompress_dir(args.src, args.dst, args, reporter)
         if args.json:

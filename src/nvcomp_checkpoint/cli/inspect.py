@@ -20,6 +20,7 @@ from nvcomp_checkpoint.errors import UnsafeCheckpointError
 from nvcomp_checkpoint.report import COMPONENT_COLUMNS, codec_notes, component_rows, format_bytes
 from nvcomp_checkpoint.storage import stale_temp_files
 
+from . import _dcp
 from ._ui import EXIT_OK, make_table, print_json, stdout_console
 from .sources import DIRECTORY, NVCOMP, OTHER, TensorInfo, dir_files, open_source, sniff
 
@@ -207,9 +208,37 @@ def _print_codec_notes(console: Any, stats: dict[str, nc.ComponentStats]) -> Non
         console.print(note, markup=False, highlight=False)
 
 
+def _run_inspect_dcp(args: argparse.Namespace) -> int:
+    # A DCP directory: one row per rank file, components summed over every rank's items.
+    d = _dcp.describe_dcp(args.path, args.trust)
+    infos = [_shown_info(t) for t in d.pop("_infos")]
+    stats = component_stats(infos)
+    raw = sum(t.raw_bytes for t in infos)
+    stored = sum(t.stored_bytes for t in infos)
+    on_disk = sum(f["file_bytes"] for f in d["files"]) + d["metadata_bytes"]
+    if args.json:
+        print_json(dict(d, raw_bytes=raw, stored_bytes=stored, file_bytes=on_disk,
+                        ratio=round(raw / on_disk, 4) if on_disk else 1.0,
+                        components={k: v.to_dict() for k, v in stats.items()}))
+        return EXIT_OK
+    console = stdout_console()
+    what = "compressed by nvcomp-checkpoint" if d["format"] == _dcp.DCP_OURS else "plain, as FileSystemWriter writes it"
+    rows = [[f["file"], f["rank_file"], f["items"], format_bytes(f["raw_bytes"]), format_bytes(f["file_bytes"]),
+             f"{f['raw_bytes'] / f['file_bytes']:.3f}x" if f["file_bytes"] else "-", f.get("note", "")] for f in d["files"]]
+    rows.append([".metadata", "", "", "", format_bytes(d["metadata_bytes"]), "", "written last: the commit"])
+    rows.append(["total", "", len(infos), format_bytes(raw), format_bytes(on_disk), f"{raw / on_disk:.3f}x" if on_disk else "-", ""])
+    console.print(make_table(f"{args.path} (DCP checkpoint, {what})", ["file", "rank file", "items", "raw", "on disk", "ratio", "note"],
+                             rows, numeric_from=1))
+    console.print(make_table("items by component, every rank", COMPONENT_COLUMNS, component_rows(stats, raw, stored)))
+    _print_codec_notes(console, stats)
+    return EXIT_OK
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     kind = sniff(args.path)
     console = stdout_console()
+    if kind == DIRECTORY and _dcp.is_dcp_dir(args.path):
+        return _run_inspect_dcp(args)
     if kind == DIRECTORY:
         d = _inspect_dir(args)
         if args.json:

@@ -15,6 +15,7 @@ from nvcomp_checkpoint.errors import CheckpointError, CodecUnavailableError, For
 from nvcomp_checkpoint.report import format_bytes
 from nvcomp_checkpoint.storage import stale_temp_files
 
+from . import _dcp
 from ._ui import EXIT_FAILED, EXIT_OK, Reporter, print_json, stdout_console
 from .sources import DIRECTORY, NVCOMP, TORCH, SAFETENSORS, dir_files, sniff
 
@@ -71,10 +72,18 @@ def run_verify(args: argparse.Namespace) -> int:
     kind = sniff(args.path)
     reporter = Reporter(args.quiet)
     stale: list[str] = []
-    if kind == DIRECTORY:
+    extra: list[dict[str, Any]] = []
+    dcp_kind = _dcp.dcp_kind(args.path) if kind == DIRECTORY and _dcp.is_dcp_dir(args.path) else None
+    if dcp_kind == _dcp.DCP_PLAIN:
+        # No checksums in plain rank files: every item is read and decoded as DCP's reader would.
+        paths = []
+        extra = _dcp.verify_plain_dcp(args.path)
+    elif kind == DIRECTORY:
+        if dcp_kind == _dcp.DCP_OURS:
+            extra = _dcp.verify_ours_dcp(args.path)
         stale = [p for d, _, _ in os.walk(args.path) for p in stale_temp_files(d)]
         paths = [os.path.join(args.path, rel) for rel, k in dir_files(args.path) if k == NVCOMP]
-        if not paths:
+        if not paths and not extra:
             raise FormatError(f"{args.path}: holds no nvcomp-checkpoint files to verify (convert it with `nvckpt compress`)")
     elif kind == NVCOMP:
         paths = [args.path]
@@ -85,9 +94,14 @@ def run_verify(args: argparse.Namespace) -> int:
             "nvcomp-checkpoint (convert it with `nvckpt compress`)"
         )
     results = [verify_file(p, reporter) for p in paths]
-    failures = [dict(f, file=r["file"]) for r in results for f in r["failures"]]
+    failures = [dict(f, file=r["file"]) for r in results for f in r["failures"]] + extra
     tensors = sum(r["tensors"] for r in results)
     raw = sum(r["raw_bytes"] for r in results)
+    if dcp_kind == _dcp.DCP_PLAIN:
+        described = _dcp.describe_dcp(args.path)
+        tensors = sum(f["items"] for f in described["files"])
+        raw = sum(f["raw_bytes"] for f in described["files"])
+        results = described["files"]
     ok = not failures
     if args.json:
         print_json({"path": args.path, "ok": ok, "files": len(results), "tensors": tensors, "raw_bytes": raw, "failures": failures,
@@ -103,6 +117,8 @@ def run_verify(args: argparse.Namespace) -> int:
             where = "" if named else f"{f['file']}: " + (f"tensor {f['tensor']!r}: " if f["tensor"] is not None else "")
             console.print(f"FAILED {where}{f['error']}", markup=False, highlight=False)
         files = f"{len(results)} files, " if kind == DIRECTORY else ""
+        if dcp_kind == _dcp.DCP_PLAIN:
+            files = f"plain DCP (no checksums: structure and decoding checked), {files}"
         if ok:
             if not args.quiet:
                 console.print(f"OK {args.path}: {files}{tensors} tensor{'s' if tensors != 1 else ''} ({format_bytes(raw)}) verified", markup=False, highlight=False)

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from typing import IO, Any, Callable, Mapping, Optional
 
 import torch
@@ -51,6 +52,8 @@ __all__ = [
     "NvcompCheckpointMetrics",
     "NvcompModelCheckpoint",
     "NvcompModelCheckpointMixin",
+    "NvcompStrategyCheck",
+    "strategy_check_callbacks",
     "load_from_checkpoint",
     "STORAGE_OPTION_KEYS",
     "report_metrics",
@@ -178,6 +181,7 @@ class NvcompCheckpointIO(CheckpointIO):
         self.stream_wrapper = stream_wrapper
         self.tiers: TierCopies | None = None if tiers is None else TierCopies(tiers, "NvcompCheckpointIO")
         self._listeners: list[Callable[[SaveReport, dict[str, Any]], None]] = []
+        _LIVE_PLUGINS.add(self)
 
     @property
     def last_report(self) -> SaveReport | None:
@@ -400,6 +404,34 @@ class NvcompCheckpointIO(CheckpointIO):
                 self.tiers.wait()
 
 
+#: Every NvcompCheckpointIO alive: Lightning's callbacks factory adds the strategy check only when one exists.
+_LIVE_PLUGINS: "weakref.WeakSet[NvcompCheckpointIO]" = weakref.WeakSet()
+
+
+def _check_strategy(trainer: Any) -> None:
+    """Refuse, at setup, a stock sharded strategy that would write uncompressed checkpoints
+    while an :class:`NvcompCheckpointIO` sits on it (see ``check_sharded_checkpoint_io``)."""
+    from .lightning_sharded import check_sharded_checkpoint_io
+
+    check_sharded_checkpoint_io(trainer.strategy)
+
+
+class NvcompStrategyCheck(Callback):  # type: ignore[misc,valid-type]
+    """Raises at ``setup`` (before any step) when the Trainer's strategy would bypass
+    :class:`NvcompCheckpointIO` (Lightning's ``ModelParallelStrategy`` / ``FSDPStrategy`` saving
+    sharded checkpoints). Lightning adds it to every Trainer built while an ``NvcompCheckpointIO``
+    exists, through the ``lightning.pytorch.callbacks_factory`` entry point this package declares."""
+
+    @override
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        _check_strategy(trainer)
+
+
+def strategy_check_callbacks() -> list[Any]:
+    """The callbacks Lightning's entry point adds to a new Trainer: the check, when a plugin exists."""
+    return [NvcompStrategyCheck()] if len(_LIVE_PLUGINS) else []
+
+
 def report_metrics(report: SaveReport, prefix: str = "nvckpt/") -> dict[str, float]:
     """The numbers of one save as flat metrics, as :class:`NvcompCheckpointMetrics` logs them.
 
@@ -434,6 +466,10 @@ class NvcompModelCheckpointMixin:
     asks :func:`nvcomp_checkpoint.has_pending_save`. With the standalone ``pytorch_lightning``
     package: ``class MyCheckpoint(NvcompModelCheckpointMixin, pytorch_lightning.callbacks.ModelCheckpoint)``.
     """
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        _check_strategy(trainer)  # a stock sharded strategy would save uncompressed: say so before training
+        super().setup(trainer, pl_module, stage)  # type: ignore[misc]
 
     def file_exists(self, filepath: Any, trainer: Any) -> bool:
         if super().file_exists(filepath, trainer):  # type: ignore[misc]
@@ -502,6 +538,7 @@ class NvcompCheckpointMetrics(Callback):  # type: ignore[misc,valid-type]
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Find the plugin (or take the one given) and listen to its saves."""
+        _check_strategy(trainer)
         plugin = self.plugin if self.plugin is not None else _find_plugin(trainer.strategy.checkpoint_io)
         if plugin is None:
             raise nc.CheckpointError(

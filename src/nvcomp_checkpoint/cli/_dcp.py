@@ -1,0 +1,156 @@
+"""DCP checkpoint directories in the CLI: ``inspect`` and ``verify`` of ours and of plain ones.
+
+A directory is a DCP checkpoint when it holds a ``.metadata`` file; its rank files are then
+described from that metadata (plain ``.distcp`` files hold no per-tensor index of their own).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from typing import Any
+
+import torch
+
+import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.dcp import StoredItem, fqn_component, read_stored_metadata
+from nvcomp_checkpoint.errors import CheckpointError
+
+from .sources import NVCOMP, TensorInfo, open_source, sniff
+
+__all__ = ["DCP_OURS", "DCP_PLAIN", "is_dcp_dir", "dcp_kind", "describe_dcp", "verify_plain_dcp"]
+
+#: ``format`` values of a DCP directory in inspect's and verify's output.
+DCP_OURS = "dcp-nvcomp"
+DCP_PLAIN = "dcp"
+
+
+def is_dcp_dir(path: str) -> bool:
+    """True when ``path`` is a local directory holding DCP's ``.metadata`` (ours or plain)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _records(path: str) -> tuple[Any, dict[str, list[tuple[Any, Any]]]]:
+    metadata = read_stored_metadata(path)
+    if metadata is None:  # pragma: no cover - is_dcp_dir checked it exists
+        raise CheckpointError(f"{path}: no .metadata")
+    files: dict[str, list[tuple[Any, Any]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        name = info.file if isinstance(info, StoredItem) else info.relative_path
+        files.setdefault(name, []).append((index, info))
+    return metadata, dict(sorted(files.items()))
+
+
+def dcp_kind(path: str) -> str:
+    """:data:`DCP_OURS` or :data:`DCP_PLAIN` for a DCP directory."""
+    metadata = read_stored_metadata(path)
+    records = (metadata.storage_data or {}).values() if metadata is not None else ()
+    return DCP_OURS if any(isinstance(v, StoredItem) for v in records) else DCP_PLAIN
+
+
+def _plain_info(metadata: Any, index: Any, info: Any) -> TensorInfo:
+    """What a plain rank file spends on one item: its record's length; raw is the chunk's elements."""
+    md = metadata.state_dict_metadata[index.fqn]
+    codec = "+".join(d.split("/")[0] for d in (getattr(info, "transform_descriptors", None) or ())) or "-"
+    component = fqn_component(index.fqn).value
+    chunk = next((c for c in getattr(md, "chunks", ()) if tuple(c.offsets) == tuple(index.offset or ())), None)
+    if chunk is None:  # a bytes item (pickled object written by the planner)
+        return TensorInfo(index.fqn, "other", "bytes", (info.length,), info.length, info.length, codec)
+    dtype = md.properties.dtype
+    raw = math.prod(chunk.sizes) * torch.empty((), dtype=dtype).element_size()
+    key = index.fqn + (f"@{','.join(map(str, index.offset))}" if any(index.offset or ()) else "")
+    return TensorInfo(key, component, str(dtype).removeprefix("torch."), tuple(chunk.sizes), raw, info.length, codec)
+
+
+def describe_dcp(path: str, trust: bool = False) -> dict[str, Any]:
+    """Per rank file (sizes, items, raw bytes) and every stored item as :class:`TensorInfo`."""
+    metadata, files = _records(path)
+    kind = dcp_kind(path)
+    rows: list[dict[str, Any]] = []
+    infos: list[TensorInfo] = []
+    for rank, (name, items) in enumerate(files.items()):
+        full = os.path.join(path, name)
+        size = os.path.getsize(full) if os.path.exists(full) else None
+        if kind == DCP_OURS:
+            if size is None or sniff(full) != NVCOMP:
+                file_infos: list[TensorInfo] = []
+            else:
+                with open_source(full, trust=trust) as source:
+                    file_infos = source.tensors()
+        else:
+            file_infos = [_plain_info(metadata, index, info) for index, info in items]
+        infos.extend(file_infos)
+        rows.append({"file": name, "rank_file": rank, "format": kind, "file_bytes": size or 0, "items": len(items),
+                     "tensors": len(file_infos), "raw_bytes": sum(t.raw_bytes for t in file_infos),
+                     "stored_bytes": sum(t.stored_bytes for t in file_infos),
+                     **({} if size is not None else {"note": "missing"})})
+    meta_bytes = os.path.getsize(os.path.join(path, ".metadata"))
+    return {"path": path, "format": kind, "files": rows, "metadata_bytes": meta_bytes, "_infos": infos}
+
+
+def verify_plain_dcp(path: str) -> list[dict[str, Any]]:
+    """Read every item of a plain DCP directory as DCP's reader does; failures as ``{file, tensor, error}``.
+
+    Plain rank files carry no checksums: this finds truncated and missing files, records that
+    point past a file's end, and tensor items that no longer decode to the dtype and shape the
+    metadata gives. A flipped bit inside a tensor's elements cannot be seen in a plain file.
+    """
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+    metadata, files = _records(path)
+    registry = ExtensionRegistry()
+    failures: list[dict[str, Any]] = []
+    for name, items in files.items():
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            failures.extend({"file": full, "tensor": index.fqn, "error": f"{full}: missing (named by .metadata)"} for index, _ in items)
+            continue
+        size = os.path.getsize(full)
+        with open(full, "rb") as f:
+            for index, info in sorted(items, key=lambda kv: kv[1].offset):
+                def fail(msg: str) -> None:
+                    failures.append({"file": full, "tensor": index.fqn, "error": f"{full}: tensor {index.fqn!r}: {msg}"})
+
+                if info.offset + info.length > size:
+                    fail(f"needs bytes {info.offset}..{info.offset + info.length} and the file has {size} (truncated)")
+                    continue
+                f.seek(info.offset)
+                data: Any = io.BytesIO(f.read(info.length))
+                try:
+                    for ext in registry.from_descriptor_list(getattr(info, "transform_descriptors", None) or ()):
+                        data = ext.transform_from(data)
+                    raw = data.read()
+                    md = metadata.state_dict_metadata[index.fqn]
+                    if not hasattr(md, "chunks"):
+                        continue  # a bytes item: DCP hands it to the planner as it is
+                    t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+                    chunk = next(c for c in md.chunks if tuple(c.offsets) == tuple(index.offset or ()))
+                    if not isinstance(t, torch.Tensor) or t.dtype != md.properties.dtype or tuple(t.shape) != tuple(chunk.sizes):
+                        got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                        fail(f"decodes to {got}, the metadata says {md.properties.dtype}{list(chunk.sizes)}")
+                except Exception as exc:  # noqa: BLE001 - any decode failure is the item's damage
+                    fail(f"does not decode ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
+    return failures
+
+
+def verify_ours_dcp(path: str) -> list[dict[str, Any]]:
+    """Checks of our DCP directory beyond each rank file's own checksums: every record's file
+    exists and holds the record's key."""
+    _, files = _records(path)
+    failures: list[dict[str, Any]] = []
+    for name, items in files.items():
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            failures.extend({"file": full, "tensor": index.fqn, "error": f"{full}: missing (named by .metadata)"} for index, _ in items)
+            continue
+        try:
+            with nc.open(full) as reader:
+                keys = set(reader.keys())
+        except CheckpointError:
+            continue  # the rank file's own verify names the damage
+        failures.extend(
+            {"file": full, "tensor": index.fqn, "error": f"{full}: tensor {index.fqn!r}: key {info.key!r} is not in the file"}
+            for index, info in items if info.key not in keys
+        )
+    return failures
