@@ -19,7 +19,8 @@ import xxhash
 from .codecs import cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
 from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError
 from .filters import ByteplaneFilter
-from .format.layout import FOOTER, MAGIC, Frame, Index, TensorEntry, unpack_footer
+from .delta import BaseChain
+from .format.layout import DELTA_MAGIC, FOOTER, MAGIC, Frame, Index, TensorEntry, unpack_footer
 from .format.skeleton import decode_skeleton, tensor_paths, unflatten
 from .report import ComponentStats
 from .storage import Storage, open_checkpoint_stream, storage_for
@@ -107,6 +108,8 @@ class CheckpointReader:
             raise
         self._by_key = {t.key: (i, t) for i, t in enumerate(self.index.tensors)}
         self._aliases: dict[str, int] | None = None
+        #: A delta file's base (delta.py), opened when a tensor first needs it.
+        self.chain = BaseChain(self.index.base, self.path, type(self), storage_options) if self.index.base is not None else None
 
     # -- index -----------------------------------------------------------------------------
     def _read_at(self, offset: int, size: int) -> bytes:
@@ -124,9 +127,9 @@ class CheckpointReader:
         head = self._read_at(0, len(MAGIC))
         if head[:6] != MAGIC[:6]:
             raise FormatError(f"{self.path}: not an nvcomp-checkpoint file (no NVCKPT magic)")
-        if head[6] > MAGIC[6]:
-            raise FormatError(f"{self.path}: format version {head[6]}; this nvcomp-checkpoint reads version {MAGIC[6]}. Upgrade to read it.")
-        if head != MAGIC:
+        if head[6] > DELTA_MAGIC[6]:
+            raise FormatError(f"{self.path}: format version {head[6]}; this nvcomp-checkpoint reads versions up to {DELTA_MAGIC[6]}. Upgrade to read it.")
+        if head not in (MAGIC, DELTA_MAGIC):
             raise FormatError(
                 f"{self.path}: damaged header (version byte {head[6]}, reserved byte {head[7]}; expected "
                 f"{MAGIC[6]} and {MAGIC[7]}); restore the file from another copy"
@@ -135,7 +138,12 @@ class CheckpointReader:
         data = self._read_at(offset, isize)
         if xxhash.xxh3_64_intdigest(data) != digest:
             raise ChecksumError(f"{self.path}: the index is corrupt (checksum mismatch)")
-        return Index.from_json_bytes(data, offset, self.path)
+        #: The footer's digest of the index: the file's identity, which a delta of it records.
+        self.index_xxh3 = digest
+        index = Index.from_json_bytes(data, offset, self.path)
+        if index.version != head[6]:
+            raise FormatError(f"{self.path}: the header says format version {head[6]}, the index {index.version}; the file is damaged")
+        return index
 
     # -- queries ---------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -267,6 +275,15 @@ class CheckpointReader:
 
     def _start_decode(self, entry: TensorEntry, device: torch.device, pool: Executor) -> Callable[[], torch.Tensor]:
         """Read ``entry``'s frames and queue their decoding; the returned call waits and gives the tensor."""
+        finish = self._start_decode_stored(entry, device, pool)
+        if entry.delta is None or self.chain is None:
+            return finish
+        chain = self.chain
+        # The base tensor is read when the decoded bytes are wanted (it follows the chain).
+        return lambda: chain.undo(entry, finish())
+
+    def _start_decode_stored(self, entry: TensorEntry, device: torch.device, pool: Executor) -> Callable[[], torch.Tensor]:
+        """:meth:`_start_decode` of the bytes as stored (a delta tensor's before the XOR is undone)."""
         if device.type == "cuda" and gpu_available():
             gpu_tensor = self._decode_gpu(entry, device)
             return lambda: gpu_tensor
@@ -399,6 +416,8 @@ class CheckpointReader:
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
+        if self.chain is not None:
+            self.chain.close()
         self._stream.close()
 
     def __enter__(self) -> "CheckpointReader":
