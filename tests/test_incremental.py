@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -275,3 +276,32 @@ def test_retention_keeps_every_base_a_kept_checkpoint_needs(tmp_path):
         Path(path).unlink()
     for path in kept:
         nc.load(path)
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def test_cli_compress_base_inspect_verify_rebase(tmp_path, capsys):
+    from nvcomp_checkpoint.cli.main import main
+
+    for step in (10, 20, 30):
+        torch.save(_state(step), tmp_path / f"s{step}.pt")
+    assert main(["compress", "-q", str(tmp_path / "s10.pt"), str(tmp_path / "a.nvc")]) == 0
+    assert main(["compress", "-q", str(tmp_path / "s20.pt"), str(tmp_path / "b.nvc"), "--base", str(tmp_path / "a.nvc")]) == 0
+    assert main(["compress", "-q", str(tmp_path / "s30.pt"), str(tmp_path / "c.nvc"), "--base", str(tmp_path / "b.nvc")]) == 0
+    capsys.readouterr()
+    assert main(["inspect", "--no-tree", str(tmp_path / "c.nvc")]) == 0
+    out = capsys.readouterr().out
+    assert "chain:" in out and "depth 2" in out and "a.nvc (full" in out
+    assert main(["verify", "--json", str(tmp_path / "c.nvc")]) == 0
+    assert json.loads(capsys.readouterr().out)["files"] == 3
+    assert main(["rebase", "-q", str(tmp_path / "c.nvc"), str(tmp_path / "full.nvc")]) == 0
+    with nc.open(tmp_path / "full.nvc") as reader:
+        assert reader.index.base is None
+    assert_tree_equal(_state(30), nc.load(tmp_path / "full.nvc"))
+    (tmp_path / "a.nvc").unlink()
+    assert main(["verify", str(tmp_path / "c.nvc")]) == 1
+    assert "a.nvc" in capsys.readouterr().out
+    assert main(["rebase", "-q", str(tmp_path / "c.nvc"), str(tmp_path / "full2.nvc")]) == 2
+    assert "a.nvc" in capsys.readouterr().err and not (tmp_path / "full2.nvc").exists()
+    assert_tree_equal(_state(30), nc.load(tmp_path / "full.nvc"))  # the rebased copy stands alone

@@ -19,6 +19,7 @@ from nvcomp_checkpoint.errors import UnsafeCheckpointError
 from nvcomp_checkpoint.report import component_rows, format_bytes
 
 from ._ui import EXIT_OK, make_table, print_json, stdout_console
+from .chain import chain_text, describe_chain
 from .sources import DIRECTORY, NVCOMP, OTHER, TensorInfo, dir_files, open_source, sniff
 
 __all__ = ["add_parser", "run_inspect", "component_stats", "build_tree"]
@@ -120,12 +121,19 @@ def _describe_file(path: str, trust: bool) -> dict[str, Any]:
             "components": {k: v.to_dict() for k, v in stats.items()},
             "tensors": [t.to_dict() for t in tensors],
             "metadata": source.metadata,
+            # A delta checkpoint's chain of bases (cli/chain.py); [] for other files.
+            "chain": describe_chain(path) if source.kind == NVCOMP and _is_delta(path) else [],
             # Whether the file loads on a machine without a GPU (no nvCOMP-only codec in it).
             "portable": not gpu_only,
             "gpu_only_codecs": gpu_only,
             "_infos": tensors,
             "_stats": stats,
         }
+
+
+def _is_delta(path: str) -> bool:
+    with nc.open(path) as reader:
+        return reader.index.base is not None
 
 
 def _meta_value(key: str, value: Any) -> str:
@@ -205,6 +213,8 @@ def run_inspect(args: argparse.Namespace) -> int:
                 "(convert with: nvckpt compress SRC DST --policy zstd on a GPU machine)",
                 markup=False, highlight=False,
             )
+    if d["chain"]:
+        console.print(chain_text(d["chain"]), markup=False, highlight=False)
     meta = d["metadata"]
     if meta:
         shown = ", ".join(f"{k}={_meta_value(k, v)}" for k, v in meta.items() if not isinstance(v, (dict, list)))

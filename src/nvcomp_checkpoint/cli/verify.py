@@ -15,6 +15,7 @@ from nvcomp_checkpoint.errors import CheckpointError, CodecUnavailableError, For
 from nvcomp_checkpoint.report import format_bytes
 
 from ._ui import EXIT_FAILED, EXIT_OK, Reporter, print_json, stdout_console
+from .chain import describe_chain
 from .sources import DIRECTORY, NVCOMP, TORCH, SAFETENSORS, dir_files, sniff
 
 __all__ = ["add_parser", "run_verify", "verify_file"]
@@ -77,7 +78,10 @@ def run_verify(args: argparse.Namespace) -> int:
         if not paths:
             raise FormatError(f"{args.path}: holds no nvcomp-checkpoint files to verify (convert it with `nvckpt compress`)")
     elif kind == NVCOMP:
-        paths = [args.path]
+        # A delta is checked with every base of its chain (each one's identity, then its bytes).
+        links = describe_chain(args.path)
+        paths = [link["path"] for link in links if not link["error"]]
+        chain_failures = [{"file": link["path"], "tensor": None, "error": link["error"]} for link in links if link["error"]]
     else:
         what = {TORCH: "a plain torch.save file", SAFETENSORS: "a safetensors file"}.get(kind, "not a checkpoint nvckpt reads")
         raise FormatError(
@@ -85,7 +89,7 @@ def run_verify(args: argparse.Namespace) -> int:
             "nvcomp-checkpoint (convert it with `nvckpt compress`)"
         )
     results = [verify_file(p, reporter) for p in paths]
-    failures = [dict(f, file=r["file"]) for r in results for f in r["failures"]]
+    failures = [dict(f, file=r["file"]) for r in results for f in r["failures"]] + (chain_failures if kind == NVCOMP else [])
     tensors = sum(r["tensors"] for r in results)
     raw = sum(r["raw_bytes"] for r in results)
     ok = not failures
