@@ -20,7 +20,7 @@ import xxhash
 from .codecs import cpu_codec
 from .errors import BaseCheckpointError, CheckpointError, FormatError, UnsupportedObjectError
 from .filters import ByteplaneFilter
-from .filters.xor import xor_bytes, xor_planes_
+from .filters.xor import xor_bytes, xor_planes_, xor_planes_np_
 from .format.chain import XOR, BaseRef, TensorDelta
 from .format.layout import TensorEntry
 from .storage import is_url
@@ -229,6 +229,24 @@ class BaseChain:
             )
         undo_xor_(flat, base, entry)
         return t
+
+    def chunk_undoer(self, entry: TensorEntry) -> Callable[[int, Sequence[Any], np.ndarray], None]:
+        """For the CPU decoder: ``undo(chunk start, frames, decoded chunk)`` undoes one chunk's XOR.
+
+        The base tensor is read (following the chain) now, before the chunks are decoded.
+        """
+        assert entry.delta is not None
+        base = self.base_bytes(entry.delta, torch.device("cpu"), entry.key)
+        if base.numel() != entry.nbytes:
+            raise BaseCheckpointError(
+                f"{self._what()}: tensor {entry.delta.key!r} has {base.numel()} bytes, tensor {entry.key!r} of the delta {entry.nbytes}"
+            )
+        host = base.numpy()
+
+        def undo(start: int, frames: Sequence[Any], dest: np.ndarray) -> None:
+            xor_planes_np_(dest, host[start : start + dest.size], entry.width, [f.op == XOR for f in frames])
+
+        return undo
 
     def close(self) -> None:
         with self._lock:

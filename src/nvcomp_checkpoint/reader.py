@@ -275,14 +275,19 @@ class CheckpointReader:
 
     def _start_decode(self, entry: TensorEntry, device: torch.device, pool: Executor) -> Callable[[], torch.Tensor]:
         """Read ``entry``'s frames and queue their decoding; the returned call waits and gives the tensor."""
-        finish = self._start_decode_stored(entry, device, pool)
         if entry.delta is None or self.chain is None:
-            return finish
+            return self._start_decode_stored(entry, device, pool)
         chain = self.chain
-        # The base tensor is read when the decoded bytes are wanted (it follows the chain).
-        return lambda: chain.undo(entry, finish())
+        if (device.type == "cuda" and gpu_available()) or not has_cpu_decoder(entry.codec.id):
+            # On the GPU the XOR is undone on the device, once the tensor is decoded.
+            finish = self._start_decode_stored(entry, device, pool)
+            return lambda: chain.undo(entry, finish())
+        # On the CPU each decoding worker undoes the XOR of its own chunk (in cache, in parallel).
+        return self._start_decode_stored(entry, device, pool, after_chunk=chain.chunk_undoer(entry))
 
-    def _start_decode_stored(self, entry: TensorEntry, device: torch.device, pool: Executor) -> Callable[[], torch.Tensor]:
+    def _start_decode_stored(
+        self, entry: TensorEntry, device: torch.device, pool: Executor, after_chunk: Callable[..., None] | None = None
+    ) -> Callable[[], torch.Tensor]:
         """:meth:`_start_decode` of the bytes as stored (a delta tensor's before the XOR is undone)."""
         if device.type == "cuda" and gpu_available():
             gpu_tensor = self._decode_gpu(entry, device)
@@ -331,6 +336,8 @@ class CheckpointReader:
                     filt.join(dest, raws)
                 else:
                     dest[:] = np.frombuffer(raws[0], dtype=np.uint8)
+                if after_chunk is not None:
+                    after_chunk(start, frames, dest)
 
             futures = [pool.submit(decode_chunk, i, s, n, fr) for i, (s, n, fr) in enumerate(entry.chunks())]
 
