@@ -233,8 +233,9 @@ def test_golden_delta_decodes_to_expected_tree():
         for key, want in EXPECTED_DELTA["tensors"].items():
             assert make_golden.tensor_digest(reader.read(key)) == want["sha256"], key
         # XOR frames on byte planes and on unfiltered chunks, plain frames beside them.
-        ops = {key: [f.op for f in reader.entry(key).frames] for key in ("model/fc.weight", "optimizer/state/0/exp_avg")}
-    assert all(any(o) and (key == "optimizer/state/0/exp_avg" or not all(o)) for key, o in ops.items()), ops
+        ops = {key: [f.op for f in reader.entry(key).frames] for key in ("model/fc.weight", "optimizer/state/0/exp_avg_sq")}
+        assert reader.entry("optimizer/state/0/exp_avg_sq").filter == "none"
+    assert all(any(o) and (key == "optimizer/state/0/exp_avg_sq" or not all(o)) for key, o in ops.items()), ops
 
 
 def test_golden_delta_matches_format_document():
@@ -254,5 +255,5 @@ def test_resave_reproduces_golden_delta_bytes(tmp_path):
     with nc.open(GOLDEN_DELTA) as reader:
         metadata = reader.metadata
     path = tmp_path / "delta.nvc"
-    nc.save(make_golden_delta.golden_delta_tree(), path, make_golden.golden_policy(), metadata=metadata, workers=1, base=tmp_path / GOLDEN.name)
+    nc.save(make_golden_delta.golden_delta_tree(), path, make_golden_delta.golden_delta_policy(), metadata=metadata, workers=1, base=tmp_path / GOLDEN.name)
     assert path.read_bytes() == GOLDEN_DELTA.read_bytes()

@@ -63,6 +63,8 @@ def test_delta_loads_bit_identical_and_is_smaller(tmp_path):
         assert torch.equal(reader.read("model/w"), later["model"]["w"])
         assert torch.equal(reader.read("model/phase"), later["model"]["phase"])
         # An unchanged tensor is XORed to zeros: a few bytes.
+        # First moments are new every step: not tried against the base (delta.XOR_COMPONENTS).
+        assert reader.entry("optimizer/state/0/exp_avg").delta is None
         frozen = reader.entry("model/frozen")
         assert frozen.delta is not None and frozen.stored_bytes < 200
         assert all(err is None for _, err in reader.verify())

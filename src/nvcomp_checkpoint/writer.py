@@ -479,7 +479,7 @@ class CheckpointWriter:
             for item in planned:
                 # A tensor an async snapshot compressed already is stored plain.
                 if item.spec.codec != "none" and item.nbytes and id(item.tensor) not in self.pre_encoded:
-                    item.base_key = self.base.match(item.key, item.tensor)
+                    item.base_key = self.base.match(item.key, item.tensor, item.component.value)
         try:
             skeleton_bytes = encode_skeleton(skeleton)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:

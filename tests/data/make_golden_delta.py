@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import zstandard
 
-__all__ = ["golden_delta_tree", "GOLDEN_DELTA_METADATA"]
+__all__ = ["golden_delta_tree", "golden_delta_policy", "GOLDEN_DELTA_METADATA"]
 
 HERE = Path(__file__).resolve().parent
 
@@ -48,6 +48,15 @@ def golden_delta_tree() -> dict[str, Any]:
     return tree
 
 
+def golden_delta_policy():
+    """The golden policy, second moments compressed without planes: XOR frames of both filters."""
+    import nvcomp_checkpoint as nc
+
+    return make_golden.golden_policy().with_overrides(
+        exp_avg_sq=nc.CodecSpec(codec="zstd", level=1, filter="none", chunk_bytes=2048)
+    )
+
+
 def main() -> None:
     sys.path.insert(0, str(HERE.parents[1] / "src"))
     import nvcomp_checkpoint as nc
@@ -62,7 +71,7 @@ def main() -> None:
         "nvcomp_checkpoint": nc.__version__, "torch": torch.__version__,
         "libzstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
     })
-    nc.save(tree, target, make_golden.golden_policy(), metadata=metadata, workers=1, base=HERE / "golden_v1.nvc")
+    nc.save(tree, target, golden_delta_policy(), metadata=metadata, workers=1, base=HERE / "golden_v1.nvc")
     _, tensors = flatten(tree)
     expected = {
         "metadata": metadata,
