@@ -307,3 +307,13 @@ def test_cli_compress_base_inspect_verify_rebase(tmp_path, capsys):
     assert main(["rebase", "-q", str(tmp_path / "c.nvc"), str(tmp_path / "full2.nvc")]) == 2
     assert "a.nvc" in capsys.readouterr().err and not (tmp_path / "full2.nvc").exists()
     assert_tree_equal(_state(30), nc.load(tmp_path / "full.nvc"))  # the rebased copy stands alone
+
+
+def test_async_delta_after_async_base(tmp_path):
+    first = nc.save_async(_state(10), tmp_path / "a.nvc")
+    second = nc.save_async(_state(20), tmp_path / "b.nvc", base=tmp_path / "a.nvc")
+    first.result()
+    second.result()
+    with nc.open(tmp_path / "b.nvc") as reader:
+        assert reader.index.base is not None and reader.entry("model/w").delta is not None
+    assert_tree_equal(_state(20), nc.load(tmp_path / "b.nvc"))
