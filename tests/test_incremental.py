@@ -317,3 +317,12 @@ def test_async_delta_after_async_base(tmp_path):
     with nc.open(tmp_path / "b.nvc") as reader:
         assert reader.index.base is not None and reader.entry("model/w").delta is not None
     assert_tree_equal(_state(20), nc.load(tmp_path / "b.nvc"))
+
+
+def test_chain_on_an_fsspec_url_records_a_relative_base(tmp_path):
+    root = f"memory://{tmp_path.name}"
+    nc.save(_state(10), f"{root}/a.nvc")
+    nc.save(_state(20), f"{root}/sub/b.nvc", base=f"{root}/a.nvc")
+    with nc.open(f"{root}/sub/b.nvc") as reader:
+        assert reader.index.base.path == "../a.nvc" and reader.chain.path == f"{root}/a.nvc"
+    assert_tree_equal(_state(20), nc.load(f"{root}/sub/b.nvc"))
