@@ -326,3 +326,10 @@ def test_chain_on_an_fsspec_url_records_a_relative_base(tmp_path):
     with nc.open(f"{root}/sub/b.nvc") as reader:
         assert reader.index.base.path == "../a.nvc" and reader.chain.path == f"{root}/a.nvc"
     assert_tree_equal(_state(20), nc.load(f"{root}/sub/b.nvc"))
+
+
+def test_save_over_a_file_of_the_base_chain_is_refused(tmp_path):
+    paths = _save_chain(tmp_path, [10, 20])  # ckpt-20 is a delta of ckpt-10
+    with pytest.raises(CheckpointError, match="chain of the base"):
+        nc.save(_state(30), paths[0], base=paths[1])
+    assert_tree_equal(_state(20), nc.load(paths[1]))

@@ -305,6 +305,11 @@ class BaseSource:
             reader = open_reader(base_path, storage_options=storage_options)
         except CheckpointError as exc:
             raise BaseCheckpointError(f"{delta_path}: the base checkpoint {base_path} cannot be opened: {exc}") from exc
+        try:
+            _refuse_overwriting_the_chain(base_path, reader, delta_path, open_reader, storage_options)
+        except BaseException:
+            reader.close()
+            raise
         depth = (reader.index.base.depth if reader.index.base is not None else 0) + 1
         ref = BaseRef(stored, reader.file_bytes, reader.index_xxh3, depth)
         state = _keyed_tensors(base_state, delta_path) if base_state is not None else None
@@ -333,6 +338,29 @@ class BaseSource:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def _same_file(a: str, b: str) -> bool:
+    if is_url(a) or is_url(b):
+        return a == b
+    return os.path.abspath(a.removeprefix("file://")) == os.path.abspath(b.removeprefix("file://"))
+
+
+def _refuse_overwriting_the_chain(base_path: str, reader: Any, delta_path: str, open_reader: OpenReader, storage_options: dict[str, Any] | None) -> None:
+    """A save over a file of its own base's chain would leave a delta whose chain is gone."""
+    current, ref = base_path, reader.index.base
+    while ref is not None:
+        current = resolve_base_path(current, ref.path)
+        if _same_file(current, delta_path):
+            raise UnsupportedObjectError(
+                f"{delta_path}: is in the chain of the base {base_path} (a base of it); writing there would "
+                "leave the delta without its chain: save under another path"
+            )
+        try:
+            with open_reader(current, storage_options=storage_options) as older:
+                ref = older.index.base
+        except CheckpointError:
+            return  # a broken chain further back is the base's own problem, reported when it is read
 
 
 def _keyed_tensors(state: Any, where: str) -> dict[str, torch.Tensor]:
