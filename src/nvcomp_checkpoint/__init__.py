@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 from . import errors
 from .api import is_nvcomp_checkpoint, load, open, save
 from .async_save import AsyncSaveHandle, AsyncSaver, has_pending_save, save_async, wait_for_saves
+from .delta import ChainPolicy, retained
 from .codecs import GPU_ONLY_CODECS, PORTABLE_CODECS, gpu_available
 from .errors import CheckpointError
 from .policy import CodecPolicy, CodecSpec, Component, classify
@@ -33,6 +34,8 @@ __all__ = [
     "Component",
     "classify",
     "CheckpointReader",
+    "ChainPolicy",
+    "retained",
     "SaveReport",
     "ComponentStats",
     "CheckpointError",

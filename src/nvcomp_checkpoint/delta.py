@@ -1,7 +1,8 @@
 """Incremental checkpoints: a checkpoint stored as its difference from an earlier one (its base).
 
-The writer XORs each tensor with the same tensor of the base and keeps, byte plane by byte plane,
-whichever of the plain and the XORed plane stores smaller; the reader follows the chain of
+The writer XORs each tensor (of the components in :data:`XOR_COMPONENTS`) with the same tensor
+of the base and keeps, byte plane by byte plane, whichever of the plain and the XORed plane
+stores smaller; the reader follows the chain of
 bases back to a full checkpoint. The format is in ``docs/format.md`` ("Delta files").
 """
 
@@ -17,8 +18,8 @@ import numpy as np
 import torch
 import xxhash
 
-from .codecs import cpu_codec
-from .errors import BaseCheckpointError, CheckpointError, FormatError, UnsupportedObjectError
+from .codecs import cpu_codec, gpu_available, has_cpu_decoder
+from .errors import BaseCheckpointError, CheckpointError, UnsupportedObjectError
 from .filters import ByteplaneFilter
 from .filters.xor import xor_bytes, xor_planes_, xor_planes_np_
 from .format.chain import XOR, BaseRef, TensorDelta
@@ -44,8 +45,8 @@ OpenReader = Callable[..., Any]
 #: Components whose tensors are tried against the base. Optimizer first moments and gradients
 #: are new every step: against a base 40 steps earlier XOR won no byte on them (dense 1.218x and
 #: 1.641x either way, MoE 1.192x and 1.836x; benchmarks/bench_incremental.py), and trying cost
-#: a second compression and a decode of the base. Weights gained 1.5-3.3x -> 1.7-3.3x, second
-#: moments 1.23x -> 1.28-1.32x.
+#: a second compression and a decode of the base. Weights went from 1.48x to 1.69x (MoE) and
+#: 3.31x (dense), second moments from 1.23x to 1.28-1.32x.
 XOR_COMPONENTS = frozenset({"weights", "exp_avg_sq", "other"})
 
 
@@ -323,6 +324,8 @@ class BaseSource:
         entry = self._entries.get(key)
         if entry is None or entry.dtype != t.dtype or entry.shape != tuple(t.shape) or entry.nbytes == 0:
             return None
+        if not (has_cpu_decoder(entry.codec.id) or gpu_available()):
+            return None  # a base tensor in an nvCOMP-only codec cannot be read here: store plain
         return key
 
     def values(self, key: str, device: torch.device) -> tuple[torch.Tensor, int]:

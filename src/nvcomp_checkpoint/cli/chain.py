@@ -8,7 +8,6 @@ import os
 from typing import Any
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.delta import BaseChain
 from nvcomp_checkpoint.errors import CheckpointError, FormatError
 from nvcomp_checkpoint.report import format_bytes
 
@@ -48,23 +47,25 @@ def describe_chain(path: str) -> list[dict[str, Any]]:
     Never raises for a broken chain: the link that cannot be followed carries the error.
     """
     links: list[dict[str, Any]] = []
-    current, expected = path, None
-    while True:
-        try:
-            if expected is not None:
-                chain = BaseChain(expected, links[-1]["path"], nc.CheckpointReader)
-                reader = chain.reader()  # checks the base's identity
-            else:
-                reader = nc.open(current)
-        except CheckpointError as exc:
-            links.append({"path": current, "depth": None, "file_bytes": None, "error": " ".join(str(exc).split())})
-            return links
-        with reader:
+    try:
+        reader = nc.open(path)
+    except CheckpointError as exc:
+        return [{"path": path, "depth": None, "file_bytes": None, "error": " ".join(str(exc).split())}]
+    first = reader
+    try:
+        while True:
             ref = reader.index.base
-            links.append({"path": current, "depth": ref.depth if ref else 0, "file_bytes": reader.file_bytes, "error": None})
-        if ref is None:
-            return links
-        current, expected = BaseChain(ref, current, nc.CheckpointReader).path, ref
+            links.append({"path": reader.path, "depth": ref.depth if ref else 0, "file_bytes": reader.file_bytes, "error": None})
+            if reader.chain is None:
+                return links
+            try:
+                # The base's reader, once its identity is checked; closed with the delta's reader.
+                reader = reader.chain.reader()
+            except CheckpointError as exc:
+                links.append({"path": reader.chain.path, "depth": None, "file_bytes": None, "error": " ".join(str(exc).split())})
+                return links
+    finally:
+        first.close()
 
 
 def chain_text(links: list[dict[str, Any]]) -> str:
