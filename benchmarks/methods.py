@@ -182,7 +182,7 @@ def _zipnn_save(obj: Any, path: Path) -> dict[str, int]:
             return t
         data = znn.compress(t.detach().contiguous())
         sizes[comp] = sizes.get(comp, 0) + len(data)
-        # Compressed bytes go in a uint8 tensor: pickled `bytes` would grow ~1.5x (FACTS.md).
+        # Compressed bytes go in a uint8 tensor: pickled `bytes` would grow ~1.5x (docs/facts.md, Pickle).
         return {"__zipnn__": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
 
     tree = map_tensors(obj, encode)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Creates ./.venv (if needed) and installs the package with the given extras.
 # torch is pinned first to the CPU build this machine kind ships; an unpinned torch would pull
-# a multi-GB CUDA build.
+# a multi-GB CUDA build. A second run with the same extras and the same pyproject.toml does not
+# reinstall: a stamp in .venv records what was installed, and the package must still import
+# from this checkout's src/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
@@ -10,11 +12,21 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
-if [ -n "$extras" ]; then
-  python -m pip install -q -e ".[${extras}]" 2>&1 | grep -v "^WARNING: Location" || true
-else
-  python -m pip install -q -e . 2>&1 | grep -v "^WARNING: Location" || true
+stamp=".venv/.nvcomp-checkpoint-installed-${extras:-base}"
+want="$(python -c 'import hashlib, sys; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')"
+here="$(PYTHONPATH= python -c 'import os, nvcomp_checkpoint; print(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(nvcomp_checkpoint.__file__)))))' 2>/dev/null || true)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ "$here" = "$(pwd -P)" ] && python -c "import torch" 2>/dev/null; then
+  exit 0
 fi
-python -c "import nvcomp_checkpoint" || { echo "setup failed: nvcomp_checkpoint does not import" >&2; exit 1; }
+# pip's own exit status decides (its warnings about the install location are filtered out).
+pip_install() {
+  local out rc=0
+  out="$(python -m pip install -q "$@" 2>&1)" || rc=$?
+  printf '%s\n' "$out" | grep -v -e "^WARNING: Location" -e '^$' >&2 || true
+  return "$rc"
+}
+python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+python -c "import torch" 2>/dev/null || pip_install "torch==2.13.0"
+pip_install -e ".${extras:+[${extras}]}"
+PYTHONPATH= python -c "import nvcomp_checkpoint" || { echo "setup failed: nvcomp_checkpoint does not import" >&2; exit 1; }
+echo "$want" > "$stamp"

@@ -22,7 +22,7 @@ pytest.importorskip("accelerate")
 
 import nvcomp_checkpoint as nc  # noqa: E402
 from conftest import assert_tree_equal  # noqa: E402
-from nvcomp_checkpoint.accelerate import MANIFEST_NAME, is_nvcomp_state_dir, register_nvcomp_hooks  # noqa: E402
+from nvcomp_checkpoint.accelerate import MANIFEST_NAME, MARKER_NAME, is_nvcomp_state_dir, register_nvcomp_hooks  # noqa: E402
 
 N_STEPS, M_STEPS = 4, 3
 
@@ -296,7 +296,7 @@ def test_resume_in_fresh_process_matches_uninterrupted_run(
         # ... yet the files hold the state at step N: the same as the synchronous run's.
         assert_tree_equal(_load_pt(trained / "run.pt")["at_n"], run["at_n"])
         assert sorted(os.listdir(directory / "hooked")) == sorted([
-            MANIFEST_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
+            MANIFEST_NAME, MARKER_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
         ])
     out = tmp_path / "resumed.pt"
     _run(str(script), "resume", str(out), str(directory / "hooked"), str(M_STEPS), mode)
@@ -313,7 +313,7 @@ def test_saved_directory_is_compressed_and_smaller(trained: Path) -> None:
     hooked, plain = trained / "hooked", trained / "plain"
     names = sorted(p.name for p in hooked.iterdir())
     assert names == sorted([
-        MANIFEST_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
+        MANIFEST_NAME, MARKER_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
     ])
     assert "model.safetensors" in os.listdir(plain) and "optimizer.bin" in os.listdir(plain)
     assert is_nvcomp_state_dir(hooked) and not is_nvcomp_state_dir(plain)
@@ -330,6 +330,17 @@ def test_saved_directory_is_compressed_and_smaller(trained: Path) -> None:
     report = _load_pt(trained / "run.pt")["report"]
     assert report["stored_bytes"] == compressed
     assert set(report["components"]) >= {"weights", "exp_avg", "exp_avg_sq"}
+
+
+def test_accelerate_without_the_hooks_fails_on_a_directory_that_says_what_to_call(
+    trained: Path, script: Path
+) -> None:
+    module = _module(script)
+    objs = module.build(hooks=False)
+    with pytest.raises(FileNotFoundError):  # Accelerate's own error: it looks for its model file
+        objs[0].load_state(str(trained / "hooked"))
+    text = (trained / "hooked" / MARKER_NAME).read_text()
+    assert "register_nvcomp_hooks(accelerator)" in text and "load_state" in text
 
 
 def test_plain_directory_still_loads(trained: Path, script: Path) -> None:
@@ -498,9 +509,9 @@ def test_user_hooks_still_run_and_compose(script: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
 def test_overwrite_same_directory_and_remove(script: Path, tmp_path: Path, exchange: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not exchange:  # the path taken on file systems and platforms without RENAME_EXCHANGE
-        from nvcomp_checkpoint.integrations import accelerate as integration
+        from nvcomp_checkpoint.storage import LocalStorage
 
-        monkeypatch.setattr(integration, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(LocalStorage, "exchange", lambda self, a, b: False)
     module = _module(script)
     objs = module.build()
     acc, ckpt = objs[0], tmp_path / "ckpt"
@@ -511,7 +522,7 @@ def test_overwrite_same_directory_and_remove(script: Path, tmp_path: Path, excha
     acc.save_state(str(ckpt))  # replaces it as a whole: no stale model.safetensors next to model.nvc
     state = module.snapshot(objs)
     assert sorted(os.listdir(ckpt)) == sorted([
-        MANIFEST_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
+        MANIFEST_NAME, MARKER_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
     ])
     module.train(objs, 1)
     acc.save_state(str(ckpt))  # compressed over compressed
@@ -528,7 +539,7 @@ def test_overwrite_same_directory_and_remove(script: Path, tmp_path: Path, excha
         assert_tree_equal(state[key], module.snapshot(fresh)[key])
 
 
-STATE_FILES = [MANIFEST_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl"]
+STATE_FILES = [MANIFEST_NAME, MARKER_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl"]
 
 
 def _identity(*paths: Path) -> dict[Path, tuple[int, int, bytes | None]]:

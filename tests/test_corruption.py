@@ -28,6 +28,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import forged_files as forged
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
 from nvcomp_checkpoint.errors import CheckpointError, ChecksumError, FormatError, UnsafeCheckpointError
@@ -524,6 +525,88 @@ def test_fuzz_forged_index(valid, tmp_path, data):
             pass
 
 
+# -- fuzzing the object tree: a grammar of pickles ------------------------------------------------
+#
+# Each strategy gives the opcodes that push one value, so that any composition is a pickle. The
+# shapes that broke readers are productions of the grammar: one value referenced many times
+# through the memo (shared subtrees, cycles), containers nested thousands deep (lists, dicts,
+# tuples, and tuples as dict keys), TensorRef of anything, a bytearray built from a size, globals
+# the weights-only rules refuse; and the bytes may be cut anywhere.
+
+_leaf_ops = st.one_of(
+    st.integers(-(2**31), 2**31 - 1).map(forged.int_op),
+    st.text(max_size=8).map(forged.str_op),
+    st.sampled_from([forged.NONE, forged.NEWTRUE, forged.EMPTY_LIST, forged.EMPTY_DICT, forged.EMPTY_TUPLE, b"G" + struct.pack(">d", 0.5)]),
+    # TensorRef(i) in and out of the index (of 4 tensors), and of things that are no index.
+    st.integers(-2, 6).map(forged.ref),
+    st.sampled_from([forged.EMPTY_LIST, forged.NONE, forged.NEWTRUE, forged.str_op("1"), forged.EMPTY_TUPLE])
+    .map(lambda arg: forged.ref_with(arg + forged.TUPLE1)),
+    st.just(forged.ref_with(forged.EMPTY_TUPLE)),  # TensorRef() without its index
+    st.sampled_from([("builtins", "bytearray"), ("os", "system"), ("collections", "OrderedDict"), ("builtins", "set"), ("_codecs", "encode")])
+    .map(lambda g: forged.global_op(*g) + forged.int_op(3) + forged.TUPLE1 + forged.REDUCE),
+    st.integers(0, 3).map(lambda n: forged.codec_chain(n)[2:-1]),  # bytes, then hex of hex of ... of them
+    st.just(forged.device_copy_of_a_view()[2:-1]),
+)
+
+
+def _containers(children: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
+    items = st.lists(children, max_size=4)
+    return st.one_of(
+        items.map(lambda xs: forged.EMPTY_LIST + forged.MARK + b"".join(xs) + forged.APPENDS),
+        items.map(lambda xs: forged.MARK + b"".join(xs) + forged.TUPLE),
+        items.map(lambda xs: forged.EMPTY_DICT + forged.MARK + b"".join(forged.str_op(str(i)) + x for i, x in enumerate(xs)) + forged.SETITEMS),
+        # One value held ``fan`` times, through the memo: ``fan`` levels of this is the "billion laughs".
+        st.tuples(children, st.integers(2, 10), st.integers(0, 300)).map(
+            lambda a: a[0] + forged.put(a[2]) + forged.EMPTY_LIST + forged.MARK + forged.get(a[2]) * a[1] + forged.APPENDS
+        ),
+        # A list that holds itself.
+        st.tuples(children, st.integers(0, 300)).map(
+            lambda a: forged.EMPTY_LIST + forged.put(a[1]) + a[0] + forged.APPEND + forged.get(a[1]) + forged.APPEND
+        ),
+    )
+
+
+def _deep(child: bytes, kind: str, depth: int) -> bytes:
+    if kind == "list":
+        return forged.EMPTY_LIST * depth + child + forged.APPEND * depth
+    if kind == "tuple":
+        return child + forged.TUPLE1 * depth
+    if kind == "dict":
+        return (forged.EMPTY_DICT + forged.str_op("k")) * depth + child + forged.SETITEM * depth
+    # A dict whose key is a tuple ``depth`` deep: hashing it recursed in C until the stack broke.
+    return forged.EMPTY_DICT + forged.EMPTY_TUPLE + forged.TUPLE1 * depth + child + forged.SETITEM
+
+
+_tree_ops = st.recursive(_leaf_ops, _containers, max_leaves=12)
+_object_tree = st.one_of(
+    _tree_ops,
+    st.tuples(_tree_ops, st.sampled_from(["list", "tuple", "dict", "tuple_key"]), st.integers(1, 5000)).map(lambda a: _deep(*a)),
+    st.tuples(st.sampled_from(["list", "tuple_key"]), st.just(200_000)).map(lambda a: _deep(forged.ref(0), *a)),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ops=_object_tree, cut=st.none() | st.integers(0, 10**6), raw=st.booleans())
+def test_fuzz_forged_object_tree(valid, tmp_path, ops, cut, raw):
+    """Object trees of any shape, checksums valid: a load, or a CheckpointError, in bounded time and memory."""
+    _, data, _ = valid
+    pkl = forged.pickle2(ops)
+    if cut is not None:
+        pkl = pkl[: cut % (len(pkl) + 1)]
+    path = _fresh(tmp_path, "tree.nvc", forged.with_object_tree(data, pkl if raw else forged.archive(pkl)))
+    with _time_limit(30), _peak_allocation(256 << 20):
+        try:
+            _exercise(path)
+        except CheckpointError:
+            pass
+    result = nc.verify(path)
+    try:
+        nc.load(path)
+        assert result.ok, result.problems
+    except CheckpointError:
+        assert not result.ok
+
+
 # -- regression tests for cases the fuzzers and the exhaustive tests found --------------------
 
 
@@ -592,3 +675,40 @@ def test_regression_zstd_frame_larger_than_index_says(valid, tmp_path):
     path.write_bytes(_assemble(body + frame, index))
     err = _load_error(path)
     assert "optimizer/state/0/exp_avg" in str(err) and "chunk 0" in str(err) and "declares 5000" in str(err)
+
+
+def test_raw_frame_of_the_wrong_size_is_refused_at_open(tmp_path):
+    """A `none` frame shorter than the shape needs is damage, found before any decoder runs."""
+    import json
+
+    import xxhash
+
+    from nvcomp_checkpoint.errors import FormatError
+    from nvcomp_checkpoint.format.layout import FOOTER, pack_footer
+
+    path = tmp_path / "raw.nvc"
+    nc.save({"w": torch.arange(4096, dtype=torch.float32)}, path, policy=nc.CodecPolicy.uniform("none"))
+    data = bytearray(path.read_bytes())
+    offset, size, _, _ = FOOTER.unpack(bytes(data[-FOOTER.size :]))
+    index = json.loads(bytes(data[offset : offset + size]))
+    index["tensors"][0]["frames"][0][1] -= 1
+    blob = json.dumps(index, separators=(",", ":")).encode()
+    forged = bytes(data[:offset]) + blob + pack_footer(offset, len(blob), xxhash.xxh3_64_intdigest(blob))
+    path.write_bytes(forged)
+    with pytest.raises(FormatError, match="raw frame"):
+        nc.open(path)
+
+
+def test_verify_reports_every_tensor_even_after_a_bad_one(tmp_path):
+    path = tmp_path / "two.nvc"
+    nc.save({"a": torch.randn(50_000), "b": torch.randn(50_000)}, path)
+    with nc.open(path) as reader:
+        first = reader.entry("a").frames[0]
+    data = bytearray(path.read_bytes())
+    data[first.offset + 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with nc.open(path) as reader:
+        results = {entry.key: err for entry, err in reader.verify()}
+    assert set(results) == {"a", "b"}
+    assert results["a"] is not None and "'a'" in str(results["a"])
+    assert results["b"] is None

@@ -109,14 +109,15 @@ SCRIPT = textwrap.dedent(
 
 
     def run(output_dir, max_steps, save_steps, *, compress=True, resume=None, callbacks=(), eval_data=False,
-            nvcomp=None, after=(), **extra):
-        """`nvcomp`: keyword arguments of NvcompTrainerCallback; `after`: callbacks that run after it."""
+            nvcomp=None, after=(), stock=False, **extra):
+        """`nvcomp`: keyword arguments of NvcompTrainerCallback; `after`: callbacks that run after it;
+        `stock`: the stock Trainer with the callback (else NvcompTrainer when compressing)."""
         args = TrainingArguments(
             output_dir=output_dir, max_steps=max_steps, save_steps=save_steps, per_device_train_batch_size=4,
             logging_steps=1, learning_rate=1e-3, seed=1, report_to=[], use_cpu=True, disable_tqdm=True, **extra,
         )
         callbacks = list(callbacks) + ([NvcompTrainerCallback(**(nvcomp or {}))] if compress else []) + list(after)
-        trainer = (NvcompTrainer if compress else Trainer)(
+        trainer = (NvcompTrainer if compress and not stock else Trainer)(
             model=tiny_model(), args=args, train_dataset=Tokens(),
             eval_dataset=Tokens(8, seed=1) if eval_data else None, callbacks=callbacks,
         )
@@ -138,11 +139,12 @@ SCRIPT = textwrap.dedent(
         p.add_argument("--log", default=None)
         p.add_argument("--full-disk-at", type=int, default=None)
         p.add_argument("--async-save", action="store_true")
+        p.add_argument("--stock", action="store_true", help="the stock Trainer with NvcompTrainerCallback")
         a = p.parse_args()
         callbacks = ([DumpAtStart(a.dump)] if a.dump else []) + ([FullDiskAt(a.full_disk_at)] if a.full_disk_at else [])
         resume = True if a.resume == "latest" else a.resume
         trainer = run(a.output_dir, a.max_steps, a.save_steps, resume=resume, callbacks=callbacks,
-                      nvcomp={"async_save": a.async_save})
+                      nvcomp={"async_save": a.async_save}, stock=a.stock)
         if a.log:
             with open(a.log, "w") as f:
                 json.dump(losses(trainer), f)
@@ -532,3 +534,110 @@ def test_optimizer_state_loads_only_with_its_scheduler_as_the_trainer_does(
     assert bool(loaded["nvc"]["state"]) is with_scheduler
     if with_scheduler:
         assert_tree_equal(loaded["plain"], loaded["nvc"])
+
+
+# -- a stock Trainer with the callback alone ---------------------------------------------------
+@pytest.fixture(scope="module")
+def stock_run(script: tuple[Path, ModuleType], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A stock ``Trainer`` with only ``NvcompTrainerCallback``: its output directory."""
+    _, mod = script
+    out = tmp_path_factory.mktemp("stock") / "out"
+    trainer = mod.run(str(out), 8, 4, stock=True)
+    assert type(trainer).__name__ == "Trainer"
+    return out
+
+
+def test_stock_trainer_checkpoints_keep_the_weights_and_compress_the_optimizer_state(
+    runs: dict[str, Any], stock_run: Path
+) -> None:
+    ckpt = stock_run / "checkpoint-4"
+    names = {p.name for p in ckpt.iterdir()}
+    assert {"model.safetensors", "optimizer.pt.nvc", "scheduler.pt"} <= names and "optimizer.pt" not in names, names
+    # A Trainer without the callback would resume with a fresh optimizer state: the directory says so.
+    from nvcomp_checkpoint.transformers import MARKER_NAME
+
+    assert "NvcompTrainerCallback" in (ckpt / MARKER_NAME).read_text()
+    reference = _trainer_files_state(runs["plain_dir"] / "checkpoint-4")
+    assert_tree_equal(nc.load(ckpt / "optimizer.pt.nvc")["optimizer"], reference["optimizer"])
+    # What transformers reads itself stays readable by it.
+    model = GPT2LMHeadModel.from_pretrained(str(ckpt))
+    assert_tree_equal(model.state_dict(), runs["at"][4]["model"])
+
+
+@pytest.mark.parametrize(("resume", "mode"), [("latest", "sync"), ("path", "async")])
+def test_stock_trainer_resumes_in_a_fresh_process_with_the_uninterrupted_runs_losses(
+    runs: dict[str, Any], stock_run: Path, script: tuple[Path, ModuleType], tmp_path: Path, resume: str, mode: str
+) -> None:
+    path, _ = script
+    out = tmp_path / "resumed"
+    source = tmp_path / "elsewhere" / "checkpoint-4" if resume == "path" else out / "checkpoint-4"
+    shutil.copytree(stock_run / "checkpoint-4", source)
+    proc = _python(
+        [str(path), str(out), "--stock", "--resume", "latest" if resume == "latest" else str(source),
+         "--dump", str(tmp_path / "start.pt"), "--log", str(tmp_path / "log.json")]
+        + (["--async-save"] if mode == "async" else []),
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    start = torch.load(tmp_path / "start.pt", weights_only=True)
+    assert start["step"] == 4
+    assert_tree_equal(start["model"], runs["at"][4]["model"])
+    assert_tree_equal(start["optimizer"], runs["at"][4]["optimizer"])
+    resumed = {int(k): v for k, v in json.loads((tmp_path / "log.json").read_text()).items()}
+    assert resumed == runs["plain_losses"]
+    names = {p.name for p in (out / "checkpoint-8").iterdir()}
+    assert {"model.safetensors", "optimizer.pt.nvc"} <= names and "optimizer.pt" not in names
+
+
+def test_stock_trainer_load_best_model_at_end_loads_the_best_weights(
+    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path
+) -> None:
+    _, mod = script
+    out = tmp_path / "out"
+    trainer = mod.run(
+        str(out), 8, 2, stock=True, eval_data=True, eval_strategy="steps", eval_steps=2, save_total_limit=2,
+        load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+    )
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    best_step = max(evals, key=lambda s: (evals[s], -s))
+    assert best_step != 8, evals
+    best = safetensors.torch.load_file(str(out / f"checkpoint-{best_step}" / "model.safetensors"))
+    final = trainer.model.state_dict()
+    assert_tree_equal({k: final[k] for k in best}, best)
+    assert not torch.equal(final["transformer.h.0.attn.c_attn.weight"], runs["at"][8]["model"]["transformer.h.0.attn.c_attn.weight"])
+
+
+def test_compressed_weights_with_a_stock_trainer_are_refused_when_it_is_created(
+    script: tuple[Path, ModuleType], tmp_path: Path
+) -> None:
+    _, mod = script
+    with pytest.raises(nc.CheckpointError, match=r"compress_weights=True.*NvcompTrainer"):
+        mod.run(str(tmp_path / "out"), 2, 2, stock=True, nvcomp={"compress_weights": True})
+
+
+def test_a_directory_with_compressed_weights_says_what_it_is(runs: dict[str, Any], tmp_path: Path) -> None:
+    from nvcomp_checkpoint.transformers import MARKER_NAME
+
+    ckpt = tmp_path / "checkpoint-4"
+    shutil.copytree(runs["nvc_dir"] / "checkpoint-4", ckpt)
+    text = (ckpt / MARKER_NAME).read_text()
+    assert "NvcompTrainer" in text and "decompress_checkpoint" in text
+    with pytest.raises(OSError, match="model.safetensors"):  # transformers' own message; the marker explains
+        GPT2LMHeadModel.from_pretrained(str(ckpt))
+    decompress_checkpoint(ckpt)
+    assert not (ckpt / MARKER_NAME).exists()
+    assert_tree_equal(GPT2LMHeadModel.from_pretrained(str(ckpt)).state_dict(), runs["at"][4]["model"])
+
+
+def test_a_stock_trainer_asked_to_resume_from_compressed_weights_is_refused_when_created(
+    runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, mod = script
+    ckpt = tmp_path / "out" / "checkpoint-4"
+    shutil.copytree(runs["nvc_dir"] / "checkpoint-4", ckpt)  # written by NvcompTrainer: weights compressed
+    with pytest.raises(nc.CheckpointError, match=r"checkpoint-4: a stock Trainer cannot read its compressed weights.*NvcompTrainer"):
+        mod.run(str(tmp_path / "probe"), 4, 4, stock=True, resume_from_checkpoint=str(ckpt))
+    # Found in output_dir, where resume_from_checkpoint=True would look: a warning before train().
+    with caplog.at_level("WARNING", logger="nvcomp_checkpoint.integrations.transformers"):
+        mod.run(str(tmp_path / "out"), 6, 6, stock=True)
+    assert any("cannot read its compressed weights" in r.getMessage() for r in caplog.records)

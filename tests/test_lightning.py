@@ -803,3 +803,16 @@ def test_async_saves_with_repeating_names_keep_every_version(tmp_path, callback)
     else:
         assert files == ["ckpt-v1.ckpt", "ckpt-v2.ckpt", "ckpt-v3.ckpt", "ckpt.ckpt"]
         assert best_step == 1 and float(ck.best_model_score) == 0.0
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_checkpoints_at_an_fsspec_url_are_saved_loaded_and_removed(async_save: bool) -> None:
+    plugin = NvcompCheckpointIO(async_save=async_save)
+    url = f"memory://nvckpt-lightning-{async_save}/ckpts/a.ckpt"
+    plugin.save_checkpoint(_checkpoint(), url)
+    assert_tree_equal(_checkpoint(), plugin.load_checkpoint(url))
+    plugin.remove_checkpoint(url)
+    plugin.wait()
+    with pytest.raises(FileNotFoundError, match="a.ckpt"):
+        plugin.load_checkpoint(url)
+    plugin.teardown()

@@ -6,23 +6,28 @@ chooses codecs per component (weights, optimizer moments, gradients, the rest).
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from . import errors
-from .api import is_nvcomp_checkpoint, load, open, save
-from .async_save import AsyncSaveHandle, AsyncSaver, has_pending_save, save_async, wait_for_saves
+from .api import VerifyProblem, VerifyResult, is_nvcomp_checkpoint, load, open, save, verify
+from .async_save import AsyncSaveHandle, AsyncSaver, save_async
 from .delta import ChainPolicy, retained
 from .codecs import GPU_ONLY_CODECS, PORTABLE_CODECS, gpu_available
 from .errors import CheckpointError
+from .pending import has_pending_save, wait_for_saves
 from .policy import CodecPolicy, CodecSpec, Component, classify
 from .reader import CheckpointReader
 from .report import ComponentStats, SaveReport
+from .metrics import serve_metrics
+from .tiers import CheckpointManager, Restored, Tier
+from .version import __version__
 
 __all__ = [
     "__version__",
     "save",
     "load",
     "open",
+    "verify",
+    "VerifyResult",
+    "VerifyProblem",
     "is_nvcomp_checkpoint",
     "save_async",
     "wait_for_saves",
@@ -43,4 +48,8 @@ __all__ = [
     "gpu_available",
     "PORTABLE_CODECS",
     "GPU_ONLY_CODECS",
+    "Tier",
+    "CheckpointManager",
+    "Restored",
+    "serve_metrics",
 ]

@@ -6,6 +6,6 @@
 
 from __future__ import annotations
 
-from .integrations.accelerate import MANIFEST_NAME, NvcompStateHooks, is_nvcomp_state_dir, register_nvcomp_hooks
+from .integrations.accelerate import MANIFEST_NAME, MARKER_NAME, NvcompStateHooks, is_nvcomp_state_dir, register_nvcomp_hooks
 
-__all__ = ["register_nvcomp_hooks", "NvcompStateHooks", "MANIFEST_NAME", "is_nvcomp_state_dir"]
+__all__ = ["register_nvcomp_hooks", "NvcompStateHooks", "MANIFEST_NAME", "MARKER_NAME", "is_nvcomp_state_dir"]

@@ -5,20 +5,24 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import IO, Any, Callable
 
 import torch
 
 from .delta import BaseSource
-from .errors import CheckpointError, FormatError
-from .format.layout import MAGIC
+from .errors import CheckpointError, FormatError, SizeLimitError, UnsafeCheckpointError
+from .format.layout import FOOTER_MAGIC, MAGIC
+from .filetype import HEAD_BYTES, NVCOMP, SAFETENSORS, TORCH, ZIP_HEAD, kind_of
+from .format.skeleton import check_torch_archive, weights_only_detail
+from .pending import wait_for_path
 from .policy import CodecPolicy
 from .reader import CheckpointReader, MapLocation
 from .report import SaveReport
-from .storage import open_checkpoint_stream, storage_for, write_errors
+from .storage import LocalStorage, open_checkpoint_stream, stale_temp_files, storage_for, write_errors
 from .writer import CheckpointWriter
 
-__all__ = ["save", "load", "open", "is_nvcomp_checkpoint"]
+__all__ = ["save", "load", "open", "verify", "is_nvcomp_checkpoint", "VerifyResult", "VerifyProblem", "write_checkpoint", "log_report"]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
 
@@ -62,15 +66,15 @@ def save(
     Returns:
         A :class:`SaveReport` with raw and stored bytes, time and a per-component table.
     """
-    _wait_for_pending_saves(path)
+    wait_for_path(path)
     if base_state is not None and base is None:
         raise ValueError("base_state is the state saved to `base`; pass base= too")
-    report = _save(obj, path, policy, metadata, storage_options, workers, progress, stream_wrapper, base=base, base_state=base_state)
+    report = write_checkpoint(obj, path, policy, metadata, storage_options, workers, progress, stream_wrapper, base=base, base_state=base_state)
     log_report(report)
     return report
 
 
-def _save(
+def write_checkpoint(
     obj: Any,
     path: str | os.PathLike[str],
     policy: CodecPolicy | None,
@@ -83,13 +87,16 @@ def _save(
     base: str | os.PathLike[str] | None = None,
     base_state: Any = None,
 ) -> SaveReport:
-    """:func:`save` without waiting for async saves or logging (the async worker runs this)."""
+    """:func:`save` without waiting for async saves or logging (the async saver's worker runs this)."""
     policy = policy or CodecPolicy()
     where = os.fspath(path)
     storage, spath = storage_for(path, storage_options)
     start = time.perf_counter()
+    if isinstance(storage, LocalStorage):
+        # Temporary files of saves killed in this directory (same host, process gone).
+        stale_temp_files(os.path.dirname(os.path.abspath(spath)), remove=True)
     if base is not None:
-        _wait_for_pending_saves(base)
+        wait_for_path(base)
     source = (
         BaseSource.open(base, where, CheckpointReader, base_state=base_state, storage_options=storage_options)
         if base is not None
@@ -102,7 +109,7 @@ def _save(
                     stream = stream_wrapper(stream)
                 writer = CheckpointWriter(stream, policy, where, workers=workers, progress=progress, pre_encoded=pre_encoded, base=source)
                 _, stats, raw = writer.write(obj, metadata)
-                stored = writer._pos
+                stored = writer.bytes_written
     finally:
         if source is not None:
             source.close()
@@ -124,22 +131,12 @@ def log_report(report: SaveReport, what: str = "saved") -> None:
     )
 
 
-def _wait_for_pending_saves(path: str | os.PathLike[str]) -> None:
-    # An async save to this path that has not landed would make a reader see the previous
-    # checkpoint, or overwrite a newer synchronous save after it; let it finish first.
-    from .async_save import wait_for_path  # async_save builds on this module
-
-    wait_for_path(path)
-
-
 def is_nvcomp_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
     """True if ``path`` is a file that starts with this format's magic (once pending async saves to it land).
 
     A failed async save to ``path`` is not raised here (the file there is the previous one); it
     stays for ``wait_for_saves``, the saver, or the next save to report.
     """
-    from .async_save import wait_for_path  # async_save builds on this module
-
     wait_for_path(path, raise_errors=False)
     storage, spath = storage_for(path, storage_options)
     try:
@@ -155,6 +152,7 @@ def load(
     *,
     weights_only: bool = True,
     storage_options: dict[str, Any] | None = None,
+    max_bytes: int | None = None,
 ) -> Any:
     """Load a checkpoint saved by :func:`save`, or a plain ``torch.save`` file.
 
@@ -166,37 +164,42 @@ def load(
         weights_only: Refuse to construct arbitrary Python objects (the rules of
             ``torch.load(weights_only=True)``). Pass ``False`` only for files you trust.
         storage_options: Passed to fsspec for URLs.
+        max_bytes: For files from untrusted sources: a :class:`SizeLimitError` instead of
+            decoding more than this many bytes (object tree plus tensors; for a plain
+            ``torch.save`` file, its size), checked before anything is allocated.
 
     Returns:
         The saved tree with bit-identical tensors.
     """
-    _wait_for_pending_saves(path)
+    wait_for_path(path)
     where = os.fspath(path)
     storage, spath = storage_for(path, storage_options)
     with open_checkpoint_stream(storage, spath, where) as f:
-        head = f.read(len(MAGIC))
-    if head[:6] == MAGIC[:6]:
-        with CheckpointReader(path, storage_options=storage_options) as reader:
+        head = f.read(HEAD_BYTES)
+    if kind_of(head, storage.size(spath)) == NVCOMP:
+        with CheckpointReader(path, storage_options=storage_options, max_bytes=max_bytes) as reader:
             return reader.load(map_location, weights_only=weights_only)
     _check_plain_head(where, storage, spath, head)
+    if max_bytes is not None and storage.size(spath) > max_bytes:
+        raise SizeLimitError(f"{where}: a torch.save file of {storage.size(spath)} bytes, over max_bytes={max_bytes}")
     return _load_plain(where, storage, spath, map_location, weights_only)
-
-
-#: How ``torch.save`` files start: a zip archive, or (legacy format) a pickle's PROTO opcode.
-_TORCH_SAVE_HEADS = (b"PK\x03\x04", b"\x80")
 
 
 def _check_plain_head(where: str, storage: Any, spath: str, head: bytes) -> None:
     """Refuse, with the right reason, a file that is neither format before unpickling it."""
-    if head.startswith(_TORCH_SAVE_HEADS):
+    size = storage.size(spath)
+    kind = kind_of(head, size)
+    if kind == TORCH:
         return
+    if kind == SAFETENSORS:
+        raise FormatError(
+            f"{where}: a safetensors file, not a checkpoint of this library or of torch.save; read it with "
+            "safetensors.torch.load_file(), or compress it with `nvckpt compress`"
+        )
     if not head:
         raise FormatError(f"{where}: the file is empty (an interrupted copy or save?)")
     if MAGIC.startswith(head):
         raise FormatError(f"{where}: {len(head)} bytes is too small to be a checkpoint (truncated?)")
-    from .format.layout import FOOTER_MAGIC
-
-    size = storage.size(spath)
     if size >= len(FOOTER_MAGIC):
         with storage.open_read(spath) as f:
             f.seek(size - len(FOOTER_MAGIC))
@@ -216,6 +219,11 @@ def _load_plain(where: str, storage: Any, spath: str, map_location: MapLocation,
 
     try:
         with storage.open_read(spath) as f:
+            if weights_only and f.read(len(ZIP_HEAD)) == ZIP_HEAD:
+                # What the weights-only unpickler would build but the process cannot survive
+                # (a dict key of tuples 100,000 deep) is refused first, as for our own files.
+                check_torch_archive(f, storage.size(spath), where)
+            f.seek(0)
             if map_location is None and not torch.cuda.is_available():
                 # As for our own files: a checkpoint saved on a GPU still loads where there is none.
                 map_location = "cpu"
@@ -225,8 +233,6 @@ def _load_plain(where: str, storage: Any, spath: str, map_location: MapLocation,
         # torch's weights-only unpickler also says "Weights only load failed" for bytes that
         # are no pickle at all ("Unsupported operand"): that is damage, not an unsafe object.
         if "Weights only load failed" in text and "Unsupported operand" not in text:
-            from .errors import UnsafeCheckpointError
-
             detail = _first_line(exc)
             raise UnsafeCheckpointError(
                 f"{where}: this plain torch.save file holds Python objects that a weights-only load refuses"
@@ -248,17 +254,78 @@ def _load_plain(where: str, storage: Any, spath: str, map_location: MapLocation,
 
 def _first_line(exc: BaseException) -> str:
     # torch's load errors run to a page of advice; keep the line that names the problem.
-    from .format.skeleton import weights_only_detail
-
     return weights_only_detail(exc)
 
 
-def open(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> CheckpointReader:  # noqa: A001
+def open(  # noqa: A001
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, max_bytes: int | None = None
+) -> CheckpointReader:
     """Open a checkpoint for lazy reading of single tensors or components.
+
+    ``max_bytes`` bounds what one ``load``/``read``/``keys`` call may decode (see :func:`load`).
 
     Example:
         >>> with nvcomp_checkpoint.open("ckpt.nvc") as reader:
         ...     reader.keys(); reader.read("model/weight"); reader.summary()
     """
-    _wait_for_pending_saves(path)
-    return CheckpointReader(path, storage_options=storage_options)
+    wait_for_path(path)
+    return CheckpointReader(path, storage_options=storage_options, max_bytes=max_bytes)
+
+
+@dataclass(frozen=True)
+class VerifyProblem:
+    """One thing :func:`verify` found wrong: in a tensor (its key), or in the file itself (``None``)."""
+
+    tensor: str | None
+    error: CheckpointError
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What :func:`verify` checked in one file, and every problem it found."""
+
+    path: str
+    tensors: int
+    raw_bytes: int
+    problems: tuple[VerifyProblem, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyResult:
+    """Check a checkpoint file as ``load`` would read it, without keeping anything.
+
+    The index is parsed, the object tree decoded with the weights-only rules and checked
+    (every tensor reference points at a tensor of the index), and every chunk of every tensor
+    checksummed and decoded. A file passes exactly when ``load(path)`` accepts it; tensors of
+    nvCOMP-only codecs on a machine without a GPU are problems too (they cannot be loaded here).
+
+    Args:
+        path: Local path or fsspec URL of an nvcomp-checkpoint file.
+        storage_options: Passed to fsspec for URLs.
+        progress: Called with the raw bytes of each tensor once it is checked.
+    """
+    where = os.fspath(path)
+    wait_for_path(path)
+    problems: list[VerifyProblem] = []
+    try:
+        reader = CheckpointReader(path, storage_options=storage_options)
+    except FormatError as exc:
+        return VerifyResult(where, 0, 0, (VerifyProblem(None, exc),))
+    with reader:
+        try:
+            for entry, error in reader.verify():
+                if progress is not None:
+                    progress(entry.nbytes)
+                if isinstance(error, CheckpointError):
+                    problems.append(VerifyProblem(entry.key, error))
+        except CheckpointError as exc:  # the object tree is checked before any tensor
+            problems.append(VerifyProblem(None, exc))
+        return VerifyResult(where, len(reader.index.tensors), reader.raw_bytes, tuple(problems))

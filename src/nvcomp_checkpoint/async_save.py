@@ -13,15 +13,16 @@ import queue
 import threading
 import time
 from dataclasses import replace
-from typing import IO, Any, Callable, Iterable
+from typing import IO, Any, Callable
 
-from .api import _save, log_report
+from . import pending
+from .api import log_report, write_checkpoint
 from .codecs import gpu_available
 from .errors import CheckpointError, CheckpointWriteError
 from .policy import CodecPolicy
 from .report import SaveReport
 from .snapshot import Snapshot, SnapshotBuffers
-from .storage import is_url
+from .pending import has_pending_save, path_key, wait_for_path, wait_for_saves
 from .writer import PinnedRing, checked_metadata, plan_tensors, pre_encode_on_gpu
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "wait_for_path",
     "has_pending_save",
     "default_saver",
+    "run_callback",
 ]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
@@ -39,15 +41,20 @@ _LOG = logging.getLogger("nvcomp_checkpoint")
 DoneCallback = Callable[["AsyncSaveHandle"], Any]
 
 
-def _path_key(path: str | os.PathLike[str]) -> str:
-    """One spelling per file, so that ``ckpt.nvc`` and ``./ckpt.nvc`` wait for each other."""
-    text = os.fspath(path)
-    if text.startswith("file://"):
-        text = text[len("file://") :]
-    if is_url(text):
-        return text
-    # Symlinks resolved: Lightning's save_last="link" reads a checkpoint through a link.
-    return os.path.realpath(text)
+def run_callback(fn: Callable[[Any], Any], arg: Any, where: str, what: str) -> None:
+    """Call ``fn(arg)`` as every done and on_saved callback is called: what it raises is logged, never raised.
+
+    A failing observer must not turn a durable save into a failed one; on a background thread
+    even ``sys.exit()`` is caught, since ending that thread would strand the saves behind it.
+    """
+    try:
+        fn(arg)
+    except Exception:
+        _LOG.exception("%s: %s raised", where, what)
+    except BaseException:
+        if threading.current_thread() is threading.main_thread():
+            raise
+        _LOG.exception("%s: %s raised", where, what)
 
 
 class AsyncSaveHandle:
@@ -67,7 +74,7 @@ class AsyncSaveHandle:
         self.snapshot_seconds = 0.0
         self.snapshot_host_bytes = 0
         self.snapshot_gpu_bytes = 0
-        self._key = _path_key(path)
+        self.key = path_key(path)
         self._saver = saver
         self._started = started
         self._blocked = 0.0
@@ -139,10 +146,7 @@ class AsyncSaveHandle:
         return callbacks
 
     def _run_callback(self, fn: DoneCallback) -> None:
-        try:
-            fn(self)
-        except BaseException:  # noqa: BLE001 - even sys.exit() must not end the worker: saves behind it would never finish
-            _LOG.exception("%s: a done callback of the async save raised", self.path)
+        run_callback(fn, self, self.path, "a done callback of the async save")
 
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else "done" if self.done() else "pending"
@@ -168,6 +172,9 @@ class AsyncSaver:
         reuse_buffers: Keep host snapshot memory for the next save (the copy then skips page
             faults); :meth:`release_buffers` frees it.
         workers: Compression threads of the background save (default: every core).
+        report_errors: ``False``: a failed save's error goes only to its handle (``result()``,
+            ``exception()``, done callbacks), whose owner reports it; :meth:`save`, :meth:`wait`,
+            :meth:`close` and :func:`wait_for_saves` never raise it.
 
     Example:
         >>> saver = AsyncSaver(max_pending=1)
@@ -184,11 +191,13 @@ class AsyncSaver:
         pinned_bytes: int = 64 << 20,
         reuse_buffers: bool = True,
         workers: int | None = None,
+        report_errors: bool = True,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         self.max_pending = max_pending
         self.workers = workers
+        self.report_errors = report_errors
         self.buffers = SnapshotBuffers(
             gpu_budget_bytes=gpu_budget_bytes, pinned_bytes=pinned_bytes, reuse=reuse_buffers, max_pooled=max_pending
         )
@@ -199,8 +208,7 @@ class AsyncSaver:
         self._closed = False
         self._live: list[AsyncSaveHandle] = []  # not yet finished
         self._errors: list[AsyncSaveHandle] = []  # failed, error not yet seen by anyone
-        with _REGISTRY_LOCK:
-            _SAVERS.append(self)
+        pending.register_saver(self)
 
     # -- saving ------------------------------------------------------------------------------
     def save(
@@ -250,7 +258,7 @@ class AsyncSaver:
             raise CheckpointError(f"{where}: this AsyncSaver is closed; create a new one to save")
         # Saves to this file by other savers land first, so the newest save wins, as it does
         # within one saver.
-        _wait_for_other_savers(self, _path_key(where))
+        _wait_for_other_savers(self, path_key(where))
         self._acquire_slot()
         try:
             self.raise_errors()
@@ -278,7 +286,7 @@ class AsyncSaver:
                 self._slots.release()
                 raise CheckpointError(f"{where}: this AsyncSaver was closed while saving; create a new one to save")
             self._live.append(handle)
-            _register(handle)
+            pending.register(handle)
             handle._blocked = time.perf_counter() - started
             self._ensure_worker()
             self._queue.put((handle, snapshot, kwargs))
@@ -287,7 +295,7 @@ class AsyncSaver:
 
     def _save_now(self, obj: Any, where: str, started: float, kwargs: dict[str, Any]) -> AsyncSaveHandle:
         """A save made in the caller's thread, returned as a finished handle; errors are raised."""
-        report = _save(obj, where, **kwargs)
+        report = write_checkpoint(obj, where, **kwargs)
         handle = AsyncSaveHandle(self, where, started)
         handle._report = replace(report, seconds=time.perf_counter() - started, seconds_blocked=time.perf_counter() - started)
         log_report(handle._report, "saved (synchronously: the interpreter is exiting)")
@@ -325,7 +333,7 @@ class AsyncSaver:
             report: SaveReport | None = None
             error: BaseException | None = None
             try:
-                report = _save(snapshot.tree, handle.path, **kwargs, pre_encoded=snapshot.pre_encoded)
+                report = write_checkpoint(snapshot.tree, handle.path, **kwargs, pre_encoded=snapshot.pre_encoded)
                 report = replace(report, seconds=time.perf_counter() - handle._started, seconds_blocked=handle._blocked)
             except BaseException as exc:  # noqa: BLE001 - a waiter must never hang on a dead save
                 error = exc if isinstance(exc, CheckpointError) else CheckpointWriteError(
@@ -339,9 +347,9 @@ class AsyncSaver:
             handle._report, handle._error = report, error
             with self._lock:
                 self._live.remove(handle)
-                if error is not None:
+                if error is not None and self.report_errors:
                     self._errors.append(handle)
-            _unregister(handle)
+            pending.unregister(handle)
             if error is not None:
                 _LOG.warning(
                     "%s: async save failed: %s (raised by result(), the next save, or wait_for_saves())",
@@ -369,10 +377,10 @@ class AsyncSaver:
             CheckpointWriteError: A save (to ``path``, if given) failed and nobody saw the error.
             TimeoutError: Saves still pending after ``timeout`` seconds.
         """
-        key = None if path is None else _path_key(path)
+        key = None if path is None else path_key(path)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            todo = [h for h in self._live if key is None or h._key == key]
+            todo = [h for h in self._live if key is None or h.key == key]
         for handle in todo:
             if threading.current_thread() is self._thread:
                 break  # a done callback waiting on its own worker's queue would never return
@@ -384,7 +392,7 @@ class AsyncSaver:
     def raise_errors(self, key: str | None = None) -> None:
         """Raise the oldest error nobody has seen yet (of saves to path ``key``, if given)."""
         with self._lock:
-            failed = [h for h in self._errors if key is None or h._key == key]
+            failed = [h for h in self._errors if key is None or h.key == key]
         if not failed:
             return
         first = failed[0]
@@ -395,6 +403,15 @@ class AsyncSaver:
             _LOG.error("%s: async save failed: %s", h.path, h._error)
             h._mark_seen()
         raise CheckpointWriteError(f"an earlier async save failed{more}: {first._error}") from first._error
+
+    def is_worker_thread(self) -> bool:
+        """True on this saver's worker thread, where its done callbacks run."""
+        return self._thread is threading.current_thread()
+
+    def has_unseen_error(self, key: str) -> bool:
+        """True if a save to the file ``key`` (see :func:`pending.path_key`) failed and nobody saw it."""
+        with self._lock:
+            return any(h.key == key for h in self._errors)
 
     def _forget_error(self, handle: AsyncSaveHandle) -> None:
         with self._lock:
@@ -417,9 +434,7 @@ class AsyncSaver:
             thread.join(timeout)
             if thread.is_alive():
                 raise TimeoutError(f"async saves still running after {timeout} s")
-        with _REGISTRY_LOCK:
-            if self in _SAVERS:
-                _SAVERS.remove(self)
+        pending.unregister_saver(self)
         self.buffers.clear()
         self.raise_errors()
 
@@ -436,43 +451,19 @@ class AsyncSaver:
             _LOG.exception("async save failed while another error was being raised")
 
 
-# -- the process-wide registry ---------------------------------------------------------------
-_REGISTRY_LOCK = threading.Lock()
-_SAVERS: list[AsyncSaver] = []
-_PENDING: dict[str, list[AsyncSaveHandle]] = {}
+# -- the process-wide saver ----------------------------------------------------------------
 _DEFAULT: AsyncSaver | None = None
 _DEFAULT_LOCK = threading.Lock()
 
 
-def _register(handle: AsyncSaveHandle) -> None:
-    with _REGISTRY_LOCK:
-        if not handle.done():
-            _PENDING.setdefault(handle._key, []).append(handle)
-
-
-def _unregister(handle: AsyncSaveHandle) -> None:
-    with _REGISTRY_LOCK:
-        handles = _PENDING.get(handle._key, [])
-        if handle in handles:
-            handles.remove(handle)
-        if not handles:
-            _PENDING.pop(handle._key, None)
-
-
 def _wait_for_other_savers(saver: AsyncSaver, key: str) -> None:
-    if _on_saver_worker():
+    if pending.on_saver_worker():
         # A done callback runs on a saver's worker thread: waiting there for a save queued behind
         # it on that same worker would never end, so ordering gives way to progress.
         return
-    with _REGISTRY_LOCK:
-        others = [h for h in _PENDING.get(key, []) if h._saver is not saver]
-    for handle in others:
-        handle.wait()
-
-
-def _on_saver_worker() -> bool:
-    """True on the worker thread of some saver (where its done callbacks run)."""
-    return any(s._thread is threading.current_thread() for s in _savers())
+    for handle in pending.pending_for(key):
+        if handle._saver is not saver:
+            handle.wait()
 
 
 def default_saver() -> AsyncSaver:
@@ -518,61 +509,6 @@ def save_async(
     )
 
 
-def _savers() -> Iterable[AsyncSaver]:
-    with _REGISTRY_LOCK:
-        return list(_SAVERS)
-
-
-def wait_for_saves(path: str | os.PathLike[str] | None = None, timeout: float | None = None) -> None:
-    """Wait for every pending async save (or those to ``path``) of every saver; raise unseen errors.
-
-    Call it before removing or rotating checkpoint files, or before moving a ``latest`` pointer.
-
-    Raises:
-        CheckpointWriteError: A save failed and nobody saw its error.
-        TimeoutError: Saves still pending after ``timeout`` seconds.
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    for saver in _savers():
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        saver.wait(path, left)
-
-
-def has_pending_save(path: str | os.PathLike[str]) -> bool:
-    """True while an async save to ``path`` (of any saver) is snapshotted but not yet durable.
-
-    For code that decides a file name by looking for the file on disk: a pending save has not
-    created it yet.
-    """
-    with _REGISTRY_LOCK:
-        return bool(_PENDING.get(_path_key(path)))
-
-
-def wait_for_path(path: str | os.PathLike[str], *, raise_errors: bool = True) -> None:
-    """Wait for pending async saves to ``path`` (used by ``save``, ``load`` and ``open``).
-
-    Args:
-        path: The checkpoint file.
-        raise_errors: Raise a failed save's error (and count it as seen); with False, only wait.
-
-    Raises:
-        CheckpointWriteError: A save to ``path`` failed and nobody saw its error.
-    """
-    key = _path_key(path)
-    if not raise_errors:
-        if _on_saver_worker():
-            return  # as in _wait_for_other_savers: never wait on the thread that must finish it
-        with _REGISTRY_LOCK:
-            pending = list(_PENDING.get(key, []))
-        for handle in pending:
-            handle.wait()
-        return
-    with _REGISTRY_LOCK:
-        if key not in _PENDING and not any(h._key == key for s in _SAVERS for h in s._errors):
-            return  # the common case: nothing pending, no lock held beyond this check
-    wait_for_saves(path)
-
-
 #: Set once the exit flush has run; later async saves are made synchronously.
 _EXITING = False
 
@@ -581,7 +517,7 @@ def _flush_at_exit() -> None:
     """Let pending saves land before the interpreter exits, and report errors nobody saw."""
     global _EXITING
     _EXITING = True
-    for saver in _savers():
+    for saver in pending.savers():
         try:
             saver.close()
         except Exception as exc:
@@ -591,11 +527,10 @@ def _flush_at_exit() -> None:
 def _after_fork_in_child() -> None:
     # The worker threads do not exist in a forked child: every saver starts afresh there, and
     # stays registered, so that saves the child makes land before it exits.
-    global _REGISTRY_LOCK, _DEFAULT_LOCK
-    _REGISTRY_LOCK = threading.Lock()
+    global _DEFAULT_LOCK
     _DEFAULT_LOCK = threading.Lock()
-    _PENDING.clear()
-    for saver in _SAVERS:
+    pending.reset_after_fork()
+    for saver in pending.savers():
         saver._reset_after_fork()
     PinnedRing.reset_after_fork()
 

@@ -370,7 +370,7 @@ def _keyed_tensors(state: Any, where: str) -> dict[str, torch.Tensor]:
     """``{key: tensor}`` of a tree, keyed as the writer keys the tensors it stores."""
     from .format.skeleton import flatten
     from .policy import key_string
-    from .writer import unique_key  # the writer's own naming of paths that print alike
+    from .tensors import unique_key  # the writer's own naming of paths that print alike
 
     _, tensors = flatten(state, where=where)
     used: set[str] = set()

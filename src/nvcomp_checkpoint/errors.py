@@ -17,6 +17,7 @@ __all__ = [
     "UnsupportedObjectError",
     "CheckpointWriteError",
     "BaseCheckpointError",
+    "SizeLimitError",
 ]
 
 
@@ -61,3 +62,7 @@ class CheckpointWriteError(CheckpointError):
 class BaseCheckpointError(CheckpointError):
     """A delta checkpoint's base is missing, is another file than the one it was written
     against, or cannot be read: the delta's tensors cannot be rebuilt (never guessed)."""
+
+
+class SizeLimitError(CheckpointError):
+    """Decoding would take more memory than the caller's ``max_bytes`` allows (refused before allocating)."""

@@ -17,15 +17,16 @@ import torch
 import xxhash
 
 from .codecs import cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
-from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError
+from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError, SizeLimitError, UnsafeCheckpointError
 from .filters import ByteplaneFilter
 from .delta import BaseChain
 from .format.layout import DELTA_MAGIC, FOOTER, MAGIC, Frame, Index, TensorEntry, unpack_footer
-from .format.skeleton import decode_skeleton, tensor_paths, unflatten
-from .report import ComponentStats
+from .format.skeleton import check_skeleton, decode_skeleton, tensor_paths, unflatten
+from .policy import Component
+from .report import ComponentStats, ComponentSummary
 from .storage import Storage, open_checkpoint_stream, storage_for
-from .workers import worker_pool
-from .writer import GPU_BATCH_BYTES, default_workers, unique_key
+from .tensors import unique_key
+from .workers import GPU_BATCH_BYTES, default_workers, worker_pool
 
 __all__ = ["CheckpointReader", "MapLocation"]
 
@@ -87,10 +88,21 @@ class CheckpointReader:
         path: Local path or fsspec URL.
         storage_options: Passed to fsspec for URLs.
         workers: Decompression threads.
+        max_bytes: For files from untrusted sources: refuse, before allocating, to decode more
+            than this many bytes (the object tree plus the tensors) in one ``load``, ``read``
+            or ``keys``. ``None``: no limit beyond the format's own.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, workers: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: dict[str, Any] | None = None,
+        workers: int | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
         self.path = os.fspath(path)
+        self.max_bytes = max_bytes
         self.storage: Storage
         self.storage, self._spath = storage_for(self.path, storage_options)
         self.workers = workers or default_workers()
@@ -169,15 +181,18 @@ class CheckpointReader:
             stored = self.index.skeleton
             # The tree is read only for this; a tree that a weights-only load refuses has no
             # aliases to offer (load(weights_only=False) still restores them).
-            # A damaged tree is reported by load() and verify(); the tensors it does not hold
-            # stay listed and readable here.
+            # A damaged tree (checksum mismatch) is reported by load() and verify(); the tensors
+            # it does not hold stay listed and readable here. A tree whose checksum holds but
+            # that breaks the format's rules (not a torch.save archive, shared or too deep
+            # containers, a reference to no tensor) was made so: refused, as load() refuses it.
+            self._check_size(stored.raw_size, "the object tree")
             try:
                 skeleton = decode_skeleton(self._read_frame_bytes(stored, "the object tree"), weights_only=True, where=self.path)
-            except CheckpointError:
+            except (ChecksumError, UnsafeCheckpointError):
                 skeleton = None
             first_path: set[int] = set()
             used = set(self._by_key)
-            for path, index in tensor_paths(skeleton):
+            for path, index in tensor_paths(skeleton, self.path, len(self.index.tensors)):
                 if index not in first_path:
                     first_path.add(index)  # the path the index names the tensor by
                     continue
@@ -191,12 +206,18 @@ class CheckpointReader:
     def metadata(self) -> dict[str, Any]:
         return dict(self.index.metadata)
 
-    def summary(self) -> dict[str, ComponentStats]:
-        """Per-component tensors, raw and stored bytes, codecs and filters."""
+    def summary(self) -> ComponentSummary:
+        """Per-component tensors, raw and stored bytes, codecs and filters.
+
+        A dict of :class:`ComponentStats` by component that prints as the table
+        ``SaveReport.table()`` prints.
+        """
         stats: dict[str, ComponentStats] = {}
         for t in self.index.tensors:
-            stats[t.component] = stats.get(t.component, ComponentStats()).add(t.nbytes, t.stored_bytes, t.codec.id, t.filter)
-        return stats
+            stats[t.component] = stats.get(t.component, ComponentStats()).add(t.nbytes, t.stored_bytes, t.codec.label, t.filter)
+        order = [c.value for c in Component]
+        ordered = {k: stats[k] for k in sorted(stats, key=lambda k: order.index(k) if k in order else len(order))}
+        return ComponentSummary(ordered, self.raw_bytes, self.file_bytes)
 
     @property
     def raw_bytes(self) -> int:
@@ -210,6 +231,7 @@ class CheckpointReader:
     def read(self, key: str, map_location: MapLocation = None) -> torch.Tensor:
         """Decode one tensor (bit-identical to what was saved)."""
         entry = self.entry(key)
+        self._check_size(entry.nbytes, f"tensor {entry.key!r}")
         device = _check_device(_target_device(entry, map_location), entry, self.path)
         with worker_pool(self.workers, "nvckpt-decode") as pool:
             return self._finish(entry, self._decode(entry, device, pool), map_location)
@@ -220,7 +242,10 @@ class CheckpointReader:
 
     def load(self, map_location: MapLocation = None, *, weights_only: bool = True) -> Any:
         """The whole tree, as it was saved."""
+        self._check_size(self.index.skeleton.raw_size + self.raw_bytes, "the whole checkpoint")
         skeleton = decode_skeleton(self._read_frame_bytes(self.index.skeleton, "the object tree"), weights_only=weights_only, where=self.path)
+        count = len(self.index.tensors)
+        check_skeleton(skeleton, count, self.path)  # before any tensor is decoded
         tensors: list[torch.Tensor] = []
         with worker_pool(self.workers, "nvckpt-decode") as pool:
             # Tensors are decoded ahead of the one being finished, so that the many small
@@ -239,11 +264,51 @@ class CheckpointReader:
             while pending:
                 done, finish, _ = pending.popleft()
                 tensors.append(self._finish(done, finish(), map_location))
-        return unflatten(skeleton, lambda i: _lookup(tensors, i, self.path))
+        return unflatten(skeleton, lambda i: _lookup(tensors, i, self.path), where=self.path, tensor_count=count)
+
+    def _check_size(self, nbytes: int, what: str) -> None:
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise SizeLimitError(
+                f"{self.path}: {what} decodes to {nbytes} bytes, over max_bytes={self.max_bytes}; "
+                "raise max_bytes if you trust the file, or read single tensors with open()"
+            )
+
+    def read_many(self, keys: list[str], map_location: MapLocation = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(key, tensor)`` for each of ``keys`` in that order, decoded ahead on one worker pool
+        (as :meth:`load` does), for callers that want many tensors but not the whole tree."""
+        with worker_pool(self.workers, "nvckpt-decode") as pool:
+            pending: deque[tuple[str, TensorEntry, Callable[[], torch.Tensor], int]] = deque()
+            ahead = 0
+            for key in keys:
+                entry = self.entry(key)
+                device = _check_device(_target_device(entry, map_location), entry, self.path)
+                pending.append((key, entry, self._start_decode(entry, device, pool), entry.stored_bytes))
+                ahead += entry.stored_bytes
+                while pending and (ahead > READ_AHEAD_BYTES or len(pending) > READ_AHEAD_TENSORS):
+                    done_key, done, finish, size = pending.popleft()
+                    ahead -= size
+                    yield done_key, self._finish(done, finish(), map_location)
+            while pending:
+                done_key, done, finish, _ = pending.popleft()
+                yield done_key, self._finish(done, finish(), map_location)
 
     def verify(self) -> Iterator[tuple[TensorEntry, Exception | None]]:
-        """Decode every tensor on the CPU; yields ``(entry, error or None)`` for each."""
-        self._read_frame_bytes(self.index.skeleton, "the object tree")
+        """Check the object tree as ``load`` does, then decode every tensor on the CPU.
+
+        The tree is decoded with the weights-only rules and every tensor reference in it is
+        checked against the index, so a file passes exactly when ``load`` accepts it.
+
+        Yields:
+            ``(entry, error or None)`` for each tensor.
+
+        Raises:
+            CheckpointError: The object tree is damaged, forged or holds objects that a
+                weights-only load refuses (checked before any tensor).
+        """
+        self._check_size(self.index.skeleton.raw_size, "the object tree")
+        skeleton = decode_skeleton(self._read_frame_bytes(self.index.skeleton, "the object tree"), weights_only=True, where=self.path)
+        check_skeleton(skeleton, len(self.index.tensors), self.path)
+        del skeleton
         with worker_pool(self.workers, "nvckpt-decode") as pool:
             for entry in self.index.tensors:
                 try:

@@ -5,12 +5,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-__all__ = ["ComponentStats", "SaveReport", "merge_reports", "format_bytes", "format_table", "component_rows"]
+__all__ = [
+    "ComponentStats", "ComponentSummary", "SaveReport", "merge_reports", "format_bytes", "format_table",
+    "component_rows", "component_table", "codec_notes", "COMPONENT_COLUMNS",
+]
+
+#: The columns of every per-component table (``SaveReport.table()``, ``summary()``, ``nvckpt``).
+COMPONENT_COLUMNS = ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"]
+
+#: What a codec column entry means when it is not obvious from its name.
+_CODEC_NOTES = {
+    "none": "none = stored raw: tensors under 2 KiB (not worth a frame) or where the policy says none",
+}
 
 
 @dataclass(frozen=True)
 class ComponentStats:
-    """Totals for one component (``weights``, ``exp_avg`` ...)."""
+    """Totals for one component (``weights``, ``exp_avg`` ...).
+
+    ``codecs`` names each codec with its level (``zstd:3``), as ``nvckpt inspect`` does;
+    ``none`` is tensors stored raw.
+    """
 
     tensors: int = 0
     raw_bytes: int = 0
@@ -84,10 +99,7 @@ class SaveReport:
 
     def table(self) -> str:
         """A plain-text per-component table, as printed by the examples and ``nvckpt``."""
-        return format_table(
-            ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"],
-            component_rows(self.components, self.raw_bytes, self.stored_bytes),
-        )
+        return component_table(self.components, self.raw_bytes, self.stored_bytes)
 
     def __str__(self) -> str:
         return (
@@ -117,6 +129,41 @@ def merge_reports(
     return SaveReport(path, raw, stored, seconds, components, seconds if seconds_blocked is None else seconds_blocked)
 
 
+class ComponentSummary(dict):
+    """Per-component totals of a file (``reader.summary()``): a dict that prints as a table.
+
+    Attributes:
+        raw_bytes: Bytes of all tensors, uncompressed.
+        stored_bytes: Size of the file.
+    """
+
+    def __init__(self, components: Mapping[str, ComponentStats], raw_bytes: int, stored_bytes: int) -> None:
+        super().__init__(components)
+        self.raw_bytes = raw_bytes
+        self.stored_bytes = stored_bytes
+
+    def table(self) -> str:
+        return component_table(self, self.raw_bytes, self.stored_bytes)
+
+    __str__ = table
+
+    def __repr__(self) -> str:
+        return self.table()
+
+
+def codec_notes(components: Mapping[str, ComponentStats]) -> list[str]:
+    """One line for each codec in the table whose meaning is not its name (``none``)."""
+    used = {codec.split(":")[0] for stats in components.values() for codec in stats.codecs}
+    return [note for codec, note in _CODEC_NOTES.items() if codec in used]
+
+
+def component_table(components: Mapping[str, ComponentStats], raw_total: int, stored_total: int) -> str:
+    """The per-component table with its notes, as plain text."""
+    lines = [format_table(COMPONENT_COLUMNS, component_rows(components, raw_total, stored_total))]
+    lines.extend(codec_notes(components))
+    return "\n".join(lines)
+
+
 def component_rows(components: Mapping[str, ComponentStats], raw_total: int, stored_total: int) -> list[list[str]]:
     rows = []
     for name, stats in components.items():
@@ -142,8 +189,8 @@ def format_table(header: list[str], rows: Iterable[list[str]]) -> str:
     """A fixed-width text table (no dependency, so logs and examples print the same)."""
     rows = [list(map(str, r)) for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
     for r in rows:
-        lines.append("  ".join(c.rjust(w) if i and c[:1].isdigit() else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        lines.append("  ".join(c.rjust(w) if i and c[:1].isdigit() else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
     return "\n".join(lines)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .format.skeleton import TensorRef, flatten, unflatten
-from .writer import SOURCE_DEVICE_ATTR, _flat_bytes
+from .tensors import SOURCE_DEVICE_ATTR, flat_bytes
 
 __all__ = ["Snapshot", "SnapshotBuffers", "SOURCE_DEVICE_ATTR"]
 
@@ -302,7 +302,7 @@ class SnapshotBuffers:
             if src.device.type == "cuda" and i not in on_gpu:
                 staged.setdefault(src.device, []).append((src, flat))
             elif n and _plain_host(src):
-                src_bytes = _flat_bytes(src).numpy()
+                src_bytes = flat_bytes(src).numpy()
                 dst_bytes = flat.numpy()
                 for start in range(0, n, _PIECE):
                     host_pieces.append((dst_bytes[start : start + _PIECE], src_bytes[start : start + _PIECE]))
@@ -313,19 +313,28 @@ class SnapshotBuffers:
         return copies, staged, gpu_bytes
 
     def _copy_host(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """memcpy on a few threads that take pieces as they go.
+        """memcpy on a few threads that take jobs of about ``_PIECE`` bytes as they go.
 
         torch's ``copy_`` splits each tensor over OpenMP threads that wait for each other, so one
         preempted thread stalls the copy: on a busy 2-core machine it ran at 0.6 GB/s against
-        10-15 GB/s for this (``benchmarks/bench_async.py``).
+        10-15 GB/s for this (``benchmarks/bench_async.py``). Small tensors are batched into one
+        job: a job per tensor (500+ for a model with its AdamW state) spent more time handing
+        futures between threads than copying (``benchmarks/README.md``, async saves of bf16).
         """
         total = sum(d.nbytes for d, _ in pieces)
         if total < (32 << 20) or self._threads <= 1:
-            for dst, src in pieces:
-                np.copyto(dst, src)
+            _copy_pairs(pieces)
             return
+        jobs: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
+        size = 0
+        for pair in pieces:
+            if size >= _PIECE:
+                jobs.append([])
+                size = 0
+            jobs[-1].append(pair)
+            size += pair[0].nbytes
         pool = self._copy_pool()
-        for fut in [pool.submit(np.copyto, dst, src) for dst, src in pieces]:
+        for fut in [pool.submit(_copy_pairs, job) for job in jobs]:
             fut.result()
 
     def _copy_pool(self) -> ThreadPoolExecutor:
@@ -354,7 +363,7 @@ class SnapshotBuffers:
         slot = 0
         with torch.cuda.device(device):
             for src, dst in pairs:
-                flat = _flat_bytes(src)
+                flat = flat_bytes(src)
                 for start in range(0, flat.numel(), half):
                     if len(inflight) == 2:
                         drain()  # frees the half this piece goes into
@@ -367,6 +376,11 @@ class SnapshotBuffers:
                     inflight.append((event, buf, dst[start : start + length]))
             while inflight:
                 drain()
+
+
+def _copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in pairs:
+        np.copyto(dst, src)
 
 
 class _RetryOnHost(Exception):

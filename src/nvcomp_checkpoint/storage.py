@@ -8,17 +8,36 @@ a failed upload is aborted; elsewhere a temporary path is moved into place.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
+import re
+import shutil
+import socket
+import sys
 import uuid
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 from .errors import CheckpointError, CheckpointWriteError, FormatError
 
-__all__ = ["Storage", "LocalStorage", "FsspecStorage", "storage_for", "open_checkpoint_stream", "write_errors", "is_url", "fsync_path"]
+__all__ = [
+    "Storage", "LocalStorage", "FsspecStorage", "LOCAL", "storage_for", "open_checkpoint_stream", "write_errors", "is_url",
+    "fsync_path", "exchange_paths", "list_names", "abort_unfinished_uploads", "upload_file", "stale_temp_files",
+]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2"}
+
+#: Who writes a local temporary file: this host and its PID namespace, so that a file of a
+#: dead process can be told from one of a live process on another host (a shared file system)
+#: or in another container. The PID follows in the name.
+try:
+    _PID_NAMESPACE = os.stat("/proc/self/ns/pid").st_ino
+except OSError:
+    _PID_NAMESPACE = 0
+_HOST_TAG = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:32] + f"~{_PID_NAMESPACE:x}"
+#: ``.<target>.tmp-<pid>-<8 hex>@<host tag>``; files without the tag predate it (never removed).
+_TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}(?:@(?P<host>[^@/]+))?$")
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -50,6 +69,25 @@ class Storage:
     def makedirs(self, path: str) -> None:
         raise NotImplementedError
 
+    # Directory operations: what a directory commit (stage, fsync, rename into place) needs.
+    def listdir(self, path: str) -> list[str]:
+        """Names of the entries of the directory ``path``, sorted."""
+        raise NotImplementedError
+
+    def isdir(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move ``src`` to ``dst``, replacing a file there (atomic where the storage allows it)."""
+        raise NotImplementedError
+
+    def exchange(self, a: str, b: str) -> bool:
+        """Swap two paths atomically; False where the storage cannot (then rename twice)."""
+        return False
+
+    def fsync(self, path: str) -> None:
+        """Make a file's bytes, or a directory's entries, durable (a no-op where not needed)."""
+
 
 class LocalStorage(Storage):
     """Local and mounted file systems (NFS, Lustre, GPFS) through the OS."""
@@ -58,7 +96,11 @@ class LocalStorage(Storage):
     def open_write(self, path: str) -> Iterator[IO[bytes]]:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        name = f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Tagged so that the next save can tell a dead writer's file (stale_temp_files); a name
+        # that would pass the file system's 255 bytes goes untagged (never removed, as before).
+        tagged = f"{name}@{_HOST_TAG}"
+        tmp = target.with_name(tagged if len(os.fsencode(tagged)) <= 255 else name)
         f = open(tmp, "wb")
         try:
             yield f
@@ -87,15 +129,62 @@ class LocalStorage(Storage):
 
     def remove(self, path: str) -> None:
         p = Path(path)
-        if p.is_dir():
-            import shutil
-
+        if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
 
     def makedirs(self, path: str) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
+
+    def listdir(self, path: str) -> list[str]:
+        return sorted(os.listdir(path))
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def exchange(self, a: str, b: str) -> bool:
+        return exchange_paths(a, b)
+
+    def fsync(self, path: str) -> None:
+        fsync_path(path)
+
+    def copy(self, src: str, dst: str) -> None:
+        """Copy one file or link byte for byte, with its times and mode, made durable."""
+        shutil.copy2(src, dst, follow_symlinks=False)
+        if not os.path.islink(dst):
+            fsync_path(dst)
+
+    def set_times(self, path: str, stat: os.stat_result) -> None:
+        """Give ``path`` the access and modification times of ``stat`` (rotation orders by them)."""
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write a small file atomically and durably."""
+        with self.open_write(path) as f:
+            f.write(data)
+
+
+def exchange_paths(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Atomically swap two paths with Linux ``renameat2(RENAME_EXCHANGE)``; False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False  # the file system or kernel cannot exchange: fall back to two renames
+    raise OSError(err, os.strerror(err), os.fspath(b))
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
@@ -118,6 +207,58 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def stale_temp_files(directory: str | os.PathLike[str], *, remove: bool = False) -> list[str]:
+    """Temporary files in ``directory`` left by local saves whose process is gone.
+
+    A save killed before it completes (SIGKILL, a crashed node) cannot remove its temporary
+    file. One is stale when it was written on this host, in this PID namespace, by a process
+    that no longer runs (or is a zombie); a file of a live process, of another host or of an
+    older version (no host tag) is never listed, so never removed.
+
+    Args:
+        directory: A local directory.
+        remove: Delete the stale files (a save does, before it writes).
+
+    Returns:
+        The paths of the stale files, sorted (those removed, with ``remove``).
+    """
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    stale = []
+    for name in names:
+        match = _TEMP_NAME.match(name)
+        if match is None or match.group("host") != _HOST_TAG:
+            continue
+        pid = int(match.group("pid"))
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            pass  # gone
+        except (PermissionError, OverflowError, OSError):
+            continue  # alive, owned by another user (or not a PID we can ask about)
+        else:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:  # a zombie has exited: only its parent has not reaped it
+                    if f.read().rsplit(b")", 1)[-1].split()[0] != b"Z":
+                        continue
+            except (OSError, IndexError):
+                continue
+        path = os.path.join(directory, name)
+        if remove:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue  # another save removed it first
+            except OSError:
+                continue  # left for the next save; this one must not fail for it
+        stale.append(path)
+    return stale
 
 
 class FsspecStorage(Storage):
@@ -187,7 +328,7 @@ class FsspecStorage(Storage):
             self.fs.makedirs(self._path(path), exist_ok=True)
 
 
-_LOCAL = LocalStorage()
+LOCAL = _LOCAL = LocalStorage()
 
 
 def storage_for(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> tuple[Storage, str]:
@@ -254,3 +395,78 @@ def open_checkpoint_stream(storage: Storage, path: str, where: str) -> IO[bytes]
         raise
     except Exception as exc:  # noqa: BLE001 - fsspec back ends raise their own types (botocore ...)
         raise CheckpointError(f"{where}: cannot open the checkpoint: {type(exc).__name__}: {exc}") from exc
+
+
+def list_names(storage: Storage, path: str) -> dict[str, bool]:
+    """The entries of the folder (or object prefix) ``path``: ``{name: is_folder}``; empty if it does not exist.
+
+    Object-store listings are fetched afresh: another process (a killed save, another node)
+    may have changed them since this process last looked.
+    """
+    if isinstance(storage, FsspecStorage):
+        p = storage._path(path).rstrip("/")
+        try:
+            entries = storage.fs.ls(p, detail=True, refresh=True) if storage.object_store else storage.fs.ls(p, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        finally:
+            # A cached listing would make later size/exists calls miss objects written since
+            # (by another process, or another client of this one).
+            if storage.object_store:
+                storage.fs.invalidate_cache(p)
+        out = {}
+        for e in entries:
+            name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+            if name and str(e["name"]).rstrip("/") != p:
+                out[name] = e.get("type") == "directory"
+        return out
+    try:
+        with os.scandir(path) as it:
+            return {e.name: e.is_dir() for e in it}
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+
+
+def abort_unfinished_uploads(storage: Storage, prefix: str) -> list[str]:
+    """Abort the unfinished multipart uploads under ``prefix`` (a killed upload's parts); returns their keys.
+
+    Only S3-compatible stores keep such uploads; elsewhere this does nothing.
+    """
+    if not isinstance(storage, FsspecStorage) or not hasattr(storage.fs, "list_multipart_uploads"):
+        return []
+    p = storage._path(prefix).strip("/")
+    bucket, _, key_prefix = p.partition("/")
+    aborted = []
+    for upload in storage.fs.list_multipart_uploads(bucket):
+        key = upload.get("Key", "")
+        if key.startswith(key_prefix):
+            storage.fs.abort_mpu(bucket, key, upload["UploadId"])
+            aborted.append(f"{bucket}/{key}")
+    return aborted
+
+
+def upload_file(
+    storage: Storage, local_path: str, path: str, part_size: int, max_concurrency: int,
+    progress: Callable[[int], None] | None = None,
+) -> bool:
+    """Upload a local file to an object store in ``part_size`` parts, ``max_concurrency`` at a time.
+
+    The object appears only when the upload completes (a failed multipart upload is aborted by
+    the back end; a killed one is left for :func:`abort_unfinished_uploads`). Memory in flight
+    is at most ``part_size * max_concurrency``.
+
+    Returns:
+        False (nothing done) where ``storage`` is not an object store with a parallel upload;
+        the caller then streams the file through :meth:`Storage.open_write`.
+    """
+    if not isinstance(storage, FsspecStorage) or not storage.object_store or not hasattr(storage.fs, "_upload_file_part_concurrent"):
+        return False
+    from fsspec.callbacks import Callback
+
+    class _Progress(Callback):
+        def relative_update(self, inc: int = 1) -> None:
+            if progress is not None:
+                progress(inc)
+
+    storage.fs.put_file(local_path, storage._path(path), callback=_Progress(), chunksize=part_size, max_concurrency=max_concurrency)
+    return True

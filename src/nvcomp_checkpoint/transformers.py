@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .integrations.transformers import (
     COMPRESSED_SUFFIX,
+    MARKER_NAME,
     NvcompTrainer,
     NvcompTrainerCallback,
     NvcompTrainerMixin,
@@ -21,4 +22,5 @@ __all__ = [
     "compress_checkpoint",
     "decompress_checkpoint",
     "COMPRESSED_SUFFIX",
+    "MARKER_NAME",
 ]

@@ -7,10 +7,20 @@ thread instead of failing, as ``torch.save`` and ``torch.load`` work there too.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-__all__ = ["worker_pool", "is_inline"]
+__all__ = ["worker_pool", "is_inline", "default_workers", "GPU_BATCH_BYTES"]
+
+#: Raw bytes handed to nvCOMP per batch (by the writer; the reader groups GPU decodes alike):
+#: large enough to fill the GPU, small enough to bound the compressed bytes held on the device per job.
+GPU_BATCH_BYTES = 64 << 20
+
+
+def default_workers() -> int:
+    """Compression threads: every core (zstd releases the GIL), at most 16."""
+    return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)))
 
 
 class _InlineExecutor(Executor):

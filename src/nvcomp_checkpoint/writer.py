@@ -8,7 +8,6 @@ order, from a bounded window of compression jobs) and, last, the index and foote
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import threading
 import time
@@ -21,17 +20,18 @@ import numpy as np
 import torch
 import xxhash
 
-from . import __version__
 from .codecs import CodecConfig, codec_facts, cpu_codec, gpu_available, gpu_chunk_bytes, gpu_codec, has_cpu_decoder
 from .delta import BaseSource, encode_cpu_chunk_against, pick_frames
 from .errors import CodecUnavailableError, UnsupportedObjectError
 from .filters import ByteplaneFilter, plane_width
 from .format.chain import TensorDelta
-from .format.layout import DELTA_MAGIC, MAGIC, MAX_INDEX_BYTES, Frame, Index, TensorEntry, pack_footer
+from .format.layout import DELTA_MAGIC, MAGIC, MAX_INDEX_BYTES, QUANTIZED_DTYPES, Frame, Index, TensorEntry, pack_footer
 from .format.skeleton import encode_skeleton, flatten
 from .policy import CodecPolicy, CodecSpec, Component, key_string
 from .report import ComponentStats
-from .workers import is_inline, worker_pool
+from .tensors import SOURCE_DEVICE_ATTR, flat_bytes, unique_key
+from .version import __version__
+from .workers import GPU_BATCH_BYTES, default_workers, is_inline, worker_pool
 
 __all__ = [
     "PlannedTensor", "plan_tensors", "CheckpointWriter", "PinnedRing", "pre_encode_on_gpu", "default_workers", "SOURCE_DEVICE_ATTR",
@@ -41,22 +41,11 @@ __all__ = [
 #: Chunks of a larger policy chunk size are cut to the codec's limit on the GPU (the index records
 #: each tensor's chunk size, so any reader follows).
 GPU_ZSTD_CHUNK_LIMIT = codec_facts("zstd").gpu_max_chunk_bytes
-#: Attribute set on a host copy of a GPU tensor (by an async snapshot): the device the tensor
-#: lives on, recorded in the index so that a load returns it there.
-SOURCE_DEVICE_ATTR = "_nvckpt_source_device"
 
-#: Raw bytes handed to nvCOMP per batch: large enough to fill the GPU, small enough to bound
-#: the compressed bytes held on the device per job.
-GPU_BATCH_BYTES = 64 << 20
 #: GPU batches in flight: one compressing, one crossing to the host, one being written.
 GPU_BATCHES_IN_FLIGHT = 3
 #: Jobs queued at once whatever their size (bounds the bookkeeping for many tiny tensors).
 MAX_JOBS_IN_FLIGHT = 256
-
-
-def default_workers() -> int:
-    """Compression threads: every core (zstd releases the GIL), at most 16."""
-    return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)))
 
 
 @dataclass
@@ -88,7 +77,7 @@ def _check_tensor(key: str, t: torch.Tensor, where: str) -> None:
         raise UnsupportedObjectError(f"{where}: tensor {key!r} has layout {t.layout}; call .to_dense() before saving")
     if t.device.type == "meta":
         raise UnsupportedObjectError(f"{where}: tensor {key!r} is on the meta device and has no data to save")
-    if t.is_quantized:
+    if t.is_quantized or t.dtype in QUANTIZED_DTYPES:  # a plain view with a quantized dtype has no scale either
         raise UnsupportedObjectError(f"{where}: tensor {key!r} is quantized; call .dequantize() or use torch.save")
     if t.is_nested:
         raise UnsupportedObjectError(f"{where}: tensor {key!r} is a nested tensor; save its components instead")
@@ -166,32 +155,6 @@ def checked_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str
         )
     loaded: dict[str, Any] = json.loads(text)
     return loaded
-
-
-def unique_key(key: str, used: set[str]) -> str:
-    """``key``, or ``key#2``, ``key#3`` ... when two paths print alike (``{"a/b": x, "a": {"b": y}}``,
-    ``{0: x, "0": y}``), so that every tensor of a file has a key of its own to be read by."""
-    unique, n = key, 1
-    while unique in used:
-        n += 1
-        unique = f"{key}#{n}"
-    used.add(unique)
-    return unique
-
-
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as a 1-D uint8 tensor on its own device (copies only if strided)."""
-    # Lazy conjugate/negative views (``z.conj()``) cannot be reinterpreted as bytes; store
-    # the values they denote, as torch.save does.
-    t = t.detach().resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    flat = t.reshape(-1)
-    if flat.stride(0) != 1:
-        # A one-element view (``x[::2]`` of two elements) counts as contiguous with any
-        # stride, which view(uint8) refuses.
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    return flat.view(torch.uint8)
 
 
 # (frame bytes, raw size, xxh3-64 of the frame, op against the base) in order; the hash is taken
@@ -329,7 +292,7 @@ def pre_encode_on_gpu(
         if used.get(t.device, 0) + item.nbytes > budget(t.device):
             continue
         used[t.device] = used.get(t.device, 0) + item.nbytes
-        flat = _flat_bytes(t)
+        flat = flat_bytes(t)
         batches = []
         for group in gpu_batches(item):
             frames, raw_sizes, ops = encode_gpu_batch(flat, group, item)
@@ -470,6 +433,11 @@ class CheckpointWriter:
         self._pos += n
         return n
 
+    @property
+    def bytes_written(self) -> int:
+        """Bytes written to the stream so far (the file's size once :meth:`write` returned)."""
+        return self._pos
+
     def write(self, obj: Any, metadata: dict[str, Any] | None = None) -> tuple[Index, dict[str, ComponentStats], int]:
         """Write ``obj``; returns the index, per-component stats and the raw tensor bytes."""
         metadata = checked_metadata(metadata, self.where)  # before the first byte: the index is written last
@@ -572,7 +540,7 @@ class CheckpointWriter:
             )
             entries.append(entry)
             comp = stats.get(entry.component, ComponentStats())
-            stats[entry.component] = comp.add(entry.nbytes, entry.stored_bytes, entry.codec.id, entry.filter)
+            stats[entry.component] = comp.add(entry.nbytes, entry.stored_bytes, entry.codec.label, entry.filter)
             raw_total += entry.nbytes
         meta = {"created_by": f"nvcomp-checkpoint {__version__}", "torch": torch.__version__, "created": time.time()}
         meta.update(metadata or {})
@@ -626,7 +594,7 @@ class CheckpointWriter:
                     seq = self._ring.ticket()
                     yield idx, sum(batch[1]), True, (lambda b=batch, it=item, q=seq: _pre_encoded_to_host(b, it, self._ring, q))
                 continue
-            flat = _flat_bytes(item.tensor)
+            flat = flat_bytes(item.tensor)
             base = None
             if item.base_key is not None and self.base is not None:
                 # Read here, one tensor at a time: the jobs of this tensor hold it until written.

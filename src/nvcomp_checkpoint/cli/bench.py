@@ -22,7 +22,7 @@ from . import _policy
 from ._ui import EXIT_OK, Reporter, check_workers, gbps, make_table, print_json, stdout_console
 from .sources import DIRECTORY, NVCOMP, OTHER, SAFETENSORS, TORCH, Source, TensorInfo, dir_files, open_source, sniff
 
-__all__ = ["add_parser", "run_bench", "recommend", "write_seconds", "default_candidates"]
+__all__ = ["add_parser", "run_bench", "recommend", "why_none", "write_seconds", "default_candidates", "plot_figure"]
 
 _GB = 1e9
 #: Bytes taken from one tensor per sample piece: large enough for full-size chunks' ratio,
@@ -104,6 +104,34 @@ def recommend(components: dict[str, Any], storage_gbps: float, portable: bool = 
         "write_s": write_s,
         "raw_write_s": total / (storage_gbps * _GB),
     }
+
+
+def why_none(components: dict[str, Any], rec: dict[str, Any], storage_gbps: float, where: str) -> dict[str, str]:
+    """Why each component whose measured codecs lost is recommended ``none``, in one sentence.
+
+    A pipelined compressed write takes max(raw / codec speed, stored / storage speed), so with a
+    ratio above 1 it beats writing raw exactly when the codec is faster than the storage: the
+    fastest codec's speed is the storage speed below which compression starts to pay.
+    """
+    out: dict[str, str] = {}
+    for name, comp in components.items():
+        chosen = rec["choices"][name]
+        shrinking = [c for c in comp["candidates"] if c["ratio"] > 1.0 and c["compress_gbps"]]
+        if chosen["codec"] != "none" or not comp["candidates"]:
+            continue
+        if not shrinking:
+            out[name] = f"{name}: none, because no codec made it smaller"
+            continue
+        fastest = max(shrinking, key=lambda c: c["compress_gbps"])
+        raw_s = write_seconds(comp["raw_bytes"], 1.0, None, storage_gbps)
+        codec_s = write_seconds(comp["raw_bytes"], fastest["ratio"], fastest["compress_gbps"], storage_gbps)
+        out[name] = (
+            f"{name}: none, because the fastest codec ({_label(fastest)}, {fastest['compress_gbps']:.3g} GB/s on "
+            f"{where}) is slower than the storage ({storage_gbps:g} GB/s): {codec_s:.3g} s to compress it against "
+            f"{raw_s:.3g} s to write it raw. Compression pays off on storage slower than "
+            f"{fastest['compress_gbps']:.3g} GB/s, or on a machine with more cores or a GPU (nvCOMP)."
+        )
+    return out
 
 
 def _policy_for(choices: dict[str, Any]) -> nc.CodecPolicy:
@@ -244,33 +272,52 @@ def _label(c: dict[str, Any]) -> str:
 
 
 def _plot(path: str, components: dict[str, Any], storage_gbps: float) -> None:
+    fig = plot_figure(components, storage_gbps)
+    import matplotlib.pyplot as plt  # imported (and the backend chosen) by plot_figure
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_figure(components: dict[str, Any], storage_gbps: float) -> Any:
+    """The ``--plot`` figure: ratio against compression speed, one marker per component."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     except ImportError as exc:
         raise CheckpointError("--plot needs matplotlib: `pip install matplotlib`") from exc
     markers = ["o", "s", "^", "D", "v", "P", "X"]
     labels = sorted({_label(c) for comp in components.values() for c in comp["candidates"]})
     colors = {lab: plt.get_cmap("tab10")(i % 10) for i, lab in enumerate(labels)}
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for m, (name, comp) in zip(itertools.cycle(markers), components.items()):
+    fig, ax = plt.subplots(figsize=(9, 5))
+    speeds = [storage_gbps]
+    measured = {name: comp for name, comp in components.items() if comp["candidates"]}
+    for m, (name, comp) in zip(itertools.cycle(markers), measured.items()):
         for c in comp["candidates"]:
             ax.scatter(c["compress_gbps"], c["ratio"], marker=m, color=colors[_label(c)], s=50)
+            speeds.append(c["compress_gbps"])
         ax.scatter([], [], marker=m, color="gray", label=name)
     for lab in labels:
         ax.scatter([], [], marker="s", color=colors[lab], label=lab)
     ax.axvline(storage_gbps, color="black", linestyle="--", linewidth=1)
-    ax.text(storage_gbps, ax.get_ylim()[1], f" storage {storage_gbps:g} GB/s", va="top", fontsize=8)
     ax.set_xscale("log")
-    ax.set_xlabel("compression throughput (GB/s, this machine)")
+    ax.set_xlim(min(speeds) / 1.5, max(speeds) * 1.5)
+    # Labels at 1-2-5 steps in plain numbers: matplotlib's default labels every minor tick of a
+    # short log axis as 2x10^-1, 3x10^-1 ..., which run into each other.
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.text(storage_gbps, 0.98, f"storage {storage_gbps:g} GB/s ", transform=ax.get_xaxis_transform(),
+            rotation=90, ha="right", va="top", fontsize=8)
+    ax.set_xlabel("compression throughput (GB/s, this machine); right of the dashed line a codec outruns the storage")
     ax.set_ylabel("ratio (raw / stored)")
     ax.set_title("nvckpt bench: ratio against throughput per codec and component")
-    ax.legend(fontsize=7, loc="best", ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -320,18 +367,22 @@ def run_bench(args: argparse.Namespace) -> int:
 
     rec = recommend(components, args.storage_gbps, args.portable)
     policy = _policy_for(rec["choices"])
+    workers = args.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    gpu = torch.cuda.get_device_name() if nc.gpu_available() else None
+    reasons = why_none(components, rec, args.storage_gbps, f"{workers} CPU threads" + (f" and {gpu}" if gpu else ""))
     result = {
         "nvckpt": "bench",
         "path": args.path,
         "storage_gbps": args.storage_gbps,
-        "workers": args.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
-        "gpu": torch.cuda.get_device_name() if nc.gpu_available() else None,
+        "workers": workers,
+        "gpu": gpu,
         "components": components,
         "recommended": {
             "choices": {k: {kk: v[kk] for kk in ("codec", "level", "filter", "device", "ratio", "compress_gbps", "write_s")}
                         for k, v in rec["choices"].items()},
             "ratio": rec["ratio"], "compress_gbps": rec["compress_gbps"],
             "write_s": rec["write_s"], "raw_write_s": rec["raw_write_s"],
+            "why_none": reasons,
         },
         "recommended_policy": policy.to_dict(),
     }
@@ -366,6 +417,8 @@ def run_bench(args: argparse.Namespace) -> int:
         + (f", {args.save_policy} written" if args.save_policy else " (--save-policy FILE.json keeps it for `compress --policy`)"),
         markup=False, highlight=False,
     )
+    for reason in reasons.values():
+        console.print(reason, markup=False, highlight=False)
     if any(v["codec"] in nc.GPU_ONLY_CODECS for v in rec["choices"].values()):
         console.print("note: the recommended policy uses a GPU-only codec: such files load only on a CUDA machine (--portable avoids it)", markup=False, highlight=False)
     return EXIT_OK

@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
@@ -18,8 +16,9 @@ import torch
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
-from nvcomp_checkpoint.report import format_bytes
-from nvcomp_checkpoint.storage import is_url, storage_for, write_errors
+from nvcomp_checkpoint.dirstore import DirectoryStore, sync_tree
+from nvcomp_checkpoint.report import component_rows, format_bytes
+from nvcomp_checkpoint.storage import LOCAL, is_url, storage_for, write_errors
 
 from . import _policy
 from ._ui import EXIT_OK, Reporter, check_workers, make_table, print_json, stdout_console
@@ -220,29 +219,26 @@ def _decompress_file(src: str, dst: str, to: str, trust: bool, reporter: Reporte
 
 
 # -- directories ----------------------------------------------------------------------------
+#: Directories converted by nvckpt are committed as a whole, as Accelerate's are (no manifest).
+_DIRS = DirectoryStore("nvcomp_checkpoint.json", "nvcomp-checkpoint/converted-directory")
+
+
 def _tmp_dir_for(dst: str) -> Path:
-    target = Path(dst)
+    target = Path(os.path.abspath(dst))
     if target.exists() and not target.is_dir():
         raise CheckpointError(f"{dst}: exists and is not a directory; choose another output path")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    LOCAL.makedirs(os.fspath(target.parent))
+    _DIRS.recover(target)  # a replacement that crashed between its two renames
+    return _DIRS.fresh(_DIRS.staging_path(target))
 
 
 def _commit_dir(tmp: Path, dst: str) -> None:
-    # The directory appears complete or not at all; a replaced one is removed only after the
-    # new one is in place, and put back if that fails.
-    target = Path(dst)
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
-        target.rename(old)
-        try:
-            tmp.rename(target)
-        except BaseException:
-            old.rename(target)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(target)
+    # Every file durable first; then the directory appears complete or not at all, and a replaced
+    # one is removed only after the new one is in place (put back if that fails).
+    sync_tree(tmp)
+    replaced = _DIRS.commit(tmp, Path(os.path.abspath(dst)))
+    if replaced is not None:
+        LOCAL.remove(os.fspath(replaced))
 
 
 def _check_dst_dir(src: str, dst: str, force: bool) -> None:
@@ -271,7 +267,7 @@ def _convert_dir(src: str, dst: str, force: bool, what: str, convert_one: _Conve
             rows.append(convert_one(rel, kind, os.path.join(src, rel), tmp))
         _commit_dir(tmp, dst)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        LOCAL.remove(os.fspath(tmp))
         raise
     return rows
 
@@ -280,8 +276,8 @@ def _copy_file(rel: str, kind: str, in_path: str, tmp: Path, note: str = "") -> 
     """Files that are not converted (configs, tokenizer files, trainer_state.json, pickles we
     may not load) are kept byte for byte."""
     out_path = tmp / rel
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(in_path, out_path)
+    LOCAL.makedirs(os.fspath(out_path.parent))
+    LOCAL.copy(in_path, os.fspath(out_path))
     size = os.path.getsize(in_path)
     return {"file": rel, "action": "copied", "output": rel, "format": kind, "input_bytes": size, "output_bytes": size, "note": note}
 
@@ -304,7 +300,7 @@ def _compress_dir(src: str, dst: str, policy: nc.CodecPolicy, args: argparse.Nam
         size = os.path.getsize(in_path)
         out_rel = rel + NVC_SUFFIX
         out_path = tmp / out_rel
-        out_path.parent.mkdir(parents=True, exist_ok=True)
+        LOCAL.makedirs(os.fspath(out_path.parent))
         task = reporter.start(f"compressing {rel}", _tensor_bytes(tree))
         report = nc.save(tree, str(out_path), policy, metadata=meta, workers=args.workers, progress=task.advance)
         reporter.stop()
@@ -324,7 +320,7 @@ def _decompress_dir(src: str, dst: str, args: argparse.Namespace, reporter: Repo
             return _copy_file(rel, kind, in_path, tmp)
         out_rel = rel[: -len(NVC_SUFFIX)] if rel.endswith(NVC_SUFFIX) else rel
         out_path = tmp / out_rel
-        out_path.parent.mkdir(parents=True, exist_ok=True)
+        LOCAL.makedirs(os.fspath(out_path.parent))
         # A file that was safetensors before compression goes back to safetensors.
         to = "safetensors" if out_rel.endswith(".safetensors") else args.to
         fmt, raw, written = _decompress_file(in_path, str(out_path), to, args.trust, reporter)
@@ -373,8 +369,6 @@ def run_compress(args: argparse.Namespace) -> int:
         out.update(source=args.src, source_format=src_kind, policy=policy.to_dict())
         print_json(out)
     elif not args.quiet:
-        from nvcomp_checkpoint.report import component_rows
-
         console = stdout_console()
         console.print(str(report), markup=False, highlight=False)
         console.print(make_table(None, ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"],

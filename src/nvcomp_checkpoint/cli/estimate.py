@@ -19,7 +19,7 @@ from nvcomp_checkpoint.errors import CheckpointError
 from ._ui import EXIT_OK, make_table, print_json, stdout_console
 from .sources import DIRECTORY, NVCOMP, dir_files, sniff
 
-__all__ = ["add_parser", "run_estimate", "EstimateInputs", "estimate", "ratio_from"]
+__all__ = ["add_parser", "run_estimate", "EstimateInputs", "estimate", "ratio_from", "TierCost", "parse_tier", "tier_costs"]
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
@@ -48,8 +48,56 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--codec-gbps", type=float, help="compression throughput, GB/s (default: from --from's bench, else assumed faster than the storage)")
     p.add_argument("--days", type=float, default=30.0, help="days in a month (default 30, as the article)")
+    p.add_argument(
+        "--tier", dest="tiers", action="append", default=[], type=parse_tier, metavar="NAME:EVERY_MIN:KEEP:USD_GB_MONTH",
+        help="a storage tier (repeatable), e.g. local:5:2:0 shared:30:4:0.30 object:60:24:0.023: adds the storage "
+        "kept and its cost per tier, without and with compression (EVERY_MIN 0: every checkpoint)",
+    )
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
     p.set_defaults(func=run_estimate)
+
+
+@dataclass(frozen=True)
+class TierCost:
+    """One storage tier of an estimate: its copy interval, copies kept and price."""
+
+    name: str
+    every_min: float
+    keep: int
+    usd_gb_month: float
+
+
+def parse_tier(text: str) -> TierCost:
+    """``NAME:EVERY_MIN:KEEP:USD_GB_MONTH`` -> :class:`TierCost` (argparse reports a ValueError as a usage error)."""
+    parts = text.split(":")
+    if len(parts) != 4 or not parts[0]:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:EVERY_MIN:KEEP:USD_GB_MONTH, e.g. object:60:24:0.023")
+    try:
+        every, keep, price = float(parts[1]), int(parts[2]), float(parts[3])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: EVERY_MIN and USD_GB_MONTH must be numbers and KEEP an integer") from None
+    if not (every >= 0 and math.isfinite(every)) or keep < 1 or not (price >= 0 and math.isfinite(price)):
+        raise argparse.ArgumentTypeError(f"{text!r}: EVERY_MIN and USD_GB_MONTH must be zero or more and KEEP at least 1")
+    return TierCost(parts[0], every, keep, price)
+
+
+def tier_costs(inp: EstimateInputs, tiers: list[TierCost]) -> list[dict[str, Any]]:
+    """Storage kept and its monthly cost per tier: copies kept x checkpoint size x price (docs/tiers.md)."""
+    per_month = 60.0 / inp.interval_min * 24.0 * inp.days
+    stored = inp.checkpoint_gb / inp.ratio
+    out = []
+    for t in tiers:
+        # A tier cannot receive copies more often than checkpoints are made.
+        interval = max(t.every_min, inp.interval_min)
+        copies = per_month if t.every_min == 0 else 60.0 / interval * 24.0 * inp.days
+        without_gb, with_gb = t.keep * inp.checkpoint_gb, t.keep * stored
+        out.append({
+            "name": t.name, "every_min": interval, "keep": t.keep, "usd_gb_month": t.usd_gb_month,
+            "copies_month": copies, "moved_gb_month_without": copies * inp.checkpoint_gb, "moved_gb_month_with": copies * stored,
+            "stored_gb_without": without_gb, "stored_gb_with": with_gb,
+            "usd_month_without": without_gb * t.usd_gb_month, "usd_month_with": with_gb * t.usd_gb_month,
+        })
+    return out
 
 
 @dataclass(frozen=True)
@@ -199,6 +247,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     )
     result = estimate(inp)
     result["ratio_source"] = source
+    if args.tiers:
+        result["tiers"] = tier_costs(inp, args.tiers)
     if "policy" in measured:
         result["policy_choices"] = measured["policy"]
     if args.json:
@@ -229,6 +279,20 @@ def run_estimate(args: argparse.Namespace) -> int:
             f"compression at {codec:g} GB/s ({c['compress_s']:,.1f} s) is slower than writing the compressed bytes "
             f"({c['storage_write_s']:,.1f} s): it sets the write time; a faster codec (or none) is better here"
         )
+    if args.tiers:
+        trows = [
+            [t["name"], f"{t['every_min']:g} min", str(t["keep"]), f"{t['moved_gb_month_with']:,.0f} GB",
+             f"{t['stored_gb_without']:,.0f} GB", f"{t['stored_gb_with']:,.0f} GB",
+             _money(t["usd_month_without"]), _money(t["usd_month_with"]), _money(t["usd_month_without"] - t["usd_month_with"])]
+            for t in result["tiers"]
+        ]
+        total = [sum(t[k] for t in result["tiers"]) for k in ("usd_month_without", "usd_month_with")]
+        trows.append(["total", "", "", "", "", "", _money(total[0]), _money(total[1]), _money(total[0] - total[1])])
+        console.print(make_table(
+            "storage per tier (copies kept x checkpoint size x price)",
+            ["tier", "every", "kept", "moved/month (with)", "stored without", "stored with", "cost without", "cost with", "saving"],
+            trows,
+        ))
     for n in notes:
         console.print(n, markup=False, highlight=False)
     return EXIT_OK

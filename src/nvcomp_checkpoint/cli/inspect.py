@@ -7,6 +7,7 @@ memory-mapped, so inspecting a large checkpoint reads little of it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from datetime import datetime, timezone
 from typing import Any
@@ -16,7 +17,8 @@ from rich.tree import Tree
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import UnsafeCheckpointError
-from nvcomp_checkpoint.report import component_rows, format_bytes
+from nvcomp_checkpoint.report import COMPONENT_COLUMNS, codec_notes, component_rows, format_bytes
+from nvcomp_checkpoint.storage import stale_temp_files
 
 from ._ui import EXIT_OK, make_table, print_json, stdout_console
 from .chain import chain_text, describe_chain
@@ -105,10 +107,36 @@ def build_tree(title: str, tensors: list[TensorInfo], depth: int | None, compres
     return tree
 
 
+#: Longest text shown for one value read from a file (a key, a codec level, a metadata value).
+_SHOWN_CHARS = 200
+
+
+def _shown(value: Any) -> str:
+    """``value`` as one line of at most :data:`_SHOWN_CHARS` printable characters, whatever it is.
+
+    Everything inspect prints from a file passes here: a forged index may hold control
+    characters (terminal escapes), megabytes of text or values no formatter expects.
+    """
+    try:
+        text = value if isinstance(value, str) else repr(value)
+    except Exception:  # noqa: BLE001 - a value no repr handles is still shown as what it is
+        text = f"<{type(value).__name__}>"
+    if len(text) > _SHOWN_CHARS:
+        text = text[: _SHOWN_CHARS - 3] + "..."
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def _shown_info(t: TensorInfo) -> TensorInfo:
+    # Part by part, so that the tree keeps its shape.
+    key = "/".join(_shown(part) for part in t.key.split("/"))
+    return dataclasses.replace(t, key=key, component=_shown(t.component), codec=_shown(t.codec), filter=_shown(t.filter))
+
+
 def _describe_file(path: str, trust: bool) -> dict[str, Any]:
-    """Everything inspect reports about one file, JSON-safe."""
+    """Everything inspect reports about one file, JSON-safe (``_infos``/``_stats``: as printed)."""
     with open_source(path, trust=trust) as source:
         tensors = source.tensors()
+        shown = [_shown_info(t) for t in tensors]
         stats = component_stats(tensors)
         raw = sum(t.raw_bytes for t in tensors)
         gpu_only = sorted({t.codec.split(":")[0] for t in tensors} & set(nc.GPU_ONLY_CODECS))
@@ -126,8 +154,8 @@ def _describe_file(path: str, trust: bool) -> dict[str, Any]:
             # Whether the file loads on a machine without a GPU (no nvCOMP-only codec in it).
             "portable": not gpu_only,
             "gpu_only_codecs": gpu_only,
-            "_infos": tensors,
-            "_stats": stats,
+            "_infos": shown,
+            "_stats": component_stats(shown),
         }
 
 
@@ -137,9 +165,12 @@ def _is_delta(path: str) -> bool:
 
 
 def _meta_value(key: str, value: Any) -> str:
-    if key == "created" and isinstance(value, (int, float)):
-        return datetime.fromtimestamp(value, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    return str(value)
+    if key == "created" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return datetime.fromtimestamp(value, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        except (OverflowError, ValueError, OSError):
+            pass  # not a time a calendar holds (1e300): shown as the number it is
+    return _shown(value)
 
 
 def _public(d: dict[str, Any]) -> dict[str, Any]:
@@ -167,8 +198,21 @@ def _inspect_dir(args: argparse.Namespace) -> dict[str, Any]:
     stats = component_stats(all_infos)
     total_file = sum(f["file_bytes"] for f in files)
     raw = sum(t.raw_bytes for t in all_infos)
+    stale = []
+    for directory, _, _ in os.walk(args.path):
+        for p in stale_temp_files(directory):
+            try:
+                stale.append({"file": os.path.relpath(p, args.path), "file_bytes": os.path.getsize(p)})
+            except OSError:
+                continue  # removed meanwhile by a save
     return {"path": args.path, "format": DIRECTORY, "file_bytes": total_file, "raw_bytes": raw,
-            "components": {k: v.to_dict() for k, v in stats.items()}, "files": files, "_stats": stats}
+            "components": {k: v.to_dict() for k, v in stats.items()}, "files": files, "stale_temp_files": stale, "_stats": stats}
+
+
+def _print_codec_notes(console: Any, stats: dict[str, nc.ComponentStats]) -> None:
+    # The codec column names codecs as SaveReport.table() does (``zstd:3``) and says what ``none`` is.
+    for note in codec_notes(stats):
+        console.print(note, markup=False, highlight=False)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -184,10 +228,13 @@ def run_inspect(args: argparse.Namespace) -> int:
             raw = "-" if not f.get("raw_bytes") else format_bytes(f["raw_bytes"])
             rows.append([f["file"], f["format"], "-" if f["tensors"] is None else f["tensors"], raw,
                          format_bytes(f["file_bytes"]), f.get("note", "")])
+        for f in d["stale_temp_files"]:
+            rows.append([f["file"], "temporary", "-", "-", format_bytes(f["file_bytes"]),
+                         "left by a killed save; the next save into this directory removes it"])
         console.print(make_table(f"{args.path} (directory)", ["file", "format", "tensors", "raw", "on disk", "note"], rows, numeric_from=2))
         stored = sum(s.stored_bytes for s in d["_stats"].values())
-        console.print(make_table("tensor files by component", ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"],
-                                 component_rows(d["_stats"], d["raw_bytes"], stored)))
+        console.print(make_table("tensor files by component", COMPONENT_COLUMNS, component_rows(d["_stats"], d["raw_bytes"], stored)))
+        _print_codec_notes(console, d["_stats"])
         return EXIT_OK
 
     d = _describe_file(args.path, args.trust)
@@ -202,8 +249,8 @@ def run_inspect(args: argparse.Namespace) -> int:
         console.print(title, markup=False, highlight=False)
     else:
         console.print(build_tree(title, d["_infos"], args.depth, compressed))
-    console.print(make_table(None, ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"],
-                             component_rows(d["_stats"], d["raw_bytes"], d["file_bytes"])))
+    console.print(make_table(None, COMPONENT_COLUMNS, component_rows(d["_stats"], d["raw_bytes"], d["file_bytes"])))
+    _print_codec_notes(console, d["_stats"])
     if compressed:
         if d["portable"]:
             console.print("loads anywhere: every codec has a CPU decoder", markup=False, highlight=False)
@@ -217,6 +264,6 @@ def run_inspect(args: argparse.Namespace) -> int:
         console.print(chain_text(d["chain"]), markup=False, highlight=False)
     meta = d["metadata"]
     if meta:
-        shown = ", ".join(f"{k}={_meta_value(k, v)}" for k, v in meta.items() if not isinstance(v, (dict, list)))
+        shown = ", ".join(f"{_shown(k)}={_meta_value(k, v)}" for k, v in meta.items() if not isinstance(v, (dict, list)))
         console.print(f"metadata: {shown}", markup=False, highlight=False)
     return EXIT_OK

@@ -18,6 +18,7 @@ import torch
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
+from nvcomp_checkpoint.filetype import HEAD_BYTES, NVCOMP, OTHER, SAFETENSORS, TORCH, kind_of
 from nvcomp_checkpoint.format.skeleton import flatten
 from nvcomp_checkpoint.storage import is_url, storage_for
 
@@ -37,20 +38,11 @@ __all__ = [
     "require_safetensors",
 ]
 
-NVCOMP = "nvcomp-checkpoint"
-TORCH = "torch.save"
-SAFETENSORS = "safetensors"
 DIRECTORY = "directory"
-OTHER = "other"
 
 #: Suffix of a file converted inside a directory: ``optimizer.pt`` becomes ``optimizer.pt.nvc``.
 NVC_SUFFIX = ".nvc"
 
-_ZIP_MAGIC = b"PK\x03\x04"
-#: ``torch.save(..., _use_new_zipfile_serialization=False)`` starts with a protocol-2 pickle.
-_LEGACY_PICKLE = b"\x80\x02"
-#: Larger safetensors headers are refused by safetensors itself (``MAX_HEADER_SIZE``).
-_MAX_SAFETENSORS_HEADER = 100_000_000
 
 _KNOWN = "an nvcomp-checkpoint file, a torch.save / Lightning .ckpt file, a .safetensors file or a checkpoint directory"
 
@@ -102,20 +94,12 @@ def sniff(path: str) -> str:
     try:
         size = storage.size(spath)
         with storage.open_read(spath) as f:
-            head = f.read(9)
+            head = f.read(HEAD_BYTES)
     except FileNotFoundError as exc:
         raise FormatError(f"{path}: no such file or directory") from exc
     except IsADirectoryError as exc:  # an fsspec "directory"
         raise FormatError(f"{path}: is a directory; only local directories are supported") from exc
-    if head[:6] == b"NVCKPT":
-        return NVCOMP
-    if head[:4] == _ZIP_MAGIC or head[:2] == _LEGACY_PICKLE:
-        return TORCH
-    if len(head) == 9 and head[8:9] == b"{":
-        (n,) = struct.unpack("<Q", head[:8])
-        if n <= _MAX_SAFETENSORS_HEADER and 8 + n <= size:
-            return SAFETENSORS
-    return OTHER
+    return kind_of(head, size)
 
 
 def require_safetensors() -> Any:

@@ -1,7 +1,7 @@
-"""``nvckpt verify``: every checksum checked and every chunk decoded, the failing tensors named.
+"""``nvckpt verify``: the object tree decoded and checked, every chunk decoded, the failing tensors named.
 
-Exit code 0 when everything decodes, 1 when anything is corrupt or cannot be decoded here, 2 when
-the path is not one of our files (see ``docs/cli.md``).
+Exit code 0 when ``load`` would accept the file, 1 when anything is corrupt, forged or cannot be
+decoded here, 2 when the path is not one of our files (see ``docs/cli.md``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, CodecUnavailableError, FormatError
 from nvcomp_checkpoint.report import format_bytes
+from nvcomp_checkpoint.storage import stale_temp_files
 
 from ._ui import EXIT_FAILED, EXIT_OK, Reporter, print_json, stdout_console
 from .chain import describe_chain
@@ -25,11 +26,15 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "verify",
         parents=[common],
-        help="check every checksum and decode every chunk; non-zero exit on any problem",
+        help="decode the object tree and every chunk as load does; non-zero exit on any problem",
         description=(
-            "Check the index, the object tree and every chunk of every tensor (checksum, then a full decode). "
-            "Exit code 0: all good; 1: something is corrupt (the tensor is named); 2: not a checkpoint of ours. "
-            "A directory made by `nvckpt compress` has each of its .nvc files verified."
+            "Check a file as nc.load reads it: the index; the object tree (checksum, then decoded with the "
+            "weights-only rules of torch.load(weights_only=True), and every tensor reference checked against the "
+            "index); every chunk of every tensor (checksum, then a full decode). A file passes exactly when load "
+            "accepts it. Exit code 0: all good; 1: something is corrupt, forged, refused by the weights-only rules "
+            "or not decodable here (the tensor is named); 2: not a checkpoint of ours. A directory made by "
+            "`nvckpt compress` has each of its .nvc files verified, and temporary files left by killed saves in it "
+            "are listed (the next save there removes them)."
         ),
     )
     p.add_argument("path", help="nvcomp-checkpoint file, or a directory of them")
@@ -43,37 +48,32 @@ def _one_line(exc: BaseException) -> str:
 
 def verify_file(path: str, reporter: Reporter) -> dict[str, Any]:
     """Verify one file; returns ``{file, tensors, raw_bytes, failures: [{tensor, error}]}``."""
-    result: dict[str, Any] = {"file": path, "tensors": 0, "raw_bytes": 0, "failures": []}
     try:
-        reader = nc.open(path)
-    except FormatError as exc:
-        # The file starts with our magic (checked by the caller), so this is damage, not a mistake.
-        result["failures"].append({"tensor": None, "error": _one_line(exc)})
-        return result
-    with reader:
-        entries = reader.index.tensors
-        result["tensors"] = len(entries)
-        result["raw_bytes"] = reader.raw_bytes
-        task = reporter.start(f"verifying {os.path.basename(path)}", reader.raw_bytes)
-        try:
-            for entry, error in reader.verify():
-                task.advance(entry.nbytes)
-                if error is not None:
-                    message = _one_line(error)
-                    if isinstance(error, CodecUnavailableError):
-                        message = f"cannot be decoded on this machine: {message}"
-                    result["failures"].append({"tensor": entry.key, "error": message})
-        except CheckpointError as exc:  # the object tree's frame is checked before any tensor
-            result["failures"].append({"tensor": None, "error": _one_line(exc)})
-        finally:
-            reporter.stop()
-    return result
+        with nc.open(path) as reader:  # the index only: the size of the bar
+            total: int | None = reader.raw_bytes
+    except CheckpointError:
+        total = None  # nc.verify reports why
+    task = reporter.start(f"verifying {os.path.basename(path)}", total)
+    try:
+        # A file that starts with our magic (checked by the caller) and fails is damage, not a mistake.
+        checked = nc.verify(path, progress=task.advance)
+    finally:
+        reporter.stop()
+    failures = []
+    for problem in checked.problems:
+        message = _one_line(problem.error)
+        if isinstance(problem.error, CodecUnavailableError):
+            message = f"cannot be decoded on this machine: {message}"
+        failures.append({"tensor": problem.tensor, "error": message})
+    return {"file": path, "tensors": checked.tensors, "raw_bytes": checked.raw_bytes, "failures": failures}
 
 
 def run_verify(args: argparse.Namespace) -> int:
     kind = sniff(args.path)
     reporter = Reporter(args.quiet)
+    stale: list[str] = []
     if kind == DIRECTORY:
+        stale = [p for d, _, _ in os.walk(args.path) for p in stale_temp_files(d)]
         paths = [os.path.join(args.path, rel) for rel, k in dir_files(args.path) if k == NVCOMP]
         if not paths:
             raise FormatError(f"{args.path}: holds no nvcomp-checkpoint files to verify (convert it with `nvckpt compress`)")
@@ -94,9 +94,13 @@ def run_verify(args: argparse.Namespace) -> int:
     raw = sum(r["raw_bytes"] for r in results)
     ok = not failures
     if args.json:
-        print_json({"path": args.path, "ok": ok, "files": len(results), "tensors": tensors, "raw_bytes": raw, "failures": failures})
+        print_json({"path": args.path, "ok": ok, "files": len(results), "tensors": tensors, "raw_bytes": raw, "failures": failures,
+                    "stale_temp_files": [{"file": p, "bytes": _size(p)} for p in stale]})
     else:
         console = stdout_console()
+        for p in stale:
+            console.print(f"NOTE {p}: temporary file of a killed save ({format_bytes(_size(p))}); the next save into "
+                          "this directory removes it", markup=False, highlight=False)
         for f in failures:
             # The reader's messages name the file and the tensor; add them only where they do not.
             named = f["file"] in f["error"] and (f["tensor"] is None or repr(f["tensor"]) in f["error"])
@@ -110,3 +114,10 @@ def run_verify(args: argparse.Namespace) -> int:
             bad = len({(f["file"], f["tensor"]) for f in failures})
             console.print(f"FAILED {args.path}: {bad} problem(s) in {files}{tensors} tensors", markup=False, highlight=False)
     return EXIT_OK if ok else EXIT_FAILED
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:  # removed meanwhile by a save
+        return 0

@@ -27,6 +27,11 @@ class CodecConfig:
     level: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def label(self) -> str:
+        """``zstd:3`` (id and level) or ``none``: how reports and ``nvckpt`` name a codec."""
+        return self.id if self.level is None else f"{self.id}:{self.level}"
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id}
         if self.level is not None:

@@ -356,7 +356,7 @@ class NvcompGpuCodec:
         try:
             # RAW: "Compresses input data as is, just using underlying compression algorithm.
             # Does not add header with nvCOMP metadata" (BitstreamKind docstring). The default,
-            # NVCOMP_NATIVE, prepends an nvCOMP header that libzstd cannot read (FACTS.md,
+            # NVCOMP_NATIVE, prepends an nvCOMP header that libzstd cannot read (docs/facts.md,
             # NVIDIA/CUDALibrarySamples issue 208). uncomp_chunk_size is not passed: it sets the
             # NVCOMP_NATIVE chunking ("For NVCOMP_NATIVE, this must be a multiple of ..."), while
             # RAW compresses each buffer as one chunk (inferred from the RAW sizes printed in
@@ -379,7 +379,7 @@ class NvcompGpuCodec:
             if isinstance(exc, (TypeError, AttributeError, MemoryError)) or isinstance(device_error, GpuOutOfMemoryError):
                 raise device_error from exc  # a binding mismatch or no memory: not a missing install
             # On a machine whose driver is older than the wheel's CUDA, this is where it shows:
-            # "CUDA driver version is insufficient for CUDA runtime version" (FACTS.md).
+            # "CUDA driver version is insufficient for CUDA runtime version" (docs/facts.md, nvCOMP).
             raise CodecUnavailableError(
                 f"nvCOMP could not create a {self._algorithm} codec on {self.device}: {exc}. "
                 f"Check that the nvCOMP wheel matches the CUDA driver; {INSTALL_HINT}"

@@ -1,7 +1,7 @@
 """Byte-plane filter: element bytes regrouped so that byte k of every element lies together.
 
 Trained floats have structured exponent bytes and noisy low mantissa bytes; split into planes,
-the exponent plane compresses well and the noise planes can be stored raw (FACTS.md, ZipNN,
+the exponent plane compresses well and the noise planes can be stored raw (docs/facts.md, ZipNN,
 Blosc's shuffle). Planes are numbered from the least significant byte of the little-endian
 element, so files are the same on every machine.
 """
@@ -30,7 +30,7 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian torch build is
 
 def plane_width(dtype: torch.dtype) -> int:
     """Bytes per plane group for ``dtype``: the scalar width (complex counts its two halves)."""
-    width = torch.empty((), dtype=dtype).element_size()
+    width = dtype.itemsize  # not torch.empty(...).element_size(): an allocation per tensor of every save
     if dtype.is_complex:
         width //= 2
     return width

@@ -35,6 +35,7 @@ __all__ = [
     "unpack_footer",
     "dtype_from_name",
     "dtype_name",
+    "QUANTIZED_DTYPES",
 ]
 
 FORMAT_VERSION = 1
@@ -59,10 +60,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+#: Quantized dtypes: their values need a scale and zero point that the format does not store,
+#: so the writer refuses them (UnsupportedObjectError) and the reader refuses them in an index.
+QUANTIZED_DTYPES = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
 def dtype_from_name(name: str, where: str) -> torch.dtype:
     dtype = _DTYPES.get(name)
     if dtype is None:
         raise FormatError(f"{where}: unknown dtype {name!r} (written by a newer torch?)")
+    if dtype in QUANTIZED_DTYPES:
+        raise FormatError(f"{where}: dtype {name!r} is quantized, which no writer of this format stores; the index is corrupt or forged")
     return dtype
 
 

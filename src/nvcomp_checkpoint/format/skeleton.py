@@ -11,13 +11,19 @@ from __future__ import annotations
 import copy
 import io
 import pickle
-from typing import Any, Callable
+import pickletools
+import struct
+import zipfile
+from typing import IO, Any, Callable
 
 import torch
 
 from ..errors import FormatError, UnsafeCheckpointError, UnsupportedObjectError
 
-__all__ = ["TensorRef", "flatten", "tensor_paths", "unflatten", "encode_skeleton", "decode_skeleton", "weights_only_detail"]
+__all__ = [
+    "TensorRef", "flatten", "tensor_paths", "check_skeleton", "unflatten", "encode_skeleton", "decode_skeleton",
+    "weights_only_detail", "check_torch_archive", "MAX_TREE_DEPTH", "MAX_TREE_NODES", "MAX_PICKLE_NESTING",
+]
 
 
 class TensorRef:
@@ -47,6 +53,54 @@ def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
+#: Containers deeper than this are refused by the writer (UnsupportedObjectError) and by the
+#: reader (FormatError): torch.save spends two of Python's 1000 recursion levels per level of
+#: the tree (measured: 497 levels at most from an empty stack), so deeper trees would save or
+#: not depending on the caller's stack; and a reader must not hand a user a tree that breaks
+#: recursive code (deepcopy, repr, ==).
+MAX_TREE_DEPTH = 256
+#: Items (containers, tensors and plain values inside dicts, lists and tuples) a tree may hold,
+#: and path components that the tensor paths of a tree may add up to. A model with a million
+#: tensors and its Adam state stays well under it.
+MAX_TREE_NODES = 1 << 24
+#: Nesting of containers inside a weights-only pickle, checked before torch builds anything:
+#: hashing a tuple recurses in C without a guard, so a dict key of tuples nested 100,000 deep
+#: crashes the interpreter. A little over the tree depth, for the argument tuples that pickle
+#: wraps around values.
+MAX_PICKLE_NESTING = MAX_TREE_DEPTH + 16
+
+_CONTAINERS = (dict, list, tuple)
+
+
+class _Level:
+    """One container being walked: where it hangs in its parent, and its copy or new items."""
+
+    __slots__ = ("node", "items", "out", "parent", "key", "depth", "changed")
+
+    def __init__(self, node: Any, items: Any, out: Any, parent: "_Level | None", key: Any, depth: int) -> None:
+        self.node, self.items, self.out, self.parent, self.key, self.depth = node, items, out, parent, key, depth
+        self.changed = False
+
+
+def _path_of(level: _Level | None, key: Any) -> tuple[Any, ...]:
+    parts = [key]
+    while level is not None and level.parent is not None:
+        parts.append(level.key)
+        level = level.parent
+    return tuple(reversed(parts))
+
+
+def _rebuilt_tuple(node: tuple[Any, ...], items: list[Any]) -> tuple[Any, ...]:
+    if hasattr(node, "_fields"):  # namedtuple
+        return type(node)(*items)
+    return type(node)(items) if type(node) is not tuple else tuple(items)
+
+
+def _items(node: Any) -> Any:
+    # Values are replaced in place while a dict is iterated; its size never changes.
+    return iter(node.items()) if isinstance(node, dict) else enumerate(node)
+
+
 def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[Any, ...], torch.Tensor]]]:
     """Split ``obj`` into a skeleton and its tensors.
 
@@ -59,25 +113,18 @@ def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[
         ``TensorRef(i)`` where the tensor was. Containers are copied, tensors are not.
 
     Raises:
-        UnsupportedObjectError: A container holds itself, or a lazy module's parameter has not
-            been initialized.
+        UnsupportedObjectError: A container holds itself, the tree is deeper than
+            :data:`MAX_TREE_DEPTH` or holds more than :data:`MAX_TREE_NODES` items, or a lazy
+            module's parameter has not been initialized.
     """
     tensors: list[tuple[tuple[Any, ...], torch.Tensor]] = []
     seen: dict[tuple[Any, ...], int] = {}
     open_containers: set[int] = set()
+    count = 0
 
-    def walk(node: Any, path: tuple[Any, ...]) -> Any:
-        if isinstance(node, (dict, list, tuple)):
-            if id(node) in open_containers:
-                raise UnsupportedObjectError(
-                    f"{where}: the checkpoint tree contains itself at {_path_text(path)}; remove the cycle before saving"
-                )
-            open_containers.add(id(node))
-            try:
-                return walk_container(node, path)
-            finally:
-                open_containers.discard(id(node))
+    def leaf(node: Any, level: _Level | None, key: Any) -> Any:
         if isinstance(node, torch.Tensor):
+            path = _path_of(level, key) if level is not None else ()
             if isinstance(node, torch.nn.parameter.UninitializedTensorMixin):
                 raise UnsupportedObjectError(
                     f"{where}: tensor {_path_text(path)} is a lazy module's parameter that is not initialized "
@@ -102,74 +149,196 @@ def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[
             return TensorRef(index)
         return node
 
-    def walk_container(node: Any, path: tuple[Any, ...]) -> Any:
+    def open_level(node: Any, parent: _Level | None, key: Any, depth: int) -> _Level:
+        if id(node) in open_containers:
+            path = _path_of(parent, key) if parent is not None else ()
+            raise UnsupportedObjectError(
+                f"{where}: the checkpoint tree contains itself at {_path_text(path)}; remove the cycle before saving"
+            )
+        if depth > MAX_TREE_DEPTH:
+            raise UnsupportedObjectError(
+                f"{where}: the checkpoint tree nests containers more than {MAX_TREE_DEPTH} deep (at "
+                f"{_path_text(_path_of(parent, key))[:200]}); flatten it before saving"
+            )
+        open_containers.add(id(node))
         if isinstance(node, dict):
-            new = node.copy() if type(node) in (dict,) else copy.copy(node)
-            for key, value in node.items():
-                new[key] = walk(value, path + (key,))
-            return new
-        if isinstance(node, list):
-            new_list = copy.copy(node) if type(node) is not list else list(node)
-            for i, value in enumerate(node):
-                new_list[i] = walk(value, path + (i,))
-            return new_list
-        if isinstance(node, tuple):
-            items = [walk(value, path + (i,)) for i, value in enumerate(node)]
-            if hasattr(node, "_fields"):  # namedtuple
-                return type(node)(*items)
-            return type(node)(items) if type(node) is not tuple else tuple(items)
-        return node
+            out: Any = node.copy() if type(node) is dict else copy.copy(node)
+        elif isinstance(node, list):
+            out = copy.copy(node) if type(node) is not list else list(node)
+        else:
+            out = list(node)
+        return _Level(node, _items(node), out, parent, key, depth)
 
-    return walk(obj, ()), tensors
+    if not isinstance(obj, _CONTAINERS):
+        return leaf(obj, None, None), tensors
+    stack = [open_level(obj, None, None, 1)]
+    result: Any = None
+    while stack:
+        level = stack[-1]
+        for key, value in level.items:
+            count += 1
+            if count > MAX_TREE_NODES:
+                raise UnsupportedObjectError(
+                    f"{where}: the checkpoint tree holds more than {MAX_TREE_NODES} items; "
+                    "store large collections of numbers as tensors"
+                )
+            if isinstance(value, _CONTAINERS):
+                stack.append(open_level(value, level, key, level.depth + 1))
+                break
+            level.out[key] = leaf(value, level, key)
+        else:
+            stack.pop()
+            open_containers.discard(id(level.node))
+            done = _rebuilt_tuple(level.node, level.out) if isinstance(level.node, tuple) else level.out
+            if stack:
+                stack[-1].out[level.key] = done
+            else:
+                result = done
+    return result, tensors
 
 
 def _path_text(path: tuple[Any, ...]) -> str:
     return repr("/".join(str(p) for p in path)) if path else "its root"
 
 
-def tensor_paths(skeleton: Any) -> list[tuple[tuple[Any, ...], int]]:
+def _walk_skeleton(
+    skeleton: Any, where: str, tensor_count: int | None, on_ref: Callable[[int, _Level | None, Any], Any], rebuild: bool
+) -> Any:
+    """Visit every :class:`TensorRef` of a skeleton once, without recursion; returns the new root.
+
+    ``on_ref(index, level, key)`` gives the value that replaces the reference when ``rebuild``
+    (dicts and lists are changed in place, tuples rebuilt). A non-empty container reached twice
+    (shared, or a cycle: the writer copies every container, so only a forged file has one), a
+    tree deeper than :data:`MAX_TREE_DEPTH`, more than :data:`MAX_TREE_NODES` items, and a
+    reference that is not ``TensorRef(i)`` with ``0 <= i < tensor_count`` are refused, so the
+    work is linear in the size of the tree whatever its shape.
+
+    Raises:
+        FormatError: The tree breaks one of these rules.
+    """
+    limit = tensor_count if tensor_count is not None else float("inf")
+
+    def bad_ref(index: Any, level: _Level | None, key: Any) -> FormatError:
+        path = _path_of(level, key) if level is not None else ()
+        held = f"; the index holds {tensor_count}" if tensor_count is not None else ""
+        return FormatError(
+            f"{where}: the checkpoint's object tree refers to tensor {_short(index)} at {_path_text(path)[:200]}"
+            f"{held}; the file is corrupt or forged"
+        )
+
+    if isinstance(skeleton, TensorRef):
+        index = getattr(skeleton, "index", None)
+        if type(index) is not int or not 0 <= index < limit:
+            raise bad_ref(index, None, None)
+        return on_ref(index, None, None)
+    if not isinstance(skeleton, _CONTAINERS) or not skeleton:
+        return skeleton
+    seen = {id(skeleton)}
+    count = 0
+    stack = [_Level(skeleton, _items(skeleton), None, None, None, 1)]
+    result: Any = skeleton
+    # The loop is the hot path of every load: locals, exact type checks first.
+    while stack:
+        level = stack[-1]
+        node = level.node
+        in_place = rebuild and not isinstance(node, tuple)
+        for key, value in level.items:
+            count += 1
+            kind = type(value)
+            if kind is TensorRef:
+                index = getattr(value, "index", None)
+                if type(index) is not int or not 0 <= index < limit:
+                    raise bad_ref(index, level, key)
+                new = on_ref(index, level, key)
+                if in_place:
+                    node[key] = new
+                elif rebuild:
+                    _put(level, key, new)
+            elif (kind is dict or kind is list or kind is tuple or isinstance(value, _CONTAINERS)) and value:
+                if id(value) in seen:
+                    raise FormatError(
+                        f"{where}: the checkpoint's object tree reaches one {kind.__name__} twice (at "
+                        f"{_path_text(_path_of(level, key))[:200]}); a writer copies every container, so the file is "
+                        "corrupt or forged"
+                    )
+                if level.depth >= MAX_TREE_DEPTH:
+                    raise FormatError(
+                        f"{where}: the checkpoint's object tree nests containers more than {MAX_TREE_DEPTH} deep; "
+                        "the file is corrupt or forged"
+                    )
+                seen.add(id(value))
+                stack.append(_Level(value, _items(value), None, level, key, level.depth + 1))
+                break
+        else:
+            if count > MAX_TREE_NODES:
+                raise FormatError(f"{where}: the checkpoint's object tree holds more than {MAX_TREE_NODES} items; the file is corrupt or forged")
+            stack.pop()
+            done = node
+            if rebuild and level.changed and isinstance(done, tuple):
+                done = _rebuilt_tuple(done, level.out)
+            if not stack:
+                result = done
+            elif rebuild and done is not node:
+                _put(stack[-1], level.key, done)
+            continue
+        if count > MAX_TREE_NODES:
+            raise FormatError(f"{where}: the checkpoint's object tree holds more than {MAX_TREE_NODES} items; the file is corrupt or forged")
+    return result
+
+
+def _put(level: _Level, key: Any, value: Any) -> None:
+    if isinstance(level.node, tuple):
+        if level.out is None:
+            level.out = list(level.node)
+        level.out[key] = value
+        level.changed = True
+    else:
+        level.node[key] = value
+
+
+def _short(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a forged object's repr may raise anything
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def tensor_paths(skeleton: Any, where: str = "checkpoint", tensor_count: int | None = None) -> list[tuple[tuple[Any, ...], int]]:
     """``(path, tensor index)`` of every :class:`TensorRef` in a skeleton, in tree order.
 
     A tensor reached by several paths (tied weights) is listed once per path.
+
+    Raises:
+        FormatError: The tree breaks a rule of :func:`_walk_skeleton`, or its paths add up to
+            more than :data:`MAX_TREE_NODES` components.
     """
     found: list[tuple[tuple[Any, ...], int]] = []
+    budget = [MAX_TREE_NODES]
 
-    def walk(node: Any, path: tuple[Any, ...]) -> None:
-        if isinstance(node, TensorRef):
-            found.append((path, node.index))
-        elif isinstance(node, dict):
-            for key, value in node.items():
-                walk(value, path + (key,))
-        elif isinstance(node, (list, tuple)):
-            for i, value in enumerate(node):
-                walk(value, path + (i,))
+    def collect(index: int, level: _Level | None, key: Any) -> None:
+        path = _path_of(level, key) if level is not None else ()
+        budget[0] -= len(path) + 1
+        if budget[0] < 0:
+            raise FormatError(f"{where}: the checkpoint's object tree names its tensors by paths too long to list; the file is corrupt or forged")
+        found.append((path, index))
 
-    walk(skeleton, ())
+    _walk_skeleton(skeleton, where, tensor_count, collect, rebuild=False)
     return found
 
 
-def unflatten(skeleton: Any, resolve: Callable[[int], Any]) -> Any:
-    """Inverse of :func:`flatten`: ``TensorRef(i)`` replaced by ``resolve(i)``."""
+def check_skeleton(skeleton: Any, tensor_count: int, where: str) -> None:
+    """Raise :class:`FormatError` unless ``load`` would accept the tree (see :func:`_walk_skeleton`)."""
+    _walk_skeleton(skeleton, where, tensor_count, lambda *_: None, rebuild=False)
 
-    def walk(node: Any) -> Any:
-        if isinstance(node, TensorRef):
-            return resolve(node.index)
-        if isinstance(node, dict):
-            for key, value in node.items():
-                node[key] = walk(value)
-            return node
-        if isinstance(node, list):
-            for i, value in enumerate(node):
-                node[i] = walk(value)
-            return node
-        if isinstance(node, tuple):
-            items = [walk(v) for v in node]
-            if hasattr(node, "_fields"):
-                return type(node)(*items)
-            return type(node)(items) if type(node) is not tuple else tuple(items)
-        return node
 
-    return walk(skeleton)
+def unflatten(skeleton: Any, resolve: Callable[[int], Any], *, where: str = "checkpoint", tensor_count: int | None = None) -> Any:
+    """Inverse of :func:`flatten`: ``TensorRef(i)`` replaced by ``resolve(i)``.
+
+    Raises:
+        FormatError: The tree breaks a rule of :func:`_walk_skeleton`.
+    """
+    return _walk_skeleton(skeleton, where, tensor_count, lambda index, *_: resolve(index), rebuild=True)
 
 
 def encode_skeleton(skeleton: Any) -> bytes:
@@ -178,17 +347,33 @@ def encode_skeleton(skeleton: Any) -> bytes:
     The default protocol matters: ``torch.load(weights_only=True)`` rejects protocol 4 streams.
     """
     buf = io.BytesIO()
-    torch.save(skeleton, buf)
+    try:
+        torch.save(skeleton, buf)
+    except RecursionError as exc:
+        # flatten() bounds the depth of dicts, lists and tuples; other objects can nest too.
+        raise UnsupportedObjectError(
+            "the checkpoint tree nests objects too deep for torch.save's pickler here; flatten it before saving"
+        ) from exc
     return buf.getvalue()
 
 
 def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
     """Deserialize a skeleton; with ``weights_only`` nothing but safe types is constructed.
 
+    With ``weights_only`` the pickle is first scanned (:func:`_check_weights_only_pickle`) for
+    what the weights-only unpickler would build but the interpreter cannot survive.
+
     Raises:
         UnsafeCheckpointError: the skeleton holds objects that ``weights_only`` refuses.
         FormatError: the bytes are not a skeleton.
     """
+    corrupt = f"{where}: the checkpoint's object tree is corrupt"
+    if not data.startswith(_ZIP_MAGIC):
+        # torch.save's zip archive is what every writer of this format stores; anything else
+        # (a legacy torch pickle, random bytes) is damage, not an object the rules refuse.
+        raise FormatError(f"{corrupt}: it is not a torch.save archive (it starts with {bytes(data[:8])!r})")
+    if weights_only:
+        _check_weights_only_pickle(_archive_pickle(io.BytesIO(data), len(data), corrupt), corrupt, _REFUSED_IN_OBJECT_TREES)
     try:
         if weights_only:
             # Added for good, never removed: the ``safe_globals`` context manager edits one
@@ -197,16 +382,196 @@ def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except pickle.UnpicklingError as exc:
-        if weights_only and "Weights only load failed" in str(exc):
+        if weights_only and "Weights only load failed" in str(exc) and "Unsupported operand" not in str(exc):
             detail = weights_only_detail(exc)
             raise UnsafeCheckpointError(
                 f"{where}: the checkpoint holds Python objects that a weights-only load refuses "
                 f"({detail}). If you trust this file, load it with weights_only=False, or allow "
                 "the type with torch.serialization.add_safe_globals([...])."
             ) from exc
-        raise FormatError(f"{where}: the checkpoint's object tree is corrupt: {exc}") from exc
-    except (RuntimeError, EOFError, ValueError, KeyError, AttributeError, TypeError) as exc:
-        raise FormatError(f"{where}: the checkpoint's object tree is corrupt: {exc}") from exc
+        raise FormatError(f"{corrupt}: {weights_only_detail(exc)}") from exc
+    except (RuntimeError, EOFError, ValueError, KeyError, AttributeError, TypeError, IndexError, MemoryError) as exc:
+        raise FormatError(f"{corrupt}: {type(exc).__name__}: {str(exc)[:300]}") from exc
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def check_torch_archive(stream: IO[bytes], size: int, where: str) -> None:
+    """Apply the pickle scan of :func:`decode_skeleton` to a plain ``torch.save`` zip archive.
+
+    Only the ``data.pkl`` record is read (tensors are separate records), so this costs little
+    before a weights-only ``torch.load`` of the same file.
+
+    Raises:
+        FormatError: The archive is unreadable, or its pickle is refused by the scan.
+    """
+    refused = f"{where}: this torch.save file is refused"
+    _check_weights_only_pickle(_archive_pickle(stream, size, refused), refused)
+
+
+def _archive_pickle(stream: IO[bytes], size: int, corrupt: str) -> bytes:
+    """The ``data.pkl`` record of a torch.save archive, which torch reads the tree from."""
+    try:
+        with zipfile.ZipFile(stream) as archive:
+            infos = archive.infolist()
+            names = [info.filename for info in infos]
+            picks = [info for info in infos if info.filename.endswith("/data.pkl") or info.filename == "data.pkl"]
+            if len(picks) != 1 or len(set(names)) != len(names):
+                raise FormatError(f"{corrupt}: its archive holds {len(picks)} data.pkl records among {len(names)} names")
+            # torch writes records uncompressed; a deflated one could expand without bound.
+            if picks[0].compress_type != zipfile.ZIP_STORED or picks[0].file_size > size:
+                raise FormatError(f"{corrupt}: its data.pkl record is compressed or larger than the archive")
+            return archive.read(picks[0])
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError, RuntimeError, NotImplementedError) as exc:
+        raise FormatError(f"{corrupt}: not a readable archive ({exc})") from exc
+
+
+# Tags kept with each simulated stack value, below its nesting depth (value >> _TAG_BITS):
+# what it is (an int, a str literal, the bytearray or _codecs.encode global), and for a tuple
+# what its first item is (the first argument of a call).
+_INT, _STR, _BYTEARRAY, _ENCODE, _INT_FIRST, _STR_FIRST = 1, 2, 4, 8, 16, 32
+_TAG_BITS = 6
+_TAGS = (1 << _TAG_BITS) - 1
+_ONE = 1 << _TAG_BITS
+_DEEP = (MAX_PICKLE_NESTING + 1) << _TAG_BITS
+#: Allowed by the weights-only rules, but never in an object tree a writer makes. The first two
+#: copy a tensor whose size the pickle states into new memory, so a stride-0 view of one element
+#: becomes gigabytes (1.1 KB of pickle took 8 GiB); the others rebuild sparse, nested and
+#: quantized tensors, which the writer refuses (and whose validation walks every stated element).
+_REFUSED_IN_OBJECT_TREES = (
+    b"torch._utils._rebuild_device_tensor_from_cpu_tensor",
+    b"torch._utils._rebuild_device_tensor_from_numpy",
+    b"torch._utils._rebuild_sparse_tensor",
+    b"torch._utils._rebuild_nested_tensor",
+    b"torch._utils._rebuild_qtensor",
+)
+
+
+def _check_weights_only_pickle(pkl: bytes, corrupt: str, refused: tuple[bytes, ...] = ()) -> None:
+    """Refuse, before torch builds anything, a pickle that would crash or exhaust the process.
+
+    A linear pass over the opcodes that simulates the unpickler's stack with a nesting depth per
+    value. Refused: containers nested deeper than :data:`MAX_PICKLE_NESTING` (tuples that deep
+    overflow the C stack when hashed as a dict key; other containers are refused here before
+    torch spends time building what the tree rules refuse); ``bytearray(n)`` of an integer
+    ``n`` (a few bytes that commit ``n`` bytes of zeros; a writer pickles a bytearray from its
+    bytes); ``_codecs.encode`` of anything but a string literal (``encode(encode(..., "hex"),
+    "hex")`` doubles per level: 1.5 KB of pickle made 128 MB, and each level more doubles it;
+    a writer pickles bytes as ``encode("<latin-1 text>", "latin1")``); and the globals named in
+    ``refused``. The depth of a tuple is exact (tuples never change); that of a list or dict counts
+    what was added to it before it was used elsewhere, a lower bound that the tree walk then
+    completes. Anything else the weights-only unpickler rejects is left for it to reject.
+
+    Raises:
+        FormatError: The pickle is refused, or its opcodes are not a pickle.
+    """
+    # One branch per opcode, the most frequent first: this runs over every byte of the tree.
+    stack: list[int] = []
+    push = stack.append
+    marks: list[int] = []
+    memo: dict[int, int] = {}
+    pos, end = 0, len(pkl)
+    unpack_from = struct.unpack_from
+    try:
+        while pos < end:
+            op = pkl[pos]
+            pos += 1
+            if op == 0x71:  # BINPUT
+                memo[pkl[pos]] = stack[-1]
+                pos += 1
+            elif op == 0x72:  # LONG_BINPUT
+                memo[unpack_from("<I", pkl, pos)[0]] = stack[-1]
+                pos += 4
+            elif op == 0x58:  # BINUNICODE
+                pos += 4 + unpack_from("<I", pkl, pos)[0]
+                push(_STR)
+            elif op == 0x4B:  # BININT1
+                pos += 1
+                push(_INT)
+            elif op == 0x28:  # MARK
+                marks.append(len(stack))
+            elif op == 0x68:  # BINGET
+                push(memo[pkl[pos]])
+                pos += 1
+            elif op == 0x6A:  # LONG_BINGET
+                push(memo[unpack_from("<I", pkl, pos)[0]])
+                pos += 4
+            elif op in (0x61, 0x73, 0x65, 0x75):  # APPEND, SETITEM, APPENDS, SETITEMS: into stack[-1]
+                if op == 0x61:
+                    depth = stack.pop()
+                elif op == 0x73:
+                    depth = stack.pop()
+                    stack.pop()  # the key: hashed, and a tuple's depth is bounded where it is built
+                else:
+                    mark = marks.pop()
+                    added = stack[mark + 1 :: 2] if op == 0x75 else stack[mark:]
+                    del stack[mark:]
+                    depth = max(added, default=0)
+                depth = ((depth >> _TAG_BITS) + 1) << _TAG_BITS
+                if depth > stack[-1]:
+                    if depth >= _DEEP:
+                        raise FormatError(f"{corrupt}: its pickle nests containers more than {MAX_PICKLE_NESTING} deep")
+                    stack[-1] = depth | (stack[-1] & _TAGS)
+            elif op in (0x5D, 0x7D, 0x29, 0x8F):  # [], {}, (), set()
+                push(_ONE)
+            elif op in (0x4A, 0x4D):  # BININT, BININT2
+                pos += 4 if op == 0x4A else 2
+                push(_INT)
+            elif op == 0x47:  # BINFLOAT
+                pos += 8
+                push(0)
+            elif op in (0x4E, 0x88, 0x89):  # None, True, False
+                push(0)
+            elif op in (0x74, 0x85, 0x86, 0x87):  # TUPLE, TUPLE1, TUPLE2, TUPLE3
+                mark = marks.pop() if op == 0x74 else len(stack) - (op - 0x84)
+                if mark < 0:
+                    raise IndexError("a tuple of missing items")
+                items = stack[mark:]
+                del stack[mark:]
+                depth = ((max(items, default=0) >> _TAG_BITS) + 1) << _TAG_BITS
+                if depth >= _DEEP:
+                    raise FormatError(f"{corrupt}: its pickle nests containers more than {MAX_PICKLE_NESTING} deep")
+                first = items[0] if items else 0
+                push(depth | (_INT_FIRST if first & _INT else 0) | (_STR_FIRST if first & _STR else 0))
+            elif op == 0x52:  # REDUCE: func(*args)
+                args = stack.pop()
+                if stack[-1] & _BYTEARRAY and args & _INT_FIRST:
+                    raise FormatError(f"{corrupt}: its pickle builds a bytearray from a size, which no writer does")
+                if stack[-1] & _ENCODE and not args & _STR_FIRST:
+                    raise FormatError(f"{corrupt}: its pickle encodes something other than a string literal, which no writer does")
+                stack[-1] = args & ~_TAGS
+            elif op == 0x81:  # NEWOBJ: cls.__new__(cls, *args)
+                args = stack.pop()
+                stack[-1] = args & ~_TAGS
+            elif op == 0x62:  # BUILD: the state goes into the object
+                stack.pop()
+            elif op == 0x51:  # BINPERSID: a storage in place of its id
+                stack[-1] = 0
+            elif op == 0x63:  # GLOBAL: module and name, a line each
+                first = pkl.index(b"\n", pos)
+                second = pkl.index(b"\n", first + 1)
+                name = pkl[pos:second].replace(b"\n", b".")
+                pos = second + 1
+                if name in refused:
+                    raise FormatError(f"{corrupt}: its pickle calls {name.decode(errors='replace')}, which no writer puts in an object tree")
+                push(_BYTEARRAY if name in (b"builtins.bytearray", b"__builtin__.bytearray") else _ENCODE if name == b"_codecs.encode" else 0)
+            elif op in (0x55, 0x8A):  # SHORT_BINSTRING, LONG1
+                pos += 1 + pkl[pos]
+                push(_INT if op == 0x8A else _STR)
+            elif op == 0x80:  # PROTO
+                pos += 1
+            elif op == 0x2E:  # STOP
+                return
+            elif chr(op) in _PICKLE_OPCODES:
+                return  # a real opcode that the weights-only unpickler refuses by itself
+            else:
+                raise FormatError(f"{corrupt}: byte {pos - 1} of its pickle is no pickle opcode ({op:#04x})")
+    except (IndexError, KeyError, ValueError, struct.error) as exc:
+        raise FormatError(f"{corrupt}: its pickle is malformed near byte {pos} ({type(exc).__name__})") from exc
+
+
+_PICKLE_OPCODES = {op.code for op in pickletools.opcodes}
 
 
 def weights_only_detail(exc: BaseException) -> str:

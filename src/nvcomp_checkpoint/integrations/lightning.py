@@ -15,7 +15,6 @@ import io
 import logging
 import os
 import sys
-import threading
 import time
 from typing import IO, Any, Callable, Mapping, Optional
 
@@ -25,14 +24,14 @@ from typing_extensions import override
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
 from nvcomp_checkpoint.errors import UnsafeCheckpointError
+from nvcomp_checkpoint.savegroup import SavedCallback, SaveSequence
+from nvcomp_checkpoint.storage import storage_for
 
 try:  # the unified package: `lightning.pytorch.Trainer` and `lightning.fabric.Fabric`
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-    from lightning.fabric.utilities.cloud_io import get_filesystem
 except ImportError:  # pragma: no cover - only the standalone packages are installed
     try:
         from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
-        from lightning_fabric.utilities.cloud_io import get_filesystem
     except ImportError as exc:
         raise ImportError(
             "nvcomp_checkpoint.lightning needs Lightning: pip install 'nvcomp-checkpoint[lightning]'"
@@ -58,18 +57,6 @@ __all__ = [
 
 _LOG = logging.getLogger(__name__)
 
-SavedCallback = Callable[[SaveReport], Any]
-
-
-@dataclasses.dataclass(eq=False)
-class _InFlight:
-    """One async save of the plugin, until its done callback has finished."""
-
-    handle: nc.AsyncSaveHandle
-    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
-    closed: bool = False  # its outcome is recorded; no more removals may wait for it
-    # Files to delete once this save (and so every save before it) is durable: (path, failures seen before).
-    removals: list[tuple[Any, int]] = dataclasses.field(default_factory=list)
 
 _POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(CodecPolicy))
 #: Keys accepted in ``storage_options`` of a single save: a whole ``policy``, any
@@ -172,10 +159,8 @@ class NvcompCheckpointIO(CheckpointIO):
             policy = CodecPolicy.from_dict(policy)
         elif not isinstance(policy, CodecPolicy):
             raise TypeError(f"NvcompCheckpointIO(policy=...) takes a CodecPolicy or a dict, got {type(policy).__name__}")
-        if max_pending < 1:
-            raise ValueError(f"NvcompCheckpointIO(max_pending=...) must be at least 1, got {max_pending}")
-        if on_saved is not None and not callable(on_saved):
-            raise TypeError(f"NvcompCheckpointIO(on_saved=...) takes a callable, got {type(on_saved).__name__}")
+        # Checks max_pending and on_saved; runs every on_saved callback and owns every background error.
+        self._saves = SaveSequence("NvcompCheckpointIO", max_pending=max_pending, workers=workers, on_saved=on_saved)
         self.policy: CodecPolicy = policy
         self.workers = workers
         self.fsspec_options = dict(fsspec_options or {})
@@ -183,32 +168,11 @@ class NvcompCheckpointIO(CheckpointIO):
         self.max_pending = max_pending
         self.on_saved = on_saved
         self.stream_wrapper = stream_wrapper
-        self.last_report: SaveReport | None = None
         self._listeners: list[Callable[[SaveReport, dict[str, Any]], None]] = []
-        self._init_async_state()
 
-    def _init_async_state(self) -> None:
-        self._saver: nc.AsyncSaver | None = None
-        self._lock = threading.Lock()
-        # Saves handed to the saver whose done callback has not finished yet, oldest first.
-        self._inflight: collections.deque[_InFlight] = collections.deque()
-        self._errors: list[BaseException] = []  # background failures nobody has been told of yet
-        self._reported: list[BaseException] = []  # ... and those the saver itself already raised
-        self._failures = 0  # background failures so far
-        self._kept: list[str] = []  # files not removed because a save before their removal failed
-        self._callback_thread: int | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Lightning pickles the Trainer for spawned processes; threads and locks do not travel,
-        # and a copy starts with no saves of its own.
-        state = self.__dict__.copy()
-        for name in ("_saver", "_lock", "_inflight", "_errors", "_reported", "_failures", "_kept", "_callback_thread"):
-            state.pop(name, None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_async_state()
+    @property
+    def last_report(self) -> SaveReport | None:
+        return self._saves.last_report
 
     def policy_for(self, storage_options: Optional[Any]) -> tuple[CodecPolicy, dict[str, Any] | None]:
         """The policy and index metadata of one save, given Lightning's ``storage_options``.
@@ -267,7 +231,7 @@ class NvcompCheckpointIO(CheckpointIO):
         started = time.perf_counter()
         policy, metadata = self.policy_for(storage_options)
         info = {}
-        if isinstance(checkpoint, Mapping):  # Lightning's counters, readable with `nvckpt info`
+        if isinstance(checkpoint, Mapping):  # Lightning's counters, readable with `nvckpt inspect`
             info = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
         meta = {"written_by": type(self).__name__, **info, **(metadata or {})}
         if not self.async_save:
@@ -275,135 +239,29 @@ class NvcompCheckpointIO(CheckpointIO):
                 checkpoint, path, policy, metadata=meta, storage_options=self.fsspec_options or None,
                 workers=self.workers, stream_wrapper=self.stream_wrapper,
             )
-            self._saved(report, info)
+            self._saves.notify(report, [lambda r: self._tell_listeners(r, info)])
             return
-        self._wait_for_slot()
-        self._raise_background_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
-        waited = time.perf_counter() - started
+        self._saves.wait_for_slot()
+        self._saves.raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
+        group = self._saves.begin(path, started=started, notify=[lambda r: self._tell_listeners(r, info)])
         try:
-            handle = self._async_saver().save(
-                checkpoint, path, policy, metadata=meta, storage_options=self.fsspec_options or None,
-                workers=self.workers, stream_wrapper=self.stream_wrapper,
+            self._saves.save(
+                group, "checkpoint", checkpoint, path, policy, metadata=meta,
+                storage_options=self.fsspec_options or None, stream_wrapper=self.stream_wrapper,
             )
-        except nc.errors.CheckpointWriteError as exc:
-            # The saver reported a failure whose done callback had not run yet: it must not be
-            # reported a second time when that callback does run.
-            if exc.__cause__ is not None:
-                with self._lock:
-                    self._reported.append(exc.__cause__)
-                    self._errors = [e for e in self._errors if e is not exc.__cause__]
+        except BaseException:
+            self._saves.abandon(group)
             raise
-        # The saver times from its own call; the wait for a slot above also held the training loop.
-        timing = (waited, time.perf_counter() - started)
-        entry = _InFlight(handle)
-        with self._lock:
-            self._inflight.append(entry)
-        handle.add_done_callback(lambda h: self._background_done(entry, info, timing))
+        group.blocked = time.perf_counter() - started
+        self._saves.seal(group)
 
-    # -- async bookkeeping ---------------------------------------------------------------------
-    def _async_saver(self) -> nc.AsyncSaver:
-        if self._saver is None:
-            self._saver = nc.AsyncSaver(max_pending=self.max_pending, workers=self.workers)
-        return self._saver
-
-    def _background_done(self, entry: _InFlight, info: dict[str, Any], timing: tuple[float, float]) -> None:
-        """Runs on the saver's thread once a file is durable or its save failed."""
-        self._callback_thread = threading.get_ident()
-        try:
-            # Taking the error here makes this plugin the one that reports it (see _raise_background_errors).
-            error = entry.handle.exception()
-            with self._lock:
-                if error is not None:
-                    self._failures += 1
-                    if not any(error is seen for seen in self._reported):
-                        self._errors.append(error)
-                entry.closed = True
-                removals, entry.removals = entry.removals, []
-                failures = self._failures
-            # Saves finish in order: with this one, every save handed over before each removal is done.
-            for path, failures_before in removals:
-                if failures != failures_before:
-                    with self._lock:
-                        self._kept.append(os.fspath(path))
-                    _LOG.warning("%s: not removed, because a checkpoint save before its removal failed", path)
-                else:
-                    try:
-                        self._remove_now(path)
-                    except Exception as exc:  # an old file left behind must not fail the new checkpoint
-                        _LOG.warning("%s: could not remove this old checkpoint (%s); the new one is saved", path, exc)
-            if error is None:
-                waited, blocked = timing
-                report = entry.handle.result()
-                report = dataclasses.replace(report, seconds=report.seconds + waited, seconds_blocked=blocked)
-                self._saved(report, info)
-        finally:
-            self._callback_thread = None
-            entry.finished.set()
-
-    def _saved(self, report: SaveReport, info: dict[str, Any]) -> None:
-        """A file is durable: record its report, tell ``on_saved`` and the metrics callbacks."""
-        self.last_report = report
-        if self.on_saved is not None:
-            try:
-                self.on_saved(report)
-            except Exception:
-                # A failing observer must not turn a durable checkpoint into a failed save.
-                _LOG.exception("%s: the on_saved callback raised", report.path)
+    def _tell_listeners(self, report: SaveReport, info: dict[str, Any]) -> None:
         for listener in list(self._listeners):
-            try:
-                listener(report, info)
-            except Exception:
-                _LOG.exception("%s: a metrics listener raised", report.path)
-
-    def _wait_for_slot(self) -> None:
-        # Back-pressure is applied here, not inside the saver: a finished save's error is then
-        # always taken by _background_done before the next save starts, never raised twice.
-        while True:
-            with self._lock:
-                while self._inflight and self._inflight[0].finished.is_set():
-                    self._inflight.popleft()
-                running = [entry.finished for entry in self._inflight]
-            if len(running) < self.max_pending:
-                return
-            running[0].wait()
-
-    def _wait_all(self) -> None:
-        if self._callback_thread == threading.get_ident():
-            raise RuntimeError(
-                "NvcompCheckpointIO: wait() was called from an on_saved callback, which runs on the save "
-                "thread and would wait for itself; call it from the training loop instead."
-            )
-        with self._lock:
-            running = [entry.finished for entry in self._inflight]
-        for finished in running:
-            finished.wait()
-        with self._lock:
-            while self._inflight and self._inflight[0].finished.is_set():
-                self._inflight.popleft()
-
-    def _raise_background_errors(self, when: str, consequence: str = "") -> None:
-        """Raise the oldest background failure not yet reported (``when``: who reports it)."""
-        with self._lock:
-            errors, self._errors = self._errors, []
-            kept, self._kept = self._kept, []
-        if not errors:
-            return
-        for later in errors[1:]:
-            _LOG.error("an async checkpoint save failed: %s", later)
-        more = f" ({len(errors) - 1} more failed saves are logged)" if len(errors) > 1 else ""
-        if kept:
-            consequence = (
-                f"{consequence} Not removed, so that the run keeps its newest complete checkpoint: {', '.join(kept)}."
-            ).strip()
-        raise nc.errors.CheckpointWriteError(
-            f"an async checkpoint save failed in the background (reported by {when}){more}: "
-            f"{str(errors[0]).rstrip('.')}.{' ' + consequence if consequence else ''}"
-        ) from errors[0]
+            listener(report, info)
 
     def pending(self) -> int:
         """Saves snapshotted but not yet durable (always 0 without ``async_save``)."""
-        with self._lock:
-            return sum(1 for entry in self._inflight if not entry.closed)
+        return self._saves.pending()
 
     def wait(self) -> None:
         """Wait until every pending save is durable; raise the first background failure.
@@ -412,8 +270,8 @@ class NvcompCheckpointIO(CheckpointIO):
             nvcomp_checkpoint.errors.CheckpointWriteError: A background save failed (the file it
                 would have replaced, if any, is untouched).
         """
-        self._wait_all()
-        self._raise_background_errors("wait()")
+        self._saves.wait()
+        self._saves.raise_errors("wait()")
 
     @override
     def load_checkpoint(
@@ -438,10 +296,10 @@ class NvcompCheckpointIO(CheckpointIO):
         """
         if self.async_save:
             # A checkpoint still being written must not be read as missing, or as the older one.
-            self._wait_all()
-            self._raise_background_errors(f"load_checkpoint({os.fspath(path)!r})", "Nothing was loaded; fix the cause and save again.")
-        fs = get_filesystem(path, **self.fsspec_options)
-        if not fs.exists(path):
+            self._saves.wait()
+            self._saves.raise_errors(f"load_checkpoint({os.fspath(path)!r})", "Nothing was loaded; fix the cause and save again.")
+        storage, spath = storage_for(path, self.fsspec_options or None)
+        if not storage.exists(spath):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         if map_location is None and not nc.is_nvcomp_checkpoint(path, storage_options=self.fsspec_options or None):
             map_location = _storage_as_loaded
@@ -469,21 +327,17 @@ class NvcompCheckpointIO(CheckpointIO):
                 then kept, since it may be the newest complete checkpoint.
         """
         if self.async_save:
-            self._raise_background_errors(
+            self._saves.raise_errors(
                 f"remove_checkpoint({os.fspath(path)!r})",
                 f"{os.fspath(path)} was not removed: it may be the newest complete checkpoint.",
             )
-            with self._lock:
-                open_saves = [entry for entry in self._inflight if not entry.closed]
-                if open_saves:
-                    open_saves[-1].removals.append((path, self._failures))
-                    return
+            if self._saves.after_pending(lambda: self._remove_now(path), os.fspath(path)):
+                return
         self._remove_now(path)
 
     def _remove_now(self, path: Any) -> None:
-        fs = get_filesystem(path, **self.fsspec_options)
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
+        storage, spath = storage_for(path, self.fsspec_options or None)
+        storage.remove(spath)
 
     @override
     def teardown(self) -> None:
@@ -495,17 +349,11 @@ class NvcompCheckpointIO(CheckpointIO):
         """
         if not self.async_save:
             return
-        self._wait_all()
-        saver, self._saver = self._saver, None
-        if saver is not None:
-            saver.close()  # its errors were all taken by _background_done
+        self._saves.close()
         if sys.exc_info()[1] is not None:
-            with self._lock:
-                errors, self._errors = self._errors, []
-            for error in errors:
-                _LOG.error("an async checkpoint save failed: %s", error)
+            self._saves.log_errors()
             return
-        self._raise_background_errors("teardown, at the end of the run")
+        self._saves.raise_errors("teardown, at the end of the run")
 
 
 def report_metrics(report: SaveReport, prefix: str = "nvckpt/") -> dict[str, float]:

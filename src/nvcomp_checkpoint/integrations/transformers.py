@@ -6,14 +6,13 @@ background); ``NvcompTrainer`` (or ``NvcompTrainerMixin`` on your own Trainer su
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import re
-import threading
+import sys
 import time
 import warnings
-from dataclasses import replace
+import weakref
 from pathlib import Path
 from typing import IO, Any, Callable
 
@@ -24,9 +23,11 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.api import log_report
+from nvcomp_checkpoint.dirstore import MARKER_NAME, write_marker
 from nvcomp_checkpoint.report import merge_reports
-from nvcomp_checkpoint.storage import fsync_path, storage_for
+from nvcomp_checkpoint.savegroup import SaveSequence
+from nvcomp_checkpoint.storage import LOCAL, stale_temp_files
+from nvcomp_checkpoint.tensors import first_difference
 
 __all__ = [
     "NvcompTrainerCallback",
@@ -35,6 +36,7 @@ __all__ = [
     "compress_checkpoint",
     "decompress_checkpoint",
     "COMPRESSED_SUFFIX",
+    "MARKER_NAME",
 ]
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,25 @@ _SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json"
 _TREE_KEY = {_SAFE_WEIGHTS: "model", _TORCH_WEIGHTS: "model", _OPTIMIZER: "optimizer"}
 _META_KEY = "transformers"
 
+#: Written into a checkpoint directory whose model weights are compressed: what the files are,
+#: and how to read them (the Trainer and ``from_pretrained`` only say that no weights were found).
+_MARKER_TEXT = """\
+This checkpoint directory was compressed by nvcomp-checkpoint (https://pypi.org/project/nvcomp-checkpoint/).
+
+optimizer.pt.nvc (and model.safetensors.nvc, if present) hold the Trainer's optimizer.pt (and
+model.safetensors), compressed losslessly. transformers alone cannot read them:
+- a Trainer without NvcompTrainerCallback resumes with a FRESH optimizer state (it skips a
+  missing optimizer.pt without a word);
+- with compressed weights, Trainer(resume_from_checkpoint=...) says "Can't find a valid
+  checkpoint" and from_pretrained says "no file named model.safetensors".
+
+- Resume training: keep NvcompTrainerCallback in the Trainer's callbacks (with compressed weights,
+  use nvcomp_checkpoint.transformers.NvcompTrainer, or NvcompTrainerMixin on your Trainer class).
+- Get the plain files back (from_pretrained, other tools):
+    python -c "from nvcomp_checkpoint.transformers import decompress_checkpoint; decompress_checkpoint('<this directory>')"
+- Read one file: nvcomp_checkpoint.load("optimizer.pt.nvc")
+"""
+
 
 # -- conversion of one checkpoint directory ----------------------------------------------------
 
@@ -67,6 +88,7 @@ def compress_checkpoint(
     verify: bool = True,
     workers: int | None = None,
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+    weights: bool = True,
 ) -> nc.SaveReport:
     """Replace the model weights and optimizer state of a Trainer checkpoint by compressed files.
 
@@ -86,6 +108,9 @@ def compress_checkpoint(
         workers: Compression threads (default: every core).
         stream_wrapper: Wraps each compressed file's output stream (throttling, byte counting
             ...); its ``write`` must pass every byte on, in order.
+        weights: Compress the model weights too. Without them the directory stays loadable by
+            the stock ``Trainer`` and ``from_pretrained``; :class:`NvcompTrainerCallback`
+            restores the optimizer state when training begins.
 
     Returns:
         One report for the files written: per-component sizes, codecs and time.
@@ -99,8 +124,8 @@ def compress_checkpoint(
         raise nc.errors.FormatError(f"{directory}: not a checkpoint directory written by the Trainer")
     stamp = directory.stat()
     start = time.perf_counter()
-    plain = _plain_files(directory)
-    _remove_stale_temporaries(directory)
+    plain = [name for name in _plain_files(directory) if weights or name == _OPTIMIZER]
+    stale_temp_files(directory, remove=True)  # a conversion killed mid-write left nc.save's temporary file
     written: list[Path] = []
     reports: list[nc.SaveReport] = []
     try:
@@ -122,8 +147,8 @@ def compress_checkpoint(
         # system) must never remove the last copy.
         for path in written:
             if path.with_name(path.name[: -len(COMPRESSED_SUFFIX)]).is_file():
-                path.unlink(missing_ok=True)
-        fsync_path(directory)
+                LOCAL.remove(str(path))
+        LOCAL.fsync(str(directory))
         _restore_mtime(directory, stamp)
         if isinstance(exc, OSError):
             raise nc.errors.CheckpointWriteError(
@@ -137,9 +162,12 @@ def compress_checkpoint(
     # plain file goes. The weights go first: a plain Trainer then refuses the directory ("Can't
     # find a valid checkpoint") instead of loading the weights and silently skipping a
     # compressed optimizer.
+    if plain:
+        # A directory that only this library reads whole says so to whoever opens it.
+        write_marker(directory, _MARKER_TEXT)
     for name in plain:
-        (directory / name).unlink(missing_ok=True)
-    fsync_path(directory)
+        LOCAL.remove(str(directory / name))
+    LOCAL.fsync(str(directory))
     _restore_mtime(directory, stamp)
     return merge_reports(str(directory), reports, time.perf_counter() - start)
 
@@ -167,16 +195,17 @@ def decompress_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
         with nc.open(compressed) as reader:
             meta = reader.metadata.get(_META_KEY, {})
         tree = _load_tree(compressed, _TREE_KEY[name], "cpu")
-        storage, path = storage_for(directory / name)
         # Atomic (temporary file, fsync, rename): a crash leaves the compressed file as it was.
-        with storage.open_write(path) as stream:
+        with LOCAL.open_write(str(directory / name)) as stream:
             if name == _SAFE_WEIGHTS:
                 stream.write(safetensors.torch.save(tree, metadata=meta.get("safetensors_metadata")))
             else:
                 torch.save(tree, stream)
-        compressed.unlink()
+        LOCAL.remove(str(compressed))
         restored.append(name)
-    fsync_path(directory)
+    if not any(directory.glob("*" + COMPRESSED_SUFFIX)):
+        LOCAL.remove(str(directory / MARKER_NAME))
+    LOCAL.fsync(str(directory))
     _restore_mtime(directory, stamp)
     return restored
 
@@ -214,45 +243,12 @@ def _read_plain(path: Path) -> tuple[Any, dict[str, Any]]:
 
 def _verify_copy(target: Path, key: str, original: Any) -> None:
     decoded = _load_tree(target, key, "cpu")
-    difference = _first_difference(original, decoded, key)
+    difference = first_difference(original, decoded, key)
     if difference is not None:
         raise nc.errors.FormatError(
             f"{target}: the compressed copy differs from the Trainer's file at {difference!r}; "
             "please report this as a bug (pass verify=False only to skip this check)."
         )
-
-
-def _first_difference(a: Any, b: Any, path: str) -> str | None:
-    """The key of the first value that is not bit-identical, or None."""
-    if isinstance(a, torch.Tensor):
-        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
-            return path
-        if a.numel() and not torch.equal(_bytes_of(a), _bytes_of(b)):
-            return path
-        return None
-    if isinstance(a, dict):
-        if not isinstance(b, dict) or list(a) != list(b):
-            return path
-        for k in a:
-            found = _first_difference(a[k], b[k], f"{path}/{k}")
-            if found is not None:
-                return found
-        return None
-    if isinstance(a, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
-            return path
-        for i, (x, y) in enumerate(zip(a, b)):
-            found = _first_difference(x, y, f"{path}/{i}")
-            if found is not None:
-                return found
-        return None
-    if isinstance(a, float) and a != a:  # NaN (Adam's eps, betas are never NaN, but a user value may be)
-        return None if isinstance(b, float) and b != b else path
-    return None if a == b else path
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _load_tree(path: Path | str, key: str, map_location: Any) -> Any:
@@ -284,15 +280,8 @@ def _step_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _remove_stale_temporaries(directory: Path) -> None:
-    # A conversion killed mid-write leaves nc.save's temporary file (".<name>.tmp-<pid>-<id>").
-    for name in _TREE_KEY:
-        for stale in directory.glob(f".{name}{COMPRESSED_SUFFIX}.tmp-*"):
-            stale.unlink(missing_ok=True)
-
-
 def _restore_mtime(directory: Path, stamp: os.stat_result) -> None:
-    os.utime(directory, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    LOCAL.set_times(str(directory), stamp)
 
 
 
@@ -301,25 +290,26 @@ def _restore_mtime(directory: Path, stamp: os.stat_result) -> None:
 
 
 class NvcompTrainerCallback(TrainerCallback):
-    """Compresses the model weights and optimizer state of every checkpoint the Trainer saves.
+    """Compresses the optimizer state (and, with :class:`NvcompTrainer`, the model weights) of every checkpoint.
 
-    Resuming needs :class:`NvcompTrainer` (or :class:`NvcompTrainerMixin`), because the Trainer
-    loads checkpoints with its own code and knows only its plain files.
+    With a stock ``Trainer`` (or ``SFTTrainer`` ...), the model weights stay as the Trainer wrote
+    them, so ``train(resume_from_checkpoint=...)``, ``load_best_model_at_end`` and
+    ``from_pretrained`` of a checkpoint folder work unchanged; ``optimizer.pt`` becomes
+    ``optimizer.pt.nvc``, which this callback loads into the optimizer (and ``scheduler.pt`` into
+    the scheduler, as the Trainer does) when training begins. With :class:`NvcompTrainer` (or
+    :class:`NvcompTrainerMixin`) the weights are compressed too (``compress_weights``).
 
     With ``async_save=True``, ``on_save`` hands the conversion of ``checkpoint-N`` (read the
-    Trainer's files, compress, verify, remove the plain files) to a background thread and returns,
-    so training goes on meanwhile. The Trainer's files on disk are the snapshot: nothing writes to
-    ``checkpoint-N`` again, and at every moment each file is there complete, plain or compressed.
-    Before the Trainer saves again (and rotates old checkpoints with ``save_total_limit``), the
-    callback waits for the pending conversion, so rotation never deletes a directory being
-    converted; the save that ends training is converted before ``on_save`` returns, so loading
-    the best model and the last rotation see finished directories; :class:`NvcompTrainerMixin`
-    waits before loading any checkpoint. A failed conversion (its directory is left as the
-    Trainer wrote it, which still resumes) is raised before the next save, or by ``on_train_end``.
+    Trainer's files, compress, verify, remove the plain files) to a background thread and returns.
+    The Trainer's files on disk are the snapshot: at every moment each file is there complete,
+    plain or compressed. Before the Trainer saves again (and rotates old checkpoints), the callback
+    waits for the pending conversion; the save that ends training is converted before ``on_save``
+    returns. A failed conversion (its directory is left as the Trainer wrote it, which still
+    resumes) is raised before the next save, or by ``on_train_end``.
 
     Example:
-        >>> trainer = NvcompTrainer(model=model, args=args, train_dataset=ds,
-        ...                         callbacks=[NvcompTrainerCallback(async_save=True)])
+        >>> trainer = Trainer(model=model, args=args, train_dataset=ds,
+        ...                   callbacks=[NvcompTrainerCallback(async_save=True)])
         >>> trainer.train(resume_from_checkpoint=True)
 
     Args:
@@ -331,6 +321,9 @@ class NvcompTrainerCallback(TrainerCallback):
             the compressed files are durable and the plain ones removed (with ``async_save``, on
             the background thread).
         stream_wrapper: Wraps each compressed file's output stream (throttling, byte counting ...).
+        compress_weights: ``None`` (default): compress the weights only when the Trainer is an
+            :class:`NvcompTrainerMixin`, which can resume from them. ``True`` with a stock
+            Trainer is refused when the Trainer is created.
 
     Attributes:
         last_report: The :class:`~nvcomp_checkpoint.SaveReport` of the latest conversion;
@@ -347,22 +340,26 @@ class NvcompTrainerCallback(TrainerCallback):
         async_save: bool = False,
         on_saved: Callable[[nc.SaveReport], Any] | None = None,
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+        compress_weights: bool | None = None,
     ) -> None:
-        if on_saved is not None and not callable(on_saved):
-            raise TypeError(f"NvcompTrainerCallback(on_saved=...) takes a callable, got {type(on_saved).__name__}")
+        self._saves = SaveSequence("NvcompTrainerCallback", workers=workers, on_saved=on_saved, log_as="compressed")
         self.policy = policy
         self.verify = verify
         self.workers = workers
         self.async_save = bool(async_save)
         self.on_saved = on_saved
         self.stream_wrapper = stream_wrapper
-        self.last_report: nc.SaveReport | None = None
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: tuple[Path, concurrent.futures.Future[nc.SaveReport]] | None = None
-        self._callback_thread: int | None = None  # the thread running on_saved, which must not wait
+        self.compress_weights = compress_weights
+        self._weights = bool(compress_weights)
+        self._resumes_itself = False  # the Trainer is an NvcompTrainerMixin: it loads what we wrote
+        _CALLBACKS.add(self)
+
+    @property
+    def last_report(self) -> nc.SaveReport | None:
+        return self._saves.last_report
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        """Reject the setups whose checkpoints this callback cannot convert safely."""
+        """Reject the setups whose checkpoints this callback cannot convert, or that could not resume."""
         if args.deepspeed or args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
             raise nc.CheckpointError(
                 f"{args.output_dir}: NvcompTrainerCallback compresses the Trainer's own optimizer.pt and model "
@@ -375,6 +372,55 @@ class NvcompTrainerCallback(TrainerCallback):
                 f"{args.output_dir}: hub_strategy={args.hub_strategy!r} uploads each checkpoint directory in the "
                 "background while NvcompTrainerCallback rewrites it. Use hub_strategy='every_save' or 'end'."
             )
+        trainer = _calling_trainer()
+        self._resumes_itself = isinstance(trainer, NvcompTrainerMixin)
+        if self.compress_weights and trainer is not None and not self._resumes_itself:
+            raise nc.CheckpointError(
+                f"{args.output_dir}: NvcompTrainerCallback(compress_weights=True) with a stock {type(trainer).__name__}: "
+                "it could neither resume from nor load the best model from compressed weights. Use "
+                "nvcomp_checkpoint.transformers.NvcompTrainer (or put NvcompTrainerMixin first in your Trainer "
+                "class's bases), or leave compress_weights unset to keep the weights plain."
+            )
+        self._weights = self._resumes_itself if self.compress_weights is None else bool(self.compress_weights)
+        if trainer is not None and not self._resumes_itself:
+            # on_train_begin restores the optimizer state the Trainer skipped: first, so that the
+            # other callbacks' on_train_begin see the state training resumes from.
+            callbacks = trainer.callback_handler.callbacks
+            if self in callbacks:
+                callbacks.remove(self)
+                callbacks.insert(0, self)
+            self._check_stock_resume(args, trainer)
+
+    def _check_stock_resume(self, args: TrainingArguments, trainer: Trainer) -> None:
+        """A stock Trainer cannot read compressed weights: say so now, not with its own error at train()."""
+        fix = (
+            f"a stock {type(trainer).__name__} cannot read its compressed weights (it would say \"Can't find a "
+            "valid checkpoint\"). Resume with nvcomp_checkpoint.transformers.NvcompTrainer (or NvcompTrainerMixin "
+            "first in your Trainer class's bases), or run decompress_checkpoint() on it first."
+        )
+        wanted = args.resume_from_checkpoint  # set by the example scripts' --resume_from_checkpoint
+        if isinstance(wanted, str) and os.path.isdir(wanted) and _compressed_weights(wanted) is not None:
+            raise nc.CheckpointError(f"{wanted}: {fix}")
+        latest = _newest_checkpoint(args.output_dir)
+        if latest is not None and _compressed_weights(latest) is not None:
+            logger.warning("%s: if this run resumes from it, %s", latest, fix)
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """Resuming with a stock Trainer: load the compressed optimizer state it skipped."""
+        if self._resumes_itself:
+            return
+        checkpoint = _resumed_checkpoint(args, state)
+        if checkpoint is None:
+            return
+        _wait_for_conversions()
+        optimizer, scheduler = kwargs.get("optimizer"), kwargs.get("lr_scheduler")
+        compressed = checkpoint / (_OPTIMIZER + COMPRESSED_SUFFIX)
+        if not compressed.is_file() or (checkpoint / _OPTIMIZER).is_file() or optimizer is None:
+            return  # the Trainer loaded (or had nothing to load) itself
+        if not (checkpoint / _SCHEDULER).is_file():
+            return  # as the Trainer: an optimizer state without its scheduler is not from the same save
+        logger.info("Loading the compressed optimizer state from %s.", compressed)
+        _load_optimizer_and_scheduler(checkpoint, args, optimizer, scheduler)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Convert the checkpoint the Trainer has just written (after its rotation)."""
@@ -386,18 +432,17 @@ class NvcompTrainerCallback(TrainerCallback):
         if directory is None:
             logger.warning("NvcompTrainerCallback: no checkpoint-%d directory under %s", state.global_step, args.output_dir)
             return
+        convert = lambda: compress_checkpoint(  # noqa: E731
+            directory, self.policy, verify=self.verify, workers=self.workers, stream_wrapper=self.stream_wrapper,
+            weights=self._weights,
+        )
         if not self.async_save:
-            report = compress_checkpoint(
-                directory, self.policy, verify=self.verify, workers=self.workers, stream_wrapper=self.stream_wrapper
-            )
-            self._converted(report)
+            self._saves.notify(convert())
             return
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvckpt-hf-convert")
-        blocked = time.perf_counter() - entered
-        future = self._executor.submit(self._convert, directory, entered, blocked)
-        self._pending = (directory, future)
-        _register_conversion(future)
+        group = self._saves.begin(directory, started=entered)
+        self._saves.run(group, directory.name, convert)
+        group.blocked = time.perf_counter() - entered
+        self._saves.seal(group)
         if control.should_training_stop:
             # The last save: nothing left to overlap with, and what follows (loading the best
             # model, the final rotation, the end of the process) must see a finished directory.
@@ -421,13 +466,11 @@ class NvcompTrainerCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Wait for the pending conversion and raise its error."""
         self.wait("on_train_end")
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
+        self._saves.close()
 
     def pending(self) -> bool:
         """True while a background conversion runs."""
-        return self._pending is not None and not self._pending[1].done()
+        return self._saves.pending() > 0
 
     def wait(self, when: str = "wait()") -> None:
         """Wait for the pending background conversion; raise its error if it failed.
@@ -436,71 +479,74 @@ class NvcompTrainerCallback(TrainerCallback):
             CheckpointError: The conversion failed; its directory holds the Trainer's plain files
                 (the Trainer resumes from them).
         """
-        if self._callback_thread == threading.get_ident():
-            raise RuntimeError(
-                "NvcompTrainerCallback.wait() was called from on_saved, which runs on the conversion thread "
-                "and would wait for itself; call it from the training loop instead."
-            )
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        directory, future = pending
-        error = future.exception()
-        if error is None:
-            return
-        message = f"{str(error).rstrip('.')}. (Converted in the background; reported by {when}.)"
-        if isinstance(error, nc.CheckpointError):
-            raise type(error)(message) from error
-        raise nc.errors.CheckpointWriteError(f"{directory}: compressing the checkpoint failed: {message}") from error
-
-    def _convert(self, directory: Path, entered: float, blocked: float) -> nc.SaveReport:
-        """The background job: convert, then report (the error, if any, waits for :meth:`wait`)."""
-        try:
-            report = compress_checkpoint(
-                directory, self.policy, verify=self.verify, workers=self.workers, stream_wrapper=self.stream_wrapper
-            )
-        except BaseException as exc:
-            logger.error("%s (raised before the next save or by on_train_end)", exc)
-            raise
-        report = replace(report, seconds=time.perf_counter() - entered, seconds_blocked=blocked)
-        self._converted(report)
-        return report
-
-    def _converted(self, report: nc.SaveReport) -> None:
-        self.last_report = report
-        log_report(report, "compressed")
-        if self.on_saved is not None:
-            self._callback_thread = threading.get_ident()
-            try:
-                self.on_saved(report)
-            except Exception:
-                logger.exception("%s: the on_saved callback raised", report.path)
-            finally:
-                self._callback_thread = None
+        self._saves.wait()
+        self._saves.raise_errors(when)
 
 
-# Conversions under way in this process, so that loading a checkpoint waits for them.
-_CONVERSIONS: set[concurrent.futures.Future[Any]] = set()
-_CONVERSIONS_LOCK = threading.Lock()
-
-
-def _register_conversion(future: concurrent.futures.Future[Any]) -> None:
-    with _CONVERSIONS_LOCK:
-        _CONVERSIONS.add(future)
-
-    def forget(done: concurrent.futures.Future[Any]) -> None:
-        with _CONVERSIONS_LOCK:
-            _CONVERSIONS.discard(done)
-
-    future.add_done_callback(forget)
+# Callbacks of this process, so that loading a checkpoint waits for their conversions.
+_CALLBACKS: "weakref.WeakSet[NvcompTrainerCallback]" = weakref.WeakSet()
 
 
 def _wait_for_conversions() -> None:
-    """Wait for every background conversion of this process (their errors go to their callback)."""
-    with _CONVERSIONS_LOCK:
-        pending = list(_CONVERSIONS)
-    if pending:
-        concurrent.futures.wait(pending)
+    """Wait for every background conversion of this process (their errors stay for their callback)."""
+    for callback in list(_CALLBACKS):
+        if callback.pending():
+            callback._saves.wait()
+
+
+def _calling_trainer() -> Trainer | None:
+    """The ``Trainer`` whose event this is: callbacks are not handed the Trainer itself."""
+    frame = sys._getframe(1)
+    for _ in range(40):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path | None:
+    """The checkpoint ``train(resume_from_checkpoint=...)`` resumes from, or ``None`` for a fresh run.
+
+    The Trainer keeps it in a local variable of its training loop (transformers 4 and 5); if
+    that is ever gone, a run that starts at a step > 0 resumes from ``checkpoint-<step>``.
+    """
+    frame = sys._getframe(1)
+    for _ in range(40):
+        if frame is None:
+            break
+        if isinstance(frame.f_locals.get("self"), Trainer) and "resume_from_checkpoint" in frame.f_locals:
+            found = frame.f_locals["resume_from_checkpoint"]
+            return Path(found) if isinstance(found, (str, os.PathLike)) else None
+        frame = frame.f_back
+    if state.global_step == 0:
+        return None
+    guess = _saved_checkpoint(args.output_dir, state.global_step)
+    if guess is None:
+        raise nc.CheckpointError(
+            f"{args.output_dir}: NvcompTrainerCallback cannot tell which checkpoint this run resumed from (step "
+            f"{state.global_step}); resume with nvcomp_checkpoint.transformers.NvcompTrainer instead."
+        )
+    return guess
+
+
+def _load_optimizer_and_scheduler(checkpoint: Path, args: TrainingArguments, optimizer: Any, scheduler: Any) -> None:
+    """What ``Trainer._load_optimizer_and_scheduler`` does, from the compressed optimizer state."""
+    # As the Trainer does: the CPU for one process, each rank's own device when distributed.
+    map_location = args.device if args.world_size > 1 and args.device.type != "cpu" else "cpu"
+    optimizer.load_state_dict(_load_tree(checkpoint / (_OPTIMIZER + COMPRESSED_SUFFIX), "optimizer", map_location))
+    if scheduler is not None:
+        with warnings.catch_warnings(record=True) as caught:
+            scheduler.load_state_dict(torch.load(checkpoint / _SCHEDULER, weights_only=True))
+        reissue_pt_warnings(caught)
+
+
+def _newest_checkpoint(output_dir: str) -> Path | None:
+    """``checkpoint-<largest step>`` in ``output_dir`` (what ``resume_from_checkpoint=True`` picks)."""
+    found = [(s, p) for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and (s := _step_of(p.name)) is not None]
+    return max(found)[1] if found else None
 
 
 def _saved_checkpoint(output_dir: str, step: int) -> Path | None:
@@ -550,13 +596,7 @@ class NvcompTrainerMixin:
             # The Trainer loads the optimizer and the scheduler together or not at all: an
             # optimizer state without its scheduler is not from the same save.
             return None
-        args = self.args  # type: ignore[attr-defined]
-        # As the Trainer does: the CPU for one process, each rank's own device when distributed.
-        map_location = args.device if args.world_size > 1 and args.device.type != "cpu" else "cpu"
-        self.optimizer.load_state_dict(_load_tree(compressed, "optimizer", map_location))  # type: ignore[attr-defined]
-        with warnings.catch_warnings(record=True) as caught:
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))  # type: ignore[attr-defined]
-        reissue_pt_warnings(caught)
+        _load_optimizer_and_scheduler(Path(checkpoint), self.args, self.optimizer, self.lr_scheduler)  # type: ignore[attr-defined]
 
     def _load_best_model(self) -> None:
         _wait_for_conversions()

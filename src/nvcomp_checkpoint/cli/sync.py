@@ -1,0 +1,78 @@
+"""``nvckpt sync``: copy the steps one tier has and another lacks, verified, then apply ``--keep``.
+
+The compressed units are copied as they are (never recompressed) and committed on the
+destination only once checked, exactly as a :class:`nvcomp_checkpoint.CheckpointManager` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from nvcomp_checkpoint.errors import CheckpointError
+from nvcomp_checkpoint.report import format_bytes
+from nvcomp_checkpoint.tiers import copy_unit, open_tier, retained_steps
+
+from ._ui import EXIT_OK, Reporter, print_json, stdout_console
+from .ls import add_storage_arguments, storage_options_from
+
+__all__ = ["add_parser", "run_sync"]
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "sync",
+        parents=[common],
+        help="copy missing steps from one tier to another (verified), then keep the newest N",
+        description=(
+            "Copy every committed step of SRC that DST lacks, byte for byte, checked on DST before it is listed "
+            "there. With --keep N, DST then keeps its newest N steps (never its newest full one); SRC is never changed."
+        ),
+    )
+    p.add_argument("src", metavar="SRC", help="source tier folder or URL")
+    p.add_argument("dst", metavar="DST", help="destination tier folder or URL")
+    p.add_argument("--keep", type=int, help="steps DST keeps after the copy (default: all)")
+    p.add_argument("--json", action="store_true", help="print what was copied and removed as JSON")
+    add_storage_arguments(p)
+    p.set_defaults(func=run_sync)
+
+
+def run_sync(args: argparse.Namespace) -> int:
+    if args.keep is not None and args.keep < 1:
+        raise CheckpointError(f"--keep must be a positive integer, got {args.keep}")
+    src = open_tier(args.src, storage_options_from(args, args.src), name="SRC")
+    dst = open_tier(args.dst, storage_options_from(args, args.dst), name="DST")
+    have = dst.manifests()
+    wanted = src.manifests()
+    if args.keep is not None:
+        # Steps that --keep would delete at once are not worth copying.
+        keep_from = retained_steps(set(have) | set(wanted), args.keep, None)
+        wanted = {s: m for s, m in wanted.items() if s in keep_from}
+    copied, nbytes = [], 0
+    with Reporter(args.quiet) as reporter:
+        for step, m in sorted(wanted.items()):
+            if step in have:
+                continue
+            task = reporter.start(f"step {step}", m.stored_bytes)
+            copy_unit(src, dst, m, task.advance)
+            copied.append(step)
+            nbytes += m.stored_bytes
+    removed = []
+    if args.keep is not None:
+        now = dst.manifests()
+        full = [s for s, m in now.items() if not m.light]
+        protect = {max(now)} | ({max(full)} if full else set()) if now else set()
+        kept = retained_steps(now, args.keep, None, protect)
+        for step in sorted(set(now) - kept):
+            dst.remove_unit(step, now[step].directory)
+            removed.append(step)
+    if args.json:
+        print_json({"nvckpt": "sync", "copied": copied, "bytes": nbytes, "removed": removed, "kept": dst.steps()})
+        return EXIT_OK
+    console = stdout_console()
+    console.print(
+        f"{args.dst}: copied {len(copied)} step(s) ({format_bytes(nbytes)}) {copied or ''}; "
+        f"removed {removed or 'none'}; now holds {dst.steps()}",
+        markup=False, highlight=False,
+    )
+    return EXIT_OK

@@ -1,0 +1,184 @@
+"""``NvcompReader``: a torch.distributed.checkpoint ``StorageReader`` for compressed and plain DCP directories.
+
+Reads the directory's ``.metadata`` (ours, or a plain ``FileSystemWriter`` one), then each rank
+file a load needs; every frame's checksum is checked before it is decoded.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ..codecs import gpu_available
+from ..errors import CheckpointError, FormatError
+from ..reader import CheckpointReader
+from ..storage import open_checkpoint_stream, storage_for
+from .layout import METADATA_NAME, MAX_METADATA_BYTES, StoredItem, decode_metadata, is_compressed_metadata, join, safe_unpickle
+
+__all__ = ["NvcompReader", "read_stored_metadata", "is_compressed_dcp_checkpoint"]
+
+
+def _read_metadata_bytes(path: str, storage_options: dict[str, Any] | None) -> bytes | None:
+    where = join(path, METADATA_NAME)
+    storage, spath = storage_for(where, storage_options)
+    if not storage.exists(spath):
+        return None
+    size = storage.size(spath)
+    if size > MAX_METADATA_BYTES:
+        raise FormatError(f"{where}: {size} bytes of checkpoint metadata, over the limit of {MAX_METADATA_BYTES >> 30} GiB")
+    with open_checkpoint_stream(storage, spath, where) as f:
+        return bytes(f.read())
+
+
+def read_stored_metadata(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Metadata | None:
+    """The DCP ``Metadata`` committed in directory ``path`` (ours or plain), or None if there is none.
+
+    Plain metadata is unpickled with the same allow-list as ours: no code from the file runs.
+    """
+    path = os.fspath(path)
+    data = _read_metadata_bytes(path, storage_options)
+    if data is None:
+        return None
+    where = join(path, METADATA_NAME)
+    metadata = decode_metadata(data, where) if is_compressed_metadata(data) else safe_unpickle(data, where)
+    if not isinstance(metadata, Metadata):
+        raise FormatError(f"{where}: holds a {type(metadata).__name__}, not DCP checkpoint metadata")
+    return metadata
+
+
+def is_compressed_dcp_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
+    """True if ``path`` is a committed DCP directory written by :class:`NvcompWriter`."""
+    try:
+        data = _read_metadata_bytes(os.fspath(path), storage_options)
+    except (OSError, CheckpointError):
+        return False
+    return data is not None and is_compressed_metadata(data)
+
+
+class NvcompReader(StorageReader):
+    """Reads a DCP checkpoint directory written by :class:`NvcompWriter`, or a plain one.
+
+    ``dcp.load(state_dict, storage_reader=NvcompReader(path))`` loads on any number of ranks
+    (or with no process group), whatever the number that saved: DCP reshards, this reader
+    decodes each stored shard it needs once per load step and copies the requested slices.
+
+    Args:
+        path: The checkpoint directory (local path or fsspec URL); or ``dcp.load(..., checkpoint_id=path)``.
+        storage_options: Passed to fsspec for URLs.
+        workers: Decompression threads per rank.
+
+    Raises (inside DCP's ``CheckpointException``, per rank):
+        CheckpointError: no ``.metadata`` (not a checkpoint, or a save that never committed).
+        ChecksumError: a stored byte does not match its checksum; names the tensor's FQN and file.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, *, storage_options: dict[str, Any] | None = None, workers: int | None = None
+    ) -> None:
+        super().__init__()
+        self.path = os.fspath(path) if path is not None else ""
+        self.storage_options = storage_options
+        self.workers = workers
+        self.storage_data: dict[Any, Any] = {}
+        self.load_id = uuid.uuid4().hex
+        self._plain: Any = None  # a FileSystemReader for plain checkpoints
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+        self._plain = None
+
+    def read_metadata(self, *args: Any) -> Metadata:  # type: ignore[override]
+        # No **kwargs: DCP then does not look for per-rank metadata (saves without collectives),
+        # which NvcompWriter never writes, and reports only the real reason a load cannot start.
+        if not self.path:
+            raise CheckpointError("NvcompReader has no directory: pass NvcompReader(path) or dcp.load(..., checkpoint_id=path)")
+        metadata = read_stored_metadata(self.path, self.storage_options)
+        if metadata is None:
+            storage, spath = storage_for(self.path, self.storage_options)
+            what = "an empty directory or no directory" if not storage.exists(spath) else "a directory without .metadata"
+            raise CheckpointError(
+                f"{self.path}: {what}: not a DCP checkpoint, or a save that never completed (the metadata is written "
+                "last, once every rank's file is durable). Load an earlier checkpoint."
+            )
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data or {}
+        values = list(self.storage_data.values())
+        if values and not all(isinstance(v, StoredItem) for v in values):
+            # A plain FileSystemWriter checkpoint: torch's own reader reads its files.
+            from torch.distributed.checkpoint import FileSystemReader
+
+            if "://" in self.path:
+                raise CheckpointError(f"{self.path}: a plain DCP checkpoint at a URL; read it with DCP's FsspecReader")
+            self._plain = FileSystemReader(self.path)
+            self._plain.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._plain is not None:
+            return self._plain.read_data(plan, planner)
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            stored = self.storage_data[req.storage_index]
+            per_file.setdefault(stored.file, []).append(req)
+        for name, reqs in per_file.items():
+            with CheckpointReader(join(self.path, name), storage_options=self.storage_options, workers=self.workers) as reader:
+                self._read_file(reader, reqs, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_file(self, reader: CheckpointReader, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+        # Every request for one stored shard is served by one decode; shards are decoded ahead
+        # on one worker pool, in file order, and each is freed once its slices are copied.
+        by_key: dict[str, list[tuple[ReadItem, torch.Tensor | None]]] = {}
+        for req in reqs:
+            target = None if req.type == LoadItemType.BYTE_IO else planner.resolve_tensor(req).detach()
+            by_key.setdefault(self.storage_data[req.storage_index].key, []).append((req, target))
+        keys = sorted(by_key, key=lambda k: min((f.offset for f in reader.entry(k).frames), default=0))
+        on_gpu = gpu_available() and all(t is None or t.device.type == "cuda" for k in keys for _, t in by_key[k])
+        devices = {t.device for k in keys for _, t in by_key[k] if t is not None}
+        # Decoded where the targets live: on their GPU with nvCOMP when they all share one.
+        location = next(iter(devices)) if on_gpu and len(devices) == 1 else torch.device("cpu")
+        for key, stored in reader.read_many(keys, map_location=location):
+            for req, target in by_key.pop(key):
+                if target is None:
+                    planner.load_bytes(req, io.BytesIO(stored.cpu().numpy().tobytes()))
+                    continue
+                piece = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
+                if target.size() != piece.size():
+                    raise FormatError(
+                        f"{reader.path}: tensor {key!r}: the stored slice has shape {list(piece.shape)}, the state dict "
+                        f"expects {list(target.shape)}; the checkpoint does not match this model"
+                    )
+                target.copy_(piece)
+                planner.commit_tensor(req, target)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return True

@@ -1,0 +1,250 @@
+"""``NvcompWriter``: a torch.distributed.checkpoint ``StorageWriter`` that compresses each rank's shards.
+
+Each rank writes one nvcomp-checkpoint file (byte planes, per-component codecs, xxh3 on every
+frame); the coordinator writes ``.metadata`` last, atomically: that rename is the commit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import io
+import os
+import uuid
+from typing import IO, Any, Callable, Sequence
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..errors import CheckpointError, FormatError
+from ..policy import CodecPolicy, Component, classify
+from ..storage import storage_for, write_errors
+from ..writer import CheckpointWriter
+from .layout import METADATA_NAME, StoredItem, encode_metadata, join, shard_name
+from .reader import read_stored_metadata
+
+__all__ = ["NvcompWriter", "FqnPolicy", "fqn_component", "bytes_key", "unique_key"]
+
+#: The version ``FileSystemWriter`` records (torch.distributed.checkpoint.filesystem).
+DCP_VERSION = "1.0.0"
+#: Keys of byte entries in a rank file start with this (never a tensor FQN: DCP names are dotted).
+_BYTES_PREFIX = "bytes:"
+
+
+def fqn_component(fqn: str) -> Component:
+    """The component of a DCP fully qualified name (``optim.state.layer.weight.exp_avg``).
+
+    DCP flattens the state tree into dotted names; split back into a path, they classify as the
+    nested tree does (``model.layer.weight`` -> weights, ``...exp_avg_sq`` -> exp_avg_sq).
+    """
+    return classify(tuple(fqn.split(".")))
+
+
+@dataclasses.dataclass(frozen=True)
+class FqnPolicy(CodecPolicy):
+    """A :class:`CodecPolicy` that classifies DCP names: user patterns first (matched against the
+    dotted name), then :func:`fqn_component`; byte entries (pickled objects) are ``other``."""
+
+    def component_of(self, key: str, path: Sequence[Any]) -> Component:
+        for pattern, comp in self.patterns.items():
+            if fnmatch.fnmatchcase(key, pattern):
+                return comp
+        if key.startswith(_BYTES_PREFIX):
+            return Component.OTHER
+        return fqn_component(key.split("@", 1)[0])
+
+    @classmethod
+    def of(cls, policy: CodecPolicy) -> "FqnPolicy":
+        return cls(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(CodecPolicy)})
+
+
+def bytes_key(fqn: str) -> str:
+    """The key of a non-tensor (pickled) item in a rank file."""
+    return _BYTES_PREFIX + fqn
+
+
+def unique_key(base: str, offsets: tuple[Any, ...], used: set[str]) -> str:
+    """``base``, or ``base@<offsets>`` when a rank holds several chunks of one tensor (``#2`` ...
+    appended if that is taken too); added to ``used``."""
+    key = base
+    if key in used:
+        tail = ",".join(str(o) for o in offsets)
+        key = f"{base}@{tail}"
+        n = 1
+        while key in used:
+            n += 1
+            key = f"{base}@{tail}#{n}"
+    used.add(key)
+    return key
+
+
+def _item_key(item: WriteItem, used: set[str]) -> str:
+    """The key of a write item in its rank file: its FQN (see :func:`unique_key`)."""
+    if item.type == WriteItemType.BYTE_IO:
+        return unique_key(bytes_key(item.index.fqn), (item.index.index,), used)
+    offsets = tuple(int(o) for o in item.tensor_data.chunk.offsets) if item.tensor_data is not None else (item.index.index,)
+    return unique_key(item.index.fqn, offsets, used)
+
+
+class NvcompWriter(StorageWriter, BlockingAsyncStager):
+    """Writes a DCP checkpoint directory whose rank files are compressed by nvcomp-checkpoint.
+
+    Use it wherever DCP takes a ``storage_writer``:
+    ``dcp.save(state_dict, storage_writer=NvcompWriter(path))``, ``dcp.async_save(...)``
+    (staging copies the state to host memory first, as ``FileSystemWriter`` does). Read it back
+    with :class:`~nvcomp_checkpoint.dcp.NvcompReader`.
+
+    Args:
+        path: The checkpoint directory (local path or fsspec URL); created if missing. May be
+            left out when ``dcp.save(..., checkpoint_id=path)`` gives it.
+        policy: Codec settings per component; DCP names such as ``optim.state.layer.weight.exp_avg``
+            are classified as ``exp_avg``; ``patterns`` and ``overrides`` globs match dotted names.
+        workers: Compression threads per rank (default: every core, at most 16).
+        storage_options: Passed to fsspec for URLs.
+        cache_staged_state_dict: As for ``FileSystemWriter``: keep the pinned staging copy
+            between ``dcp.async_save`` calls.
+        stream_wrapper: Wraps each rank file's output stream (benchmarks throttle or count bytes
+            with it); its ``write`` must pass every byte on, in order.
+
+    Every rank file and ``.metadata`` are fsynced before they are renamed into place.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        policy: CodecPolicy | None = None,
+        *,
+        workers: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        cache_staged_state_dict: bool = False,
+        stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+    ) -> None:
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        self.path = os.fspath(path) if path is not None else ""
+        self.policy = FqnPolicy.of(policy or CodecPolicy())
+        self.workers = workers
+        self.storage_options = storage_options
+        self.stream_wrapper = stream_wrapper
+        self.save_id = uuid.uuid4().hex[:12]
+        self.is_coordinator = False
+        self.rank = 0
+
+    # -- StorageWriter ---------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = uuid.uuid4().hex[:12]
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # A fresh id for every save, also when one writer serves several saves (DCP calls
+        # reset() only when given a checkpoint_id): a save never reuses committed file names,
+        # so a checkpoint in the directory stays whole until the new .metadata replaces it.
+        self.save_id = uuid.uuid4().hex[:12]
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+        if not self.path:
+            raise CheckpointError("NvcompWriter has no directory: pass NvcompWriter(path) or dcp.save(..., checkpoint_id=path)")
+        if kwargs.get("use_collectives", True) is False:
+            raise CheckpointError(
+                f"{self.path}: NvcompWriter needs DCP's collectives (one .metadata for all ranks, written last); "
+                "call dcp.save without use_collectives=False"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        storage, spath = storage_for(self.path, self.storage_options)
+        with write_errors(self.path, "creating the checkpoint directory"):
+            storage.makedirs(spath)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Each rank names its own file (rank and a save id of its own): nothing rides in the
+        # plan, which DCP's plan caching may replay from an earlier save.
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(self._write_rank_file(plan, planner))
+        return fut
+
+    def _write_rank_file(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        if not plan.items:
+            return []
+        name = shard_name(self.rank, self.save_id)
+        used: set[str] = set()
+        keyed: list[tuple[WriteItem, str]] = [(item, _item_key(item, used)) for item in plan.items]
+        tree: dict[str, torch.Tensor] = {}
+        for item, key in keyed:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                assert isinstance(data, io.BytesIO)
+                raw = data.getvalue()
+                tree[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            else:
+                # A DTensor's local shard, perhaps a view or on a GPU: the core writes the
+                # values it shows, compressing CUDA tensors on their GPU where nvCOMP is present.
+                tree[key] = data.detach()
+        where = join(self.path, name)
+        storage, spath = storage_for(where, self.storage_options)
+        with write_errors(where):
+            with storage.open_write(spath) as stream:
+                if self.stream_wrapper is not None:
+                    stream = self.stream_wrapper(stream)
+                writer = CheckpointWriter(stream, self.policy, where, workers=self.workers)
+                index, _, _ = writer.write(tree, {"dcp_rank": self.rank, "dcp_file": name})
+        stored = {entry.key: entry.stored_bytes for entry in index.tensors}
+        return [
+            WriteResult(index=item.index, size_in_bytes=stored[key], storage_data=StoredItem(name, key))
+            for item, key in keyed
+        ]
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
+        metadata.storage_meta = self.storage_meta()
+        target = join(self.path, METADATA_NAME)
+        storage, spath = storage_for(target, self.storage_options)
+        previous = self._previous_files()
+        with write_errors(target, "committing the checkpoint metadata"):
+            with storage.open_write(spath) as stream:
+                stream.write(encode_metadata(metadata))
+        # Committed: the files of the checkpoint this one replaced are no longer referenced.
+        current = {item.file for item in metadata.storage_data.values()}
+        for name in sorted(previous - current):
+            old = join(self.path, name)
+            s, p = storage_for(old, self.storage_options)
+            try:
+                s.remove(p)
+            except OSError:
+                pass  # a leftover file is harmless: nothing references it
+
+    def _previous_files(self) -> set[str]:
+        """Rank files of the checkpoint already committed in this directory, if it is ours."""
+        try:
+            old = read_stored_metadata(self.path, self.storage_options)
+        except (FormatError, CheckpointError):
+            return set()
+        if old is None:
+            return set()
+        names = set()
+        for v in (old.storage_data or {}).values():
+            # Ours, or a plain FileSystemWriter checkpoint's files (_StorageInfo.relative_path).
+            name = v.file if isinstance(v, StoredItem) else getattr(v, "relative_path", None)
+            if isinstance(name, str) and "/" not in name and "\\" not in name and name not in ("", ".", ".."):
+                names.add(name)
+        return names
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return True

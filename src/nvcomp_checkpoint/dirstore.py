@@ -1,0 +1,345 @@
+"""A checkpoint directory committed as a whole: stage, fsync, manifest, commit, recover, rotate.
+
+Used by the Accelerate integration (``save_state`` directories) and ``nvckpt compress/decompress``
+of directories; every file operation goes through :mod:`nvcomp_checkpoint.storage`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from .errors import ChecksumError, CheckpointWriteError, FormatError
+from .storage import LOCAL
+from .version import __version__
+
+__all__ = ["DirectoryStore", "InstallError", "holds_cwd", "sync_tree", "rotate", "digest", "STAGING_SUFFIX", "OLD_SUFFIX", "DELETING_SUFFIX", "MARKER_NAME", "write_marker"]
+
+_LOG = logging.getLogger("nvcomp_checkpoint")
+
+#: A short text file in a directory only this library can read: what its files are and what to call.
+#: Other libraries' loaders fail on such a directory with their own "no model file" errors.
+MARKER_NAME = "NVCOMP_CHECKPOINT.txt"
+
+#: Suffixes of the temporary entries this module makes next to (or inside) a target.
+STAGING_SUFFIX = ".nvckpt-staging"
+OLD_SUFFIX = ".nvckpt-old"
+DELETING_SUFFIX = ".nvckpt-deleting"
+
+
+def digest(path: str | os.PathLike[str]) -> str:
+    """BLAKE2b-128 of a file, in hex."""
+    h = hashlib.blake2b(digest_size=16)
+    with LOCAL.open_read(os.fspath(path)) as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every directory (deepest last), then ``root``'s parent."""
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            LOCAL.fsync(os.fspath(p))
+    for d in sorted({p.parent for p in root.rglob("*")} | {root}):
+        LOCAL.fsync(os.fspath(d))
+
+
+class InstallError(CheckpointWriteError):
+    """An in-place commit failed after it had begun to replace files."""
+
+
+@dataclass(frozen=True)
+class DirectoryStore:
+    """Directories whose completeness is stated by a manifest file written last.
+
+    Attributes:
+        manifest_name: The manifest's file name inside each directory.
+        format: The manifest's ``format`` field, checked on read.
+        version: The newest manifest version this code writes and reads.
+    """
+
+    manifest_name: str
+    format: str
+    version: int = 1
+
+    # -- staging ----------------------------------------------------------------------------
+    @staticmethod
+    def staging_path(target: Path, *, inside: bool = False) -> Path:
+        """Where to stage a save of ``target``: next to it, or ``inside`` it for an in-place update
+        (on the same file system as the files it replaces)."""
+        return target / STAGING_SUFFIX if inside else target.parent / f".{target.name}{STAGING_SUFFIX}"
+
+    @staticmethod
+    def fresh(staging: Path) -> Path:
+        """Make ``staging`` an empty directory (one left by a save that crashed is removed)."""
+        LOCAL.remove(os.fspath(staging))
+        LOCAL.makedirs(os.fspath(staging))
+        return staging
+
+    # -- the manifest -----------------------------------------------------------------------
+    def write_manifest(self, staging: Path, fields: dict[str, Any], *, hashed: Callable[[Path], bool] = lambda p: True) -> None:
+        """fsync every staged file, then write the manifest (names, sizes, digests) last."""
+        files: dict[str, dict[str, Any]] = {}
+        for p in sorted(staging.rglob("*")):
+            if p.is_file():
+                rel = p.relative_to(staging).as_posix()
+                files[rel] = {"bytes": p.stat().st_size, "blake2b": digest(p) if hashed(p) else None}
+        sync_tree(staging)
+        manifest = {"format": self.format, "version": self.version, "nvcomp_checkpoint": __version__, **fields, "files": files}
+        LOCAL.write_bytes(os.fspath(staging / self.manifest_name), json.dumps(manifest, indent=1, sort_keys=True).encode())
+        LOCAL.fsync(os.fspath(staging))
+
+    def read_manifest(self, path: Path, *, quiet: bool = False) -> dict[str, Any] | None:
+        """The manifest of ``path``; ``None`` if it has none (``quiet``: also if it is damaged)."""
+        file = path / self.manifest_name
+        if not file.is_file():
+            return None
+        try:
+            with LOCAL.open_read(os.fspath(file)) as f:
+                manifest = json.loads(f.read().decode("utf-8"))
+            if not isinstance(manifest, dict) or manifest.get("format") != self.format:
+                raise FormatError(f"{file}: not an nvcomp-checkpoint manifest of {self.format}; the directory is damaged")
+            if manifest.get("version", 0) > self.version:
+                raise FormatError(
+                    f"{file}: written by a newer nvcomp-checkpoint (manifest version {manifest.get('version')}); "
+                    "upgrade nvcomp-checkpoint to load it."
+                )
+            for name in manifest.get("files", {}):
+                # A manifest only ever names files inside its own directory.
+                if not isinstance(name, str) or name.startswith("/") or ".." in Path(name).parts:
+                    raise FormatError(f"{file}: lists an invalid file name {name!r}; the directory is damaged")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            if quiet:
+                return None
+            raise FormatError(f"{file}: unreadable manifest ({exc}); the directory is damaged, load another checkpoint") from exc
+        except FormatError:
+            if quiet:
+                return None
+            raise
+        return manifest
+
+    def check_files(self, path: Path, manifest: dict[str, Any]) -> None:
+        """Every file the manifest lists is there, with its size and digest."""
+        for rel, info in manifest.get("files", {}).items():
+            file = path / rel
+            if not file.is_file():
+                raise FormatError(
+                    f"{file}: missing; the save of {path} wrote it ({self.manifest_name} lists it). Restore the file "
+                    "or load another checkpoint."
+                )
+            size = file.stat().st_size
+            if size != info["bytes"]:
+                raise FormatError(
+                    f"{file}: {size} bytes, but the save wrote {info['bytes']} (truncated or replaced). Restore the "
+                    "file or load another checkpoint."
+                )
+            if info.get("blake2b") and digest(file) != info["blake2b"]:
+                raise ChecksumError(
+                    f"{file}: its contents differ from what the save wrote (checksum mismatch). Restore the file or "
+                    "load another checkpoint."
+                )
+
+    # -- whole directory, or file by file ------------------------------------------------------
+    def shared_with_others(self, target: Path, saved: Callable[[str], bool]) -> bool:
+        """Whether ``target`` must be updated file by file (:meth:`install_in_place`) instead of
+        replaced as a whole (:meth:`commit`).
+
+        Replacing a directory gives it a new inode and drops whatever it held: the process's
+        working directory would vanish, and your own files in it (notes, a ``save_pretrained``
+        folder, a project's sources) would be lost. Only a directory holding nothing but saved
+        state (names for which ``saved`` is true, and what its manifest lists) is replaced.
+        """
+        if not target.is_dir():
+            return False
+        return target.is_symlink() or holds_cwd(target) or bool(self.foreign_entries(target, saved))
+
+    def foreign_entries(self, target: Path, saved: Callable[[str], bool]) -> list[str]:
+        """Entries of ``target`` that no save wrote: neither ``saved`` names nor listed in its manifest."""
+        listed = set((self.read_manifest(target, quiet=True) or {}).get("files", {}))
+        owned = {rel.split("/", 1)[0] for rel in listed}
+        foreign = []
+        for name in LOCAL.listdir(os.fspath(target)):
+            if saved(name) or name == self.manifest_name:
+                continue
+            entry = target / name
+            if entry.is_dir() and not entry.is_symlink():
+                files = (p for p in entry.rglob("*") if not p.is_dir())
+                mine = name in owned and all(p.relative_to(target).as_posix() in listed for p in files)
+            else:  # a link to a folder is yours even if a save wrote into it
+                mine = name in listed and not entry.is_dir()
+            if not mine:
+                foreign.append(name)
+        return foreign
+
+    # -- commit and recovery ------------------------------------------------------------------
+    def commit(self, staging: Path, target: Path) -> Path | None:
+        """Put the complete staging directory at ``target`` in one step (the commit point).
+
+        Replacing an existing directory is one ``renameat2(RENAME_EXCHANGE)`` on Linux; elsewhere
+        the old one is renamed aside first, and :meth:`recover` puts it back after a crash
+        between the two renames.
+
+        Returns:
+            Where the replaced directory now is, for the caller to delete (``None`` if there was none).
+        """
+        if target.exists() and not target.is_dir():
+            raise CheckpointWriteError(f"{target}: exists and is not a directory; give a directory path")
+        parent = os.fspath(target.parent)
+        if not target.exists():
+            LOCAL.rename(os.fspath(staging), os.fspath(target))
+            LOCAL.fsync(parent)
+            return None
+        if LOCAL.exchange(os.fspath(staging), os.fspath(target)):
+            LOCAL.fsync(parent)
+            return staging
+        old = self.old_path(target)
+        LOCAL.remove(os.fspath(old))
+        LOCAL.rename(os.fspath(target), os.fspath(old))
+        try:
+            # A crash right here leaves only `old`; recover() renames it back.
+            LOCAL.rename(os.fspath(staging), os.fspath(target))
+        except BaseException:
+            LOCAL.rename(os.fspath(old), os.fspath(target))
+            raise
+        LOCAL.fsync(parent)
+        return old
+
+    @staticmethod
+    def old_path(target: Path) -> Path:
+        return target.parent / f".{target.name}{OLD_SUFFIX}"
+
+    def recover(self, target: Path) -> None:
+        """Undo a replacement interrupted between its two renames (see :meth:`commit`)."""
+        target = Path(os.path.abspath(target))  # "." has a name and a parent only as an absolute path
+        old = self.old_path(target)
+        if not old.exists():
+            return
+        with contextlib.suppress(FileNotFoundError):  # another process got there first
+            if target.exists():
+                LOCAL.remove(os.fspath(old))
+            else:
+                _LOG.warning("%s: restoring the checkpoint that an interrupted save moved to %s", target, old)
+                LOCAL.rename(os.fspath(old), os.fspath(target))
+
+    def install_in_place(self, staging: Path, target: Path, *, first: Callable[[str], bool], obsolete: Iterable[str]) -> None:
+        """Move the staged entries into ``target`` one by one, each with an atomic rename.
+
+        The previous manifest goes first and the new one last; entries for which ``first`` is true
+        move before the others, and ``obsolete`` names (files of the previous save that this one
+        does not write) are deleted before the new manifest lands. Other entries of ``target`` are
+        left alone; folders are merged into, never replaced.
+
+        Raises:
+            InstallError: A rename failed after the first change (the directory has no manifest).
+        """
+        _check_conflicts(staging, target)  # before anything changes: the previous checkpoint stays whole
+        new = set(LOCAL.listdir(os.fspath(staging)))
+        try:
+            if (target / self.manifest_name).exists():
+                LOCAL.remove(os.fspath(target / self.manifest_name))
+                LOCAL.fsync(os.fspath(target))
+            for name in sorted(new - {self.manifest_name}, key=lambda n: (not first(n), n)):
+                _move_entry(staging / name, target / name)
+            for name in obsolete:
+                if name not in new:
+                        LOCAL.remove(os.fspath(target / name))
+            LOCAL.fsync(os.fspath(target))
+            _move_entry(staging / self.manifest_name, target / self.manifest_name)  # the commit point
+            LOCAL.fsync(os.fspath(target))
+        except OSError as exc:
+            raise InstallError(str(exc)) from exc
+        LOCAL.remove(os.fspath(staging))  # empty by now
+
+
+def write_marker(directory: Path, text: str) -> None:
+    """Write :data:`MARKER_NAME` into ``directory`` (atomically)."""
+    LOCAL.write_bytes(os.fspath(directory / MARKER_NAME), text.encode("utf-8"))
+
+
+def holds_cwd(target: Path) -> bool:
+    """True if ``target`` is the current working directory or one of its ancestors."""
+    try:
+        want = os.stat(target)
+        path = os.path.realpath(os.getcwd())
+    except OSError:  # the cwd is already gone: nothing left to protect
+        return False
+    while True:
+        try:
+            if os.path.samestat(os.stat(path), want):
+                return True
+        except OSError:
+            return False
+        parent = os.path.dirname(path)
+        if parent == path:
+            return False
+        path = parent
+
+
+def rotate(ordered: list[Path], limit: int, keep: Path, trash: Path) -> None:
+    """Delete the oldest of ``ordered`` (oldest first) beyond ``limit``, never ``keep``.
+
+    Runs only after ``keep`` is committed. Each is moved into ``trash`` (a folder outside the
+    rotated one) before removal, so a crash mid-delete never leaves a half-deleted checkpoint
+    among the rotated ones.
+    """
+    excess = len(ordered) - limit
+    if excess <= 0:
+        return
+    _LOG.warning("Deleting %d checkpoints beyond total_limit=%d.", excess, limit)
+    for old in [d for d in ordered if d != keep][:excess]:
+        doomed = trash / f".{old.name}{DELETING_SUFFIX}"
+        try:
+            LOCAL.remove(os.fspath(doomed))
+            LOCAL.rename(os.fspath(old), os.fspath(doomed))
+            LOCAL.remove(os.fspath(doomed))
+        except OSError as exc:
+            _LOG.warning("%s: could not delete this old checkpoint (%s); the new one is saved.", old, exc)
+
+
+def _check_conflicts(staging: Path, target: Path) -> None:
+    for root, dirs, files in os.walk(staging):
+        rel = Path(root).relative_to(staging)
+        for name in dirs:
+            dst = target / rel / name
+            if os.path.lexists(dst) and not dst.is_dir():
+                raise CheckpointWriteError(f"{dst}: is a file, but this save writes a folder there; move the file away")
+        for name in files:
+            dst = target / rel / name
+            if dst.is_dir():
+                raise CheckpointWriteError(f"{dst}: is a folder, but this save writes a file there; move the folder away")
+
+
+def _move_entry(src: Path, dst: Path) -> None:
+    """Move one saved file, or the files of one saved folder, to ``dst``; each file in one rename."""
+    if src.is_dir() and not src.is_symlink():
+        if not dst.is_dir():  # an existing folder (or a link to one) is merged into
+            LOCAL.makedirs(os.fspath(dst))
+        for name in LOCAL.listdir(os.fspath(src)):
+            _move_entry(src / name, dst / name)
+        LOCAL.fsync(os.fspath(dst))
+        LOCAL.remove(os.fspath(src))  # empty by now
+        return
+    try:
+        LOCAL.rename(os.fspath(src), os.fspath(dst))
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        # dst is on another file system (a mount point or a link to a folder elsewhere): copy
+        # next to it first, so that the rename that replaces it stays atomic.
+        tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+        try:
+            LOCAL.copy(os.fspath(src), os.fspath(tmp))
+            LOCAL.rename(os.fspath(tmp), os.fspath(dst))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                LOCAL.remove(os.fspath(tmp))
+            raise
+        LOCAL.remove(os.fspath(src))

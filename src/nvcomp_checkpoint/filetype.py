@@ -1,0 +1,42 @@
+"""What kind of file a checkpoint is, from its first bytes: ours, ``torch.save``, safetensors, or other.
+
+The one sniffer behind ``nc.load`` (which refuses what it cannot read before unpickling it) and
+the ``nvckpt`` commands; a file's kind never comes from its name.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from .format.layout import MAGIC
+
+__all__ = ["NVCOMP", "TORCH", "SAFETENSORS", "OTHER", "HEAD_BYTES", "ZIP_HEAD", "kind_of"]
+
+NVCOMP = "nvcomp-checkpoint"
+TORCH = "torch.save"
+SAFETENSORS = "safetensors"
+OTHER = "other"
+
+#: How many leading bytes :func:`kind_of` needs.
+HEAD_BYTES = max(9, len(MAGIC))
+
+#: The first bytes of a zip archive: what ``torch.save`` writes by default.
+ZIP_HEAD = b"PK\x03\x04"
+#: ``torch.save(..., _use_new_zipfile_serialization=False)`` starts with a pickle's PROTO opcode
+#: (protocol 2 by default, up to 5 with ``pickle_protocol``).
+_PICKLE_PROTOCOLS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+#: Larger safetensors headers are refused by safetensors itself (``MAX_HEADER_SIZE``).
+_MAX_SAFETENSORS_HEADER = 100_000_000
+
+
+def kind_of(head: bytes, size: int) -> str:
+    """The kind of a file of ``size`` bytes that starts with ``head`` (at least :data:`HEAD_BYTES` of them, if it has them)."""
+    if head[:6] == MAGIC[:6]:
+        return NVCOMP
+    if head[:4] == ZIP_HEAD or head[:2] in _PICKLE_PROTOCOLS:
+        return TORCH
+    if len(head) >= 9 and head[8:9] == b"{":
+        (n,) = struct.unpack("<Q", head[:8])
+        if n <= _MAX_SAFETENSORS_HEADER and 8 + n <= size:
+            return SAFETENSORS
+    return OTHER

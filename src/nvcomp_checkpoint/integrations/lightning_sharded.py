@@ -1,0 +1,260 @@
+"""Lightning strategies whose sharded checkpoints go through :class:`~nvcomp_checkpoint.dcp.NvcompWriter`.
+
+Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy`` save sharded state with
+``torch.distributed.checkpoint`` themselves and never call the ``CheckpointIO``; these drop-ins
+take the same arguments and write (and read) that state compressed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+from typing_extensions import override
+
+from nvcomp_checkpoint import CodecPolicy
+from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
+from nvcomp_checkpoint.errors import CheckpointError
+from nvcomp_checkpoint.storage import storage_for, write_errors
+
+try:
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.trainer.states import TrainerFn
+except ImportError as exc:  # pragma: no cover
+    raise ImportError("nvcomp_checkpoint.lightning needs Lightning: pip install 'nvcomp-checkpoint[lightning]'") from exc
+
+__all__ = ["NvcompModelParallelStrategy", "NvcompFSDPStrategy", "check_sharded_checkpoint_io"]
+
+
+def _policy_of(policy: CodecPolicy | Mapping[str, Any] | None, strategy: Any) -> CodecPolicy | None:
+    if isinstance(policy, Mapping):
+        return CodecPolicy.from_dict(policy)
+    if policy is not None:
+        return policy
+    # An NvcompCheckpointIO passed as a plugin brings its policy along.
+    io = strategy._checkpoint_io
+    for _ in range(8):
+        if io is None:
+            break
+        if isinstance(getattr(io, "policy", None), CodecPolicy):
+            return io.policy  # type: ignore[no-any-return]
+        io = getattr(io, "checkpoint_io", None)
+    return None
+
+
+def _is_sharded_dir(path: Path) -> bool:
+    """Lightning's test for a sharded checkpoint: a directory with its ``meta.pt``."""
+    return path.is_dir() and (path / _METADATA_FILENAME).is_file()
+
+
+def _refuse_compressed_full_file(path: Path, strategy: str) -> None:
+    """Lightning loads a full (one-file) checkpoint of a sharded strategy with ``torch.load`` itself."""
+    if path.is_file():
+        from nvcomp_checkpoint import is_nvcomp_checkpoint
+
+        if is_nvcomp_checkpoint(path):
+            raise CheckpointError(
+                f"{path}: a compressed full checkpoint; {strategy} loads one-file checkpoints with torch.load "
+                "(Lightning's code), which cannot read it. Save sharded checkpoints instead "
+                "(save_distributed_checkpoint=True / state_dict_type='sharded'), or decompress this one first: "
+                "nvckpt decompress <file> <file>.pt"
+            )
+
+
+def _save_sharded(strategy: Any, converted: dict[str, Any], checkpoint: dict[str, Any], path: Path, policy: CodecPolicy | None, workers: int | None) -> None:
+    """The sharded state through NvcompWriter, then Lightning's ``meta.pt`` (loops, callbacks ...).
+
+    ``meta.pt`` is what makes the directory a checkpoint to Lightning: rank 0 removes a previous
+    one before any shard is written and writes the new one last, atomically, so a save that dies
+    midway leaves a directory that Lightning does not take for a checkpoint.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    storage, _ = storage_for(str(path))
+    meta = str(path / _METADATA_FILENAME)
+    if strategy.global_rank == 0:
+        with write_errors(str(path), "preparing the checkpoint directory"):
+            if path.is_file():
+                storage.remove(str(path))
+            storage.makedirs(str(path))
+            storage.remove(meta)
+    strategy.barrier("nvckpt_sharded_save_start")
+    dcp.save(converted, storage_writer=NvcompWriter(path, policy, workers=workers))
+    if strategy.global_rank == 0:
+        with write_errors(meta), storage.open_write(meta) as stream:  # fsync + rename: the directory's commit
+            torch.save(checkpoint, stream)
+    strategy.barrier("nvckpt_sharded_save_end")
+
+
+class NvcompModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism) with compressed sharded checkpoints.
+
+    Takes ModelParallelStrategy's arguments, plus:
+
+    Args:
+        policy: Codec settings per component (DCP names such as ``optimizer_0.state.layer.weight.exp_avg``
+            are classified as ``exp_avg``). Default: the policy of an ``NvcompCheckpointIO``
+            passed as a plugin, else :class:`CodecPolicy()`.
+        workers: Compression threads per rank.
+
+    With ``save_distributed_checkpoint=True`` (the default), each rank's shard is written by
+    :class:`~nvcomp_checkpoint.dcp.NvcompWriter`; loading reads such a directory or a plain one
+    written by Lightning's ``ModelParallelStrategy``, on any number of ranks. With ``False`` the
+    full checkpoint is one file written by the ``CheckpointIO``, as in Lightning.
+
+    Example:
+        >>> strategy = NvcompModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        >>> Trainer(strategy=strategy, devices=2).fit(model)
+    """
+
+    def __init__(self, *args: Any, policy: CodecPolicy | Mapping[str, Any] | None = None, workers: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._nvckpt_policy = policy
+        self.workers = workers
+
+    @property
+    def policy(self) -> CodecPolicy | None:
+        return _policy_of(self._nvckpt_policy, self)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported for sharded "
+                "checkpoints; set the codec policy with NvcompModelParallelStrategy(policy=...)"
+            )
+        path = Path(self.broadcast(filepath))
+        converted = {"state_dict": checkpoint.pop("state_dict")}
+        converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        _save_sharded(self, converted, checkpoint, path, self.policy, self.workers)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_dir(path):
+            _refuse_compressed_full_file(path, type(self).__name__)
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        assert self.model is not None and self.lightning_module is not None
+        module_state = {"state_dict": get_model_state_dict(self.model)}
+        dcp.load(module_state, storage_reader=NvcompReader(path))
+        self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
+        for idx, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{idx}"
+            optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(optim_state, storage_reader=NvcompReader(path))
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True))
+        metadata: dict[str, Any] = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        return metadata
+
+
+class NvcompFSDPStrategy(FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` (FSDP1) with compressed sharded checkpoints (``state_dict_type="sharded"``).
+
+    Takes FSDPStrategy's arguments, plus ``policy`` and ``workers`` as
+    :class:`NvcompModelParallelStrategy`. FSDP1 runs on CUDA GPUs here: without CUDA the
+    strategy refuses at construction; on the CPU use :class:`NvcompModelParallelStrategy` (FSDP2).
+
+    Raises:
+        CheckpointError: no CUDA device in this process.
+    """
+
+    def __init__(self, *args: Any, policy: CodecPolicy | Mapping[str, Any] | None = None, workers: int | None = None, **kwargs: Any) -> None:
+        if not torch.cuda.is_available():
+            raise CheckpointError(
+                "NvcompFSDPStrategy wraps Lightning's FSDPStrategy (FSDP1), which needs a CUDA GPU, and this process "
+                "has none; on the CPU use nvcomp_checkpoint.lightning.NvcompModelParallelStrategy (FSDP2, "
+                "fully_shard in configure_model) with data_parallel_size=<processes>, tensor_parallel_size=1"
+            )
+        super().__init__(*args, **kwargs)
+        self._nvckpt_policy = policy
+        self.workers = workers
+
+    @property
+    def policy(self) -> CodecPolicy | None:
+        return _policy_of(self._nvckpt_policy, self)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self._state_dict_type != "sharded":
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported for sharded "
+                "checkpoints; set the codec policy with NvcompFSDPStrategy(policy=...)"
+            )
+        path = Path(self.broadcast(filepath))
+        converted = {"model": checkpoint.pop("state_dict")}
+        converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        _save_sharded(self, converted, checkpoint, path, self.policy, self.workers)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_dir(path):
+            _refuse_compressed_full_file(path, type(self).__name__)
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        import torch.distributed.checkpoint as dcp
+        from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        assert self.model is not None and self.lightning_module is not None
+        with _get_sharded_state_dict_context(self.model):
+            module_state = {"model": self.model.state_dict()}
+            dcp.load(module_state, storage_reader=NvcompReader(path))
+            self.model.load_state_dict(module_state["model"], strict=self.lightning_module.strict_loading)
+            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self.optimizers:
+                for idx, optimizer in enumerate(self.optimizers):
+                    key = f"optimizer_{idx}"
+                    optim_state = load_sharded_optimizer_state_dict(
+                        model_state_dict=module_state["model"], optimizer_key=key, storage_reader=NvcompReader(path)
+                    )
+                    flattened = FSDP.optim_state_dict_to_load(optim_state_dict=optim_state[key], model=self.model, optim=optimizer)
+                    optimizer.load_state_dict(flattened)
+        metadata: dict[str, Any] = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        return metadata
+
+
+def check_sharded_checkpoint_io(strategy: Any) -> None:
+    """Refuse a stock sharded strategy given an ``NvcompCheckpointIO``: its checkpoints would be uncompressed.
+
+    Lightning's ``ModelParallelStrategy`` (with ``save_distributed_checkpoint=True``) and
+    ``FSDPStrategy`` (with ``state_dict_type="sharded"``) never call the ``CheckpointIO`` for
+    their sharded saves.
+
+    Raises:
+        CheckpointError: naming the strategy to use instead.
+    """
+    if isinstance(strategy, (NvcompModelParallelStrategy, NvcompFSDPStrategy)):
+        return
+    io = getattr(strategy, "_checkpoint_io", None)
+    for _ in range(8):
+        if io is None or type(io).__name__ == "NvcompCheckpointIO":
+            break
+        io = getattr(io, "checkpoint_io", None)
+    if io is None:
+        return
+    if isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint:
+        replacement = "NvcompModelParallelStrategy"
+    elif isinstance(strategy, FSDPStrategy) and strategy._state_dict_type == "sharded":
+        replacement = "NvcompFSDPStrategy"
+    else:
+        return
+    raise CheckpointError(
+        f"NvcompCheckpointIO was given to Lightning's {type(strategy).__name__}, which saves sharded checkpoints "
+        "with torch.distributed.checkpoint and never calls the CheckpointIO: they would be written uncompressed. "
+        f"Use strategy=nvcomp_checkpoint.lightning.{replacement}(...) with the same arguments (it takes the "
+        "plugin's policy), or drop the plugin."
+    )

@@ -1,0 +1,955 @@
+"""Storage tiers: every save lands on a fast tier, verified copies of the compressed file flow to slower ones.
+
+:class:`CheckpointManager` owns the schedules, the background copies, retention per tier and a
+restore that falls back across tiers and steps. The layout and commit rules are in ``docs/tiers.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable
+
+import xxhash
+
+from . import metrics
+from .api import load as _load
+from .api import save as _save_sync
+from .async_save import save_async as _save_async
+from .errors import CheckpointError, CheckpointWriteError, FormatError
+from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
+from .policy import CodecPolicy, Component, classify
+from .reader import CheckpointReader
+from .storage import LocalStorage, Storage, abort_unfinished_uploads, is_url, list_names, storage_for, upload_file, write_errors
+
+__all__ = [
+    "Tier",
+    "CheckpointManager",
+    "Restored",
+    "UnitManifest",
+    "FileEntry",
+    "TierStore",
+    "copy_unit",
+    "light_tree",
+    "retained_steps",
+    "open_tier",
+    "verify_unit",
+]
+
+_LOG = logging.getLogger("nvcomp_checkpoint")
+
+#: Bytes read and written per step of a copy: memory stays at this plus the object store's part.
+COPY_CHUNK_BYTES = 8 << 20
+MANIFEST_SUFFIX = ".manifest.json"
+#: How much nicer than the process a copy thread runs (Linux schedules threads by their own nice value).
+COPY_NICE = 10
+_UNIT_RE = re.compile(r"^step-(\d+)(\.nvc)?$")
+_MANIFEST_RE = re.compile(r"^step-(\d+)" + re.escape(MANIFEST_SUFFIX) + "$")
+_MANIFEST_FORMAT = "nvckpt-unit"
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One place checkpoints are kept, with its schedule and retention.
+
+    Args:
+        url: A local folder or an fsspec URL (``s3://bucket/run1``); steps are stored under it.
+        every_steps: A copy is due once this many steps passed since the last copy to this tier.
+        every_minutes: A copy is due once this many minutes passed since the last copy.
+            With neither, every save is copied. Tier 0 takes every save and accepts neither.
+        keep: Newest steps kept (``None``: all).
+        keep_every_steps: Also keep every step that is a multiple of this.
+        name: Label in logs, metrics and ``nvckpt ls`` (default ``tier{i}``).
+        storage_options: fsspec options (endpoint, credentials ...).
+        part_size: Multipart upload part size on object stores (memory per upload in flight).
+        retries: Attempts of a failed copy after the first.
+        backoff_s: Wait before the first retry; doubled for each further one.
+        max_queued: Copies waiting for this tier beyond the one running; a due copy that
+            finds the queue full is skipped with a warning (training never waits for a copy).
+        upload_concurrency: Parts uploaded at once from a local tier to an object store
+            (memory in flight: ``part_size * upload_concurrency``).
+    """
+
+    url: str
+    every_steps: int | None = None
+    every_minutes: float | None = None
+    keep: int | None = None
+    keep_every_steps: int | None = None
+    name: str | None = None
+    storage_options: dict[str, Any] | None = field(default=None, compare=False)
+    part_size: int = 100 << 20
+    retries: int = 3
+    backoff_s: float = 1.0
+    max_queued: int = 1
+    upload_concurrency: int = 4
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", os.fspath(self.url).rstrip("/") or "/")
+        for name in ("every_steps", "keep", "keep_every_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"Tier({self.url!r}): {name} must be a positive integer or None, got {value!r}")
+        if self.every_minutes is not None and not self.every_minutes > 0:
+            raise ValueError(f"Tier({self.url!r}): every_minutes must be positive or None, got {self.every_minutes!r}")
+        if self.part_size < 5 << 20:
+            raise ValueError(f"Tier({self.url!r}): part_size must be at least 5 MiB (S3's smallest part), got {self.part_size}")
+        if self.retries < 0 or self.backoff_s < 0 or self.max_queued < 1 or self.upload_concurrency < 1:
+            raise ValueError(f"Tier({self.url!r}): retries and backoff_s must be >= 0, max_queued and upload_concurrency >= 1")
+
+    def write_options(self) -> dict[str, Any] | None:
+        """The fsspec options for writing: the part size as the object store's block size.
+
+        Reads use ``storage_options`` as given: a 100 MB block would make every small read
+        (a footer, a manifest) fetch that much.
+        """
+        if not is_url(self.url):
+            return self.storage_options
+        return {"default_block_size": self.part_size, **(self.storage_options or {})}
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a unit: its path inside the unit (``""`` for a single-file unit) and checks."""
+
+    path: str
+    size: int
+    index_xxh3: int | None = None  # nvcomp-checkpoint files: the footer's digest of the index
+    xxh3: int | None = None  # the whole file's xxh3-64, where it was read in full
+
+
+@dataclass(frozen=True)
+class UnitManifest:
+    """What a tier holds for one step: written last, after the copy is checked, it is the commit point."""
+
+    step: int
+    directory: bool
+    light: bool
+    files: tuple[FileEntry, ...]
+    created: float
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": _MANIFEST_FORMAT, "version": 1, "step": self.step, "directory": self.directory,
+            "light": self.light, "created": self.created,
+            "files": [{"path": f.path, "size": f.size, "index_xxh3": f.index_xxh3, "xxh3": f.xxh3} for f in self.files],
+        }
+        return json.dumps(doc, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> "UnitManifest":
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != _MANIFEST_FORMAT:
+                raise ValueError("not a unit manifest")
+            files = tuple(FileEntry(str(f["path"]), int(f["size"]), f.get("index_xxh3"), f.get("xxh3")) for f in doc["files"])
+            return cls(int(doc["step"]), bool(doc["directory"]), bool(doc["light"]), files, float(doc["created"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FormatError(f"{where}: damaged unit manifest ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The result of :meth:`CheckpointManager.restore`.
+
+    Attributes:
+        step: The step restored.
+        state: The loaded tree (``None`` for a directory unit restored without a ``loader``).
+        tier: Index of the tier it came from.
+        tier_name: That tier's name.
+        path: Where the copy lives.
+        light: True for a weights-only save.
+        skipped: ``(step, tier name, reason)`` for every newer or faster copy passed over.
+    """
+
+    step: int
+    state: Any
+    tier: int
+    tier_name: str
+    path: str
+    light: bool
+    skipped: tuple[tuple[int, str, str], ...] = ()
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root}/{name}" if root != "/" else f"/{name}"
+
+
+class TierStore:
+    """The committed units of one tier root: list, read, check, write and remove them."""
+
+    def __init__(self, tier: Tier, label: str) -> None:
+        self.tier = tier
+        self.label = label
+        self.storage: Storage
+        self.storage, self.root = storage_for(tier.url, tier.storage_options)
+        self.write_storage: Storage = storage_for(tier.url, tier.write_options())[0]
+
+    # -- names --------------------------------------------------------------------------------
+    def unit_path(self, step: int, directory: bool) -> str:
+        return _join(self.root, f"step-{step:010d}" + ("" if directory else ".nvc"))
+
+    def manifest_path(self, step: int) -> str:
+        return _join(self.root, f"step-{step:010d}{MANIFEST_SUFFIX}")
+
+    def file_path(self, manifest: UnitManifest, entry: FileEntry) -> str:
+        unit = self.unit_path(manifest.step, manifest.directory)
+        return _join(unit, entry.path) if entry.path else unit
+
+    # -- listing ------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Steps whose manifest is committed, oldest first."""
+        return sorted(int(m.group(1)) for n in list_names(self.storage, self.root) if (m := _MANIFEST_RE.match(n)))
+
+    def manifest(self, step: int) -> UnitManifest | None:
+        path = self.manifest_path(step)
+        try:
+            with self.storage.open_read(path) as f:
+                data = f.read(1 << 24)
+        except FileNotFoundError:
+            return None
+        return UnitManifest.from_json(data, path)
+
+    def manifests(self) -> dict[int, UnitManifest]:
+        out = {}
+        for step in self.steps():
+            try:
+                m = self.manifest(step)
+            except FormatError as exc:
+                _LOG.warning("%s: %s; the step is not listed", self.label, exc)
+                continue
+            if m is not None:
+                out[step] = m
+        return out
+
+    # -- writing ------------------------------------------------------------------------------
+    def write_manifest(self, manifest: UnitManifest) -> None:
+        path = self.manifest_path(manifest.step)
+        with write_errors(path, "committing the unit manifest"):
+            with self.storage.open_write(path) as f:
+                f.write(manifest.to_json())
+
+    def remove_unit(self, step: int, directory: bool | None = None) -> None:
+        """Unlist the step first (its manifest goes), then remove its bytes."""
+        self.storage.remove(self.manifest_path(step))
+        for d in ((True, False) if directory is None else (directory,)):
+            self.storage.remove(self.unit_path(step, d))
+
+    def clean_leftovers(self) -> list[str]:
+        """Remove what interrupted saves and copies left: temporary files, unlisted units, unfinished uploads."""
+        removed = abort_unfinished_uploads(self.storage, self.root + "/")
+        names = list_names(self.storage, self.root)
+        committed = {int(m.group(1)) for n in names if (m := _MANIFEST_RE.match(n))}
+        for name in names:
+            m = _UNIT_RE.match(name)
+            leftover = (m is not None and int(m.group(1)) not in committed) or (
+                name.startswith((".step-", "step-")) and ".tmp-" in name
+            )
+            if leftover:
+                self.storage.remove(_join(self.root, name))
+                removed.append(_join(self.root, name))
+        for step in committed:
+            if not any(n in names for n in (f"step-{step:010d}", f"step-{step:010d}.nvc")):
+                self.storage.remove(self.manifest_path(step))  # a unit removed by hand
+                removed.append(self.manifest_path(step))
+        return removed
+
+    # -- checks -------------------------------------------------------------------------------
+    def describe(self, step: int, directory: bool, light: bool) -> UnitManifest:
+        """The manifest of a unit just written to this tier by a save (tier 0)."""
+        unit = self.unit_path(step, directory)
+        entries = []
+        if directory:
+            rels = _walk(self.storage, unit)
+            if not rels:
+                raise CheckpointError(f"{unit}: the directory for step {step} is empty or missing; write the unit before commit()")
+        else:
+            rels = [""]
+        for rel in rels:
+            path = _join(unit, rel) if rel else unit
+            size = self.storage.size(path)
+            digest = _index_digest(self.storage, path, size)
+            whole = None if digest is not None else _file_xxh3(self.storage, path)
+            entries.append(FileEntry(rel, size, digest, whole))
+        return UnitManifest(step, directory, light, tuple(entries), time.time())
+
+    def check(self, manifest: UnitManifest, *, full: bool = False) -> None:
+        """Raise :class:`FormatError` unless every file has its size and digest (``full``: every byte)."""
+        for entry in manifest.files:
+            path = self.file_path(manifest, entry)
+            try:
+                size = self.storage.size(path)
+            except FileNotFoundError as exc:
+                raise FormatError(f"{path}: missing (step {manifest.step} is listed but its file is gone)") from exc
+            if size != entry.size:
+                raise FormatError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or replaced)")
+            if entry.index_xxh3 is not None and _index_digest(self.storage, path, size) != entry.index_xxh3:
+                raise FormatError(f"{path}: the index digest differs from the manifest's (damaged or replaced)")
+            if entry.xxh3 is not None and (full or entry.index_xxh3 is None) and _file_xxh3(self.storage, path) != entry.xxh3:
+                raise FormatError(f"{path}: checksum mismatch against the manifest (damaged copy)")
+
+
+def verify_unit(store: TierStore, manifest: UnitManifest, *, full: bool = True) -> str | None:
+    """``None`` if the unit checks against its manifest (``full``: every frame of every file decodes), else why not."""
+    try:
+        store.check(manifest, full=full)
+        if not full:
+            return None
+        for entry in manifest.files:
+            if entry.index_xxh3 is None:
+                continue
+            with CheckpointReader(store.file_path(manifest, entry), storage_options=store.tier.storage_options) as reader:
+                for tensor, err in reader.verify():
+                    if err is not None:
+                        return f"tensor {tensor.key!r}: {err}"
+    except Exception as exc:  # noqa: BLE001 - any failure is the answer
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _walk(storage: Storage, root: str, prefix: str = "") -> list[str]:
+    out = []
+    for name, is_dir in sorted(list_names(storage, _join(root, prefix) if prefix else root).items()):
+        rel = f"{prefix}/{name}" if prefix else name
+        out.extend(_walk(storage, root, rel) if is_dir else [rel])
+    return out
+
+
+def _index_digest(storage: Storage, path: str, size: int) -> int | None:
+    """The footer's xxh3 of the index for an nvcomp-checkpoint file, None for other files.
+
+    Only the footer is read (one small range read on an object store).
+    """
+    if size < len(MAGIC) + FOOTER.size:
+        return None
+    with storage.open_read(path) as f:
+        f.seek(size - FOOTER.size)
+        data = f.read(FOOTER.size)
+    if not data.endswith(FOOTER_MAGIC):
+        return None
+    _, _, digest = unpack_footer(data, size, path)
+    return digest
+
+
+def _file_xxh3(storage: Storage, path: str) -> int:
+    h = xxhash.xxh3_64()
+    with storage.open_read(path) as f:
+        while chunk := f.read(COPY_CHUNK_BYTES):
+            h.update(chunk)
+    return h.intdigest()
+
+
+ProgressFn = Callable[[int], None]
+
+
+def copy_unit(src: TierStore, dst: TierStore, manifest: UnitManifest, progress: ProgressFn | None = None) -> UnitManifest:
+    """Copy one unit's files byte for byte, check them on ``dst``, then commit its manifest there.
+
+    Streams :data:`COPY_CHUNK_BYTES` at a time (object stores upload in ``part_size`` parts).
+    A failure removes what this copy wrote; ``dst``'s other units are untouched.
+
+    Returns:
+        The manifest committed on ``dst`` (with the whole-file checksums read on the way).
+    """
+    entries = []
+    written: list[str] = []  # files this copy put in place (an atomic write that failed left none)
+    # A copy of this step already there (a resumed run saving the step again) is unlisted first:
+    # its manifest would not describe the new bytes.
+    dst.storage.remove(dst.manifest_path(manifest.step))
+    try:
+        for entry in manifest.files:
+            s_path, d_path = src.file_path(manifest, entry), dst.file_path(manifest, entry)
+            if isinstance(src.storage, LocalStorage) and _upload_local(src, dst, manifest, entry, s_path, d_path, written, progress, entries):
+                continue
+            h = xxhash.xxh3_64()
+            n = 0
+            with src.storage.open_read(s_path) as fin, write_errors(d_path, f"copying step {manifest.step} to {dst.label}"):
+                with dst.write_storage.open_write(d_path) as fout:
+                    while chunk := fin.read(COPY_CHUNK_BYTES):
+                        h.update(chunk)
+                        fout.write(chunk)
+                        n += len(chunk)
+                        if progress is not None:
+                            progress(len(chunk))
+                    _check_source(s_path, entry, n, h.intdigest())
+            written.append(d_path)
+            entries.append(replace(entry, xxh3=h.intdigest()))
+        committed = replace(manifest, files=tuple(entries), created=time.time())
+        dst.check(committed)
+        dst.write_manifest(committed)
+        return committed
+    except BaseException:
+        for path in written:
+            try:
+                dst.storage.remove(path)
+            except Exception:  # noqa: BLE001 - the endpoint may be down; the next manager cleans up
+                _LOG.debug("could not remove the partial copy %s", path, exc_info=True)
+        if manifest.directory:
+            try:
+                dst.storage.remove(dst.unit_path(manifest.step, True))
+            except Exception:  # noqa: BLE001
+                pass
+        raise
+
+
+def _check_source(s_path: str, entry: FileEntry, n: int, digest: int) -> None:
+    if n != entry.size:
+        raise FormatError(f"{s_path}: read {n} bytes, the manifest says {entry.size}; the source changed during the copy")
+    if entry.xxh3 is not None and digest != entry.xxh3:
+        raise FormatError(f"{s_path}: checksum mismatch against its manifest; the source copy is damaged")
+
+
+def _upload_local(
+    src: TierStore, dst: TierStore, manifest: UnitManifest, entry: FileEntry, s_path: str, d_path: str,
+    written: list[str], progress: ProgressFn | None, entries: list[FileEntry],
+) -> bool:
+    """A local file to an object store: parts uploaded in parallel (s3fs ``put_file``); False where not possible."""
+    if not getattr(dst.storage, "object_store", False):
+        return False
+    # The source is checked first (a committed unit does not change): read once, from the page cache.
+    n, h = os.path.getsize(s_path), xxhash.xxh3_64()
+    with src.storage.open_read(s_path) as fin:
+        while chunk := fin.read(COPY_CHUNK_BYTES):
+            h.update(chunk)
+    _check_source(s_path, entry, n, h.intdigest())
+    with write_errors(d_path, f"copying step {manifest.step} to {dst.label}"):
+        if not upload_file(dst.storage, s_path, d_path, dst.tier.part_size, dst.tier.upload_concurrency, progress):
+            return False
+    written.append(d_path)
+    entries.append(replace(entry, xxh3=h.intdigest()))
+    return True
+
+
+def retained_steps(steps: Iterable[int], keep: int | None, keep_every_steps: int | None, protect: Iterable[int] = ()) -> set[int]:
+    """The steps a tier keeps: the newest ``keep``, multiples of ``keep_every_steps``, and ``protect``."""
+    ordered = sorted(set(steps))
+    kept = set(ordered if keep is None else ordered[-keep:])
+    if keep_every_steps:
+        kept |= {s for s in ordered if s % keep_every_steps == 0}
+    return kept | (set(protect) & set(ordered))
+
+
+def light_tree(state: Any) -> tuple[Any, list[str]]:
+    """``state`` with only the tensors classified ``weights`` (and every plain value).
+
+    A subtree that held tensors and keeps none (an optimizer, RNG states) is dropped whole, so
+    that a light checkpoint never carries a half-empty optimizer state that would load silently.
+
+    Returns:
+        The light tree and the keys of the dropped subtrees.
+    """
+    import torch
+
+    dropped: list[str] = []
+    _GONE = object()
+
+    def walk(obj: Any, path: tuple[Any, ...]) -> tuple[Any, bool, bool]:
+        # -> (kept object or _GONE, had tensors, kept tensors)
+        if isinstance(obj, torch.Tensor):
+            keep = classify(path) == Component.WEIGHTS
+            return (obj if keep else _GONE), True, keep
+        if isinstance(obj, dict):
+            out, had, kept = type(obj)() if type(obj) is not dict else {}, False, False
+            for k, v in obj.items():
+                nv, h, kp = walk(v, path + (k,))
+                had, kept = had or h, kept or kp
+                if nv is _GONE or (h and not kp):
+                    dropped.append("/".join(str(p) for p in path + (k,)))
+                    continue
+                out[k] = nv
+            return out, had, kept
+        if isinstance(obj, (list, tuple)):
+            items, had, kept = [], False, False
+            for i, v in enumerate(obj):
+                nv, h, kp = walk(v, path + (i,))
+                had, kept = had or h, kept or kp
+                items.append(None if nv is _GONE or (h and not kp) else nv)
+            return (type(obj)(items) if type(obj) in (list, tuple) else items), had, kept
+        return obj, False, False
+
+    tree, _, _ = walk(state, ())
+    outer = [d for d in dropped if not any(d.startswith(o + "/") for o in dropped)]
+    return tree, outer
+
+
+class _CopyQueue:
+    """One background thread per destination tier, so a slow tier never holds up a fast one."""
+
+    def __init__(self, manager: "CheckpointManager", index: int) -> None:
+        self.manager = manager
+        self.index = index
+        tier = manager.tiers[index]
+        self.queue: queue.Queue[UnitManifest | None] = queue.Queue(maxsize=tier.max_queued)
+        self.thread = threading.Thread(target=self._run, name=f"nvckpt-copy-{manager._stores[index].label}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        # Copies are background work: below training threads in the scheduler, where the OS allows.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + COPY_NICE))
+        except (AttributeError, OSError):
+            pass
+        while True:
+            item = self.queue.get()
+            try:
+                if item is None:
+                    return
+                self.manager._copy(self.index, item)
+            finally:
+                self.queue.task_done()
+
+
+class CheckpointManager:
+    """Saves to tier 0, copies to the other tiers on their schedules, applies retention, restores.
+
+    Args:
+        tiers: Fastest first. Tier 0 takes every save; a later tier receives a verified copy
+            of the compressed unit when its schedule says so.
+        async_save: Save with :func:`nvcomp_checkpoint.save_async` (return once the snapshot is
+            taken); ``False`` saves synchronously.
+        full_every: Every ``full_every``-th save (the first included) is full; the others keep
+            only the tensors classified ``weights`` and are marked light. ``None``: all full.
+        policy: Codec settings of the saves.
+        workers: Compression threads.
+        clean: Remove leftovers of interrupted saves and copies from every tier now. Only one
+            manager may work on a tier root at a time.
+        on_copy_progress: Called as ``fn(tier_name, step, nbytes)`` for each chunk copied.
+
+    Example:
+        >>> mgr = nc.CheckpointManager([nc.Tier("/nvme/run1", keep=2), nc.Tier("s3://b/run1", every_minutes=60, keep=24)])
+        >>> r = mgr.restore()          # None on a fresh start
+        >>> mgr.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+        >>> mgr.close()                # waits for saves and copies; raises the first failure
+    """
+
+    def __init__(
+        self,
+        tiers: list[Tier],
+        *,
+        async_save: bool = True,
+        full_every: int | None = None,
+        policy: CodecPolicy | None = None,
+        workers: int | None = None,
+        clean: bool = True,
+        on_copy_progress: Callable[[str, int, int], None] | None = None,
+    ) -> None:
+        if not tiers:
+            raise ValueError("CheckpointManager needs at least one Tier")
+        if tiers[0].every_steps is not None or tiers[0].every_minutes is not None:
+            raise ValueError(f"Tier 0 ({tiers[0].url}) takes every save; give its schedule to a later tier instead")
+        if is_url(tiers[0].url):
+            _LOG.info("tier 0 is %s: every save is written there directly", tiers[0].url)
+        if full_every is not None and (not isinstance(full_every, int) or full_every < 1):
+            raise ValueError(f"full_every must be a positive integer or None, got {full_every!r}")
+        self.tiers = list(tiers)
+        self.async_save = async_save
+        self.full_every = full_every
+        self.policy = policy
+        self.workers = workers
+        self.on_copy_progress = on_copy_progress
+        labels = [t.name or f"tier{i}" for i, t in enumerate(tiers)]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"tier names must differ, got {labels}")
+        self._stores = [TierStore(t, label) for t, label in zip(tiers, labels)]
+        self._lock = threading.RLock()
+        self._retention_locks = [threading.Lock() for _ in tiers]
+        self._pending_saves: list[Any] = []
+        self._pinned: dict[int, int] = {}  # tier-0 step -> copies queued or running from it
+        self._errors: list[BaseException] = []
+        self._saves = 0
+        self._last_copy: dict[int, tuple[int | None, float | None]] = {}
+        self._queues: dict[int, _CopyQueue] = {}
+        self._closed = False
+        for i, store in enumerate(self._stores):
+            if clean:
+                try:
+                    removed = store.clean_leftovers()
+                except Exception as exc:  # noqa: BLE001 - an unreachable tier must not stop training
+                    _LOG.warning("%s (%s): could not clean leftovers: %s", store.label, store.root, exc)
+                    removed = []
+                if removed:
+                    _LOG.warning("%s: removed leftovers of interrupted saves or copies: %s", store.label, ", ".join(removed))
+            if i:
+                try:
+                    steps = store.steps()
+                except Exception:  # noqa: BLE001
+                    steps = []
+                self._last_copy[i] = (steps[-1] if steps else None, None)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.label for s in self._stores]
+
+    # -- saving -------------------------------------------------------------------------------
+    def unit_path(self, step: int, *, directory: bool = False) -> str:
+        """Where a save of ``step`` goes on tier 0 (a folder for a sharded, multi-file unit)."""
+        return self._stores[0].unit_path(step, directory)
+
+    def save(self, step: int, state: Any, *, light: bool | None = None) -> Any:
+        """Save ``state`` as ``step`` on tier 0; copies follow when the save is durable.
+
+        Args:
+            step: Training step (a non-negative integer; a higher step is a newer checkpoint).
+            state: The tree to save.
+            light: Force a light (weights-only) or full save; default from ``full_every``.
+
+        Returns:
+            The :class:`AsyncSaveHandle` (async) or :class:`SaveReport` (sync) of the tier-0 save.
+
+        Raises:
+            CheckpointWriteError: This or an earlier tier-0 save failed (a full disk ...); the
+                previous checkpoints are untouched.
+        """
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        self._raise_save_errors()
+        if light is None:
+            light = self.full_every is not None and self._saves % self.full_every != 0
+        self._saves += 1
+        tree = state
+        meta: dict[str, Any] = {"nvckpt_step": step, "nvckpt_light": bool(light)}
+        if light:
+            tree, dropped = light_tree(state)
+            meta["nvckpt_dropped"] = dropped
+        path = self.unit_path(step)
+        opts = self.tiers[0].write_options()
+        started = time.perf_counter()
+        if not self.async_save:
+            report = _save_sync(tree, path, self.policy, metadata=meta, storage_options=opts, workers=self.workers)
+            blocked = time.perf_counter() - started
+            metrics.record_blocked_seconds(blocked)
+            metrics.record_save_seconds(self.names[0], "write", report.seconds)
+            self._committed_on_tier0(step, False, bool(light), report)
+            return report
+        handle = _save_async(tree, path, self.policy, metadata=meta, storage_options=opts, workers=self.workers)
+        blocked = time.perf_counter() - started
+        metrics.record_blocked_seconds(blocked)
+        metrics.record_save_seconds(self.names[0], "snapshot", blocked)
+        with self._lock:
+            self._pending_saves.append(handle)
+        handle.add_done_callback(lambda h: self._on_saved(step, bool(light), h))
+        return handle
+
+    def commit(self, step: int, *, light: bool = False, directory: bool | None = None) -> UnitManifest:
+        """Register a unit written to :meth:`unit_path` by someone else (a sharded save), and copy it on.
+
+        Raises:
+            CheckpointError: Nothing is there for ``step``.
+        """
+        store = self._stores[0]
+        if directory is None:
+            names = list_names(store.storage, store.root)
+            directory = names.get(f"step-{step:010d}", False)
+        return self._committed_on_tier0(step, directory, light, None)
+
+    def _on_saved(self, step: int, light: bool, handle: Any) -> None:
+        try:
+            self._commit_saved(step, light, handle)
+        finally:
+            with self._lock:
+                if handle in self._pending_saves:
+                    self._pending_saves.remove(handle)
+
+    def _commit_saved(self, step: int, light: bool, handle: Any) -> None:
+        exc = handle.exception()  # seen here: the manager raises it from save() / wait()
+        if exc is not None:
+            with self._lock:
+                self._errors.append(exc)
+            _LOG.error("%s: save of step %d failed: %s", self.names[0], step, exc)
+            return
+        try:
+            report = handle.result()
+            metrics.record_save_seconds(self.names[0], "write", report.seconds)
+            self._committed_on_tier0(step, False, light, report)
+        except Exception as exc:  # noqa: BLE001 - kept and raised from save() / wait()
+            with self._lock:
+                self._errors.append(exc)
+            _LOG.error("%s: committing step %d failed: %s", self.names[0], step, exc)
+
+    def _committed_on_tier0(self, step: int, directory: bool, light: bool, report: Any) -> UnitManifest:
+        store = self._stores[0]
+        manifest = store.describe(step, directory, light)
+        store.write_manifest(manifest)
+        metrics.record_bytes_written(store.label, manifest.stored_bytes)
+        metrics.record_last_step(store.label, step)
+        if report is not None and report.stored_bytes:
+            metrics.record_ratio(report.raw_bytes / report.stored_bytes)
+        self._schedule_copies(manifest)
+        self._apply_retention(0, step)
+        return manifest
+
+    def _due(self, i: int, step: int, now: float) -> bool:
+        tier = self.tiers[i]
+        last_step, last_time = self._last_copy.get(i, (None, None))
+        if last_step is not None and step <= last_step:
+            return True  # a run resumed from an older step: its first save replaces the tier's newer ones
+        if tier.every_steps is None and tier.every_minutes is None:
+            return True
+        if tier.every_steps is not None and (last_step is None or step - last_step >= tier.every_steps):
+            return True
+        if tier.every_minutes is not None and (last_time is None or now - last_time >= tier.every_minutes * 60):
+            return True
+        return False
+
+    def _schedule_copies(self, manifest: UnitManifest) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._closed:
+                return
+            for i in range(1, len(self.tiers)):
+                if not self._due(i, manifest.step, now):
+                    continue
+                q = self._queues.get(i)
+                if q is None:
+                    q = self._queues[i] = _CopyQueue(self, i)
+                try:
+                    q.queue.put_nowait(manifest)
+                except queue.Full:
+                    metrics.record_copy_skipped(self.names[i])
+                    _LOG.warning(
+                        "%s is behind: the copy of step %d is skipped (a copy is running and %d more wait); "
+                        "the next due save is copied instead",
+                        self.names[i], manifest.step, self.tiers[i].max_queued,
+                    )
+                    continue
+                self._pinned[manifest.step] = self._pinned.get(manifest.step, 0) + 1
+                self._last_copy[i] = (manifest.step, now)
+
+    def _copy(self, i: int, manifest: UnitManifest) -> None:
+        src, dst = self._stores[0], self._stores[i]
+        tier = self.tiers[i]
+        progress = None
+        if self.on_copy_progress is not None:
+            cb, label, step = self.on_copy_progress, dst.label, manifest.step
+            progress = lambda n: cb(label, step, n)  # noqa: E731
+        try:
+            delay = tier.backoff_s
+            for attempt in range(tier.retries + 1):
+                started = time.perf_counter()
+                try:
+                    committed = copy_unit(src, dst, manifest, progress)
+                except Exception as exc:  # noqa: BLE001
+                    if attempt == tier.retries or isinstance(exc, FormatError) and "source" in str(exc):
+                        raise CheckpointWriteError(
+                            f"{dst.label} ({dst.root}): copying step {manifest.step} failed after {attempt + 1} attempt(s): "
+                            f"{exc}. The tier's previous copies are untouched; step {manifest.step} stays on "
+                            f"{src.label} ({src.unit_path(manifest.step, manifest.directory)})."
+                        ) from exc
+                    _LOG.warning("%s: copying step %d failed (%s); retrying in %.1f s", dst.label, manifest.step, exc, delay)
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                metrics.record_save_seconds(dst.label, "copy", time.perf_counter() - started)
+                metrics.record_bytes_written(dst.label, committed.stored_bytes)
+                metrics.record_last_step(dst.label, manifest.step)
+                _LOG.info("%s: step %d copied (%d bytes) in %.2f s", dst.label, manifest.step, committed.stored_bytes,
+                          time.perf_counter() - started)
+                break
+            self._apply_retention(i, manifest.step)
+        except Exception as exc:  # noqa: BLE001 - raised from wait() / close(); training goes on
+            _LOG.error("%s", exc)
+            with self._lock:
+                self._errors.append(exc)
+        finally:
+            with self._lock:
+                left = self._pinned.get(manifest.step, 1) - 1
+                if left:
+                    self._pinned[manifest.step] = left
+                else:
+                    self._pinned.pop(manifest.step, None)
+            try:
+                self._apply_retention(0)
+            except Exception as exc:  # noqa: BLE001
+                _LOG.warning("%s: retention failed: %s", self.names[0], exc)
+
+    # -- retention ----------------------------------------------------------------------------
+    def _apply_retention(self, i: int, committed: int | None = None) -> list[int]:
+        """Delete the steps tier ``i`` no longer keeps; never its newest step or newest full step.
+
+        ``committed``: the step just committed there. Steps above it were written by a run that
+        was since resumed from an older step (an abandoned timeline) and are removed first.
+        """
+        tier, store = self.tiers[i], self._stores[i]
+        with self._retention_locks[i]:
+            manifests = store.manifests()
+            removed = []
+            if committed is not None:
+                for step in sorted(s for s in manifests if s > committed):
+                    _LOG.warning(
+                        "%s: removing step %d, newer than step %d just saved: a run resumed from an older step "
+                        "replaces the steps after it", store.label, step, committed,
+                    )
+                    store.remove_unit(step, manifests.pop(step).directory)
+                    removed.append(step)
+            if tier.keep is None or not manifests:
+                return removed
+            protect = {max(manifests)}
+            full = [s for s, m in manifests.items() if not m.light]
+            if full:
+                protect.add(max(full))
+            if i == 0:
+                with self._lock:
+                    protect |= set(self._pinned)
+            kept = retained_steps(manifests, tier.keep, tier.keep_every_steps, protect)
+            for step in sorted(set(manifests) - kept):
+                store.remove_unit(step, manifests[step].directory)
+                removed.append(step)
+            if removed:
+                _LOG.info("%s: retention removed steps %s", store.label, removed)
+            return removed
+
+    # -- queries ------------------------------------------------------------------------------
+    def steps(self, tier: int = 0) -> list[int]:
+        """Steps with a complete, checked copy on ``tier``, oldest first."""
+        return self._stores[tier].steps()
+
+    def path(self, step: int, tier: int = 0) -> str | None:
+        """Where ``step``'s copy lives on ``tier`` (None if it is not there)."""
+        store = self._stores[tier]
+        m = store.manifest(step)
+        return None if m is None else store.unit_path(step, m.directory)
+
+    def manifest(self, step: int, tier: int = 0) -> UnitManifest | None:
+        return self._stores[tier].manifest(step)
+
+    # -- waiting ------------------------------------------------------------------------------
+    def _raise_save_errors(self) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            for extra in errors[1:]:
+                _LOG.error("further checkpoint failure: %s", extra)
+            raise errors[0]
+
+    def wait(self) -> None:
+        """Wait for every pending save and copy; raise the first failure (each is raised once)."""
+        with self._lock:
+            handles = list(self._pending_saves)
+        for h in handles:
+            h.wait()
+        # A save's done callback may still be committing it and queueing copies.
+        for h in handles:
+            while h in self._pending_saves:
+                time.sleep(0.005)
+        for q in list(self._queues.values()):
+            q.queue.join()
+        self._raise_save_errors()
+
+    def close(self) -> None:
+        """Wait for saves and copies, stop the copy threads; raise the first failure."""
+        try:
+            self.wait()
+        finally:
+            with self._lock:
+                self._closed = True
+                queues, self._queues = list(self._queues.values()), {}
+            for q in queues:
+                q.queue.put(None)
+                q.thread.join()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except Exception as err:  # noqa: BLE001 - the body's exception is the one to see
+                _LOG.error("while closing the checkpoint manager: %s", err)
+
+    # -- restoring ----------------------------------------------------------------------------
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        allow_light: bool = False,
+        map_location: Any = None,
+        weights_only: bool = True,
+        loader: Callable[[str, dict[str, Any] | None], Any] | None = None,
+    ) -> Restored | None:
+        """Load the newest step whose copy checks and loads, fastest tier first.
+
+        For each step, newest first, each tier holding it is tried in order; a copy that is
+        missing, damaged or fails to load is skipped (logged with the reason) and the next
+        tier, then the next older step, is tried.
+
+        Args:
+            step: Restore this step only (still falling back across tiers).
+            allow_light: Also consider light (weights-only) saves; by default they are skipped
+                so that a resumed run gets its optimizer state.
+            map_location, weights_only: As for :func:`nvcomp_checkpoint.load`.
+            loader: ``fn(path, storage_options) -> state`` for directory units (a sharded
+                save); without one a directory unit is checked in full and returned with
+                ``state=None``.
+
+        Returns:
+            A :class:`Restored`, or None when no tier holds any step (a fresh start).
+
+        Raises:
+            CheckpointError: Steps exist but no copy of any of them restores (every reason is named).
+        """
+        with self._lock:
+            handles = list(self._pending_saves)
+        for h in handles:
+            h.wait()
+        found: dict[int, list[tuple[int, UnitManifest]]] = {}
+        skipped: list[tuple[int, str, str]] = []
+        for i, store in enumerate(self._stores):
+            try:
+                manifests = store.manifests()
+            except Exception as exc:  # noqa: BLE001 - an unreachable tier is skipped, not fatal
+                _LOG.warning("restore: %s (%s) cannot be listed, skipped: %s", store.label, store.root, exc)
+                skipped.append((-1, store.label, f"cannot list: {exc}"))
+                continue
+            for s, m in manifests.items():
+                found.setdefault(s, []).append((i, m))
+        candidates = sorted(found, reverse=True) if step is None else ([step] if step in found else [])
+        if not candidates:
+            if step is not None:
+                raise CheckpointError(f"step {step} is on no tier ({', '.join(s.root for s in self._stores)})")
+            return None
+        for s in candidates:
+            for i, m in found[s]:
+                store = self._stores[i]
+                where = store.unit_path(s, m.directory)
+                if m.light and not allow_light:
+                    skipped.append((s, store.label, "light (weights only); pass allow_light=True to use it"))
+                    continue
+                try:
+                    store.check(m, full=m.directory)
+                    opts = self.tiers[i].storage_options
+                    if m.directory:
+                        state = loader(where, opts) if loader is not None else None
+                    elif loader is not None:
+                        state = loader(where, opts)
+                    else:
+                        state = _load(where, map_location, weights_only=weights_only, storage_options=opts)
+                except Exception as exc:  # noqa: BLE001 - any failure means: try the next copy
+                    reason = f"{type(exc).__name__}: {exc}"
+                    _LOG.warning("restore: skipped step %d on %s (%s): %s", s, store.label, where, reason)
+                    skipped.append((s, store.label, reason))
+                    continue
+                if skipped:
+                    _LOG.warning("restore: restored step %d from %s after skipping %d copies", s, store.label, len(skipped))
+                else:
+                    _LOG.info("restore: step %d from %s (%s)", s, store.label, where)
+                return Restored(s, state, i, store.label, where, m.light, tuple(skipped))
+        detail = "; ".join(f"step {s} on {t}: {r}" for s, t, r in skipped)
+        raise CheckpointError(f"no copy of any step restores ({detail})")
+
+
+def open_tier(url: str, storage_options: dict[str, Any] | None = None, name: str | None = None) -> TierStore:
+    """A :class:`TierStore` for a tier root URL (the CLI lists and syncs with it)."""
+    tier = Tier(url, name=name, storage_options=storage_options)
+    return TierStore(tier, name or tier.url)

@@ -1,0 +1,488 @@
+"""Sharded checkpoints through torch.distributed.checkpoint with NvcompWriter / NvcompReader.
+
+Real multi-process runs (gloo on the CPU, spawned ranks, FSDP2 ``fully_shard``): save on 2
+ranks, load on 2, 3 and 1 (no process group); async save; a rank killed mid-save; a flipped
+byte; plain DCP checkpoints read by NvcompReader and ours refused by a stock reader.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, fqn_component, is_compressed_dcp_checkpoint
+from nvcomp_checkpoint.errors import ChecksumError, CheckpointError
+
+from conftest import assert_tree_equal
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+# -- helpers shared by the ranks and the test process ------------------------------------------
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # 48 and 40 rows shard unevenly over 3 ranks (resharding crosses shard boundaries); the 2 rows
+    # of the last layer leave the third rank an empty shard.
+    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 2))
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, rank: int) -> list[float]:
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(16, 24, generator=g)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer, full: bool = False) -> dict[str, Any]:
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    return {"model": msd, "optim": osd, "extra": {"step": 7, "note": "sharded"}}
+
+
+def _fresh_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    # Optimizer state exists only after a step: take one with zero lr so the model is unchanged,
+    # then overwrite everything from the checkpoint.
+    return _state(model, opt) | {"extra": {"step": 0, "note": ""}}
+
+
+def _sharded(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _tensor_parallel(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = parallelize_module(_model(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _plain() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _with_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    for group in opt.param_groups:
+        group["lr"], lr = 0.0, group["lr"]
+    _train(model, opt, 1, rank=99)
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
+def _load_into(model: torch.nn.Module, opt: torch.optim.Optimizer, reader: Any) -> dict[str, Any]:
+    _with_optimizer_state(model, opt)
+    state = _fresh_state(model, opt)
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return state
+
+
+def _full(model: torch.nn.Module, opt: torch.optim.Optimizer, extra: dict[str, Any]) -> dict[str, Any]:
+    # Cloned: unsharded tensors (the optimizer's step) are the live ones, changed by training.
+    full = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, _state(model, opt, full=True))
+    return full | {"extra": extra}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(fn: Any, world: int, *args: Any) -> None:
+    mp.start_processes(_rank_main, args=(world, _free_port(), fn, args), nprocs=world, start_method="spawn", join=True)
+
+
+def _rank_main(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...]) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- what the ranks do ---------------------------------------------------------------------------
+def _save_on_two(rank: int, world: int, tmp: str) -> None:
+    root = Path(tmp)
+    model, opt = _sharded(world)
+    _train(model, opt, 2, rank)
+    state = _state(model, opt)
+    dcp.save(state, storage_writer=NvcompWriter(root / "ours"))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(root / "plain"))
+    full = _full(model, opt, state["extra"])
+    if rank == 0:
+        torch.save(full, root / "ref.pt")
+    # A further step, then an async save of the changed state.
+    _train(model, opt, 1, rank)
+    state = _state(model, opt)
+    dcp.async_save(state, storage_writer=NvcompWriter(root / "async")).result()
+    full_async = _full(model, opt, state["extra"])  # a collective: every rank takes part
+    if rank == 0:
+        torch.save(full_async, root / "ref_async.pt")
+    dist.barrier()
+
+    # A tensor-parallel layout: the first layer's rows and the second's columns split (Shard(0), Shard(1)).
+    tp_model, tp_opt = _tensor_parallel(world)
+    _train(tp_model, tp_opt, 1, 0)  # every rank sees the same batch, as tensor parallelism needs
+    tp_state = _state(tp_model, tp_opt)
+    dcp.save(tp_state, storage_writer=NvcompWriter(root / "tp"))
+    tp_full = _full(tp_model, tp_opt, tp_state["extra"])
+    if rank == 0:
+        torch.save(tp_full, root / "ref_tp.pt")
+
+    # Round trips on 2 ranks, from ours and from the plain checkpoint, into fresh models.
+    for name in ("ours", "plain"):
+        fresh, fresh_opt = _sharded(world)
+        loaded = _load_into(fresh, fresh_opt, NvcompReader(root / name))
+        got = _full(fresh, fresh_opt, loaded["extra"])
+        if rank == 0:
+            assert_tree_equal(got, full, name)
+
+
+def _reshard_to_three(rank: int, world: int, tmp: str) -> None:
+    root = Path(tmp)
+    ref = torch.load(root / "ref.pt", weights_only=True)
+    model, opt = _sharded(world)
+    loaded = _load_into(model, opt, NvcompReader(root / "ours"))
+    got = _full(model, opt, loaded["extra"])
+    if rank == 0:
+        assert_tree_equal(got, ref, "2->3")
+    # Saved on 3 ranks in turn (loaded 3 -> 1 by the test process).
+    dcp.save(_state(model, opt), storage_writer=NvcompWriter(root / "ours3"))
+
+    # A ShardedTensor (FSDP1's sharded state dict) whose rank 0 holds two chunks of it.
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu", "rank:2/cpu", "rank:0/cpu"])
+    st = sharded_tensor.empty(spec, 10, 6)
+    for shard in st.local_shards():
+        offset = shard.metadata.shard_offsets[0]
+        rows = shard.tensor.shape[0]
+        shard.tensor.copy_(_sharded_tensor_value()[offset : offset + rows])
+    dcp.save({"st": st}, storage_writer=NvcompWriter(root / "sharded_tensor"))
+
+
+def _sharded_tensor_value() -> torch.Tensor:
+    return torch.arange(60, dtype=torch.float64).reshape(10, 6) / 8  # exact in any thread count
+
+
+def _killed_mid_save(rank: int, world: int, tmp: str) -> None:
+    root = Path(tmp)
+    model, opt = _sharded(world)
+    _train(model, opt, 2, rank)
+    dcp.save(_state(model, opt), storage_writer=NvcompWriter(root / "prev"))
+    full = _full(model, opt, {"step": 7, "note": "sharded"})
+    if rank == 0:
+        torch.save(full, root / "ref_prev.pt")
+    dist.barrier()
+    _train(model, opt, 1, rank)
+
+    class _DieAfterFirstWrite:
+        def __init__(self, raw: Any) -> None:
+            self.raw = raw
+
+        def write(self, data: Any) -> int:
+            n = self.raw.write(data)
+            self.raw.flush()
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return n
+
+    dcp.save(_state(model, opt), storage_writer=NvcompWriter(root / "new", stream_wrapper=_DieAfterFirstWrite))
+
+
+# -- tests ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Checkpoints saved by a 2-rank FSDP2 run (ours, plain DCP, async), with full references."""
+    root = tmp_path_factory.mktemp("dcp2")
+    _spawn(_save_on_two, 2, str(root))
+    return root
+
+
+def test_two_rank_save_loads_on_two_ranks_and_files_are_ours(two_rank_run: Path) -> None:
+    # The round trips on 2 ranks ran (and asserted) inside the spawned run; here, the layout.
+    files = sorted(p.name for p in (two_rank_run / "ours").iterdir())
+    assert files[0] == ".metadata" and len(files) == 3 and all(f.endswith(".nvcdcp") for f in files[1:])
+    assert is_compressed_dcp_checkpoint(two_rank_run / "ours")
+    assert not is_compressed_dcp_checkpoint(two_rank_run / "plain")
+    with nc.open(two_rank_run / "ours" / files[1]) as reader:
+        summary = reader.summary()
+        assert {"weights", "exp_avg", "exp_avg_sq"} <= set(summary)
+        assert reader.entry("optim.state.0.weight.exp_avg_sq").component == "exp_avg_sq"
+
+
+def test_two_ranks_to_one_without_process_group(two_rank_run: Path) -> None:
+    ref = torch.load(two_rank_run / "ref.pt", weights_only=True)
+    model, opt = _plain()
+    loaded = _load_into(model, opt, NvcompReader(two_rank_run / "ours"))
+    assert_tree_equal(_full(model, opt, loaded["extra"]), ref, "2->1")
+
+
+def test_tensor_parallel_layout_loads_on_one_process(two_rank_run: Path) -> None:
+    ref = torch.load(two_rank_run / "ref_tp.pt", weights_only=True)
+    model, opt = _plain()
+    loaded = _load_into(model, opt, NvcompReader(two_rank_run / "tp"))
+    assert_tree_equal(_full(model, opt, loaded["extra"]), ref, "tensor parallel 2->1")
+
+
+def test_async_save_loads_bit_identical(two_rank_run: Path) -> None:
+    ref = torch.load(two_rank_run / "ref_async.pt", weights_only=True)
+    model, opt = _plain()
+    loaded = _load_into(model, opt, NvcompReader(two_rank_run / "async"))
+    assert_tree_equal(_full(model, opt, loaded["extra"]), ref, "async")
+
+
+def test_two_ranks_to_three_and_three_to_one(two_rank_run: Path) -> None:
+    _spawn(_reshard_to_three, 3, str(two_rank_run))
+    assert len([p for p in (two_rank_run / "ours3").iterdir() if p.suffix == ".nvcdcp"]) == 3
+    ref = torch.load(two_rank_run / "ref.pt", weights_only=True)
+    model, opt = _plain()
+    loaded = _load_into(model, opt, NvcompReader(two_rank_run / "ours3"))
+    assert_tree_equal(_full(model, opt, loaded["extra"]), ref, "3->1")
+
+
+def test_sharded_tensor_with_two_chunks_on_a_rank_loads_on_one_process(two_rank_run: Path) -> None:
+    files = sorted((two_rank_run / "sharded_tensor").glob("__0_*.nvcdcp"))
+    assert len(files) == 1
+    with nc.open(files[0]) as reader:
+        assert sorted(reader.keys()) == ["st", "st@9,0"]  # the second chunk of rank 0, by its offsets
+    state = {"st": torch.zeros(10, 6, dtype=torch.float64)}
+    dcp.load(state, storage_reader=NvcompReader(two_rank_run / "sharded_tensor"))
+    assert torch.equal(state["st"], _sharded_tensor_value())
+
+
+def test_stock_reader_is_told_to_use_nvcomp_reader(two_rank_run: Path) -> None:
+    model, opt = _plain()
+    _with_optimizer_state(model, opt)
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(_fresh_state(model, opt), storage_reader=dcp.FileSystemReader(two_rank_run / "ours"))
+    assert "nvcomp_checkpoint.dcp.NvcompReader" in str(info.value)
+
+
+def test_flipped_byte_names_fqn_and_file(two_rank_run: Path, tmp_path: Path) -> None:
+    damaged = tmp_path / "damaged"
+    shutil.copytree(two_rank_run / "ours", damaged)
+    rank_file = sorted(damaged.glob("__1_*.nvcdcp"))[0]
+    with nc.open(rank_file) as reader:
+        frame = reader.entry("model.2.weight").frames[0]
+    data = bytearray(rank_file.read_bytes())
+    data[frame.offset + frame.size // 2] ^= 0x10
+    rank_file.write_bytes(bytes(data))
+    model, opt = _plain()
+    with pytest.raises(CheckpointException) as info:
+        _load_into(model, opt, NvcompReader(damaged))
+    (error, _), = info.value.failures.values()
+    assert isinstance(error, ChecksumError)
+    assert "'model.2.weight'" in str(error) and str(rank_file) in str(error)
+
+
+def test_rank_killed_mid_save_leaves_a_directory_that_refuses_to_load(tmp_path: Path) -> None:
+    with pytest.raises(mp.ProcessExitedException):
+        _spawn(_killed_mid_save, 2, str(tmp_path))
+    assert not (tmp_path / "new" / ".metadata").exists()
+    model, opt = _plain()
+    with pytest.raises(CheckpointException) as info:
+        _load_into(model, opt, NvcompReader(tmp_path / "new"))
+    assert "never completed" in str(info.value)
+    ref = torch.load(tmp_path / "ref_prev.pt", weights_only=True)
+    model, opt = _plain()
+    loaded = _load_into(model, opt, NvcompReader(tmp_path / "prev"))
+    assert_tree_equal(_full(model, opt, loaded["extra"]), ref, "previous")
+
+
+# -- single process (no process group) -----------------------------------------------------------
+def test_failed_save_into_a_checkpoint_directory_keeps_that_checkpoint(tmp_path: Path) -> None:
+    model, opt = _plain()
+    _train(model, opt, 1, 0)
+    dcp.save(_state(model, opt), storage_writer=NvcompWriter(tmp_path))
+    ref = _full(model, opt, {"step": 7, "note": "sharded"})
+    old_files = {p.name for p in tmp_path.iterdir()}
+    _train(model, opt, 1, 0)
+
+    class _Fail:
+        def __init__(self, raw: Any) -> None:
+            self.raw = raw
+
+        def write(self, data: Any) -> int:
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(CheckpointException):
+        dcp.save(_state(model, opt), storage_writer=NvcompWriter(tmp_path, stream_wrapper=_Fail))
+    assert {p.name for p in tmp_path.iterdir()} == old_files
+    fresh, fresh_opt = _plain()
+    loaded = _load_into(fresh, fresh_opt, NvcompReader(tmp_path))
+    assert_tree_equal(_full(fresh, fresh_opt, loaded["extra"]), ref, "kept")
+    # A save that succeeds replaces the checkpoint and removes the files it no longer uses; one
+    # writer used for two saves names its files afresh each time.
+    writer = NvcompWriter(tmp_path)
+    dcp.save(_state(model, opt), storage_writer=writer)
+    first = {p.name for p in tmp_path.iterdir()}
+    dcp.save(_state(model, opt), storage_writer=writer)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert len(first) == len(names) == 2 and not (names & (old_files | first) - {".metadata"})
+
+
+def test_fqn_classification() -> None:
+    assert fqn_component("model.layers.0.attn.weight").value == "weights"
+    assert fqn_component("optim.state.layers.0.attn.weight.exp_avg").value == "exp_avg"
+    assert fqn_component("optimizer_0.state.layer.weight.exp_avg_sq").value == "exp_avg_sq"
+    assert fqn_component("optim.state.layer.weight.step").value == "other"
+    assert fqn_component("state_dict.layer.weight").value == "weights"
+
+
+def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
+    model, opt = _plain()
+    with pytest.raises(CheckpointException) as info:
+        _load_into(model, opt, NvcompReader(tmp_path / "absent"))
+    assert "not a DCP checkpoint" in str(info.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not nc.gpu_available(), reason="needs a CUDA GPU with nvCOMP: CUDA shards are compressed on their GPU")
+def test_cuda_shards_round_trip(tmp_path: Path) -> None:
+    model = _model().cuda()
+    state = {"model": model.state_dict()}
+    dcp.save(state, storage_writer=NvcompWriter(tmp_path))
+    fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    dcp.load(fresh, storage_reader=NvcompReader(tmp_path))
+    assert_tree_equal(fresh, state)
+    with nc.open(next(tmp_path.glob("*.nvcdcp"))) as reader:
+        assert all(reader.entry(k).device.startswith("cuda") for k in reader.keys() if k.startswith("model."))
+
+
+# -- the names and bytes that are part of the format (docs/dcp.md) --------------------------------
+def test_metadata_layout_is_pinned(two_rank_run: Path) -> None:
+    import pickletools
+
+    from nvcomp_checkpoint.dcp import StoredItem
+    from nvcomp_checkpoint.dcp.layout import RECORD_MAGIC, REFUSAL_HEAD
+
+    assert REFUSAL_HEAD == b"\x80\x02cnvcomp_checkpoint.dcp.layout\nrefuse_stock_reader\n"
+    assert RECORD_MAGIC == b"NVCDCP\x01\x00"
+    assert f"{StoredItem.__module__}.{StoredItem.__qualname__}" == "nvcomp_checkpoint.dcp.layout.StoredItem"
+    data = (two_rank_run / "ours" / ".metadata").read_bytes()
+    assert data.startswith(REFUSAL_HEAD)
+    stop = next(pos for op, _, pos in pickletools.genops(data) if op.name == "STOP") + 1
+    assert data[stop : stop + 8] == RECORD_MAGIC
+    assert b"nvcomp_checkpoint.dcp.layout" in data[stop:] and b"StoredItem" in data[stop:]
+    metadata = NvcompReader(two_rank_run / "ours").read_metadata()
+    items = list(metadata.storage_data.values())
+    assert all(isinstance(v, StoredItem) for v in items)
+    assert {v.key for v in items} >= {"model.0.weight", "optim.state.0.weight.exp_avg", "bytes:extra.note"}
+
+
+def test_forged_metadata_runs_no_code(tmp_path: Path) -> None:
+    import pickle
+
+    from nvcomp_checkpoint.errors import FormatError
+
+    class _Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    model, opt = _plain()
+    with pytest.raises(CheckpointException) as info:
+        _load_into(model, opt, NvcompReader(tmp_path))
+    assert "not a DCP metadata type" in str(info.value)
+    assert not (tmp_path / "pwned").exists()
+    from nvcomp_checkpoint.dcp import read_stored_metadata
+
+    with pytest.raises(FormatError, match="posix.system|os.system"):
+        read_stored_metadata(tmp_path)
+
+
+def test_fsspec_url_round_trip() -> None:
+    model, opt = _plain()
+    _train(model, opt, 1, 0)
+    url = "memory://nvckpt-dcp-test/ckpt"
+    dcp.save(_state(model, opt), checkpoint_id=url, storage_writer=NvcompWriter())
+    assert is_compressed_dcp_checkpoint(url)
+    fresh, fresh_opt = _plain()
+    loaded = _load_into(fresh, fresh_opt, NvcompReader(url))
+    assert_tree_equal(_full(fresh, fresh_opt, loaded["extra"]), _full(model, opt, {"step": 7, "note": "sharded"}), "memory://")
+
+
+def test_nvckpt_verify_checks_every_rank_file(two_rank_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from nvcomp_checkpoint.cli.main import main
+
+    def verify(path: Path) -> tuple[int, str]:
+        code = main(["verify", str(path)])
+        return code, capsys.readouterr().out
+
+    code, out = verify(two_rank_run / "ours")
+    assert code == 0 and "2 files" in out, out
+    damaged = tmp_path / "damaged"
+    shutil.copytree(two_rank_run / "ours", damaged)
+    rank_file = sorted(damaged.glob("__0_*.nvcdcp"))[0]
+    with nc.open(rank_file) as reader:
+        frame = reader.entry("optim.state.0.weight.exp_avg").frames[-1]
+    data = bytearray(rank_file.read_bytes())
+    data[frame.offset] ^= 0x01
+    rank_file.write_bytes(bytes(data))
+    code, out = verify(damaged)
+    assert code == 1 and "optim.state.0.weight.exp_avg" in out and rank_file.name in out, out
+
+
+def test_plain_directory_compressed_and_back(two_rank_run: Path, tmp_path: Path) -> None:
+    from nvcomp_checkpoint.dcp import compress_directory, decompress_directory
+
+    ref = torch.load(two_rank_run / "ref.pt", weights_only=True)
+    compress_directory(two_rank_run / "plain", tmp_path / "ours")
+    assert is_compressed_dcp_checkpoint(tmp_path / "ours") and len(list((tmp_path / "ours").glob("*.nvcdcp"))) == 2
+    decompress_directory(tmp_path / "ours", tmp_path / "plain")
+    for name, reader in (("ours", NvcompReader(tmp_path / "ours")), ("plain", dcp.FileSystemReader(tmp_path / "plain"))):
+        model, opt = _plain()
+        loaded = _load_into(model, opt, reader)
+        assert_tree_equal(_full(model, opt, loaded["extra"]), ref, name)
+    with pytest.raises(CheckpointError, match="already holds"):
+        compress_directory(two_rank_run / "plain", tmp_path / "ours")
+
+
+def test_zstandard_extension_directory_compressed(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    from nvcomp_checkpoint.dcp import compress_directory
+
+    model, opt = _plain()
+    _train(model, opt, 1, 0)
+    dcp.save(_state(model, opt), storage_writer=dcp.FileSystemWriter(tmp_path / "zstd", _extensions=[ZStandard()]))
+    compress_directory(tmp_path / "zstd", tmp_path / "ours")
+    fresh, fresh_opt = _plain()
+    loaded = _load_into(fresh, fresh_opt, NvcompReader(tmp_path / "ours"))
+    assert_tree_equal(_full(fresh, fresh_opt, loaded["extra"]), _full(model, opt, {"step": 7, "note": "sharded"}), "zstd->ours")

@@ -1,0 +1,214 @@
+"""The package's imports run one way: no cycles, no upward imports, no private names across modules.
+
+Every import counts, also those inside functions. Layers, lowest first (a module may import its own
+layer and those below):
+
+    base        errors, version, tensors, workers, codecs/*, filters/*, metrics
+    format      format/*, policy, storage, report, filetype, pending, dirstore, delta
+    pipeline    writer, reader, snapshot
+    api         api, async_save, savegroup, tiers, dcp/*, the package __init__
+    adapters    cli/*, integrations/*, the short-name shims lightning/accelerate/transformers
+
+The core never imports Lightning, Accelerate or Transformers; an integration imports its own
+framework only, never another integration.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "nvcomp_checkpoint"
+ROOT = Path(__file__).resolve().parents[1] / "src" / PACKAGE
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("errors", "version", "tensors", "workers", "codecs", "filters", "metrics")),
+    ("format", ("format", "policy", "storage", "report", "filetype", "pending", "dirstore", "delta")),
+    ("pipeline", ("writer", "reader", "snapshot")),
+    ("api", ("api", "async_save", "savegroup", "tiers", "dcp", "")),
+    ("adapters", ("cli", "integrations", "lightning", "accelerate", "transformers")),
+]
+FRAMEWORKS = {
+    "lightning": ("lightning", "pytorch_lightning", "lightning_fabric"),
+    "accelerate": ("accelerate",),
+    "transformers": ("transformers", "safetensors"),
+}
+ADAPTERS = ("cli", "integrations", "lightning", "accelerate", "transformers")
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # importing module, dotted
+    target: str  # imported module, dotted (ours or foreign)
+    names: tuple[str, ...]  # names taken from it (from-imports)
+    line: int
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_package(name: str) -> bool:
+    return (ROOT.parent / Path(*name.split(".")) / "__init__.py").is_file()
+
+
+def _resolve(source: str, is_pkg: bool, module: str | None, level: int) -> str:
+    if level == 0:
+        return module or ""
+    base = source.split(".") if is_pkg else source.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def _imports() -> list[Import]:
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        source = _module_name(path)
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    found.append(Import(source, alias.name, (), node.lineno))
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(source, is_pkg, node.module, node.level)
+                names = tuple(a.name for a in node.names)
+                # `from . import errors` imports a module; `from .api import save` a name.
+                modules = [f"{target}.{n}" for n in names if _is_package(f"{target}.{n}") or (ROOT.parent / Path(*f"{target}.{n}".split("."))).with_suffix(".py").is_file()]
+                if modules:
+                    found.extend(Import(source, m, (), node.lineno) for m in modules)
+                    rest = tuple(n for n in names if f"{target}.{n}" not in modules)
+                    if rest:
+                        found.append(Import(source, target, rest, node.lineno))
+                else:
+                    found.append(Import(source, target, names, node.lineno))
+    return found
+
+
+IMPORTS = _imports()
+OURS = [i for i in IMPORTS if i.target == PACKAGE or i.target.startswith(PACKAGE + ".")]
+
+
+def _top(name: str) -> str:
+    """The first component below the package: ``writer``, ``cli``, ``integrations`` ('' for the package)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _layer(name: str) -> int:
+    top = _top(name)
+    for rank, (_, members) in enumerate(LAYERS):
+        if top in members:
+            return rank
+    raise AssertionError(f"{name}: in no layer of tests/test_import_graph.py; add it to LAYERS")
+
+
+def test_every_module_is_in_a_layer() -> None:
+    for path in ROOT.rglob("*.py"):
+        _layer(_module_name(path))
+
+
+def test_no_import_cycles() -> None:
+    graph: dict[str, set[str]] = {}
+    for i in OURS:
+        if i.target != i.source:
+            graph.setdefault(i.source, set()).add(i.target)
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_imports_run_down_the_layers() -> None:
+    upward = [
+        f"{i.source}:{i.line} imports {i.target} ({LAYERS[_layer(i.target)][0]} above {LAYERS[_layer(i.source)][0]})"
+        for i in OURS
+        if _layer(i.target) > _layer(i.source)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_private_names_across_modules() -> None:
+    bad = []
+    for i in OURS:
+        same_package = i.source.rsplit(".", 1)[0] == i.target.rsplit(".", 1)[0] or i.target == i.source.rsplit(".", 1)[0]
+        private_module = any(part.startswith("_") and part != "__init__" for part in i.target.split(".")[1:])
+        if private_module and not same_package:
+            bad.append(f"{i.source}:{i.line} imports the private module {i.target}")
+        for name in i.names:
+            if name.startswith("_") and name != "__version__":
+                bad.append(f"{i.source}:{i.line} imports the private name {name} from {i.target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_private_attributes_of_our_modules() -> None:
+    # `nc._x`, `writer._pos`-style reads through a name bound to one of our modules.
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith(PACKAGE)}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")
+            ):
+                bad.append(f"{_module_name(path)}:{node.lineno} reads {node.value.id}.{node.attr}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_frameworks_are_imported_by_their_own_integration_only(framework: str) -> None:
+    owners = {f"{PACKAGE}.integrations.{framework}", f"{PACKAGE}.{framework}"}
+    bad = [
+        f"{i.source}:{i.line} imports {i.target}"
+        for i in IMPORTS
+        if i.target.split(".")[0] in FRAMEWORKS[framework]
+        and i.source not in owners
+        and not i.source.startswith(f"{PACKAGE}.integrations.{framework}_")  # e.g. lightning_sharded
+        and not (framework == "transformers" and i.target.split(".")[0] == "safetensors" and _top(i.source) == "cli")
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_integrations_do_not_import_each_other() -> None:
+    bad = [
+        f"{i.source}:{i.line} imports {i.target}"
+        for i in OURS
+        if _top(i.source) == "integrations" and _top(i.target) == "integrations"
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_adapters_use_the_public_api_only() -> None:
+    # The CLI and the integrations build on what users may import: the package and the modules
+    # with a public __all__ below it, never the writer, the reader or the snapshot.
+    internal = {"writer", "reader", "snapshot", "pending", "workers"}
+    bad = [
+        f"{i.source}:{i.line} imports {i.target}"
+        for i in OURS
+        if _top(i.source) in ADAPTERS and _top(i.target) in internal
+    ]
+    assert not bad, "\n".join(bad)

@@ -1,0 +1,172 @@
+"""Lightning's ModelParallelStrategy (FSDP2) with compressed sharded checkpoints.
+
+A real ``Trainer`` on 2 CPU processes (gloo) fits, saves through NvcompModelParallelStrategy,
+and a fresh pair of processes resumes from that checkpoint, and from a plain one written by the
+stock strategy, with the uninterrupted run's next losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
+
+from nvcomp_checkpoint.dcp import is_compressed_dcp_checkpoint  # noqa: E402
+from nvcomp_checkpoint.errors import CheckpointError  # noqa: E402
+from nvcomp_checkpoint.lightning import (  # noqa: E402
+    NvcompCheckpointIO,
+    NvcompFSDPStrategy,
+    NvcompModelParallelStrategy,
+    check_sharded_checkpoint_io,
+)
+
+_SCRIPT = textwrap.dedent(
+    '''
+    import json, sys, warnings
+    from pathlib import Path
+    warnings.filterwarnings("ignore")
+    import torch
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from nvcomp_checkpoint.lightning import NvcompModelParallelStrategy
+
+    torch.set_num_threads(1)
+
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 8))
+            self.losses = []
+
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.net(batch).square().mean()
+            self.losses.append([self.global_step, float(loss)])
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):
+            data = torch.randn(48, 24, generator=torch.Generator().manual_seed(1))
+            return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+    def fit(strategy, out, epochs, ckpt_path=None, losses_name=None):
+        model = Net()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            callbacks=[ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1)],
+        )
+        trainer.fit(model, ckpt_path=ckpt_path)
+        if losses_name and trainer.global_rank == 0:
+            Path(losses_name).write_text(json.dumps(model.losses))
+
+
+    mode, root = sys.argv[1], Path(sys.argv[2])
+    kwargs = dict(data_parallel_size=2, tensor_parallel_size=1)
+    if mode == "first":
+        fit(ModelParallelStrategy(**kwargs), root / "plain", 1)
+        fit(NvcompModelParallelStrategy(**kwargs), root / "ours", 2, losses_name=root / "full.json")
+    else:
+        first = "epoch=0-step=3.ckpt"
+        fit(NvcompModelParallelStrategy(**kwargs), root / "resumed", 2, root / "ours" / first, root / "resume_ours.json")
+        fit(NvcompModelParallelStrategy(**kwargs), root / "resumed_plain", 2, root / "plain" / first, root / "resume_plain.json")
+    '''
+)
+
+
+def _run(script: Path, mode: str, root: Path) -> None:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(script), mode, str(root)], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+@pytest.mark.slow
+def test_fit_then_resume_in_fresh_processes_gives_the_same_losses(tmp_path: Path) -> None:
+    script = tmp_path / "run.py"
+    script.write_text(_SCRIPT)
+    _run(script, "first", tmp_path)
+    ours = tmp_path / "ours" / "epoch=0-step=3.ckpt"
+    plain = tmp_path / "plain" / "epoch=0-step=3.ckpt"
+    assert is_compressed_dcp_checkpoint(ours)
+    assert (ours / "meta.pt").is_file() and len(list(ours.glob("*.nvcdcp"))) == 2
+    assert (plain / ".metadata").is_file() and not is_compressed_dcp_checkpoint(plain)
+
+    _run(script, "resume", tmp_path)
+    full = json.loads((tmp_path / "full.json").read_text())
+    assert [s for s, _ in full] == list(range(6))
+    for name in ("resume_ours.json", "resume_plain.json"):
+        resumed = json.loads((tmp_path / name).read_text())
+        assert resumed == full[3:], name
+    # The resumed run saved compressed checkpoints too.
+    assert is_compressed_dcp_checkpoint(tmp_path / "resumed" / "epoch=1-step=6.ckpt")
+
+
+def test_stock_sharded_strategy_with_nvcomp_plugin_is_refused() -> None:
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    strategy.checkpoint_io = NvcompCheckpointIO()
+    with pytest.raises(CheckpointError, match="NvcompModelParallelStrategy"):
+        check_sharded_checkpoint_io(strategy)
+    # What it says to use passes the check, as does the stock strategy saving one full file.
+    ours = NvcompModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    ours.checkpoint_io = NvcompCheckpointIO()
+    check_sharded_checkpoint_io(ours)
+    full = ModelParallelStrategy(save_distributed_checkpoint=False)
+    full.checkpoint_io = NvcompCheckpointIO()
+    check_sharded_checkpoint_io(full)
+
+
+def test_stock_fsdp_sharded_with_nvcomp_plugin_is_refused() -> None:
+    strategy = FSDPStrategy(state_dict_type="sharded")
+    strategy.checkpoint_io = NvcompCheckpointIO()
+    with pytest.raises(CheckpointError, match="NvcompFSDPStrategy"):
+        check_sharded_checkpoint_io(strategy)
+
+
+def test_strategy_takes_the_plugin_policy() -> None:
+    from nvcomp_checkpoint import CodecPolicy
+
+    policy = CodecPolicy(weights={"codec": "zstd", "level": 3})
+    strategy = NvcompModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    strategy.checkpoint_io = NvcompCheckpointIO(policy=policy)
+    assert strategy.policy == policy
+    assert NvcompModelParallelStrategy(policy={"other": "none"}).policy == CodecPolicy(other="none")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA")
+def test_fsdp1_strategy_refuses_without_cuda() -> None:
+    with pytest.raises(CheckpointError, match="NvcompModelParallelStrategy"):
+        NvcompFSDPStrategy(state_dict_type="sharded")
+
+
+def test_compressed_full_file_is_refused_with_the_fix(tmp_path: Path) -> None:
+    import nvcomp_checkpoint as nc
+
+    path = tmp_path / "full.ckpt"
+    nc.save({"state_dict": {"w": torch.ones(4)}}, path)
+    with pytest.raises(CheckpointError, match="nvckpt decompress"):
+        NvcompModelParallelStrategy(save_distributed_checkpoint=False).load_checkpoint(path)

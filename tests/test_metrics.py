@@ -1,0 +1,61 @@
+"""Prometheus metrics of tiered saves, scraped over HTTP from the server ``nc.serve_metrics`` starts."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import pytest
+import torch
+
+import nvcomp_checkpoint as nc
+
+pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def test_metrics_served_and_counted(tmp_path):
+    port = _free_port()
+    server, thread = nc.serve_metrics(port, addr="127.0.0.1")
+    try:
+        before = _scrape(port)
+        tiers = [nc.Tier(tmp_path / "a", name="m-local"), nc.Tier(tmp_path / "b", name="m-shared", every_steps=2)]
+        g = torch.Generator().manual_seed(0)
+        with nc.CheckpointManager(tiers) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, {"w": torch.randn(10_000, generator=g), "zeros": torch.zeros(50_000)})
+                mgr.wait()
+        after = _scrape(port)
+    finally:
+        server.shutdown()
+    stored = {step: (tmp_path / "a" / f"step-{step:010d}.nvc").stat().st_size for step in (1, 2, 3)}
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    # Bytes per tier are the stored (compressed) bytes of what landed there: 1, 2, 3 locally, 1 and 3 shared.
+    assert delta("nvckpt_bytes_written_total", tier="m-local") == sum(stored.values())
+    assert delta("nvckpt_bytes_written_total", tier="m-shared") == stored[1] + stored[3]
+    assert after[("nvckpt_last_step", (("tier", "m-local"),))] == 3
+    assert after[("nvckpt_last_step", (("tier", "m-shared"),))] == 3
+    assert delta("nvckpt_save_seconds_count", tier="m-local", phase="snapshot") == 3
+    assert delta("nvckpt_save_seconds_count", tier="m-local", phase="write") == 3
+    assert delta("nvckpt_save_seconds_count", tier="m-shared", phase="copy") == 2
+    assert delta("nvckpt_training_blocked_seconds_total") > 0
+    assert after[("nvckpt_ratio", ())] > 1.5  # the zeros compress well
