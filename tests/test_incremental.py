@@ -333,3 +333,22 @@ def test_save_over_a_file_of_the_base_chain_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="chain of the base"):
         nc.save(_state(30), paths[0], base=paths[1])
     assert_tree_equal(_state(20), nc.load(paths[1]))
+
+
+def test_delta_pointing_at_a_base_tensor_of_another_size_is_refused_before_decoding(tmp_path):
+    # A forged delta (index rewritten, digests recomputed) whose tensor names a larger base
+    # tensor: refused from the index sizes, before the base tensor is decoded.
+    import xxhash
+
+    from nvcomp_checkpoint.format.layout import FOOTER, pack_footer
+
+    paths = _save_chain(tmp_path, [1, 2])
+    data = paths[1].read_bytes()
+    offset, size, _, _ = FOOTER.unpack(data[-FOOTER.size :])
+    index = json.loads(data[offset : offset + size])
+    entry = next(t for t in index["tensors"] if t.get("delta") and t["key"] == "model/w")
+    entry["delta"]["key"] = "model/frozen"  # 16384 bytes in the base; model/w has 12288
+    raw = json.dumps(index).encode()
+    paths[1].write_bytes(data[:offset] + raw + pack_footer(offset, len(raw), xxhash.xxh3_64_intdigest(raw)))
+    with pytest.raises(BaseCheckpointError, match="'model/frozen' has 16384 bytes"):
+        nc.load(paths[1])

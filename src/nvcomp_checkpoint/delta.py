@@ -209,13 +209,21 @@ class BaseChain:
             )
         return reader
 
-    def base_bytes(self, delta: TensorDelta, device: torch.device, key: str) -> torch.Tensor:
-        """The base tensor's element bytes on ``device``, checked against the digest the writer recorded."""
+    def base_bytes(self, delta: TensorDelta, device: torch.device, key: str, nbytes: int) -> torch.Tensor:
+        """The base tensor's element bytes on ``device``, checked against the digest the writer recorded.
+
+        ``nbytes`` is the delta tensor's size: a base tensor of another size is refused before it is
+        decoded (a forged delta cannot make the reader decode more than the delta's own tensors).
+        """
         reader = self.reader()
         try:
-            t = reader.read(delta.key, map_location=device)
+            size = reader.entry(delta.key).nbytes
         except KeyError as exc:
             raise BaseCheckpointError(f"{self._what()} holds no tensor {delta.key!r}, which tensor {key!r} needs") from exc
+        if size != nbytes:
+            raise BaseCheckpointError(f"{self._what()}: tensor {delta.key!r} has {size} bytes, tensor {key!r} of the delta {nbytes}")
+        try:
+            t = reader.read(delta.key, map_location=device)
         except CheckpointError as exc:
             raise BaseCheckpointError(f"{self._what()}: tensor {delta.key!r} (needed by {key!r}) cannot be read: {exc}") from exc
         flat = flat_bytes(t)
@@ -230,7 +238,7 @@ class BaseChain:
         """The tensor ``entry`` stands for, from its decoded bytes ``t`` (modified in place)."""
         assert entry.delta is not None
         flat = t.detach().reshape(-1).view(torch.uint8)
-        base = self.base_bytes(entry.delta, flat.device, entry.key)
+        base = self.base_bytes(entry.delta, flat.device, entry.key, entry.nbytes)
         if base.numel() != flat.numel():
             raise BaseCheckpointError(
                 f"{self._what()}: tensor {entry.delta.key!r} has {base.numel()} bytes, tensor {entry.key!r} of the delta {flat.numel()}"
@@ -244,7 +252,7 @@ class BaseChain:
         The base tensor is read (following the chain) now, before the chunks are decoded.
         """
         assert entry.delta is not None
-        base = self.base_bytes(entry.delta, torch.device("cpu"), entry.key)
+        base = self.base_bytes(entry.delta, torch.device("cpu"), entry.key, entry.nbytes)
         if base.numel() != entry.nbytes:
             raise BaseCheckpointError(
                 f"{self._what()}: tensor {entry.delta.key!r} has {base.numel()} bytes, tensor {entry.key!r} of the delta {entry.nbytes}"
