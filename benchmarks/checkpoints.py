@@ -7,6 +7,7 @@ Mixtral-style mixture of experts (8 experts, top-2 routing) trained from scratch
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["CHECKPOINTS", "OUT_DIR", "checkpoint_path", "build_checkpoint", "load_cached"]
+__all__ = ["CHECKPOINTS", "PAIRS", "OUT_DIR", "checkpoint_path", "build_checkpoint", "load_cached", "load_pair"]
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 #: Bump when the recipe changes, so stale cached checkpoints are rebuilt.
@@ -34,7 +35,11 @@ def _minilm_model() -> torch.nn.Module:
     return BertModel.from_pretrained(str(get_model_path()))
 
 
-def _finetune_minilm(steps: int = 30, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+#: Called after each optimizer step with (steps done, model, optimizer): takes snapshots.
+OnStep = Callable[[int, torch.nn.Module, torch.optim.Optimizer], None]
+
+
+def _finetune_minilm(steps: int = 30, seed: int = 0, on_step: OnStep | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Masked-token fine-tuning on random token batches, the decoder tied to the word embeddings."""
     torch.manual_seed(seed)
     model = _minilm_model()
@@ -42,7 +47,7 @@ def _finetune_minilm(steps: int = 30, seed: int = 0) -> tuple[torch.nn.Module, t
     opt = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.01)
     emb = model.get_input_embeddings().weight
     vocab = emb.shape[0]
-    for _ in range(steps):
+    for step in range(steps):
         tokens = torch.randint(1000, vocab, (8, 64))
         mask = torch.rand(tokens.shape) < 0.15
         inputs = tokens.masked_fill(mask, 103)  # [MASK]
@@ -52,18 +57,28 @@ def _finetune_minilm(steps: int = 30, seed: int = 0) -> tuple[torch.nn.Module, t
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if on_step is not None:
+            on_step(step + 1, model, opt)
     return model, opt
 
 
-def _minilm(bf16_weights: bool) -> dict[str, Any]:
-    model, opt = _finetune_minilm()
+def _minilm_state(model: torch.nn.Module, opt: torch.optim.Optimizer, bf16_weights: bool) -> dict[str, Any]:
     state = model.state_dict()
     if bf16_weights:
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
     return {"model": state, "optimizer": opt.state_dict(), "gradients": _grads_bf16(model)}
 
 
-def _moe(steps: int = 40, seed: int = 0) -> dict[str, Any]:
+def _minilm(bf16_weights: bool) -> dict[str, Any]:
+    model, opt = _finetune_minilm()
+    return _minilm_state(model, opt, bf16_weights)
+
+
+def _moe_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "gradients": _grads_bf16(model)}
+
+
+def _moe(steps: int = 40, seed: int = 0, on_step: OnStep | None = None) -> dict[str, Any]:
     """A tiny Mixtral trained from scratch on a copy task (learnable, so the weights move)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -76,14 +91,16 @@ def _moe(steps: int = 40, seed: int = 0) -> dict[str, Any]:
     model = MixtralForCausalLM(cfg)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    for _ in range(steps):
+    for step in range(steps):
         half = torch.randint(0, cfg.vocab_size, (8, 32))
         tokens = torch.cat([half, half], dim=1)
         loss = model(input_ids=tokens, labels=tokens).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "gradients": _grads_bf16(model)}
+        if on_step is not None:
+            on_step(step + 1, model, opt)
+    return _moe_state(model, opt)
 
 
 CHECKPOINTS: dict[str, Callable[[], dict[str, Any]]] = {
@@ -115,3 +132,51 @@ def build_checkpoint(name: str) -> Path:
 def load_cached(name: str) -> dict[str, Any]:
     """The cached checkpoint as in memory after training (contiguous CPU tensors)."""
     return torch.load(build_checkpoint(name), map_location="cpu", weights_only=True)
+
+
+# -- pairs: a checkpoint and the same run's checkpoint some optimizer steps later ------------------
+
+#: Optimizer steps between the base and the later checkpoint of a pair.
+PAIR_GAP_STEPS = 40
+
+
+def _pair(train: Callable[..., Any], steps: int, to_state: Callable[[torch.nn.Module, torch.optim.Optimizer], dict[str, Any]]) -> dict[str, Any]:
+    snaps: dict[int, dict[str, Any]] = {}
+
+    def on_step(done: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        if done in (steps, steps + PAIR_GAP_STEPS):
+            snaps[done] = copy.deepcopy(to_state(model, opt))
+
+    train(steps=steps + PAIR_GAP_STEPS, on_step=on_step)
+    return {"base": snaps[steps], "later": snaps[steps + PAIR_GAP_STEPS]}
+
+
+#: ``{name: () -> {"base": state, "later": state}}``: bf16 weights, fp32 AdamW moments, bf16 gradients.
+PAIRS: dict[str, Callable[[], dict[str, Any]]] = {
+    "dense": lambda: _pair(_finetune_minilm, 30, lambda m, o: _minilm_state(m, o, bf16_weights=True)),
+    "moe": lambda: _pair(_moe_trainer, 40, _moe_state_bf16),
+}
+
+
+def _moe_trainer(steps: int, on_step: OnStep) -> Any:
+    return _moe(steps=steps, on_step=on_step)
+
+
+def _moe_state_bf16(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    state = _moe_state(model, opt)
+    state["model"] = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state["model"].items()}
+    return state
+
+
+def load_pair(name: str) -> dict[str, Any]:
+    """Pair ``name`` (trained and cached once), as ``{"base": state, "later": state}``."""
+    path = OUT_DIR / f"pair-{name}.v{RECIPE_VERSION}.pt"
+    if not path.exists():
+        OUT_DIR.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        pair = PAIRS[name]()
+        tmp = path.with_suffix(".tmp")
+        torch.save(pair, tmp)
+        tmp.replace(path)
+        print(f"built pair {name} in {time.perf_counter() - start:.1f}s -> {path}", flush=True)
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -116,7 +116,7 @@ def bench_gpu(codec_id: str, chunk_bytes: int, name: str, tensor: torch.Tensor, 
         frames: list[torch.Tensor] = []
         sizes: list[int] = []
         for group in writer.gpu_batches(item):
-            f, s = writer.encode_gpu_batch(flat, group, item)
+            f, s, _ops = writer.encode_gpu_batch(flat, group, item)
             frames += f
             sizes += s
         return frames, sizes

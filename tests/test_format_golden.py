@@ -10,6 +10,7 @@ import importlib.util
 import io
 import json
 import math
+import shutil
 import os
 import struct
 import zipfile
@@ -86,15 +87,16 @@ def test_golden_multi_chunk_entry():
 # -- a reader written from docs/format.md alone ------------------------------------------------
 
 
-def _spec_reader(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
-    """Decodes a version-1 file following docs/format.md, without nvcomp_checkpoint."""
-    assert data[:8] == b"NVCKPT\x01\x00"
+def _spec_reader(data: bytes, base: dict[str, np.ndarray] | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+    """Decodes a version-1 file, or a version-2 delta given its base's tensors, following docs/format.md alone."""
+    assert data[:8] == (b"NVCKPT\x01\x00" if base is None else b"NVCKPT\x02\x00")
     index_offset, index_size, index_hash, magic = struct.unpack("<QQQ8s", data[-32:])
     assert magic == b"NVCKEND\x00" and index_offset + index_size == len(data) - 32
     raw_index = data[index_offset : index_offset + index_size]
     assert xxhash.xxh3_64_intdigest(raw_index) == index_hash
     index = json.loads(raw_index)
-    assert index["format"] == "nvcomp-checkpoint" and index["version"] == 1
+    assert index["format"] == "nvcomp-checkpoint" and index["version"] == (1 if base is None else 2)
+    assert ("base" in index) == (base is not None)
 
     def frame_bytes(offset: int, size: int, raw_size: int, digest: str, codec: str) -> bytes:
         stored = data[offset : offset + size]
@@ -111,11 +113,20 @@ def _spec_reader(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
         planes = t["width"] if t["filter"] == "byteplane" else 1
         out = np.empty(nbytes, dtype=np.uint8)
         frames = iter(t["frames"])
+        ref = None
+        if "delta" in t:
+            ref = base[t["delta"]["key"]]
+            assert f"{xxhash.xxh3_64_intdigest(ref.tobytes()):016x}" == t["delta"]["xxh3"]
         for start in range(0, nbytes, t["chunk_bytes"]):
             length = min(t["chunk_bytes"], nbytes - start)
             for p in range(planes):
-                offset, size, digest = next(frames)
+                offset, size, digest, *op = next(frames)
                 raw = np.frombuffer(frame_bytes(offset, size, length // planes, digest, t["codec"]["id"]), np.uint8)
+                if op == ["xor"]:
+                    # The XOR of this plane with the same plane of the base tensor's chunk.
+                    raw = raw ^ ref[start : start + length].reshape(-1, planes)[:, p]
+                else:
+                    assert op == []
                 # Plane p holds byte p of every little-endian scalar of the chunk.
                 out[start : start + length].reshape(-1, planes)[:, p] = raw
         assert next(frames, None) is None
@@ -204,3 +215,50 @@ def test_default_metadata_is_the_only_difference(tmp_path):
         assert doc["metadata"]["created_by"] == f"nvcomp-checkpoint {nc.__version__}"
         doc["metadata"].pop("created")
     assert ja == jb
+
+
+# -- the delta golden file (format version 2) ----------------------------------------------------
+
+GOLDEN_DELTA = DATA / "golden_v2_delta.nvc"
+EXPECTED_DELTA = json.loads((DATA / "golden_v2_delta.expected.json").read_text())
+
+_dspec = importlib.util.spec_from_file_location("make_golden_delta", DATA / "make_golden_delta.py")
+assert _dspec is not None and _dspec.loader is not None
+make_golden_delta = importlib.util.module_from_spec(_dspec)
+_dspec.loader.exec_module(make_golden_delta)
+
+
+def test_golden_delta_decodes_to_expected_tree():
+    back = nc.load(GOLDEN_DELTA)
+    assert_tree_equal(make_golden_delta.golden_delta_tree(), back)
+    assert back["global_step"] == 41 and back["model"]["embed.weight"] is back["model"]["head.weight"]
+    with nc.open(GOLDEN_DELTA) as reader:
+        assert reader.metadata == EXPECTED_DELTA["metadata"]
+        assert reader.index.base is not None and (reader.index.base.path, reader.index.base.depth) == ("golden_v1.nvc", 1)
+        for key, want in EXPECTED_DELTA["tensors"].items():
+            assert make_golden.tensor_digest(reader.read(key)) == want["sha256"], key
+        # XOR frames on byte planes and on unfiltered chunks, plain frames beside them.
+        ops = {key: [f.op for f in reader.entry(key).frames] for key in ("model/fc.weight", "optimizer/state/0/exp_avg_sq")}
+        assert reader.entry("optimizer/state/0/exp_avg_sq").filter == "none"
+    assert all(any(o) and (key == "optimizer/state/0/exp_avg_sq" or not all(o)) for key, o in ops.items()), ops
+
+
+def test_golden_delta_matches_format_document():
+    _, base = _spec_reader(GOLDEN.read_bytes())
+    index, tensors = _spec_reader(GOLDEN_DELTA.read_bytes(), base)
+    assert index["base"]["path"] == "golden_v1.nvc" and index["base"]["size"] == GOLDEN.stat().st_size
+    assert index["base"]["index_xxh3"] == f"{struct.unpack('<QQQ8s', GOLDEN.read_bytes()[-32:])[2]:016x}"
+    for key, want in EXPECTED_DELTA["tensors"].items():
+        assert make_golden.hashlib.sha256(tensors[key].tobytes()).hexdigest() == want["sha256"], key
+
+
+def test_resave_reproduces_golden_delta_bytes(tmp_path):
+    same, why = _versions_match()
+    if not same:
+        pytest.skip(f"compressed bytes depend on library versions: {why}")
+    shutil.copy(GOLDEN, tmp_path / GOLDEN.name)
+    with nc.open(GOLDEN_DELTA) as reader:
+        metadata = reader.metadata
+    path = tmp_path / "delta.nvc"
+    nc.save(make_golden_delta.golden_delta_tree(), path, make_golden_delta.golden_delta_policy(), metadata=metadata, workers=1, base=tmp_path / GOLDEN.name)
+    assert path.read_bytes() == GOLDEN_DELTA.read_bytes()

@@ -4,7 +4,7 @@ Every import counts, also those inside functions. Layers, lowest first (a module
 layer and those below):
 
     base        errors, version, tensors, workers, codecs/*, filters/*, metrics
-    format      format/*, policy, storage, report, filetype, pending, dirstore
+    format      format/*, policy, storage, report, filetype, pending, dirstore, delta
     pipeline    writer, reader, snapshot
     api         api, async_save, savegroup, tiers, dcp/*, the package __init__
     adapters    cli/*, integrations/*, the short-name shims lightning/accelerate/transformers
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "version", "tensors", "workers", "codecs", "filters", "metrics")),
-    ("format", ("format", "policy", "storage", "report", "filetype", "pending", "dirstore")),
+    ("format", ("format", "policy", "storage", "report", "filetype", "pending", "dirstore", "delta")),
     ("pipeline", ("writer", "reader", "snapshot")),
     ("api", ("api", "async_save", "savegroup", "tiers", "dcp", "broadcast", "")),
     ("adapters", ("cli", "integrations", "lightning", "accelerate", "transformers")),

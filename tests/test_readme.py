@@ -217,6 +217,14 @@ def train_step(step):
     opt.step()
 """
 
+# A run directory and the state of the run; ``kept`` is the caller's copy of what step-1040 saved.
+_INCREMENTAL = _TINY_MODEL + """
+import os
+os.makedirs("run", exist_ok=True)
+torch.save(state, "state.pt")
+kept = state
+"""
+
 _TIERS_DCP = _TINY_MODEL + """
 mgr = nc.CheckpointManager([nc.Tier("nvme/run1", keep=2, name="local"), nc.Tier("fsx/run1", name="shared")])
 step, rank = 100, 0
@@ -241,6 +249,7 @@ scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
     "tiers_cli": _TIERS_CLI,
     "tiers_loop": _TIERS_LOOP,
     "tiers_dcp": _TIERS_DCP,
+    "incremental": _INCREMENTAL,
 }
 
 #: Python run after a python snippet, in its process: prints what the checks look at.
@@ -286,6 +295,15 @@ print({_RESULT!r} + json.dumps({{
 """,
 }
 EPILOGUES["tiers_loop"] = EPILOGUES["tiers"]
+EPILOGUES["incremental"] = f"""
+import json
+torch.save(state, "loaded.pt")
+def _base(p):
+    with nc.open(p) as r:
+        b = r.index.base
+        return None if b is None else [b.path, b.depth]
+print({_RESULT!r} + json.dumps({{p: _base(f"run/{{p}}") for p in ("step-1000.nvc", "step-1040.nvc", "step-1080.nvc")}}))
+"""
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -510,6 +528,13 @@ def check_tiers_cli(s: Snippet, tmp_path: Path) -> None:
     assert "storage per tier" in out and all(name in out for name in ("local", "shared", "object")), out
 
 
+def check_incremental(s: Snippet, tmp_path: Path) -> None:
+    result = _result(_ok(run_snippet(s, tmp_path), s))
+    # A full file, then a chain of two deltas, each recording its base relative to itself.
+    assert result == {"step-1000.nvc": None, "step-1040.nvc": ["step-1000.nvc", 1], "step-1080.nvc": ["step-1040.nvc", 2]}, result
+    assert_tree_equal(torch.load(tmp_path / "loaded.pt"), torch.load(tmp_path / "state.pt"))
+
+
 def check_bare(s: Snippet, tmp_path: Path) -> None:
     _ok(run_snippet(s, tmp_path), s)
 
@@ -526,6 +551,7 @@ CHECKS: dict[str, Callable[[Snippet, Path], None]] = {
     "tiers_cli": check_tiers_cli,
     "tiers_loop": check_tiers_loop,
     "tiers_dcp": check_tiers_dcp,
+    "incremental": check_incremental,
 }
 
 

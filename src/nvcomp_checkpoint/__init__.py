@@ -10,6 +10,7 @@ from . import errors
 from .api import VerifyProblem, VerifyResult, is_nvcomp_checkpoint, load, open, save, verify
 from .async_save import AsyncSaveHandle, AsyncSaver, save_async
 from .broadcast import load_broadcast
+from .delta import ChainPolicy, retained
 from .codecs import GPU_ONLY_CODECS, PORTABLE_CODECS, gpu_available
 from .errors import CheckpointError
 from .pending import has_pending_save, wait_for_saves
@@ -40,6 +41,8 @@ __all__ = [
     "Component",
     "classify",
     "CheckpointReader",
+    "ChainPolicy",
+    "retained",
     "SaveReport",
     "ComponentStats",
     "CheckpointError",

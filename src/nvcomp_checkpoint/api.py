@@ -10,6 +10,7 @@ from typing import IO, Any, Callable
 
 import torch
 
+from .delta import BaseSource
 from .errors import CheckpointError, FormatError, SizeLimitError, UnsafeCheckpointError
 from .format.layout import FOOTER_MAGIC, MAGIC
 from .filetype import HEAD_BYTES, NVCOMP, SAFETENSORS, TORCH, ZIP_HEAD, kind_of
@@ -36,6 +37,8 @@ def save(
     workers: int | None = None,
     progress: Callable[[int], None] | None = None,
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+    base: str | os.PathLike[str] | None = None,
+    base_state: Any = None,
 ) -> SaveReport:
     """Save a checkpoint tree (state dicts, optimizer state, Lightning checkpoints ...).
 
@@ -52,12 +55,21 @@ def save(
         progress: Called with the raw bytes of each chunk as it is written.
         stream_wrapper: Wraps the output stream (benchmarks throttle storage with it); the
             wrapper's ``write`` must pass every byte on, in order.
+        base: An earlier checkpoint of the same run: the file is written as a delta of it
+            (docs/format.md, "Delta files"). Each tensor whose key, dtype and shape match one of
+            the base is stored, byte plane by byte plane, plain or XORed with the base's,
+            whichever is smaller. Loading the delta needs the base at the same relative path.
+        base_state: With ``base``: the state that was saved to ``base``, kept by the caller, so
+            that the base's values need not be decoded (about 2x faster; the reader checks each
+            value the delta uses against a digest, so a wrong copy fails loudly on load).
 
     Returns:
         A :class:`SaveReport` with raw and stored bytes, time and a per-component table.
     """
     wait_for_path(path)
-    report = write_checkpoint(obj, path, policy, metadata, storage_options, workers, progress, stream_wrapper)
+    if base_state is not None and base is None:
+        raise ValueError("base_state is the state saved to `base`; pass base= too")
+    report = write_checkpoint(obj, path, policy, metadata, storage_options, workers, progress, stream_wrapper, base=base, base_state=base_state)
     log_report(report)
     return report
 
@@ -72,6 +84,8 @@ def write_checkpoint(
     progress: Callable[[int], None] | None,
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None,
     pre_encoded: dict[int, Any] | None = None,
+    base: str | os.PathLike[str] | None = None,
+    base_state: Any = None,
 ) -> SaveReport:
     """:func:`save` without waiting for async saves or logging (the async saver's worker runs this)."""
     policy = policy or CodecPolicy()
@@ -81,13 +95,24 @@ def write_checkpoint(
     if isinstance(storage, LocalStorage):
         # Temporary files of saves killed in this directory (same host, process gone).
         stale_temp_files(os.path.dirname(os.path.abspath(spath)), remove=True)
-    with write_errors(where):
-        with storage.open_write(spath) as stream:
-            if stream_wrapper is not None:
-                stream = stream_wrapper(stream)
-            writer = CheckpointWriter(stream, policy, where, workers=workers, progress=progress, pre_encoded=pre_encoded)
-            _, stats, raw = writer.write(obj, metadata)
-            stored = writer.bytes_written
+    if base is not None:
+        wait_for_path(base)
+    source = (
+        BaseSource.open(base, where, CheckpointReader, base_state=base_state, storage_options=storage_options)
+        if base is not None
+        else None
+    )
+    try:
+        with write_errors(where):
+            with storage.open_write(spath) as stream:
+                if stream_wrapper is not None:
+                    stream = stream_wrapper(stream)
+                writer = CheckpointWriter(stream, policy, where, workers=workers, progress=progress, pre_encoded=pre_encoded, base=source)
+                _, stats, raw = writer.write(obj, metadata)
+                stored = writer.bytes_written
+    finally:
+        if source is not None:
+            source.close()
     seconds = time.perf_counter() - start
     return SaveReport(where, raw, stored, seconds, stats, seconds)
 

@@ -222,12 +222,15 @@ class AsyncSaver:
         workers: int | None = None,
         progress: Callable[[int], None] | None = None,
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+        base: str | os.PathLike[str] | None = None,
     ) -> AsyncSaveHandle:
         """Snapshot ``obj`` and save it to ``path`` in the background.
 
         Returns once the snapshot is taken: every tensor and value of ``obj`` may change
         afterwards without affecting the file. Arguments are those of
-        :func:`nvcomp_checkpoint.save`.
+        :func:`nvcomp_checkpoint.save`. With ``base`` the file is a delta of it, written once
+        every pending save to ``base`` has landed; tensors the snapshot compressed on the GPU
+        are stored plain.
 
         Returns:
             An :class:`AsyncSaveHandle`.
@@ -249,6 +252,7 @@ class AsyncSaver:
             return self._save_now(obj, where, started, dict(
                 policy=policy, metadata=metadata, storage_options=storage_options,
                 workers=workers if workers is not None else self.workers, progress=progress, stream_wrapper=stream_wrapper,
+                base=base,
             ))
         if self._closed:
             raise CheckpointError(f"{where}: this AsyncSaver is closed; create a new one to save")
@@ -274,6 +278,7 @@ class AsyncSaver:
         kwargs = dict(
             policy=policy, metadata=metadata, storage_options=storage_options,
             workers=workers if workers is not None else self.workers, progress=progress, stream_wrapper=stream_wrapper,
+            base=None if base is None else os.fspath(base),
         )
         with self._lock:
             if self._closed:
@@ -480,6 +485,7 @@ def save_async(
     workers: int | None = None,
     progress: Callable[[int], None] | None = None,
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+    base: str | os.PathLike[str] | None = None,
 ) -> AsyncSaveHandle:
     """Save a checkpoint in the background; returns once a consistent snapshot is taken.
 
@@ -499,7 +505,7 @@ def save_async(
     """
     return default_saver().save(
         obj, path, policy, metadata=metadata, storage_options=storage_options, workers=workers,
-        progress=progress, stream_wrapper=stream_wrapper,
+        progress=progress, stream_wrapper=stream_wrapper, base=base,
     )
 
 

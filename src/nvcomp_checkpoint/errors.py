@@ -16,6 +16,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedObjectError",
     "CheckpointWriteError",
+    "BaseCheckpointError",
     "SizeLimitError",
 ]
 
@@ -56,6 +57,11 @@ class UnsupportedObjectError(CheckpointError):
 
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint failed; the previous file at the target path is untouched."""
+
+
+class BaseCheckpointError(CheckpointError):
+    """A delta checkpoint's base is missing, is another file than the one it was written
+    against, or cannot be read: the delta's tensors cannot be rebuilt (never guessed)."""
 
 
 class SizeLimitError(CheckpointError):

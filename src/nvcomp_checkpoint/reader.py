@@ -19,7 +19,8 @@ import xxhash
 from .codecs import cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
 from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError, SizeLimitError, UnsafeCheckpointError
 from .filters import ByteplaneFilter
-from .format.layout import FOOTER, MAGIC, Frame, Index, TensorEntry, unpack_footer
+from .delta import BaseChain
+from .format.layout import DELTA_MAGIC, FOOTER, MAGIC, Frame, Index, TensorEntry, unpack_footer
 from .format.skeleton import check_skeleton, decode_skeleton, tensor_paths, unflatten
 from .policy import Component
 from .report import ComponentStats, ComponentSummary
@@ -119,6 +120,8 @@ class CheckpointReader:
             raise
         self._by_key = {t.key: (i, t) for i, t in enumerate(self.index.tensors)}
         self._aliases: dict[str, int] | None = None
+        #: A delta file's base (delta.py), opened when a tensor first needs it.
+        self.chain = BaseChain(self.index.base, self.path, type(self), storage_options) if self.index.base is not None else None
 
     # -- index -----------------------------------------------------------------------------
     def _read_at(self, offset: int, size: int) -> bytes:
@@ -136,9 +139,9 @@ class CheckpointReader:
         head = self._read_at(0, len(MAGIC))
         if head[:6] != MAGIC[:6]:
             raise FormatError(f"{self.path}: not an nvcomp-checkpoint file (no NVCKPT magic)")
-        if head[6] > MAGIC[6]:
-            raise FormatError(f"{self.path}: format version {head[6]}; this nvcomp-checkpoint reads version {MAGIC[6]}. Upgrade to read it.")
-        if head != MAGIC:
+        if head[6] > DELTA_MAGIC[6]:
+            raise FormatError(f"{self.path}: format version {head[6]}; this nvcomp-checkpoint reads versions up to {DELTA_MAGIC[6]}. Upgrade to read it.")
+        if head not in (MAGIC, DELTA_MAGIC):
             raise FormatError(
                 f"{self.path}: damaged header (version byte {head[6]}, reserved byte {head[7]}; expected "
                 f"{MAGIC[6]} and {MAGIC[7]}); restore the file from another copy"
@@ -147,7 +150,12 @@ class CheckpointReader:
         data = self._read_at(offset, isize)
         if xxhash.xxh3_64_intdigest(data) != digest:
             raise ChecksumError(f"{self.path}: the index is corrupt (checksum mismatch)")
-        return Index.from_json_bytes(data, offset, self.path)
+        #: The footer's digest of the index: the file's identity, which a delta of it records.
+        self.index_xxh3 = digest
+        index = Index.from_json_bytes(data, offset, self.path)
+        if index.version != head[6]:
+            raise FormatError(f"{self.path}: the header says format version {head[6]}, the index {index.version}; the file is damaged")
+        return index
 
     # -- queries ---------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -332,6 +340,20 @@ class CheckpointReader:
 
     def _start_decode(self, entry: TensorEntry, device: torch.device, pool: Executor) -> Callable[[], torch.Tensor]:
         """Read ``entry``'s frames and queue their decoding; the returned call waits and gives the tensor."""
+        if entry.delta is None or self.chain is None:
+            return self._start_decode_stored(entry, device, pool)
+        chain = self.chain
+        if (device.type == "cuda" and gpu_available()) or not has_cpu_decoder(entry.codec.id):
+            # On the GPU the XOR is undone on the device, once the tensor is decoded.
+            finish = self._start_decode_stored(entry, device, pool)
+            return lambda: chain.undo(entry, finish())
+        # On the CPU each decoding worker undoes the XOR of its own chunk (in cache, in parallel).
+        return self._start_decode_stored(entry, device, pool, after_chunk=chain.chunk_undoer(entry))
+
+    def _start_decode_stored(
+        self, entry: TensorEntry, device: torch.device, pool: Executor, after_chunk: Callable[..., None] | None = None
+    ) -> Callable[[], torch.Tensor]:
+        """:meth:`_start_decode` of the bytes as stored (a delta tensor's before the XOR is undone)."""
         if device.type == "cuda" and gpu_available():
             gpu_tensor = self._decode_gpu(entry, device)
             return lambda: gpu_tensor
@@ -379,6 +401,8 @@ class CheckpointReader:
                     filt.join(dest, raws)
                 else:
                     dest[:] = np.frombuffer(raws[0], dtype=np.uint8)
+                if after_chunk is not None:
+                    after_chunk(start, frames, dest)
 
             futures = [pool.submit(decode_chunk, i, s, n, fr) for i, (s, n, fr) in enumerate(entry.chunks())]
 
@@ -464,6 +488,8 @@ class CheckpointReader:
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
+        if self.chain is not None:
+            self.chain.close()
         self._stream.close()
 
     def __enter__(self) -> "CheckpointReader":

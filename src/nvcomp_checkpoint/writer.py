@@ -21,9 +21,11 @@ import torch
 import xxhash
 
 from .codecs import CodecConfig, codec_facts, cpu_codec, gpu_available, gpu_chunk_bytes, gpu_codec, has_cpu_decoder
+from .delta import BaseSource, encode_cpu_chunk_against, pick_frames
 from .errors import CodecUnavailableError, UnsupportedObjectError
 from .filters import ByteplaneFilter, plane_width
-from .format.layout import MAGIC, MAX_INDEX_BYTES, QUANTIZED_DTYPES, Frame, Index, TensorEntry, pack_footer
+from .format.chain import TensorDelta
+from .format.layout import DELTA_MAGIC, MAGIC, MAX_INDEX_BYTES, QUANTIZED_DTYPES, Frame, Index, TensorEntry, pack_footer
 from .format.skeleton import encode_skeleton, flatten
 from .policy import CodecPolicy, CodecSpec, Component, key_string
 from .report import ComponentStats
@@ -57,6 +59,9 @@ class PlannedTensor:
     width: int
     chunk_bytes: int
     device: torch.device | None  # where compression runs; None = CPU
+    #: Delta files: the base tensor this one is XORed with (delta.py), and its bytes' XXH3-64.
+    base_key: str | None = None
+    base_xxh3: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -152,9 +157,9 @@ def checked_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str
     return loaded
 
 
-# (frame bytes, raw size, xxh3-64 of the frame) in order; the hash is taken in the worker
-# thread so the thread that writes does nothing but write.
-_Encoded = list[tuple[bytes | memoryview | np.ndarray, int, int]]
+# (frame bytes, raw size, xxh3-64 of the frame, op against the base) in order; the hash is taken
+# in the worker thread so the thread that writes does nothing but write.
+_Encoded = list[tuple[bytes | memoryview | np.ndarray, int, int, str]]
 
 
 def _encode_cpu_chunk(data: np.ndarray, item: PlannedTensor) -> _Encoded:
@@ -164,17 +169,17 @@ def _encode_cpu_chunk(data: np.ndarray, item: PlannedTensor) -> _Encoded:
     out: _Encoded = []
     for part in parts:
         if item.spec.codec == "none":
-            out.append((part, len(part), xxhash.xxh3_64_intdigest(part)))
+            out.append((part, len(part), xxhash.xxh3_64_intdigest(part), ""))
             continue
         frame = codec.encode(part)
         # A frame that does not shrink is stored raw: smaller, and faster to read.
         stored = frame if len(frame) < len(part) else part
-        out.append((stored, len(part), xxhash.xxh3_64_intdigest(stored)))
+        out.append((stored, len(part), xxhash.xxh3_64_intdigest(stored), ""))
     return out
 
 
-#: Frames of one GPU batch, still on the device, with the raw size of each.
-GpuFrames = tuple[list[torch.Tensor], list[int]]
+#: Frames of one GPU batch, still on the device, with the raw size and the op of each.
+GpuFrames = tuple[list[torch.Tensor], list[int], list[str]]
 
 
 def gpu_batches(item: PlannedTensor) -> list[list[int]]:
@@ -184,10 +189,12 @@ def gpu_batches(item: PlannedTensor) -> list[list[int]]:
     return [starts[b : b + per_batch] for b in range(0, len(starts), per_batch)]
 
 
-def encode_gpu_batch(flat: torch.Tensor, starts: list[int], item: PlannedTensor) -> GpuFrames:
+def encode_gpu_batch(flat: torch.Tensor, starts: list[int], item: PlannedTensor, base: torch.Tensor | None = None) -> GpuFrames:
     """Compress one batch of chunks on ``item.device``; the frames stay in GPU memory.
 
-    A frame that does not shrink is the raw piece, which may be a view of ``flat``.
+    A frame that does not shrink is the raw piece, which may be a view of ``flat``. With
+    ``base`` (the base tensor's bytes), each frame is plain or XORed with the base on the
+    device, whichever stores smaller (delta.pick_frames, the CPU's rule).
     """
     device = item.device
     assert device is not None
@@ -200,17 +207,38 @@ def encode_gpu_batch(flat: torch.Tensor, starts: list[int], item: PlannedTensor)
         for s in starts:
             chunk = src[s - starts[0] : s - starts[0] + item.chunk_bytes]
             pieces.extend(filt.split_torch(chunk) if item.spec.filter == "byteplane" else [chunk])
+        sizes = [p.numel() for p in pieces]
         if item.spec.codec == "none":
-            return pieces, [p.numel() for p in pieces]
+            return pieces, sizes, [""] * len(pieces)
         codec = gpu_codec(item.spec.codec, item.spec.level, device)
+        if base is not None:
+            return _encode_gpu_against(src, base, starts, item, pieces, codec)
         encoded = codec.encode_batch(pieces)
         frames = [e if e.numel() < p.numel() else p for e, p in zip(encoded, pieces)]
-        return frames, [p.numel() for p in pieces]
+        return frames, sizes, [""] * len(pieces)
+
+
+def _encode_gpu_against(
+    src: torch.Tensor, base: torch.Tensor, starts: list[int], item: PlannedTensor, pieces: list[torch.Tensor], codec: Any
+) -> GpuFrames:
+    """The frames of one GPU batch of a tensor with a base: the XOR runs on the device."""
+    ref = base[starts[0] : starts[0] + src.numel()]
+    if ref.device != src.device:
+        ref = ref.to(src.device)
+    xored = torch.bitwise_xor(src, ref)
+    filt = ByteplaneFilter(item.width)
+    xpieces: list[torch.Tensor] = []
+    for s in starts:
+        chunk = xored[s - starts[0] : s - starts[0] + item.chunk_bytes]
+        xpieces.extend(filt.split_torch(chunk) if item.spec.filter == "byteplane" else [chunk])
+    encoded = codec.encode_batch(pieces + xpieces)
+    chosen = pick_frames(pieces, xpieces, encoded[: len(pieces)], encoded[len(pieces) :], lambda t: t.numel())
+    return [f for f, _ in chosen], [p.numel() for p in pieces], [op for _, op in chosen]
 
 
 def _gpu_frames_to_host(batch: GpuFrames, device: torch.device, ring: PinnedRing, seq: int) -> _Encoded:
     """Copy one batch's frames into its reused pinned buffer: only compressed bytes cross."""
-    frames, raw_sizes = batch
+    frames, raw_sizes, ops = batch
     with torch.cuda.device(device):
         packed = torch.cat([f.reshape(-1) for f in frames])
         staging = ring.buffer(seq, packed.numel())
@@ -219,17 +247,19 @@ def _gpu_frames_to_host(batch: GpuFrames, device: torch.device, ring: PinnedRing
         host = staging.numpy()
     out: _Encoded = []
     pos = 0
-    for f, raw_size in zip(frames, raw_sizes):
+    for f, raw_size, op in zip(frames, raw_sizes, ops):
         frame = host[pos : pos + f.numel()]
-        out.append((frame, raw_size, xxhash.xxh3_64_intdigest(frame)))
+        out.append((frame, raw_size, xxhash.xxh3_64_intdigest(frame), op))
         pos += f.numel()
     return out
 
 
-def _encode_gpu_chunks(flat: torch.Tensor, starts: list[int], item: PlannedTensor, ring: PinnedRing, seq: int) -> _Encoded:
+def _encode_gpu_chunks(
+    flat: torch.Tensor, starts: list[int], item: PlannedTensor, ring: PinnedRing, seq: int, base: torch.Tensor | None = None
+) -> _Encoded:
     ring.acquire(seq)
     assert item.device is not None
-    return _gpu_frames_to_host(encode_gpu_batch(flat, starts, item), item.device, ring, seq)
+    return _gpu_frames_to_host(encode_gpu_batch(flat, starts, item, base), item.device, ring, seq)
 
 
 def _pre_encoded_to_host(batch: GpuFrames, item: PlannedTensor, ring: PinnedRing, seq: int) -> _Encoded:
@@ -265,8 +295,8 @@ def pre_encode_on_gpu(
         flat = flat_bytes(t)
         batches = []
         for group in gpu_batches(item):
-            frames, raw_sizes = encode_gpu_batch(flat, group, item)
-            batches.append((_compact(frames), raw_sizes))
+            frames, raw_sizes, ops = encode_gpu_batch(flat, group, item)
+            batches.append((_compact(frames), raw_sizes, ops))
         out[id(t)] = batches
     for device in used:
         torch.cuda.current_stream(device).synchronize()
@@ -372,6 +402,7 @@ class CheckpointWriter:
         progress: Called with the raw bytes of each frame as it is written.
         pre_encoded: ``{id(tensor): [batch frames ...]}`` for tensors already compressed on their
             GPU (by :func:`pre_encode_on_gpu`, for an async snapshot); planned like any other.
+        base: The checkpoint this one is written as a delta of (``delta.BaseSource``), or None.
     """
 
     def __init__(
@@ -384,8 +415,10 @@ class CheckpointWriter:
         depth: int = 2,
         progress: Callable[[int], None] | None = None,
         pre_encoded: Mapping[int, list[GpuFrames]] | None = None,
+        base: BaseSource | None = None,
     ) -> None:
         self.stream = stream
+        self.base = base
         self.pre_encoded = pre_encoded or {}
         self.policy = policy
         self.where = where
@@ -410,6 +443,11 @@ class CheckpointWriter:
         metadata = checked_metadata(metadata, self.where)  # before the first byte: the index is written last
         skeleton, tensors = flatten(obj, where=self.where)
         planned = plan_tensors(tensors, self.policy, self.where)
+        if self.base is not None:
+            for item in planned:
+                # A tensor an async snapshot compressed already is stored plain.
+                if item.spec.codec != "none" and item.nbytes and id(item.tensor) not in self.pre_encoded:
+                    item.base_key = self.base.match(item.key, item.tensor, item.component.value)
         try:
             skeleton_bytes = encode_skeleton(skeleton)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
@@ -425,7 +463,7 @@ class CheckpointWriter:
                 f"over the format's limit of {MAX_INDEX_BYTES >> 30} GiB; store large arrays and byte strings as "
                 "torch tensors (torch.from_numpy, torch.frombuffer), which are compressed and streamed"
             )
-        self._write(MAGIC)
+        self._write(MAGIC if self.base is None else DELTA_MAGIC)
         skel_frame = self._write_skeleton(skeleton_bytes)
         frames_of: list[list[Frame]] = [[] for _ in planned]
         self._ring = PinnedRing()
@@ -498,6 +536,7 @@ class CheckpointWriter:
                 device=str(getattr(item.tensor, SOURCE_DEVICE_ATTR, item.tensor.device)),
                 requires_grad=bool(item.tensor.requires_grad),
                 parameter=isinstance(item.tensor, torch.nn.Parameter),
+                delta=TensorDelta(item.base_key, item.base_xxh3) if item.base_key and any(f.op for f in frames) else None,
             )
             entries.append(entry)
             comp = stats.get(entry.component, ComponentStats())
@@ -505,7 +544,7 @@ class CheckpointWriter:
             raw_total += entry.nbytes
         meta = {"created_by": f"nvcomp-checkpoint {__version__}", "torch": torch.__version__, "created": time.time()}
         meta.update(metadata or {})
-        index = Index(skel_frame, tuple(entries), meta)
+        index = Index(skel_frame, tuple(entries), meta, self.base.ref if self.base is not None else None)
         index_bytes = index.to_json_bytes()
         if len(index_bytes) > MAX_INDEX_BYTES:
             # The reader refuses a larger index; fail the save (nothing lands at the path) rather
@@ -532,10 +571,10 @@ class CheckpointWriter:
     def _drain_one(self, window: deque[tuple[int, int, bool, Future[_Encoded]]], frames_of: list[list[Frame]]) -> int:
         """Write the oldest job's frames; returns that job's weight in the window."""
         idx, weight, on_gpu, fut = window.popleft()
-        for data, raw_size, digest in fut.result():
+        for data, raw_size, digest, op in fut.result():
             offset = self._pos
             size = self._write(data)
-            frames_of[idx].append(Frame(offset, size, raw_size, digest))
+            frames_of[idx].append(Frame(offset, size, raw_size, digest, op))
             if self.progress is not None:
                 self.progress(raw_size)
         if on_gpu:
@@ -556,17 +595,30 @@ class CheckpointWriter:
                     yield idx, sum(batch[1]), True, (lambda b=batch, it=item, q=seq: _pre_encoded_to_host(b, it, self._ring, q))
                 continue
             flat = flat_bytes(item.tensor)
+            base = None
+            if item.base_key is not None and self.base is not None:
+                # Read here, one tensor at a time: the jobs of this tensor hold it until written.
+                base, item.base_xxh3 = self.base.values(item.base_key, item.device or torch.device("cpu"))
             if item.device is not None:
                 for group in gpu_batches(item):
                     nbytes = min(group[-1] + item.chunk_bytes, item.nbytes) - group[0]
                     seq = self._ring.ticket()
-                    yield idx, nbytes, True, (lambda f=flat, g=group, it=item, q=seq: _encode_gpu_chunks(f, g, it, self._ring, q))
+                    yield idx, nbytes, True, (lambda f=flat, g=group, it=item, q=seq, b=base: _encode_gpu_chunks(f, g, it, self._ring, q, b))
                 continue
             on_cpu = flat.device.type == "cpu"
             host = flat.numpy() if on_cpu else None
+            base_host = base.numpy() if base is not None else None
             for start in range(0, item.nbytes, item.chunk_bytes):
                 end = min(start + item.chunk_bytes, item.nbytes)
-                if host is not None:
+                if base_host is not None:
+                    ref = base_host[start:end]
+                    if host is not None:
+                        yield idx, end - start, False, (lambda c=host[start:end], r=ref, it=item: encode_cpu_chunk_against(c, r, it))
+                    else:
+                        yield idx, end - start, False, (
+                            lambda f=flat, s=start, e=end, r=ref, it=item: encode_cpu_chunk_against(f[s:e].cpu().numpy(), r, it)
+                        )
+                elif host is not None:
                     chunk = host[start:end]
                     yield idx, end - start, False, (lambda c=chunk, it=item: _encode_cpu_chunk(c, it))
                 else:

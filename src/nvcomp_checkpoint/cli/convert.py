@@ -64,6 +64,11 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--trust", action="store_true", help="load pickled Python objects (weights_only=False); only for files you trust")
     p.add_argument("-f", "--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--json", action="store_true", help="print the save report as JSON")
+    p.add_argument(
+        "--base",
+        help="an earlier nvcomp-checkpoint file of the same run: write DST as a delta of it (loading DST then needs BASE "
+        "at the same relative path; `nvckpt rebase` makes a full copy)",
+    )
     p.set_defaults(func=run_compress)
 
     d = sub.add_parser(
@@ -127,7 +132,7 @@ def _compress_file(src: str, dst: str, policy: nc.CodecPolicy, args: argparse.Na
         kind = source.kind
         task = reporter.start(f"compressing {os.path.basename(src)}", _tensor_bytes(tree))
         try:
-            report = nc.save(tree, dst, policy, metadata=meta, workers=args.workers, progress=task.advance)
+            report = nc.save(tree, dst, policy, metadata=meta, workers=args.workers, progress=task.advance, base=getattr(args, "base", None))
         finally:
             reporter.stop()
     return report, kind
@@ -398,8 +403,12 @@ def run_compress(args: argparse.Namespace) -> int:
     policy = _policy_from(args)
     reporter = Reporter(args.quiet)
     kind = sniff(args.src)
+    if kind == DIRECTORY and args.base:
+        raise CheckpointError(f"{args.src}: --base takes single files; compress a directory without it")
     if kind == DIRECTORY and _dcp.is_dcp_dir(args.src):
         return _convert_dcp(args, "compress", policy)
+    if args.base and sniff(args.base) != NVCOMP:
+        raise FormatError(f"{args.base}: --base must be an nvcomp-checkpoint file (compress it first)")
     if kind == DIRECTORY:
         rows = _compress_dir(args.src, args.dst, policy, args, reporter)
         if args.json:

@@ -22,6 +22,7 @@ from nvcomp_checkpoint.storage import stale_temp_files
 
 from . import _dcp
 from ._ui import EXIT_OK, make_table, print_json, stdout_console
+from .chain import chain_text, describe_chain
 from .sources import DIRECTORY, NVCOMP, OTHER, TensorInfo, dir_files, open_source, sniff
 
 __all__ = ["add_parser", "run_inspect", "component_stats", "build_tree"]
@@ -149,12 +150,19 @@ def _describe_file(path: str, trust: bool) -> dict[str, Any]:
             "components": {k: v.to_dict() for k, v in stats.items()},
             "tensors": [t.to_dict() for t in tensors],
             "metadata": source.metadata,
+            # A delta checkpoint's chain of bases (cli/chain.py); [] for other files.
+            "chain": describe_chain(path) if source.kind == NVCOMP and _is_delta(path) else [],
             # Whether the file loads on a machine without a GPU (no nvCOMP-only codec in it).
             "portable": not gpu_only,
             "gpu_only_codecs": gpu_only,
             "_infos": shown,
             "_stats": component_stats(shown),
         }
+
+
+def _is_delta(path: str) -> bool:
+    with nc.open(path) as reader:
+        return reader.index.base is not None
 
 
 def _meta_value(key: str, value: Any) -> str:
@@ -281,6 +289,8 @@ def run_inspect(args: argparse.Namespace) -> int:
                 "(convert with: nvckpt compress SRC DST --policy zstd on a GPU machine)",
                 markup=False, highlight=False,
             )
+    if d["chain"]:
+        console.print(chain_text(d["chain"]), markup=False, highlight=False)
     meta = d["metadata"]
     if meta:
         shown = ", ".join(f"{_shown(k)}={_meta_value(k, v)}" for k, v in meta.items() if not isinstance(v, (dict, list)))

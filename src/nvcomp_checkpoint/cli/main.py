@@ -13,7 +13,7 @@ from typing import Sequence
 from nvcomp_checkpoint import __version__
 from nvcomp_checkpoint.errors import CheckpointError
 
-from . import bench, convert, estimate, inspect, ls, sync, verify
+from . import bench, chain, convert, estimate, inspect, ls, sync, verify
 from ._ui import EXIT_ERROR, EXIT_INTERNAL, stderr_console
 
 __all__ = ["main", "build_parser"]
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_parser(sub, common)
     bench.add_parser(sub, common)
     estimate.add_parser(sub, common)
+    chain.add_parser(sub, common)
     ls.add_parser(sub, common)
     sync.add_parser(sub, common)
     return parser

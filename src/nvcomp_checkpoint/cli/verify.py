@@ -17,6 +17,7 @@ from nvcomp_checkpoint.storage import stale_temp_files
 
 from . import _dcp
 from ._ui import EXIT_FAILED, EXIT_OK, Reporter, print_json, stdout_console
+from .chain import describe_chain
 from .sources import DIRECTORY, NVCOMP, TORCH, SAFETENSORS, dir_files, sniff
 
 __all__ = ["add_parser", "run_verify", "verify_file"]
@@ -86,7 +87,10 @@ def run_verify(args: argparse.Namespace) -> int:
         if not paths and not extra:
             raise FormatError(f"{args.path}: holds no nvcomp-checkpoint files to verify (convert it with `nvckpt compress`)")
     elif kind == NVCOMP:
-        paths = [args.path]
+        # A delta is checked with every base of its chain (each one's identity, then its bytes).
+        links = describe_chain(args.path)
+        paths = [link["path"] for link in links if not link["error"]]
+        chain_failures = [{"file": link["path"], "tensor": None, "error": link["error"]} for link in links if link["error"]]
     else:
         what = {TORCH: "a plain torch.save file", SAFETENSORS: "a safetensors file"}.get(kind, "not a checkpoint nvckpt reads")
         raise FormatError(
@@ -94,7 +98,7 @@ def run_verify(args: argparse.Namespace) -> int:
             "nvcomp-checkpoint (convert it with `nvckpt compress`)"
         )
     results = [verify_file(p, reporter) for p in paths]
-    failures = [dict(f, file=r["file"]) for r in results for f in r["failures"]] + extra
+    failures = [dict(f, file=r["file"]) for r in results for f in r["failures"]] + extra + (chain_failures if kind == NVCOMP else [])
     tensors = sum(r["tensors"] for r in results)
     raw = sum(r["raw_bytes"] for r in results)
     if dcp_kind == _dcp.DCP_PLAIN:

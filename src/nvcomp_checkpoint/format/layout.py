@@ -18,9 +18,11 @@ from ..codecs import CODEC_IDS, CodecConfig
 from ..codecs.registry import CHUNK_CAP_BYTES
 from ..errors import FormatError
 from ..filters import FILTER_IDS
+from .chain import DELTA_FORMAT_VERSION, FRAME_OPS, BaseRef, TensorDelta
 
 __all__ = [
     "MAGIC",
+    "DELTA_MAGIC",
     "FORMAT_VERSION",
     "FOOTER",
     "FOOTER_MAGIC",
@@ -39,6 +41,8 @@ __all__ = [
 FORMAT_VERSION = 1
 #: 8 bytes: the name, then the major format version as one byte, then a reserved zero byte.
 MAGIC = b"NVCKPT" + bytes([FORMAT_VERSION, 0])
+#: The magic of a delta file (version 2: version 1 plus a base, docs/format.md "Delta files").
+DELTA_MAGIC = b"NVCKPT" + bytes([DELTA_FORMAT_VERSION, 0])
 FOOTER_MAGIC = b"NVCKEND\x00"
 #: index offset (u64), index size (u64), xxh3-64 of the index (u64), FOOTER_MAGIC; little-endian.
 FOOTER = struct.Struct("<QQQ8s")
@@ -97,6 +101,8 @@ class Frame:
     size: int
     raw_size: int
     xxh: int
+    #: Transform against the base (format/chain.py): "" = none, "xor".
+    op: str = ""
 
     @property
     def is_raw(self) -> bool:
@@ -121,6 +127,8 @@ class TensorEntry:
     device: str = "cpu"
     requires_grad: bool = False
     parameter: bool = False
+    #: The base tensor that ``xor`` frames refer to (delta files only).
+    delta: TensorDelta | None = None
 
     @property
     def numel(self) -> int:
@@ -148,7 +156,7 @@ class TensorEntry:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc = {
             "key": self.key,
             "dtype": dtype_name(self.dtype),
             "shape": list(self.shape),
@@ -157,11 +165,14 @@ class TensorEntry:
             "filter": self.filter,
             "width": self.width,
             "chunk_bytes": self.chunk_bytes,
-            "frames": [[f.offset, f.size, f"{f.xxh:016x}"] for f in self.frames],
+            "frames": [[f.offset, f.size, f"{f.xxh:016x}"] + ([f.op] if f.op else []) for f in self.frames],
             "device": self.device,
             "requires_grad": self.requires_grad,
             "parameter": self.parameter,
         }
+        if self.delta is not None:
+            doc["delta"] = self.delta.to_json()
+        return doc
 
 
 def chunk_frame_sizes(nbytes: int, chunk_bytes: int, planes: int) -> list[int]:
@@ -173,7 +184,7 @@ def chunk_frame_sizes(nbytes: int, chunk_bytes: int, planes: int) -> list[int]:
     return sizes
 
 
-def _entry_from_json(data: Any, data_start: int, data_end: int, where: str) -> TensorEntry:
+def _entry_from_json(data: Any, data_start: int, data_end: int, where: str, has_base: bool = False) -> TensorEntry:
     try:
         key = str(data["key"])
         dtype = dtype_from_name(str(data["dtype"]), where)
@@ -187,9 +198,13 @@ def _entry_from_json(data: Any, data_start: int, data_end: int, where: str) -> T
         device = str(data.get("device", "cpu"))
         requires_grad = bool(data.get("requires_grad", False))
         parameter = bool(data.get("parameter", False))
+        delta_json = data.get("delta")
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise FormatError(f"{where}: malformed tensor entry in the index ({exc!r})") from exc
     where_t = f"{where}, tensor {key!r}"
+    if delta_json is not None and not has_base:
+        raise FormatError(f"{where_t}: a delta against a base, in a file that records no base")
+    delta = TensorDelta.from_json(delta_json, where_t) if delta_json is not None else None
     if any(d < 0 or d >= 1 << 63 for d in shape):
         raise FormatError(f"{where_t}: impossible dimension in shape {list(shape)[:8]}")
     try:
@@ -218,15 +233,18 @@ def _entry_from_json(data: Any, data_start: int, data_end: int, where: str) -> T
     for raw, raw_size in zip(raw_frames, sizes):
         try:
             offset, size, digest = int(raw[0]), int(raw[1]), int(str(raw[2]), 16)
+            op = raw[3] if len(raw) == 4 else ""
         except (TypeError, ValueError, IndexError, KeyError, OverflowError) as exc:
             raise FormatError(f"{where_t}: malformed frame record {raw!r:.200}") from exc
+        if len(raw) not in (3, 4) or op not in FRAME_OPS or (op and delta is None):
+            raise FormatError(f"{where_t}: malformed frame record {raw!r:.200} (a frame op needs a delta record)")
         if offset < data_start or size < 0 or offset + size > data_end or size > raw_size:
             raise FormatError(f"{where_t}: frame at {offset} (+{size}) lies outside the data region")
         if codec.id == "none" and size != raw_size:
             raise FormatError(f"{where_t}: raw frame at {offset} holds {size} bytes, the shape needs {raw_size}")
-        frames.append(Frame(offset, size, raw_size, digest))
+        frames.append(Frame(offset, size, raw_size, digest, op))
     return TensorEntry(
-        key, dtype, shape, component, codec, filt, width, chunk_bytes, tuple(frames), device, requires_grad, parameter
+        key, dtype, shape, component, codec, filt, width, chunk_bytes, tuple(frames), device, requires_grad, parameter, delta
     )
 
 
@@ -242,15 +260,23 @@ class Index:
     skeleton: Frame
     tensors: tuple[TensorEntry, ...]
     metadata: dict[str, Any]
+    #: The checkpoint this one is a delta of (format version 2), or None.
+    base: BaseRef | None = None
+
+    @property
+    def version(self) -> int:
+        return FORMAT_VERSION if self.base is None else DELTA_FORMAT_VERSION
 
     def to_json_bytes(self) -> bytes:
-        doc = {
+        doc: dict[str, Any] = {
             "format": "nvcomp-checkpoint",
-            "version": FORMAT_VERSION,
+            "version": self.version,
             "skeleton": [self.skeleton.offset, self.skeleton.size, self.skeleton.raw_size, f"{self.skeleton.xxh:016x}"],
             "tensors": [t.to_json() for t in self.tensors],
             "metadata": self.metadata,
         }
+        if self.base is not None:
+            doc["base"] = self.base.to_json()
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
     @classmethod
@@ -261,11 +287,16 @@ class Index:
             raise FormatError(f"{where}: the index is not valid JSON ({exc})") from exc
         if not isinstance(doc, dict) or doc.get("format") != "nvcomp-checkpoint":
             raise FormatError(f"{where}: not an nvcomp-checkpoint index")
-        if doc.get("version") != FORMAT_VERSION:
+        version = doc.get("version")
+        if version not in (FORMAT_VERSION, DELTA_FORMAT_VERSION) or type(version) is not int:
             raise FormatError(
-                f"{where}: format version {doc.get('version')!r}; this nvcomp-checkpoint reads "
-                f"version {FORMAT_VERSION}. Upgrade nvcomp-checkpoint to read it."
+                f"{where}: format version {version!r}; this nvcomp-checkpoint reads "
+                f"versions {FORMAT_VERSION} and {DELTA_FORMAT_VERSION}. Upgrade nvcomp-checkpoint to read it."
             )
+        # Version 2 is version 1 plus a base; the version and the base record go together.
+        if (version == DELTA_FORMAT_VERSION) != ("base" in doc):
+            raise FormatError(f"{where}: format version {version} {'without' if 'base' in doc else 'with'} a base record")
+        base = BaseRef.from_json(doc["base"], where) if "base" in doc else None
         try:
             s_off, s_size, s_raw, s_hash = doc["skeleton"]
             skeleton = Frame(int(s_off), int(s_size), int(s_raw), int(str(s_hash), 16))
@@ -280,9 +311,9 @@ class Index:
             raise FormatError(f"{where}: skeleton frame lies outside the file")
         if not isinstance(tensors_json, list) or not isinstance(metadata, dict):
             raise FormatError(f"{where}: malformed index")
-        tensors = tuple(_entry_from_json(t, data_start, data_end, where) for t in tensors_json)
+        tensors = tuple(_entry_from_json(t, data_start, data_end, where, base is not None) for t in tensors_json)
         _check_no_overlaps(skeleton, tensors, where)
-        return cls(skeleton, tensors, metadata)
+        return cls(skeleton, tensors, metadata, base)
 
 
 def _check_no_overlaps(skeleton: Frame, tensors: tuple[TensorEntry, ...], where: str) -> None:

@@ -1,0 +1,478 @@
+"""Incremental checkpoints: a checkpoint stored as its difference from an earlier one (its base).
+
+The writer XORs each tensor (of the components in :data:`XOR_COMPONENTS`) with the same tensor
+of the base and keeps, byte plane by byte plane, whichever of the plain and the XORed plane
+stores smaller; the reader follows the chain of
+bases back to a full checkpoint. The format is in ``docs/format.md`` ("Delta files").
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from .codecs import cpu_codec, gpu_available, has_cpu_decoder
+from .errors import BaseCheckpointError, CheckpointError, UnsupportedObjectError
+from .filters import ByteplaneFilter
+from .filters.xor import xor_bytes, xor_planes_, xor_planes_np_
+from .format.chain import XOR, BaseRef, TensorDelta
+from .format.layout import TensorEntry
+from .storage import is_url
+
+__all__ = [
+    "BaseChain",
+    "BaseSource",
+    "ChainPolicy",
+    "base_path_of",
+    "chain_of",
+    "relative_base_path",
+    "resolve_base_path",
+    "retained",
+    "pick_frames",
+    "encode_cpu_chunk_against",
+]
+
+#: Opens a checkpoint for reading (``CheckpointReader``; passed in so imports run one way).
+OpenReader = Callable[..., Any]
+
+#: Components whose tensors are tried against the base. Optimizer first moments and gradients
+#: are new every step: against a base 40 steps earlier XOR won no byte on them (dense 1.218x and
+#: 1.641x either way, MoE 1.192x and 1.836x; benchmarks/bench_incremental.py), and trying cost
+#: a second compression and a decode of the base. Weights went from 1.48x to 1.69x (MoE) and
+#: 3.31x (dense), second moments from 1.23x to 1.28-1.32x.
+XOR_COMPONENTS = frozenset({"weights", "exp_avg_sq", "other"})
+
+
+# -- where the base lies -------------------------------------------------------------------
+
+
+def _split_url(path: str) -> tuple[str, str]:
+    scheme, rest = path.split("://", 1)
+    host, _, tail = rest.partition("/")
+    return f"{scheme}://{host}", "/" + tail
+
+
+def relative_base_path(delta_path: str, base_path: str) -> str:
+    """How a delta at ``delta_path`` records ``base_path``: relative to its directory when possible.
+
+    A relative path keeps a chain valid when its directory is moved or copied as a whole.
+    """
+    delta_path, base_path = os.fspath(delta_path), os.fspath(base_path)
+    if is_url(delta_path) or is_url(base_path):
+        if not (is_url(delta_path) and is_url(base_path)):
+            return base_path
+        (droot, dpath), (broot, bpath) = _split_url(delta_path), _split_url(base_path)
+        if droot != broot:
+            return base_path
+        return posixpath.relpath(bpath, posixpath.dirname(dpath))
+    delta_dir = os.path.dirname(os.path.abspath(delta_path.removeprefix("file://")))
+    base_abs = os.path.abspath(base_path.removeprefix("file://"))
+    try:
+        rel = os.path.relpath(base_abs, delta_dir)
+    except ValueError:  # another drive (Windows)
+        return base_abs
+    return rel.replace(os.sep, "/")
+
+
+def resolve_base_path(delta_path: str, stored: str) -> str:
+    """The path of the base that a delta at ``delta_path`` records as ``stored``."""
+    delta_path = os.fspath(delta_path)
+    if is_url(stored) or stored.startswith("file://"):
+        return stored
+    if is_url(delta_path):
+        root, dpath = _split_url(delta_path)
+        return root + posixpath.normpath(posixpath.join(posixpath.dirname(dpath), stored))
+    if os.path.isabs(stored):
+        return stored
+    local = delta_path.removeprefix("file://")
+    return os.path.normpath(os.path.join(os.path.dirname(local), *stored.split("/")))
+
+
+# -- bytes of a tensor ------------------------------------------------------------------------
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's element bytes as a contiguous 1-D uint8 tensor on its device."""
+    t = t.detach().resolve_conj().resolve_neg()
+    flat = t.reshape(-1)
+    if not flat.is_contiguous() or (flat.numel() == 1 and flat.stride(0) != 1):
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
+
+
+def bytes_xxh3(flat: torch.Tensor) -> int:
+    """XXH3-64 of a 1-D uint8 tensor's bytes (a GPU tensor is copied to the host first)."""
+    host = flat if flat.device.type == "cpu" else flat.cpu()
+    return xxhash.xxh3_64_intdigest(host.numpy()) if host.numel() else xxhash.xxh3_64_intdigest(b"")
+
+
+# -- choosing frames ----------------------------------------------------------------------------
+
+#: One frame as the writer hands it on: stored bytes, raw size, XXH3-64 of the stored bytes, op.
+Encoded = tuple[Any, int, int, str]
+
+
+def pick_frames(plain: Sequence[Any], xored: Sequence[Any], plain_coded: Sequence[Any], xored_coded: Sequence[Any], size: Callable[[Any], int]) -> list[tuple[Any, str]]:
+    """For each frame, the smallest of: the plain piece, its codec frame, the XORed piece, its frame.
+
+    Ties keep the plain form (no base needed to read it), and a codec frame that does not shrink
+    its piece is the piece itself (the format's raw rule). The same rule on the CPU and the GPU.
+    """
+    out = []
+    for p, x, pc, xc in zip(plain, xored, plain_coded, xored_coded):
+        best_plain = pc if size(pc) < size(p) else p
+        best_xor = xc if size(xc) < size(x) else x
+        out.append((best_xor, XOR) if size(best_xor) < size(best_plain) else (best_plain, ""))
+    return out
+
+
+def encode_cpu_chunk_against(data: np.ndarray, base: np.ndarray, item: Any) -> list[Encoded]:
+    """Frames of one chunk of a tensor that has a base, each plain or XORed (``item``: a planned tensor)."""
+    filt = ByteplaneFilter(item.width)
+    byteplane = item.spec.filter == "byteplane"
+    xored = xor_bytes(data, base)
+    plain_parts = filt.split(data) if byteplane else [data]
+    xor_parts = filt.split(xored) if byteplane else [xored]
+    codec = cpu_codec(item.spec.codec, item.spec.level)
+    chosen = pick_frames(
+        plain_parts, xor_parts, [codec.encode(p) for p in plain_parts], [codec.encode(x) for x in xor_parts], len
+    )
+    return [(frame, len(p), xxhash.xxh3_64_intdigest(frame), op) for (frame, op), p in zip(chosen, plain_parts)]
+
+
+def undo_xor_(flat: torch.Tensor, base: torch.Tensor, entry: TensorEntry) -> None:
+    """Turn the decoded bytes of a delta tensor (1-D uint8) into its values, in place."""
+    for start, length, frames in entry.chunks():
+        ops = [f.op == XOR for f in frames]
+        if any(ops):
+            xor_planes_(flat[start : start + length], base[start : start + length], entry.width, ops)
+
+
+# -- reading: the chain --------------------------------------------------------------------------
+
+
+class BaseChain:
+    """The base of one delta file, opened when first needed and checked to be that base.
+
+    Args:
+        ref: The base record of the delta's index.
+        delta_path: The delta file (its base path is relative to its directory).
+        open_reader: Opens a checkpoint (``CheckpointReader``).
+        storage_options: Passed on to the base's reader.
+    """
+
+    def __init__(self, ref: BaseRef, delta_path: str, open_reader: OpenReader, storage_options: dict[str, Any] | None = None) -> None:
+        self.ref = ref
+        self.delta_path = delta_path
+        self.path = resolve_base_path(delta_path, ref.path)
+        self._open_reader = open_reader
+        self._storage_options = storage_options
+        self._reader: Any = None
+        self._lock = threading.Lock()
+
+    def _what(self) -> str:
+        return f"{self.delta_path}: its base checkpoint {self.path}"
+
+    def reader(self) -> Any:
+        """The base's reader, after checking that the file at the base's path is that base.
+
+        Raises:
+            BaseCheckpointError: The base is missing, another file, or unreadable.
+        """
+        with self._lock:
+            if self._reader is None:
+                self._reader = self._open()
+            return self._reader
+
+    def _open(self) -> Any:
+        fix = "restore it, or load the delta where its base is (a delta and its chain move together)"
+        try:
+            reader = self._open_reader(self.path, storage_options=self._storage_options)
+        except CheckpointError as exc:
+            raise BaseCheckpointError(f"{self._what()} cannot be opened ({exc}); {fix}") from exc
+        except OSError as exc:
+            raise BaseCheckpointError(f"{self._what()} cannot be opened ({exc}); {fix}") from exc
+        base_depth = reader.index.base.depth if reader.index.base is not None else 0
+        if reader.file_bytes != self.ref.size or reader.index_xxh3 != self.ref.index_xxh3 or base_depth != self.ref.depth - 1:
+            reader.close()
+            raise BaseCheckpointError(
+                f"{self._what()} is not the checkpoint the delta was written against (the delta records "
+                f"{self.ref.size} bytes, index digest {self.ref.index_xxh3:016x}, depth {self.ref.depth - 1}; the file has "
+                f"{reader.file_bytes} bytes, digest {reader.index_xxh3:016x}, depth {base_depth}); put the original base back"
+            )
+        return reader
+
+    def base_bytes(self, delta: TensorDelta, device: torch.device, key: str, nbytes: int) -> torch.Tensor:
+        """The base tensor's element bytes on ``device``, checked against the digest the writer recorded.
+
+        ``nbytes`` is the delta tensor's size: a base tensor of another size is refused before it is
+        decoded (a forged delta cannot make the reader decode more than the delta's own tensors).
+        """
+        reader = self.reader()
+        try:
+            size = reader.entry(delta.key).nbytes
+        except KeyError as exc:
+            raise BaseCheckpointError(f"{self._what()} holds no tensor {delta.key!r}, which tensor {key!r} needs") from exc
+        if size != nbytes:
+            raise BaseCheckpointError(f"{self._what()}: tensor {delta.key!r} has {size} bytes, tensor {key!r} of the delta {nbytes}")
+        try:
+            t = reader.read(delta.key, map_location=device)
+        except CheckpointError as exc:
+            raise BaseCheckpointError(f"{self._what()}: tensor {delta.key!r} (needed by {key!r}) cannot be read: {exc}") from exc
+        flat = flat_bytes(t)
+        if bytes_xxh3(flat) != delta.xxh3:
+            raise BaseCheckpointError(
+                f"{self._what()}: tensor {delta.key!r} holds other values than the delta's tensor {key!r} was "
+                "written against (was the delta saved with a base_state that was not the base file's state?)"
+            )
+        return flat
+
+    def undo(self, entry: TensorEntry, t: torch.Tensor) -> torch.Tensor:
+        """The tensor ``entry`` stands for, from its decoded bytes ``t`` (modified in place)."""
+        assert entry.delta is not None
+        flat = t.detach().reshape(-1).view(torch.uint8)
+        base = self.base_bytes(entry.delta, flat.device, entry.key, entry.nbytes)
+        if base.numel() != flat.numel():
+            raise BaseCheckpointError(
+                f"{self._what()}: tensor {entry.delta.key!r} has {base.numel()} bytes, tensor {entry.key!r} of the delta {flat.numel()}"
+            )
+        undo_xor_(flat, base, entry)
+        return t
+
+    def chunk_undoer(self, entry: TensorEntry) -> Callable[[int, Sequence[Any], np.ndarray], None]:
+        """For the CPU decoder: ``undo(chunk start, frames, decoded chunk)`` undoes one chunk's XOR.
+
+        The base tensor is read (following the chain) now, before the chunks are decoded.
+        """
+        assert entry.delta is not None
+        base = self.base_bytes(entry.delta, torch.device("cpu"), entry.key, entry.nbytes)
+        if base.numel() != entry.nbytes:
+            raise BaseCheckpointError(
+                f"{self._what()}: tensor {entry.delta.key!r} has {base.numel()} bytes, tensor {entry.key!r} of the delta {entry.nbytes}"
+            )
+        host = base.numpy()
+
+        def undo(start: int, frames: Sequence[Any], dest: np.ndarray) -> None:
+            xor_planes_np_(dest, host[start : start + dest.size], entry.width, [f.op == XOR for f in frames])
+
+        return undo
+
+    def close(self) -> None:
+        with self._lock:
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
+
+
+# -- writing: where base values come from -----------------------------------------------------
+
+
+class BaseSource:
+    """The base a delta is written against: its identity, and each matching tensor's values.
+
+    Values are read back from the base file tensor by tensor (bounded memory), or taken from
+    ``base_state``, a copy of the base's state the caller kept (no decoding; the reader checks
+    it was the base's state, by a digest of each tensor the delta uses).
+    """
+
+    def __init__(
+        self, reader: Any, ref: BaseRef, base_state: Mapping[str, torch.Tensor] | None = None, components: frozenset[str] | None = None
+    ) -> None:
+        self.reader = reader
+        self.ref = ref
+        self.base_state = base_state
+        self.components = XOR_COMPONENTS if components is None else components
+        self._entries = {t.key: t for t in reader.index.tensors}
+
+    @classmethod
+    def open(
+        cls,
+        base: str | os.PathLike[str],
+        delta_path: str,
+        open_reader: OpenReader,
+        *,
+        base_state: Any = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> "BaseSource":
+        """Open the base of a delta about to be written at ``delta_path``."""
+        base_path = os.fspath(base)
+        stored = relative_base_path(delta_path, base_path)
+        if resolve_base_path(delta_path, stored) == resolve_base_path(delta_path, relative_base_path(delta_path, delta_path)) or (
+            not is_url(base_path) and os.path.abspath(base_path) == os.path.abspath(delta_path)
+        ):
+            raise UnsupportedObjectError(
+                f"{delta_path}: a delta cannot replace its own base; save it under another path"
+            )
+        try:
+            reader = open_reader(base_path, storage_options=storage_options)
+        except CheckpointError as exc:
+            raise BaseCheckpointError(f"{delta_path}: the base checkpoint {base_path} cannot be opened: {exc}") from exc
+        try:
+            _refuse_overwriting_the_chain(base_path, reader, delta_path, open_reader, storage_options)
+        except BaseException:
+            reader.close()
+            raise
+        depth = (reader.index.base.depth if reader.index.base is not None else 0) + 1
+        ref = BaseRef(stored, reader.file_bytes, reader.index_xxh3, depth)
+        state = _keyed_tensors(base_state, delta_path) if base_state is not None else None
+        return cls(reader, ref, state)
+
+    def match(self, key: str, t: torch.Tensor, component: str) -> str | None:
+        """The base key of the tensor stored under ``key`` in the delta, if the base has one like it
+        and tensors of ``component`` are tried against the base (:data:`XOR_COMPONENTS`)."""
+        if component not in self.components:
+            return None
+        entry = self._entries.get(key)
+        if entry is None or entry.dtype != t.dtype or entry.shape != tuple(t.shape) or entry.nbytes == 0:
+            return None
+        if not (has_cpu_decoder(entry.codec.id) or gpu_available()):
+            return None  # a base tensor in an nvCOMP-only codec cannot be read here: store plain
+        return key
+
+    def values(self, key: str, device: torch.device) -> tuple[torch.Tensor, int]:
+        """The base tensor ``key``'s bytes (1-D uint8 on ``device``) and their XXH3-64."""
+        kept = self.base_state.get(key) if self.base_state is not None else None
+        entry = self._entries[key]
+        if kept is not None and kept.dtype == entry.dtype and tuple(kept.shape) == entry.shape:
+            flat = flat_bytes(kept)
+            digest = bytes_xxh3(flat)
+            return (flat if flat.device == device else flat.to(device)), digest
+        flat = flat_bytes(self.reader.read(key, map_location=device))
+        return flat, bytes_xxh3(flat)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _same_file(a: str, b: str) -> bool:
+    if is_url(a) or is_url(b):
+        return a == b
+    return os.path.abspath(a.removeprefix("file://")) == os.path.abspath(b.removeprefix("file://"))
+
+
+def _refuse_overwriting_the_chain(base_path: str, reader: Any, delta_path: str, open_reader: OpenReader, storage_options: dict[str, Any] | None) -> None:
+    """A save over a file of its own base's chain would leave a delta whose chain is gone."""
+    current, ref = base_path, reader.index.base
+    while ref is not None:
+        current = resolve_base_path(current, ref.path)
+        if _same_file(current, delta_path):
+            raise UnsupportedObjectError(
+                f"{delta_path}: is in the chain of the base {base_path} (a base of it); writing there would "
+                "leave the delta without its chain: save under another path"
+            )
+        try:
+            with open_reader(current, storage_options=storage_options) as older:
+                ref = older.index.base
+        except CheckpointError:
+            return  # a broken chain further back is the base's own problem, reported when it is read
+
+
+def _keyed_tensors(state: Any, where: str) -> dict[str, torch.Tensor]:
+    """``{key: tensor}`` of a tree, keyed as the writer keys the tensors it stores."""
+    from .format.skeleton import flatten
+    from .policy import key_string
+    from .tensors import unique_key  # the writer's own naming of paths that print alike
+
+    _, tensors = flatten(state, where=where)
+    used: set[str] = set()
+    return {unique_key(key_string(path), used): t for path, t in tensors}
+
+
+# -- chains on disk -----------------------------------------------------------------------------
+
+
+def base_path_of(path: str, open_reader: OpenReader, storage_options: dict[str, Any] | None = None) -> str | None:
+    """The resolved base path of the checkpoint at ``path``, or None for a full checkpoint."""
+    with open_reader(path, storage_options=storage_options) as reader:
+        ref = reader.index.base
+    return None if ref is None else resolve_base_path(path, ref.path)
+
+
+def chain_of(path: str, open_reader: OpenReader, storage_options: dict[str, Any] | None = None) -> list[tuple[str, BaseRef | None]]:
+    """``[(path, its base record)]`` from ``path`` back to the full checkpoint at the chain's root.
+
+    Each base is checked to be the file its delta was written against.
+
+    Raises:
+        BaseCheckpointError: A base is missing or another file.
+    """
+    out: list[tuple[str, BaseRef | None]] = []
+    current = path
+    while True:
+        reader = open_reader(current, storage_options=storage_options)
+        with reader:
+            ref = reader.index.base
+        out.append((current, ref))
+        if ref is None:
+            return out
+        chain = BaseChain(ref, current, open_reader, storage_options)
+        chain.reader()  # checks identity
+        chain.close()
+        current = chain.path
+
+
+# -- a chain policy --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChainPolicy:
+    """When a save is a full checkpoint and which checkpoint a delta is written against.
+
+    Args:
+        full_every: A full checkpoint every ``full_every`` saves (1: every save is full).
+        base: ``"previous"``: a delta's base is the save before it (a chain of up to
+            ``full_every - 1`` deltas; smallest files, a load decodes the whole chain), or
+            ``"full"``: the last full checkpoint (a load decodes two files).
+
+    A ``CheckpointManager`` asks :meth:`base_for` before each save and :func:`retained` before
+    deleting old checkpoints.
+    """
+
+    full_every: int = 10
+    base: str = "previous"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.full_every, int) or isinstance(self.full_every, bool) or self.full_every < 1:
+            raise ValueError(f"full_every must be an int >= 1, got {self.full_every!r}")
+        if self.base not in ("previous", "full"):
+            raise ValueError(f"base must be 'previous' or 'full', got {self.base!r}")
+
+    def base_for(self, saved: Sequence[str]) -> str | None:
+        """The base of the next save, given every save so far in order (None: save in full).
+
+        Saves are counted from the first one; save ``n`` is full when ``n % full_every == 0``.
+        """
+        n = len(saved)
+        if n % self.full_every == 0:
+            return None
+        if self.base == "previous":
+            return saved[-1]
+        return saved[n - n % self.full_every]
+
+
+def retained(keep: Iterable[str], base_of: Callable[[str], str | None]) -> list[str]:
+    """``keep`` and every base a kept checkpoint needs, transitively (a chain goes as a whole).
+
+    Args:
+        keep: The checkpoints a retention rule keeps.
+        base_of: The base of a checkpoint, or None (e.g. ``lambda p: base_path_of(p, nc.open)``).
+
+    Returns:
+        The checkpoints not to delete, in the order first met.
+    """
+    out: list[str] = []
+    seen: set[str] = set()
+    for path in keep:
+        current: str | None = path
+        while current is not None and current not in seen:
+            seen.add(current)
+            out.append(current)
+            current = base_of(current)
+    return out
