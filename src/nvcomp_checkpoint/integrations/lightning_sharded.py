@@ -88,6 +88,21 @@ def _save_sharded(strategy: Any, converted: dict[str, Any], checkpoint: dict[str
     strategy.barrier("nvckpt_sharded_save_end")
 
 
+def _save_lightning_checkpoint(
+    strategy: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any, model_key: str
+) -> None:
+    """A Lightning checkpoint dict saved as a compressed sharded directory (weights under ``model_key``, as Lightning's strategy does)."""
+    if storage_options is not None:
+        raise TypeError(
+            f"`{type(strategy).__name__}.save_checkpoint(..., storage_options=...)` is not supported for sharded "
+            f"checkpoints; set the codec policy with {type(strategy).__name__}(policy=...)"
+        )
+    path = Path(strategy.broadcast(filepath))
+    converted = {model_key: checkpoint.pop("state_dict")}
+    converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    _save_sharded(strategy, converted, checkpoint, path, strategy.policy, strategy.workers)
+
+
 class NvcompModelParallelStrategy(ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism) with compressed sharded checkpoints.
 
@@ -122,15 +137,7 @@ class NvcompModelParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if storage_options is not None:
-            raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported for sharded "
-                "checkpoints; set the codec policy with NvcompModelParallelStrategy(policy=...)"
-            )
-        path = Path(self.broadcast(filepath))
-        converted = {"state_dict": checkpoint.pop("state_dict")}
-        converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        _save_sharded(self, converted, checkpoint, path, self.policy, self.workers)
+        _save_lightning_checkpoint(self, checkpoint, filepath, storage_options, model_key="state_dict")
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -189,15 +196,7 @@ class NvcompFSDPStrategy(FSDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if self._state_dict_type != "sharded":
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if storage_options is not None:
-            raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported for sharded "
-                "checkpoints; set the codec policy with NvcompFSDPStrategy(policy=...)"
-            )
-        path = Path(self.broadcast(filepath))
-        converted = {"model": checkpoint.pop("state_dict")}
-        converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        _save_sharded(self, converted, checkpoint, path, self.policy, self.workers)
+        _save_lightning_checkpoint(self, checkpoint, filepath, storage_options, model_key="model")
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
