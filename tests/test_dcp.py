@@ -438,6 +438,19 @@ def test_fsspec_url_round_trip() -> None:
     assert_tree_equal(_full(fresh, fresh_opt, loaded["extra"]), _full(model, opt, {"step": 7, "note": "sharded"}), "memory://")
 
 
+def test_plain_dcp_checkpoint_at_a_url_loads() -> None:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    model, opt = _plain()
+    _train(model, opt, 1, 0)
+    url = "memory://nvckpt-dcp-test/plain"
+    dcp.save(_state(model, opt), storage_writer=FsspecWriter(url))
+    assert not is_compressed_dcp_checkpoint(url)
+    fresh, fresh_opt = _plain()
+    loaded = _load_into(fresh, fresh_opt, NvcompReader(url))
+    assert_tree_equal(_full(fresh, fresh_opt, loaded["extra"]), _full(model, opt, {"step": 7, "note": "sharded"}), "memory://")
+
+
 def test_nvckpt_verify_checks_every_rank_file(two_rank_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from nvcomp_checkpoint.cli.main import main
 

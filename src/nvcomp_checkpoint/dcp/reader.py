@@ -121,12 +121,14 @@ class NvcompReader(StorageReader):
         self.storage_data = metadata.storage_data or {}
         values = list(self.storage_data.values())
         if values and not all(isinstance(v, StoredItem) for v in values):
-            # A plain FileSystemWriter checkpoint: torch's own reader reads its files.
+            # A plain DCP checkpoint (FileSystemWriter / FsspecWriter): torch's own readers read its files.
             from torch.distributed.checkpoint import FileSystemReader
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
             if "://" in self.path:
-                raise CheckpointError(f"{self.path}: a plain DCP checkpoint at a URL; read it with DCP's FsspecReader")
-            self._plain = FileSystemReader(self.path)
+                self._plain = FsspecReader(self.path, **(self.storage_options or {}))
+            else:
+                self._plain = FileSystemReader(self.path)
             self._plain.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
