@@ -238,3 +238,16 @@ def test_plain_torch_files_are_scanned_before_torch_load(tmp_path, case, words):
     proc = subprocess.run([sys.executable, "-c", child, str(path)], capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert proc.stdout.startswith(f"FormatError {path}: this torch.save file is refused: its pickle {words}"), proc.stdout
+
+
+@pytest.mark.parametrize("command", ["inspect", "compress"])
+def test_cli_scans_plain_torch_files_before_torch_load(tmp_path, command):
+    # The CLI reads plain torch.save files itself (inspect, compress): the same scan runs first.
+    path = tmp_path / "plain.pt"
+    path.write_bytes(FORGED_TREES["deep_tuple_key"][0])
+    args = [str(path)] + ([str(tmp_path / "out.nvc")] if command == "compress" else [])
+    child = "import sys\nfrom nvcomp_checkpoint.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
+    proc = subprocess.run([sys.executable, "-c", child, command, *args], capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode in (1, 2), (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])  # not killed by a signal
+    assert "this torch.save file is refused: its pickle nests containers" in proc.stdout + proc.stderr
+    assert not (tmp_path / "out.nvc").exists()

@@ -19,7 +19,7 @@ import torch
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
 from nvcomp_checkpoint.filetype import HEAD_BYTES, NVCOMP, OTHER, SAFETENSORS, TORCH, kind_of
-from nvcomp_checkpoint.format.skeleton import flatten
+from nvcomp_checkpoint.format.skeleton import check_torch_archive, flatten
 from nvcomp_checkpoint.storage import is_url, storage_for
 
 __all__ = [
@@ -236,6 +236,13 @@ class TorchSource(Source):
                 return nc.load(self.path, map_location="cpu", weights_only=weights_only)
             except UnsafeCheckpointError as exc:
                 raise UnsafeCheckpointError(f"{self.path}: holds Python objects that a weights-only load refuses; if you trust the file, pass --trust") from exc
+        if weights_only:
+            # The pickle scan nc.load runs first: what the weights-only unpickler would build but
+            # the process cannot survive (a dict key of tuples 100,000 deep) is refused.
+            storage, spath = storage_for(self.path)
+            with storage.open_read(spath) as f:
+                if f.read(4) == b"PK\x03\x04":
+                    check_torch_archive(f, storage.size(spath), self.path)
         try:
             # mmap: a checkpoint larger than memory is listed and converted from the page cache.
             return torch.load(self.path, map_location="cpu", weights_only=weights_only, mmap=True)
