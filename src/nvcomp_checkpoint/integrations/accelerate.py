@@ -35,7 +35,7 @@ from accelerate.utils import (
 )
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, rotate, write_marker
+from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, rotate, write_marker
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint
 from nvcomp_checkpoint.savegroup import SaveGroup
@@ -375,7 +375,7 @@ class NvcompStateHooks(SaveEntryPoint):
             _remove_quietly(replaced)  # the previous checkpoint; leftovers are cleaned next time
         if rotation is not None:
             checkpoints, limit = rotation
-            rotate(_numbered_dirs(checkpoints), limit, keep=target, trash=checkpoints.parent)
+            rotate([p for _, p in numbered_dirs(checkpoints, _number)], limit, keep=target, trash=checkpoints.parent)
 
     def _failed(self, call: _SaveCall, exc: BaseException) -> BaseException:
         _remove_quietly(call.staging)
@@ -559,17 +559,8 @@ def _number(name: str) -> int | None:
     return int(found[0]) if found else None
 
 
-def _numbered_dirs(checkpoints: Path) -> list[Path]:
-    entries = []
-    for name in LOCAL.listdir(os.fspath(checkpoints)) if checkpoints.is_dir() else []:
-        n = _number(name)
-        if n is not None and not name.startswith("."):
-            entries.append((n, checkpoints / name))
-    return [p for _, p in sorted(entries)]
-
-
 def _latest(checkpoints: Path) -> Path:
-    dirs = _numbered_dirs(checkpoints)
+    dirs = numbered_dirs(checkpoints, _number)
     if not dirs:
         raise FormatError(f"{checkpoints}: no checkpoint to load (automatic_checkpoint_naming found no checkpoint_<n>)")
-    return dirs[-1]
+    return dirs[-1][1]

@@ -24,7 +24,7 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirconvert import SUFFIX, PlainFile, compress_in_place, decompress_in_place
-from nvcomp_checkpoint.dirstore import MARKER_NAME
+from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint
 from nvcomp_checkpoint.tiers import Tier
 
@@ -203,12 +203,10 @@ def _resume_hint(checkpoint: Path) -> str:
     step = _step_of(checkpoint.name)
     if step is None or not checkpoint.parent.is_dir():
         return "Resume from another checkpoint."
-    earlier = sorted(
-        (s, p.name) for p in checkpoint.parent.iterdir() if p.is_dir() and (s := _step_of(p.name)) is not None and s < step
-    )
+    earlier = [p for s, p in numbered_dirs(checkpoint.parent, _step_of) if s < step]
     if not earlier:
         return "There is no earlier checkpoint in this directory to resume from."
-    return f"Resume from an earlier checkpoint instead: trainer.train(resume_from_checkpoint={str(checkpoint.parent / earlier[-1][1])!r})."
+    return f"Resume from an earlier checkpoint instead: trainer.train(resume_from_checkpoint={str(earlier[-1])!r})."
 
 
 def _step_of(name: str) -> int | None:
@@ -454,8 +452,8 @@ def _load_optimizer_and_scheduler(checkpoint: Path, args: TrainingArguments, opt
 
 def _newest_checkpoint(output_dir: str) -> Path | None:
     """``checkpoint-<largest step>`` in ``output_dir`` (what ``resume_from_checkpoint=True`` picks)."""
-    found = [(s, p) for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and (s := _step_of(p.name)) is not None]
-    return max(found)[1] if found else None
+    found = numbered_dirs(Path(output_dir), _step_of)
+    return found[-1][1] if found else None
 
 
 def _saved_checkpoint(output_dir: str, step: int) -> Path | None:
