@@ -82,18 +82,10 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
     wrapped in Lightning's ``AsyncCheckpointIO``. It loads plain ``torch.save`` checkpoints
     too, so a run that adds the plugin resumes from its old ``.ckpt`` files.
 
-    With ``async_save=True``, :meth:`save_checkpoint` returns once the checkpoint is copied (a
-    snapshot: training may change every tensor at once) and one background thread compresses and
-    writes it; the file appears only when complete and durable. Unlike Lightning's
-    ``AsyncCheckpointIO``, :meth:`remove_checkpoint` never deletes a file while a save is pending:
-    the deletion waits until every save handed over before it is durable (it then runs on the
-    background thread, so ``ModelCheckpoint``'s top-k rotation does not hold up training), and is
-    skipped if one of them failed, so the run always keeps a complete checkpoint.
-    :meth:`load_checkpoint` waits for everything pending. A failed background save is raised by the
-    next :meth:`save_checkpoint`, :meth:`remove_checkpoint`, :meth:`load_checkpoint`, :meth:`wait`
-    or :meth:`teardown` (the Trainer calls it when ``fit`` ends), whichever comes first. Use
-    ``async_save`` instead of wrapping the plugin in ``AsyncCheckpointIO``, whose removals do not
-    wait for the saves still in its own queue (Lightning issue 14035).
+    With ``async_save=True``, saves are snapshotted and written in the background, and
+    :meth:`remove_checkpoint` (``ModelCheckpoint``'s top-k rotation) waits until the saves before it
+    are durable, skipped if one failed: the run always keeps a complete checkpoint. Use it instead
+    of Lightning's ``AsyncCheckpointIO`` (issue 14035). Design: ``docs/lightning.md``.
 
     Args:
         policy, workers, async_save, max_pending, on_saved, stream_wrapper, tiers: As for every
@@ -285,12 +277,9 @@ def strategy_check_callbacks() -> list[Any]:
 class NvcompModelCheckpointMixin:
     """Makes a ``ModelCheckpoint`` count a checkpoint still being written in the background as existing.
 
-    When names repeat (a ``filename`` without the step, ``save_top_k`` other than 1),
-    ``ModelCheckpoint`` picks a ``-v1``, ``-v2`` ... name by looking for the file on disk. With
-    ``NvcompCheckpointIO(async_save=True)`` a save in flight has not written its file yet, so the
-    next save would take the same name and overwrite it (a best checkpoint lost). The mixin also
-    asks :func:`nvcomp_checkpoint.has_pending_save`. With the standalone ``pytorch_lightning``
-    package: ``class MyCheckpoint(NvcompModelCheckpointMixin, pytorch_lightning.callbacks.ModelCheckpoint)``.
+    With ``NvcompCheckpointIO(async_save=True)`` a save in flight has not written its file yet, so
+    the next save with a repeating name would overwrite it (``docs/lightning.md``). With the standalone
+    ``pytorch_lightning`` package: ``class MyCheckpoint(NvcompModelCheckpointMixin, pytorch_lightning.callbacks.ModelCheckpoint)``.
     """
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -312,12 +301,9 @@ class NvcompModelCheckpoint(NvcompModelCheckpointMixin, ModelCheckpoint):  # typ
 class NvcompCheckpointMetrics(Callback):  # type: ignore[misc,valid-type]
     """Sends the sizes, ratios and times of every checkpoint save to the Trainer's loggers.
 
-    A ``CheckpointIO`` does not know the Trainer, so this callback carries the numbers: each
-    time a save's file is durable, :class:`NvcompCheckpointIO` hands it the report, and the
-    callback logs :func:`report_metrics` with ``logger.log_metrics(metrics, step=<the
-    checkpoint's global_step>)`` on the training thread (loggers are not thread-safe) at the
-    next batch, epoch or validation end, and at the end of ``fit``, after the plugin has waited
-    for every pending save, so the last checkpoint's numbers are logged too.
+    Each durable save's :func:`report_metrics` go to ``logger.log_metrics(..., step=<the checkpoint's
+    global_step>)`` on the training thread, at the next batch, epoch or validation end and at the
+    end of ``fit`` (``docs/lightning.md``).
 
     Args:
         plugin: The plugin whose saves to report; by default the :class:`NvcompCheckpointIO` the

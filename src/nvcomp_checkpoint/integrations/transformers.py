@@ -50,6 +50,7 @@ _SAFE_WEIGHTS = "model.safetensors"
 _TORCH_WEIGHTS = "pytorch_model.bin"
 _OPTIMIZER = "optimizer.pt"
 _SCHEDULER = "scheduler.pt"
+_WEIGHTS = (_SAFE_WEIGHTS, _TORCH_WEIGHTS)
 _SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 # Inside each compressed file the tree sits under one key, so tensor keys read like the rest of
@@ -227,13 +228,8 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
     the scheduler, as the Trainer does) when training begins. With :class:`NvcompTrainer` (or
     :class:`NvcompTrainerMixin`) the weights are compressed too (``compress_weights``).
 
-    With ``async_save=True``, ``on_save`` hands the conversion of ``checkpoint-N`` (read the
-    Trainer's files, compress, verify, remove the plain files) to a background thread and returns.
-    The Trainer's files on disk are the snapshot: at every moment each file is there complete,
-    plain or compressed. Before the Trainer saves again (and rotates old checkpoints), the callback
-    waits for the pending conversion; the save that ends training is converted before ``on_save``
-    returns. A failed conversion (its directory is left as the Trainer wrote it, which still
-    resumes) is raised before the next save, or by ``on_train_end``.
+    With ``async_save=True``, each conversion runs in the background; the callback waits for it
+    before the Trainer saves (and rotates) again, and at the end of training (``docs/transformers.md``).
 
     Example:
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds,
@@ -292,7 +288,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
                 f"{args.output_dir}: hub_strategy={args.hub_strategy!r} uploads each checkpoint directory in the "
                 "background while NvcompTrainerCallback rewrites it. Use hub_strategy='every_save' or 'end'."
             )
-        trainer = _calling_trainer()
+        trainer = (_trainer_locals() or {}).get("self")
         self._resumes_itself = isinstance(trainer, NvcompTrainerMixin)
         if self.compress_weights and trainer is not None and not self._resumes_itself:
             raise nc.CheckpointError(
@@ -319,10 +315,10 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
             "first in your Trainer class's bases), or run decompress_checkpoint() on it first."
         )
         wanted = args.resume_from_checkpoint  # set by the example scripts' --resume_from_checkpoint
-        if isinstance(wanted, str) and os.path.isdir(wanted) and _compressed_weights(wanted) is not None:
+        if isinstance(wanted, str) and os.path.isdir(wanted) and _compressed(wanted, _WEIGHTS) is not None:
             raise nc.CheckpointError(f"{wanted}: {fix}")
         latest = _newest_checkpoint(args.output_dir)
-        if latest is not None and _compressed_weights(latest) is not None:
+        if latest is not None and _compressed(latest, _WEIGHTS) is not None:
             logger.warning("%s: if this run resumes from it, %s", latest, fix)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -333,14 +329,9 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         if checkpoint is None:
             return
         _wait_for_conversions()
-        optimizer, scheduler = kwargs.get("optimizer"), kwargs.get("lr_scheduler")
-        compressed = checkpoint / (_OPTIMIZER + COMPRESSED_SUFFIX)
-        if not compressed.is_file() or (checkpoint / _OPTIMIZER).is_file() or optimizer is None:
-            return  # the Trainer loaded (or had nothing to load) itself
-        if not (checkpoint / _SCHEDULER).is_file():
-            return  # as the Trainer: an optimizer state without its scheduler is not from the same save
-        logger.info("Loading the compressed optimizer state from %s.", compressed)
-        _load_optimizer_and_scheduler(checkpoint, args, optimizer, scheduler)
+        optimizer = kwargs.get("optimizer")
+        if _compressed(checkpoint, (_OPTIMIZER,)) is not None and optimizer is not None:  # else the Trainer loaded it itself
+            _load_optimizer_and_scheduler(checkpoint, args, optimizer, kwargs.get("lr_scheduler"))
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Convert the checkpoint the Trainer has just written (after its rotation)."""
@@ -401,15 +392,15 @@ def _wait_for_conversions() -> None:
             callback._saves.wait()
 
 
-def _calling_trainer() -> Trainer | None:
-    """The ``Trainer`` whose event this is: callbacks are not handed the Trainer itself."""
+def _trainer_locals(needs: str = "self") -> dict[str, Any] | None:
+    """The local variables of the innermost ``Trainer`` method on the stack that has ``needs``
+    (callbacks are not handed the Trainer itself)."""
     frame = sys._getframe(1)
     for _ in range(40):
         if frame is None:
             return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
-            return candidate
+        if isinstance(frame.f_locals.get("self"), Trainer) and needs in frame.f_locals:
+            return frame.f_locals
         frame = frame.f_back
     return None
 
@@ -420,14 +411,10 @@ def _resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path | 
     The Trainer keeps it in a local variable of its training loop (transformers 4 and 5); if
     that is ever gone, a run that starts at a step > 0 resumes from ``checkpoint-<step>``.
     """
-    frame = sys._getframe(1)
-    for _ in range(40):
-        if frame is None:
-            break
-        if isinstance(frame.f_locals.get("self"), Trainer) and "resume_from_checkpoint" in frame.f_locals:
-            found = frame.f_locals["resume_from_checkpoint"]
-            return Path(found) if isinstance(found, (str, os.PathLike)) else None
-        frame = frame.f_back
+    found = _trainer_locals("resume_from_checkpoint")
+    if found is not None:
+        found = found["resume_from_checkpoint"]
+        return Path(found) if isinstance(found, (str, os.PathLike)) else None
     if state.global_step == 0:
         return None
     guess = _saved_checkpoint(args.output_dir, state.global_step)
@@ -439,8 +426,21 @@ def _resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path | 
     return guess
 
 
+def _compressed(checkpoint: str | os.PathLike[str] | None, names: tuple[str, ...]) -> Path | None:
+    """The compressed copy of the first of ``names`` in a checkpoint, if every plain one is gone."""
+    if checkpoint is None or any((Path(checkpoint) / name).is_file() for name in names):
+        return None  # the Trainer's own file wins: it is what the Trainer wrote
+    found = [p for name in names if (p := Path(checkpoint) / (name + COMPRESSED_SUFFIX)).is_file()]
+    return found[0] if found else None
+
+
 def _load_optimizer_and_scheduler(checkpoint: Path, args: TrainingArguments, optimizer: Any, scheduler: Any) -> None:
     """What ``Trainer._load_optimizer_and_scheduler`` does, from the compressed optimizer state."""
+    if not (checkpoint / _SCHEDULER).is_file():
+        # The Trainer loads the optimizer and the scheduler together or not at all: an
+        # optimizer state without its scheduler is not from the same save.
+        return
+    logger.info("Loading the compressed optimizer state from %s.", checkpoint / (_OPTIMIZER + COMPRESSED_SUFFIX))
     # As the Trainer does: the CPU for one process, each rank's own device when distributed.
     map_location = args.device if args.world_size > 1 and args.device.type != "cpu" else "cpu"
     optimizer.load_state_dict(_load_tree(checkpoint / (_OPTIMIZER + COMPRESSED_SUFFIX), "optimizer", map_location))
@@ -474,14 +474,12 @@ class NvcompTrainerMixin:
 
     Put it first in the bases of your Trainer class: ``class MyTrainer(NvcompTrainerMixin,
     SFTTrainer)``. Plain checkpoints still load through the Trainer's own code; for each file that
-    exists only compressed, the compressed copy is read instead. Overrides the Trainer's
-    ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler`` and ``_load_best_model``, and
-    makes them and ``_save_checkpoint`` wait for background conversions (tested with transformers 5).
+    exists only compressed, the compressed copy is read instead (``docs/transformers.md``).
     """
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         _wait_for_conversions()  # a directory is read only once its async conversion is done
-        weights = _compressed_weights(resume_from_checkpoint)
+        weights = _compressed(resume_from_checkpoint, _WEIGHTS)
         if weights is None or self._nvcomp_delegates():
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         logger.info("Loading model from %s.", weights)
@@ -490,25 +488,14 @@ class NvcompTrainerMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         _wait_for_conversions()
-        compressed = Path(checkpoint) / (_OPTIMIZER + COMPRESSED_SUFFIX) if checkpoint is not None else None
-        if (
-            compressed is None
-            or not compressed.is_file()
-            or (Path(checkpoint) / _OPTIMIZER).is_file()
-            or self._nvcomp_delegates()
-        ):
+        if _compressed(checkpoint, (_OPTIMIZER,)) is None or self._nvcomp_delegates():
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
-        scheduler = Path(checkpoint) / _SCHEDULER
-        if not scheduler.is_file():
-            # The Trainer loads the optimizer and the scheduler together or not at all: an
-            # optimizer state without its scheduler is not from the same save.
-            return None
         _load_optimizer_and_scheduler(Path(checkpoint), self.args, self.optimizer, self.lr_scheduler)  # type: ignore[attr-defined]
 
     def _load_best_model(self) -> None:
         _wait_for_conversions()
         best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
-        weights = _compressed_weights(best) if best else None
+        weights = _compressed(best, _WEIGHTS) if best else None
         if weights is None or self._nvcomp_delegates():
             return super()._load_best_model()  # type: ignore[misc]
         logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)  # type: ignore[attr-defined]
@@ -530,19 +517,6 @@ class NvcompTrainerMixin:
     def _nvcomp_delegates(self) -> bool:
         # DeepSpeed and FSDP load checkpoints their own way; the callback refuses them.
         return bool(getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False))
-
-
-def _compressed_weights(checkpoint: str | os.PathLike[str]) -> Path | None:
-    """The compressed weights of a checkpoint, if the plain ones are gone."""
-    directory = Path(checkpoint)
-    for name in (_SAFE_WEIGHTS, _TORCH_WEIGHTS):
-        if (directory / name).is_file():
-            return None  # the Trainer's own file wins: it is what the Trainer wrote
-    for name in (_SAFE_WEIGHTS, _TORCH_WEIGHTS):
-        compressed = directory / (name + COMPRESSED_SUFFIX)
-        if compressed.is_file():
-            return compressed
-    return None
 
 
 class NvcompTrainer(NvcompTrainerMixin, Trainer):
