@@ -36,7 +36,7 @@ class Saver(SaveEntryPoint):
         if not self.async_save:
             self._saved(nc.save(tree, path, self.policy, stream_wrapper=self.stream_wrapper), after)
             return
-        self._in_background(path, started, after, lambda g: self._saves.save(g, "file", tree, path, self.policy, stream_wrapper=self.stream_wrapper))
+        self._save_group(path, started, after, lambda g: self._saves.save(g, "file", tree, path, self.policy, stream_wrapper=self.stream_wrapper))
 
 
 def _tree() -> dict[str, torch.Tensor]:

@@ -240,10 +240,14 @@ class SaveEntryPoint:
         """A synchronous save is durable: record it and run its callbacks."""
         self._saves.notify(report, after)
 
-    def _in_background(self, path: Any, started: float, after: list[SavedCallback], hand_over: Callable[[SaveGroup], Any], **fields: Any) -> SaveGroup:
+    def _save_group(
+        self, path: Any, started: float, after: list[SavedCallback], hand_over: Callable[[SaveGroup], Any], *,
+        background: bool = True, **fields: Any,
+    ) -> SaveReport | None:
         """Begin a save of ``path`` as one group, let ``hand_over`` add its parts, then seal it.
 
         If ``hand_over`` raises, the parts already handed over finish and nothing is committed.
+        ``background=False``: wait for the group and return its report (or raise its error).
         """
         group = self._saves.begin(path, started=started, notify=after, **fields)
         try:
@@ -251,6 +255,6 @@ class SaveEntryPoint:
         except BaseException:
             self._saves.abandon(group)
             raise
-        group.blocked = time.perf_counter() - started
-        self._saves.seal(group)
-        return group
+        group.blocked = time.perf_counter() - started if background else 0.0
+        self._saves.seal(group)  # completes now, or once the last background part is durable
+        return None if background else self._saves.result(group)

@@ -162,7 +162,6 @@ class _SaveCall:
     target: Path
     optimizers: list[Any]
     iteration: int
-    writes: bool
     step: int = 0
     models: list[str] = field(default_factory=list)
     optimizer_files: list[str] = field(default_factory=list)
@@ -297,16 +296,11 @@ class NvcompStateHooks(SaveEntryPoint):
             target = Path(os.path.abspath(shown))
             staging = _STORE.staging_path(target)
         writes = self._writes()
-        call = _SaveCall(staging, target, acc._optimizers, config.iteration, writes, acc.step, background=self.async_save)
+        call = _SaveCall(staging, target, acc._optimizers, config.iteration, acc.step, background=self.async_save)
         rotation = (checkpoints, config.total_limit) if auto and config.total_limit is not None else None
-        if writes:
-            # Copies to the tiers start once the folder is committed (the group's completion).
-            call.group = self._saves.begin(
-                os.fspath(shown), started=entered, info={"iteration": call.iteration},
-                commit=lambda reports: self._commit(call, reports, rotation), failed=lambda exc: self._failed(call, exc),
-                notify=self._after_durable(call.iteration, call.target),
-            )
-        try:
+
+        def write(group: SaveGroup | None) -> None:
+            call.group = group
             if writes:
                 LOCAL.makedirs(os.fspath(target.parent))
                 _STORE.recover(target)
@@ -320,23 +314,23 @@ class NvcompStateHooks(SaveEntryPoint):
             acc.wait_for_everyone()
             self._run_inner_save(call, auto, safe_serialization, save_model_func_kwargs)
             acc.wait_for_everyone()
+
+        try:
+            if not writes:
+                write(None)
+            else:  # the group commits once every .nvc file is durable; then the copies to the tiers
+                self._save_group(
+                    os.fspath(shown), entered, self._after_durable(call.iteration, call.target), write,
+                    background=self.async_save, info={"iteration": call.iteration},
+                    commit=lambda reports: self._commit(call, reports, rotation), failed=lambda exc: self._failed(call, exc),
+                )
         except BaseException as exc:
             config.iteration = call.iteration
-            if call.group is not None:
-                self._saves.abandon(call.group)  # its files must stop writing into staging first
-                _remove_quietly(call.staging)
-            if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)):
+            if writes:
+                _remove_quietly(call.staging)  # once its files have stopped writing into it
+            if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)) and not _is_save_failure(exc):
                 raise _save_failed(target, exc) from exc
             raise
-        if call.group is not None:
-            call.group.blocked = time.perf_counter() - entered if self.async_save else 0.0
-            self._saves.seal(call.group)  # commits now, or once the background files are durable
-            if not self.async_save:
-                try:
-                    self._saves.result(call.group)
-                except BaseException:
-                    config.iteration = call.iteration
-                    raise
         if not self.async_save:
             acc.wait_for_everyone()
         return shown
@@ -539,12 +533,15 @@ def _save_failed(target: Path, exc: BaseException) -> CheckpointWriteError:
             f"now holds part of them and no {MANIFEST_NAME}, so load_state refuses it as incomplete. Fix the "
             "cause and save again, or load another checkpoint."
         )
-    if isinstance(exc, CheckpointWriteError) and "save_state failed" in str(exc):
-        return exc
     return CheckpointWriteError(
         f"{target}: save_state failed ({exc}). Nothing was committed: the checkpoint directory "
         f"that was at {target}, if any, is untouched. Free space or fix the cause and save again."
     )
+
+
+def _is_save_failure(exc: BaseException) -> bool:
+    """Already :func:`_save_failed`'s error (a failed commit, raised by the group)."""
+    return isinstance(exc, CheckpointWriteError) and "save_state failed" in str(exc)
 
 
 def _is_state_file(name: str) -> bool:

@@ -170,7 +170,7 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             return
         self._saves.wait_for_slot()
         self._raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
-        self._in_background(path, started, after, lambda group: self._saves.save(group, "checkpoint", checkpoint, path, policy, **kwargs))
+        self._save_group(path, started, after, lambda group: self._saves.save(group, "checkpoint", checkpoint, path, policy, **kwargs))
 
     def _tell_listeners(self, report: SaveReport, info: dict[str, Any]) -> None:
         for listener in list(self._listeners):

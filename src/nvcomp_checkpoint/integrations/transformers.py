@@ -352,7 +352,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         if not self.async_save:
             self._saved(convert(), after)
             return
-        self._in_background(directory, entered, after, lambda group: self._saves.run(group, directory.name, convert))
+        self._save_group(directory, entered, after, lambda group: self._saves.run(group, directory.name, convert))
         if control.should_training_stop:
             # The last save: nothing left to overlap with, and what follows (loading the best
             # model, the final rotation, the end of the process) must see a finished directory.
