@@ -283,6 +283,12 @@ def holds_cwd(target: Path) -> bool:
         path = parent
 
 
+def numbered_dirs(folder: Path, number: Callable[[str], int | None]) -> list[tuple[int, Path]]:
+    """The folders in ``folder`` that ``number`` numbers (``checkpoint-12`` -> 12), by number; hidden ones never."""
+    names = LOCAL.listdir(os.fspath(folder)) if folder.is_dir() else []
+    return sorted((n, folder / name) for name in names if not name.startswith(".") and (n := number(name)) is not None and (folder / name).is_dir())
+
+
 def rotate(ordered: list[Path], limit: int, keep: Path, trash: Path) -> None:
     """Delete the oldest of ``ordered`` (oldest first) beyond ``limit``, never ``keep``.
 

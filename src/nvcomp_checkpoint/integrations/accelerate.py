@@ -35,11 +35,12 @@ from accelerate.utils import (
 )
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, rotate, write_marker
+from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, rotate, write_marker
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
-from nvcomp_checkpoint.savegroup import SaveGroup, SaveSequence
+from nvcomp_checkpoint.entrypoint import SaveEntryPoint
+from nvcomp_checkpoint.savegroup import SaveGroup
 from nvcomp_checkpoint.storage import LOCAL
-from nvcomp_checkpoint.tiers import Tier, TierCopies
+from nvcomp_checkpoint.tiers import Tier
 
 __all__ = [
     "register_nvcomp_hooks",
@@ -101,21 +102,14 @@ def register_nvcomp_hooks(
 
     Args:
         accelerator: The ``Accelerator`` whose checkpoints to compress.
-        policy: Codec settings per component (weights, ``exp_avg``, ``exp_avg_sq`` ...);
-            defaults to :class:`nvcomp_checkpoint.CodecPolicy()`.
-        workers: Compression threads per file (default: every core).
-        async_save: ``save_state`` returns once model and optimizer state are copied; the
-            ``.nvc`` files, the commit and the rotation follow in the background (see the module
-            docstring). Holds one extra copy of that state in host memory while a save is pending.
-        on_saved: Called with the :class:`~nvcomp_checkpoint.SaveReport` of each ``save_state``
-            once its directory is committed (with ``async_save``, on the background thread).
-        stream_wrapper: Wraps the output stream of each ``.nvc`` file (throttling, byte
-            counting ...); its ``write`` must pass every byte on, in order.
-        tiers: :class:`~nvcomp_checkpoint.Tier` s to copy each committed ``save_state`` folder to
-            (a shared file system, an object store), on their schedules, with their retention.
-            The folder ``save_state`` writes is tier 0 (with ``total_limit`` as its retention);
-            a copy is named by the save's iteration (``save_iteration``), and ``load_state`` of a
-            folder these hooks saved sets ``save_iteration`` to the one after it. On a fresh node,
+        policy, workers, async_save, on_saved, stream_wrapper, tiers: As for every integration
+            (:class:`nvcomp_checkpoint.entrypoint.SaveEntryPoint`). With ``async_save``,
+            ``save_state`` returns once model and optimizer state are copied (one extra copy in
+            host memory); the ``.nvc`` files, the commit and the rotation follow in the background.
+            ``on_saved`` runs once the directory is committed. The folder ``save_state`` writes is
+            tier 0 (``total_limit`` is its retention); a copy is named by the save's iteration
+            (``save_iteration``), ``load_state`` of a folder these hooks saved sets
+            ``save_iteration`` to the one after it, and on a fresh node
             ``accelerator.load_state(hooks.resume_path())`` loads the newest copy that checks.
 
     Returns:
@@ -152,7 +146,7 @@ def register_nvcomp_hooks(
             "the handle returned by the first call before registering again."
         )
     return NvcompStateHooks(
-        accelerator, policy or nc.CodecPolicy(), workers,
+        accelerator, policy, workers,
         async_save=async_save, on_saved=on_saved, stream_wrapper=stream_wrapper, tiers=tiers,
     )
 
@@ -168,7 +162,6 @@ class _SaveCall:
     target: Path
     optimizers: list[Any]
     iteration: int
-    writes: bool
     step: int = 0
     models: list[str] = field(default_factory=list)
     optimizer_files: list[str] = field(default_factory=list)
@@ -186,26 +179,23 @@ class _LoadCall:
     model_kwargs: dict[str, Any]
 
 
-class NvcompStateHooks:
+class NvcompStateHooks(SaveEntryPoint):
     """The handle :func:`register_nvcomp_hooks` returns (design: ``docs/accelerate.md``).
+
+    The options (``policy``, ``workers``, ``async_save`` ...), :meth:`wait`, :meth:`pending` and
+    :meth:`resume_path` are :class:`~nvcomp_checkpoint.entrypoint.SaveEntryPoint`'s.
 
     Attributes:
         accelerator: The accelerator whose ``save_state``/``load_state`` are wrapped.
-        policy: The codec policy of every save.
-        workers: Compression threads per file.
-        async_save: Whether ``save_state`` writes the ``.nvc`` files and commits in the background.
-        on_saved: Called with the report of each committed save (with ``async_save``, on the
-            background thread; it must not call :meth:`wait`).
         last_report: Per-component totals of the last committed save's ``.nvc`` files (``None``
-            before the first save and on processes that write nothing); ``seconds_blocked`` is
-            the time ``save_state`` held the caller, ``seconds`` the time until the commit.
+            before the first save and on processes that write nothing).
         last_reports: The same, per file name.
     """
 
     def __init__(
         self,
         accelerator: Accelerator,
-        policy: nc.CodecPolicy,
+        policy: nc.CodecPolicy | None,
         workers: int | None,
         *,
         async_save: bool = False,
@@ -214,15 +204,13 @@ class NvcompStateHooks:
         tiers: list[Tier] | None = None,
     ) -> None:
         # Checked first: a wrong argument must not leave the accelerator half wrapped.
-        self.tiers: TierCopies | None = None if tiers is None else TierCopies(tiers, "register_nvcomp_hooks")
+        super().__init__(
+            "register_nvcomp_hooks", policy, workers=workers, async_save=async_save, on_saved=on_saved,
+            stream_wrapper=stream_wrapper, tiers=tiers, log_as="save_state",
+            tiers_hint="register_nvcomp_hooks(accelerator, tiers=[nc.Tier(...)])",
+        )
         self.accelerator = accelerator
-        self.policy = policy
-        self.workers = workers
-        self.async_save = bool(async_save)
-        self.on_saved = on_saved
-        self.stream_wrapper = stream_wrapper
         self.last_reports: dict[str, nc.SaveReport] = {}
-        self._saves = SaveSequence("register_nvcomp_hooks", workers=workers, on_saved=on_saved, log_as="save_state")
         self._saving: _SaveCall | None = None
         self._loading: _LoadCall | None = None
         # Whatever save_state/load_state were before (Accelerate's, or another wrapper's) is
@@ -233,10 +221,6 @@ class NvcompStateHooks:
         accelerator.save_state = self.save_state  # type: ignore[method-assign]
         accelerator.load_state = self.load_state  # type: ignore[method-assign]
         accelerator._nvcomp_state_hooks = self  # type: ignore[attr-defined]
-
-    @property
-    def last_report(self) -> nc.SaveReport | None:
-        return self._saves.last_report
 
     def remove(self) -> None:
         """Restore Accelerate's ``save_state``/``load_state`` on the accelerator.
@@ -254,7 +238,7 @@ class NvcompStateHooks:
                     "remove that wrapper first."
                 )
         try:
-            self.wait()
+            self.close("remove()")
         finally:
             for name in ("save_state", "load_state"):
                 previous = self._previous[name]
@@ -263,46 +247,13 @@ class NvcompStateHooks:
                 else:
                     setattr(acc, name, previous)
             del acc.__dict__["_nvcomp_state_hooks"]
-            self._saves.close()
 
-    # -- async saves ------------------------------------------------------------------------
-    def pending(self) -> bool:
-        """True while an async ``save_state`` is not yet committed (or failed)."""
-        return self._saves.pending() > 0
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait until a pending async ``save_state`` is committed; raise its error if it failed.
-
-        Raises:
-            CheckpointWriteError: The background save failed; nothing was committed, the previous
-                directory at its target is untouched, and ``save_iteration`` is back at its number.
-            TimeoutError: Still pending after ``timeout`` seconds.
-        """
-        self._saves.wait(timeout)
-        self._raise_pending("wait()")
-        if self.tiers is not None:
-            self.tiers.wait()
-
-    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
-        """The newest ``save_state`` folder copy on ``tiers`` that checks (every file), or ``None``.
-
-        ``accelerator.load_state(path)`` resumes from it on a fresh node, where tier 0 is gone;
-        damaged or incomplete newer copies are skipped (logged). A copy on an object store is
-        downloaded, checked, into ``local_dir`` first (default ``.nvckpt-restore`` in the working directory).
-
-        Raises:
-            ValueError: The hooks have no ``tiers``.
-        """
-        if self.tiers is None:
-            raise ValueError("NvcompStateHooks.resume_path(): no tiers; pass register_nvcomp_hooks(accelerator, tiers=[nc.Tier(...)])")
-        return self.tiers.resume_path(local_dir)
-
-    def _raise_pending(self, when: str) -> None:
+    def _raise_errors(self, when: str, consequence: str = "") -> None:
         failed = self._saves.failed_group()
         if failed is not None:
             # As after a synchronous failure: the next save_state reuses the failed one's number.
             self.accelerator.project_configuration.iteration = failed.info["iteration"]
-        self._saves.raise_errors(when)
+        super()._raise_errors(when, consequence)
 
     # -- saving ----------------------------------------------------------------------------
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any) -> Path:
@@ -324,8 +275,7 @@ class NvcompStateHooks:
         entered = time.perf_counter()
         if self.async_save:
             # One save in flight: its commit and rotation must land before this one starts.
-            self._saves.wait()
-            self._raise_pending("the next save_state")
+            self._wait_for_saves("the next save_state")
         auto = bool(config.automatic_checkpoint_naming)
         if auto:
             checkpoints = Path(os.path.abspath(acc.project_dir)) / "checkpoints"
@@ -346,17 +296,11 @@ class NvcompStateHooks:
             target = Path(os.path.abspath(shown))
             staging = _STORE.staging_path(target)
         writes = self._writes()
-        call = _SaveCall(staging, target, acc._optimizers, config.iteration, writes, acc.step, background=self.async_save)
+        call = _SaveCall(staging, target, acc._optimizers, config.iteration, acc.step, background=self.async_save)
         rotation = (checkpoints, config.total_limit) if auto and config.total_limit is not None else None
-        if writes:
-            # Copies to the tiers start once the folder is committed (the group's completion).
-            notify = [] if self.tiers is None else [lambda report: self._copy_to_tiers(call)]
-            call.group = self._saves.begin(
-                os.fspath(shown), started=entered, info={"iteration": call.iteration},
-                commit=lambda reports: self._commit(call, reports, rotation), failed=lambda exc: self._failed(call, exc),
-                notify=notify,
-            )
-        try:
+
+        def write(group: SaveGroup | None) -> None:
+            call.group = group
             if writes:
                 LOCAL.makedirs(os.fspath(target.parent))
                 _STORE.recover(target)
@@ -370,23 +314,23 @@ class NvcompStateHooks:
             acc.wait_for_everyone()
             self._run_inner_save(call, auto, safe_serialization, save_model_func_kwargs)
             acc.wait_for_everyone()
+
+        try:
+            if not writes:
+                write(None)
+            else:  # the group commits once every .nvc file is durable; then the copies to the tiers
+                self._save_group(
+                    os.fspath(shown), entered, self._after_durable(call.iteration, call.target), write,
+                    background=self.async_save, info={"iteration": call.iteration},
+                    commit=lambda reports: self._commit(call, reports, rotation), failed=lambda exc: self._failed(call, exc),
+                )
         except BaseException as exc:
             config.iteration = call.iteration
-            if call.group is not None:
-                self._saves.abandon(call.group)  # its files must stop writing into staging first
-                _remove_quietly(call.staging)
-            if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)):
+            if writes:
+                _remove_quietly(call.staging)  # once its files have stopped writing into it
+            if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)) and not _is_save_failure(exc):
                 raise _save_failed(target, exc) from exc
             raise
-        if call.group is not None:
-            call.group.blocked = time.perf_counter() - entered if self.async_save else 0.0
-            self._saves.seal(call.group)  # commits now, or once the background files are durable
-            if not self.async_save:
-                try:
-                    self._saves.result(call.group)
-                except BaseException:
-                    config.iteration = call.iteration
-                    raise
         if not self.async_save:
             acc.wait_for_everyone()
         return shown
@@ -425,11 +369,7 @@ class NvcompStateHooks:
             _remove_quietly(replaced)  # the previous checkpoint; leftovers are cleaned next time
         if rotation is not None:
             checkpoints, limit = rotation
-            rotate(_numbered_dirs(checkpoints), limit, keep=target, trash=checkpoints.parent)
-
-    def _copy_to_tiers(self, call: _SaveCall) -> None:
-        assert self.tiers is not None
-        self.tiers.adopt(call.iteration, call.target)
+            rotate([p for _, p in numbered_dirs(checkpoints, _number)], limit, keep=target, trash=checkpoints.parent)
 
     def _failed(self, call: _SaveCall, exc: BaseException) -> BaseException:
         _remove_quietly(call.staging)
@@ -498,7 +438,7 @@ class NvcompStateHooks:
             self._saves.wait()
             if acc.num_processes > 1:
                 acc.wait_for_everyone()  # the other ranks wait for the main process's commit
-            self._raise_pending("load_state")
+            self._raise_errors("load_state")
         if input_dir is not None:
             path = Path(os.path.expanduser(os.fspath(input_dir)))
             _STORE.recover(path)
@@ -593,12 +533,15 @@ def _save_failed(target: Path, exc: BaseException) -> CheckpointWriteError:
             f"now holds part of them and no {MANIFEST_NAME}, so load_state refuses it as incomplete. Fix the "
             "cause and save again, or load another checkpoint."
         )
-    if isinstance(exc, CheckpointWriteError) and "save_state failed" in str(exc):
-        return exc
     return CheckpointWriteError(
         f"{target}: save_state failed ({exc}). Nothing was committed: the checkpoint directory "
         f"that was at {target}, if any, is untouched. Free space or fix the cause and save again."
     )
+
+
+def _is_save_failure(exc: BaseException) -> bool:
+    """Already :func:`_save_failed`'s error (a failed commit, raised by the group)."""
+    return isinstance(exc, CheckpointWriteError) and "save_state failed" in str(exc)
 
 
 def _is_state_file(name: str) -> bool:
@@ -613,17 +556,8 @@ def _number(name: str) -> int | None:
     return int(found[0]) if found else None
 
 
-def _numbered_dirs(checkpoints: Path) -> list[Path]:
-    entries = []
-    for name in LOCAL.listdir(os.fspath(checkpoints)) if checkpoints.is_dir() else []:
-        n = _number(name)
-        if n is not None and not name.startswith("."):
-            entries.append((n, checkpoints / name))
-    return [p for _, p in sorted(entries)]
-
-
 def _latest(checkpoints: Path) -> Path:
-    dirs = _numbered_dirs(checkpoints)
+    dirs = numbered_dirs(checkpoints, _number)
     if not dirs:
         raise FormatError(f"{checkpoints}: no checkpoint to load (automatic_checkpoint_naming found no checkpoint_<n>)")
-    return dirs[-1]
+    return dirs[-1][1]

@@ -9,10 +9,8 @@ write it in the background) and load with :func:`nvcomp_checkpoint.load`; the
 from __future__ import annotations
 
 import collections
-import dataclasses
 import inspect
 import io
-import logging
 import os
 import sys
 import time
@@ -24,10 +22,11 @@ from typing_extensions import override
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
+from nvcomp_checkpoint.entrypoint import POLICY_OPTION_KEYS, SaveEntryPoint, policy_and_metadata, report_metrics, torch_weights_only
 from nvcomp_checkpoint.errors import UnsafeCheckpointError
-from nvcomp_checkpoint.savegroup import SavedCallback, SaveSequence
+from nvcomp_checkpoint.savegroup import SavedCallback
 from nvcomp_checkpoint.storage import storage_for
-from nvcomp_checkpoint.tiers import Tier, TierCopies
+from nvcomp_checkpoint.tiers import Tier
 
 try:  # the unified package: `lightning.pytorch.Trainer` and `lightning.fabric.Fabric`
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -59,18 +58,10 @@ __all__ = [
     "report_metrics",
 ]
 
-_LOG = logging.getLogger(__name__)
-
-
-_POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(CodecPolicy))
 #: Keys accepted in ``storage_options`` of a single save: a whole ``policy``, any
 #: :class:`CodecPolicy` field (``exp_avg``, ``overrides`` ...) applied on top of it, and
 #: ``metadata`` stored in the file's index.
-STORAGE_OPTION_KEYS = ("policy", "metadata", *_POLICY_FIELDS)
-
-# torch.load(weights_only=None) means weights-only from torch 2.6 on.
-_TORCH_WEIGHTS_ONLY_DEFAULT = torch.torch_version.TorchVersion(torch.__version__) >= "2.6"
-_TRUE = ("1", "y", "yes", "true")
+STORAGE_OPTION_KEYS = POLICY_OPTION_KEYS
 
 _LIGHTNING_HINT = (
     " With Lightning, pass weights_only=False to trainer.fit/validate/test(ckpt_path=...), "
@@ -84,61 +75,25 @@ def _storage_as_loaded(storage: Any, location: str) -> Any:
     return storage
 
 
-def _resolve_weights_only(weights_only: Optional[bool]) -> bool:
-    """What ``torch.load(weights_only=weights_only)`` does, which is what Lightning's loader does.
-
-    Lightning passes ``None`` through to ``torch.load``, whose default is weights-only from
-    torch 2.6 on; ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` and ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
-    are honoured as ``torch.load`` honours them.
-    """
-    if os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE:
-        return True
-    if weights_only is None:
-        if os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE:
-            return False
-        return _TORCH_WEIGHTS_ONLY_DEFAULT
-    return bool(weights_only)
-
-
-class NvcompCheckpointIO(CheckpointIO):
+class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
     """Saves Lightning checkpoints compressed, per component (weights, optimizer moments ...).
 
     One class serves both ``Trainer(plugins=[...])`` and ``Fabric(plugins=[...])``, and can be
     wrapped in Lightning's ``AsyncCheckpointIO``. It loads plain ``torch.save`` checkpoints
     too, so a run that adds the plugin resumes from its old ``.ckpt`` files.
 
-    With ``async_save=True``, :meth:`save_checkpoint` returns once the checkpoint is copied (a
-    snapshot: training may change every tensor at once) and one background thread compresses and
-    writes it; the file appears only when complete and durable. Unlike Lightning's
-    ``AsyncCheckpointIO``, :meth:`remove_checkpoint` never deletes a file while a save is pending:
-    the deletion waits until every save handed over before it is durable (it then runs on the
-    background thread, so ``ModelCheckpoint``'s top-k rotation does not hold up training), and is
-    skipped if one of them failed, so the run always keeps a complete checkpoint.
-    :meth:`load_checkpoint` waits for everything pending. A failed background save is raised by the
-    next :meth:`save_checkpoint`, :meth:`remove_checkpoint`, :meth:`load_checkpoint`, :meth:`wait`
-    or :meth:`teardown` (the Trainer calls it when ``fit`` ends), whichever comes first. Use
-    ``async_save`` instead of wrapping the plugin in ``AsyncCheckpointIO``, whose removals do not
-    wait for the saves still in its own queue (Lightning issue 14035).
+    With ``async_save=True``, saves are snapshotted and written in the background, and
+    :meth:`remove_checkpoint` (``ModelCheckpoint``'s top-k rotation) waits until the saves before it
+    are durable, skipped if one failed: the run always keeps a complete checkpoint. Use it instead
+    of Lightning's ``AsyncCheckpointIO`` (issue 14035). Design: ``docs/lightning.md``.
 
     Args:
-        policy: Codec settings per component (a :class:`CodecPolicy` or its dict form); the
-            default is portable (zstd over byte planes), loadable without a GPU.
-        workers: Compression threads per save (default: every core).
+        policy, workers, async_save, max_pending, on_saved, stream_wrapper, tiers: As for every
+            integration (:class:`nvcomp_checkpoint.entrypoint.SaveEntryPoint`). ``on_saved`` is the
+            "checkpoint finished" hook of Lightning issue 19414. ``ModelCheckpoint``'s folder is tier 0,
+            with its own top-k; copies are named by the checkpoint's ``global_step``, and
+            ``trainer.fit(ckpt_path=plugin.resume_path())`` resumes on a fresh node.
         fsspec_options: Options for fsspec when paths are URLs (credentials, endpoint ...).
-        async_save: Write checkpoints in the background (see above).
-        max_pending: With ``async_save``, saves that may be snapshotted but not yet durable; each
-            holds a full copy of its checkpoint in host memory. The next save waits for a slot.
-        on_saved: Called with the :class:`SaveReport` of each save once its file is durable (the
-            "checkpoint finished" hook of Lightning issue 19414). With ``async_save`` it runs on the
-            background thread; it must not call :meth:`wait`.
-        stream_wrapper: Wraps each file's output stream (throttling, byte counting ...); its
-            ``write`` must pass every byte on, in order.
-        tiers: :class:`~nvcomp_checkpoint.Tier` s to copy each checkpoint to once it is durable
-            (a shared file system, an object store), each on its own schedule and with its own
-            retention. ``ModelCheckpoint`` keeps writing where it writes, with its own top-k: that
-            is tier 0. Copies run in the background, named by the checkpoint's ``global_step``;
-            :meth:`resume_path` is the newest copy that checks, for ``trainer.fit(ckpt_path=...)``
-            on a fresh node. :meth:`wait` and :meth:`teardown` wait for the copies and raise a failed one.
 
     Attributes:
         last_report: The :class:`SaveReport` of the most recent completed save (``None`` before one);
@@ -162,30 +117,15 @@ class NvcompCheckpointIO(CheckpointIO):
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         tiers: list[Tier] | None = None,
     ) -> None:
-        super().__init__()
+        CheckpointIO.__init__(self)
         _register_with_standalone_packages()
-        if policy is None:
-            policy = CodecPolicy()
-        elif isinstance(policy, Mapping):
-            policy = CodecPolicy.from_dict(policy)
-        elif not isinstance(policy, CodecPolicy):
-            raise TypeError(f"NvcompCheckpointIO(policy=...) takes a CodecPolicy or a dict, got {type(policy).__name__}")
-        # Checks max_pending and on_saved; runs every on_saved callback and owns every background error.
-        self._saves = SaveSequence("NvcompCheckpointIO", max_pending=max_pending, workers=workers, on_saved=on_saved)
-        self.policy: CodecPolicy = policy
-        self.workers = workers
+        SaveEntryPoint.__init__(
+            self, "NvcompCheckpointIO", policy, workers=workers, async_save=async_save, max_pending=max_pending,
+            on_saved=on_saved, stream_wrapper=stream_wrapper, tiers=tiers,
+        )
         self.fsspec_options = dict(fsspec_options or {})
-        self.async_save = bool(async_save)
-        self.max_pending = max_pending
-        self.on_saved = on_saved
-        self.stream_wrapper = stream_wrapper
-        self.tiers: TierCopies | None = None if tiers is None else TierCopies(tiers, "NvcompCheckpointIO")
         self._listeners: list[Callable[[SaveReport, dict[str, Any]], None]] = []
         _LIVE_PLUGINS.add(self)
-
-    @property
-    def last_report(self) -> SaveReport | None:
-        return self._saves.last_report
 
     def policy_for(self, storage_options: Optional[Any]) -> tuple[CodecPolicy, dict[str, Any] | None]:
         """The policy and index metadata of one save, given Lightning's ``storage_options``.
@@ -194,33 +134,7 @@ class NvcompCheckpointIO(CheckpointIO):
             TypeError: ``storage_options`` is not a dict.
             ValueError: it has keys this plugin does not know, or invalid values.
         """
-        if storage_options is None:
-            return self.policy, None
-        if not isinstance(storage_options, Mapping):
-            raise TypeError(
-                f"NvcompCheckpointIO: storage_options must be a dict such as {{'policy': CodecPolicy(...)}} "
-                f"or {{'exp_avg': 'zstd'}}, got {type(storage_options).__name__}"
-            )
-        unknown = sorted(set(storage_options) - set(STORAGE_OPTION_KEYS), key=str)
-        if unknown:
-            raise ValueError(
-                f"NvcompCheckpointIO: unknown storage_options key(s) {unknown}; accepted: 'policy' (a CodecPolicy), "
-                f"'metadata' (a JSON-safe dict) and the CodecPolicy fields {', '.join(_POLICY_FIELDS)}"
-            )
-        options = dict(storage_options)
-        policy = options.pop("policy", None)
-        metadata = options.pop("metadata", None)
-        if policy is None:
-            policy = self.policy
-        elif isinstance(policy, Mapping):
-            policy = CodecPolicy.from_dict(policy)
-        elif not isinstance(policy, CodecPolicy):
-            raise TypeError(f"NvcompCheckpointIO: storage_options['policy'] must be a CodecPolicy or a dict, got {type(policy).__name__}")
-        if options:
-            policy = policy.with_overrides(**options)
-        if metadata is not None and not isinstance(metadata, Mapping):
-            raise TypeError(f"NvcompCheckpointIO: storage_options['metadata'] must be a dict, got {type(metadata).__name__}")
-        return policy, (dict(metadata) if metadata is not None else None)
+        return policy_and_metadata(storage_options, self.policy, "NvcompCheckpointIO")
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -246,73 +160,21 @@ class NvcompCheckpointIO(CheckpointIO):
         info = {}
         if isinstance(checkpoint, Mapping):  # Lightning's counters, readable with `nvckpt inspect`
             info = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
-        meta = {"written_by": type(self).__name__, **info, **(metadata or {})}
-        after = [lambda r: self._tell_listeners(r, info)]
-        if self.tiers is not None:
-            step = info.get("global_step")
-            if step is not None:
-                # Once durable (the group's completion, on the background thread with async_save).
-                after.append(lambda r: self._copy_to_tiers(step, path))
+        kwargs = dict(
+            metadata={"written_by": type(self).__name__, **info, **(metadata or {})},
+            storage_options=self.fsspec_options or None, stream_wrapper=self.stream_wrapper,
+        )
+        after = self._after_durable(info.get("global_step"), path, lambda r: self._tell_listeners(r, info))
         if not self.async_save:
-            report = nc.save(
-                checkpoint, path, policy, metadata=meta, storage_options=self.fsspec_options or None,
-                workers=self.workers, stream_wrapper=self.stream_wrapper,
-            )
-            self._saves.notify(report, after)
+            self._saved(nc.save(checkpoint, path, policy, workers=self.workers, **kwargs), after)
             return
         self._saves.wait_for_slot()
-        self._saves.raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
-        group = self._saves.begin(path, started=started, notify=after)
-        try:
-            self._saves.save(
-                group, "checkpoint", checkpoint, path, policy, metadata=meta,
-                storage_options=self.fsspec_options or None, stream_wrapper=self.stream_wrapper,
-            )
-        except BaseException:
-            self._saves.abandon(group)
-            raise
-        group.blocked = time.perf_counter() - started
-        self._saves.seal(group)
-
-    def _copy_to_tiers(self, step: int, path: Any) -> None:
-        assert self.tiers is not None
-        self.tiers.adopt(step, path)
-
-    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
-        """The newest checkpoint copy on ``tiers`` that checks, or ``None`` (nothing there: a fresh start).
-
-        ``trainer.fit(model, ckpt_path=plugin.resume_path())`` resumes on a fresh node, where
-        ``ModelCheckpoint``'s own folder is gone; newer copies that are damaged or incomplete are
-        skipped (logged), falling back to the next tier, then to older steps. A copy on an object
-        store is downloaded, checked, into ``local_dir`` first (default ``.nvckpt-restore`` in the
-        working directory).
-
-        Raises:
-            ValueError: The plugin has no ``tiers``.
-        """
-        if self.tiers is None:
-            raise ValueError("NvcompCheckpointIO.resume_path(): no tiers; pass NvcompCheckpointIO(tiers=[nc.Tier(...)])")
-        return self.tiers.resume_path(local_dir)
+        self._raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
+        self._save_group(path, started, after, lambda group: self._saves.save(group, "checkpoint", checkpoint, path, policy, **kwargs))
 
     def _tell_listeners(self, report: SaveReport, info: dict[str, Any]) -> None:
         for listener in list(self._listeners):
             listener(report, info)
-
-    def pending(self) -> int:
-        """Saves snapshotted but not yet durable (always 0 without ``async_save``)."""
-        return self._saves.pending()
-
-    def wait(self) -> None:
-        """Wait until every pending save is durable; raise the first background failure.
-
-        Raises:
-            nvcomp_checkpoint.errors.CheckpointWriteError: A background save failed (the file it
-                would have replaced, if any, is untouched).
-        """
-        self._saves.wait()
-        self._saves.raise_errors("wait()")
-        if self.tiers is not None:
-            self.tiers.wait()
 
     @override
     def load_checkpoint(
@@ -337,20 +199,15 @@ class NvcompCheckpointIO(CheckpointIO):
         """
         if self.async_save:
             # A checkpoint still being written must not be read as missing, or as the older one.
-            self._saves.wait()
-            self._saves.raise_errors(f"load_checkpoint({os.fspath(path)!r})", "Nothing was loaded; fix the cause and save again.")
-        storage, spath = storage_for(path, self.fsspec_options or None)
+            self._wait_for_saves(f"load_checkpoint({os.fspath(path)!r})", "Nothing was loaded; fix the cause and save again.")
+        options = self.fsspec_options or None
+        storage, spath = storage_for(path, options)
         if not storage.exists(spath):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        if map_location is None and not nc.is_nvcomp_checkpoint(path, storage_options=self.fsspec_options or None):
+        if map_location is None and not nc.is_nvcomp_checkpoint(path, storage_options=options):
             map_location = _storage_as_loaded
         try:
-            return nc.load(
-                path,
-                map_location,
-                weights_only=_resolve_weights_only(weights_only),
-                storage_options=self.fsspec_options or None,
-            )
+            return nc.load(path, map_location, weights_only=torch_weights_only(weights_only), storage_options=options)
         except UnsafeCheckpointError as exc:
             raise UnsafeCheckpointError(f"{exc}{_LIGHTNING_HINT}") from exc
 
@@ -368,11 +225,9 @@ class NvcompCheckpointIO(CheckpointIO):
                 then kept, since it may be the newest complete checkpoint.
         """
         if self.async_save:
-            self._saves.raise_errors(
-                f"remove_checkpoint({os.fspath(path)!r})",
-                f"{os.fspath(path)} was not removed: it may be the newest complete checkpoint.",
-            )
-            if self._saves.after_pending(lambda: self._remove_now(path), os.fspath(path)):
+            where = os.fspath(path)
+            self._raise_errors(f"remove_checkpoint({where!r})", f"{where} was not removed: it may be the newest complete checkpoint.")
+            if self._saves.after_pending(lambda: self._remove_now(path), where):
                 return
         self._remove_now(path)
 
@@ -388,20 +243,7 @@ class NvcompCheckpointIO(CheckpointIO):
         a new background thread. While another exception is propagating (the Trainer tears down
         after an error too), a background failure is logged instead, so the first error stays visible.
         """
-        if self.async_save:
-            self._saves.close()
-            if sys.exc_info()[1] is not None:
-                self._saves.log_errors()
-            else:
-                self._saves.raise_errors("teardown, at the end of the run")
-        if self.tiers is not None:
-            if sys.exc_info()[1] is not None:
-                try:
-                    self.tiers.wait()
-                except Exception as exc:  # noqa: BLE001 - the first error stays visible
-                    _LOG.error("a checkpoint copy to a tier failed: %s", exc)
-            else:
-                self.tiers.wait()
+        self.close("teardown, at the end of the run")
 
 
 #: Every NvcompCheckpointIO alive: Lightning's callbacks factory adds the strategy check only when one exists.
@@ -432,39 +274,12 @@ def strategy_check_callbacks() -> list[Any]:
     return [NvcompStrategyCheck()] if len(_LIVE_PLUGINS) else []
 
 
-def report_metrics(report: SaveReport, prefix: str = "nvckpt/") -> dict[str, float]:
-    """The numbers of one save as flat metrics, as :class:`NvcompCheckpointMetrics` logs them.
-
-    Returns:
-        ``{prefix}ratio``, ``raw_bytes``, ``stored_bytes``, ``seconds`` (until durable),
-        ``seconds_blocked`` (time the training loop waited), ``throughput_mb_s`` (raw MB per
-        second of ``seconds``) and ``ratio/<component>`` for each component (``weights``,
-        ``exp_avg`` ...).
-    """
-    blocked = report.seconds if report.seconds_blocked is None else report.seconds_blocked
-    metrics = {
-        f"{prefix}ratio": report.ratio,
-        f"{prefix}raw_bytes": float(report.raw_bytes),
-        f"{prefix}stored_bytes": float(report.stored_bytes),
-        f"{prefix}seconds": report.seconds,
-        f"{prefix}seconds_blocked": blocked,
-        f"{prefix}throughput_mb_s": report.throughput_mb_s,
-    }
-    for name, stats in report.components.items():
-        metrics[f"{prefix}ratio/{name}"] = stats.ratio
-    # A save too fast for the clock has an infinite throughput, which loggers reject.
-    return {k: float(v) for k, v in metrics.items() if v == v and abs(v) != float("inf")}
-
-
 class NvcompModelCheckpointMixin:
     """Makes a ``ModelCheckpoint`` count a checkpoint still being written in the background as existing.
 
-    When names repeat (a ``filename`` without the step, ``save_top_k`` other than 1),
-    ``ModelCheckpoint`` picks a ``-v1``, ``-v2`` ... name by looking for the file on disk. With
-    ``NvcompCheckpointIO(async_save=True)`` a save in flight has not written its file yet, so the
-    next save would take the same name and overwrite it (a best checkpoint lost). The mixin also
-    asks :func:`nvcomp_checkpoint.has_pending_save`. With the standalone ``pytorch_lightning``
-    package: ``class MyCheckpoint(NvcompModelCheckpointMixin, pytorch_lightning.callbacks.ModelCheckpoint)``.
+    With ``NvcompCheckpointIO(async_save=True)`` a save in flight has not written its file yet, so
+    the next save with a repeating name would overwrite it (``docs/lightning.md``). With the standalone
+    ``pytorch_lightning`` package: ``class MyCheckpoint(NvcompModelCheckpointMixin, pytorch_lightning.callbacks.ModelCheckpoint)``.
     """
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -486,12 +301,9 @@ class NvcompModelCheckpoint(NvcompModelCheckpointMixin, ModelCheckpoint):  # typ
 class NvcompCheckpointMetrics(Callback):  # type: ignore[misc,valid-type]
     """Sends the sizes, ratios and times of every checkpoint save to the Trainer's loggers.
 
-    A ``CheckpointIO`` does not know the Trainer, so this callback carries the numbers: each
-    time a save's file is durable, :class:`NvcompCheckpointIO` hands it the report, and the
-    callback logs :func:`report_metrics` with ``logger.log_metrics(metrics, step=<the
-    checkpoint's global_step>)`` on the training thread (loggers are not thread-safe) at the
-    next batch, epoch or validation end, and at the end of ``fit``, after the plugin has waited
-    for every pending save, so the last checkpoint's numbers are logged too.
+    Each durable save's :func:`report_metrics` go to ``logger.log_metrics(..., step=<the checkpoint's
+    global_step>)`` on the training thread, at the next batch, epoch or validation end and at the
+    end of ``fit`` (``docs/lightning.md``).
 
     Args:
         plugin: The plugin whose saves to report; by default the :class:`NvcompCheckpointIO` the
@@ -636,7 +448,7 @@ def load_from_checkpoint(
         return cls.load_from_checkpoint(checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict, **extra)
     try:
         checkpoint = nc.load(
-            checkpoint_path, map_location, weights_only=_resolve_weights_only(weights_only), storage_options=fsspec_options
+            checkpoint_path, map_location, weights_only=torch_weights_only(weights_only), storage_options=fsspec_options
         )
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"{exc}{_LIGHTNING_HINT}") from exc

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from nvcomp_checkpoint import CodecPolicy
 from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
+from nvcomp_checkpoint.entrypoint import as_policy
 from nvcomp_checkpoint.errors import CheckpointError
 from nvcomp_checkpoint.storage import storage_for, write_errors
 
@@ -29,10 +30,8 @@ __all__ = ["NvcompModelParallelStrategy", "NvcompFSDPStrategy", "check_sharded_c
 
 
 def _policy_of(policy: CodecPolicy | Mapping[str, Any] | None, strategy: Any) -> CodecPolicy | None:
-    if isinstance(policy, Mapping):
-        return CodecPolicy.from_dict(policy)
     if policy is not None:
-        return policy
+        return as_policy(policy, f"{type(strategy).__name__}(policy=...)")
     # An NvcompCheckpointIO passed as a plugin brings its policy along.
     io = strategy._checkpoint_io
     for _ in range(8):

@@ -23,12 +23,10 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dirstore import MARKER_NAME, write_marker
-from nvcomp_checkpoint.report import merge_reports
-from nvcomp_checkpoint.savegroup import SaveSequence
-from nvcomp_checkpoint.storage import LOCAL, stale_temp_files
-from nvcomp_checkpoint.tiers import Tier, TierCopies
-from nvcomp_checkpoint.tensors import first_difference
+from nvcomp_checkpoint.dirconvert import SUFFIX, PlainFile, compress_in_place, decompress_in_place
+from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
+from nvcomp_checkpoint.entrypoint import SaveEntryPoint
+from nvcomp_checkpoint.tiers import Tier
 
 __all__ = [
     "NvcompTrainerCallback",
@@ -44,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 #: Appended to the name of each file the Trainer wrote (``optimizer.pt`` -> ``optimizer.pt.nvc``),
 #: so :func:`decompress_checkpoint` knows what to write back.
-COMPRESSED_SUFFIX = ".nvc"
+COMPRESSED_SUFFIX = SUFFIX
 
 # The Trainer's own names (transformers.utils / transformers.trainer); repeated here so this
 # module reads without chasing constants through transformers' private modules.
@@ -52,6 +50,7 @@ _SAFE_WEIGHTS = "model.safetensors"
 _TORCH_WEIGHTS = "pytorch_model.bin"
 _OPTIMIZER = "optimizer.pt"
 _SCHEDULER = "scheduler.pt"
+_WEIGHTS = (_SAFE_WEIGHTS, _TORCH_WEIGHTS)
 _SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 # Inside each compressed file the tree sits under one key, so tensor keys read like the rest of
@@ -123,54 +122,13 @@ def compress_checkpoint(
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
         raise nc.errors.FormatError(f"{directory}: not a checkpoint directory written by the Trainer")
-    stamp = directory.stat()
-    start = time.perf_counter()
-    plain = [name for name in _plain_files(directory) if weights or name == _OPTIMIZER]
-    stale_temp_files(directory, remove=True)  # a conversion killed mid-write left nc.save's temporary file
-    written: list[Path] = []
-    reports: list[nc.SaveReport] = []
-    try:
-        for name in plain:
-            tree, meta = _read_plain(directory / name)
-            target = directory / (name + COMPRESSED_SUFFIX)
-            key = _TREE_KEY[name]
-            reports.append(nc.save(
-                {key: tree}, target, policy, metadata={_META_KEY: meta}, workers=workers, stream_wrapper=stream_wrapper,
-            ))
-            written.append(target)
-            if verify:
-                _verify_copy(target, key, tree)
-            del tree
-    except BaseException as exc:
-        # Undo this conversion so the directory is exactly what the Trainer wrote (and uses no
-        # more space than that). A compressed file goes only while its plain file is still
-        # there: two processes converting one directory (save_on_each_node on a shared file
-        # system) must never remove the last copy.
-        for path in written:
-            if path.with_name(path.name[: -len(COMPRESSED_SUFFIX)]).is_file():
-                LOCAL.remove(str(path))
-        LOCAL.fsync(str(directory))
-        _restore_mtime(directory, stamp)
-        if isinstance(exc, OSError):
-            raise nc.errors.CheckpointWriteError(
-                f"{directory}: compressing the checkpoint failed ({exc}). Its plain files are untouched and "
-                "the Trainer resumes from them; free disk space before the next save."
-            ) from exc
-        if isinstance(exc, nc.errors.CheckpointError):
-            raise type(exc)(f"{str(exc).rstrip('.')}. The plain files of {directory} are untouched and the Trainer resumes from them.") from exc
-        raise
-    # Every compressed file is durable (nc.save fsyncs it and renames it into place) before a
-    # plain file goes. The weights go first: a plain Trainer then refuses the directory ("Can't
-    # find a valid checkpoint") instead of loading the weights and silently skipping a
-    # compressed optimizer.
-    if plain:
-        # A directory that only this library reads whole says so to whoever opens it.
-        write_marker(directory, _MARKER_TEXT)
-    for name in plain:
-        LOCAL.remove(str(directory / name))
-    LOCAL.fsync(str(directory))
-    _restore_mtime(directory, stamp)
-    return merge_reports(str(directory), reports, time.perf_counter() - start)
+    files = [PlainFile(name, _TREE_KEY[name], _read_plain) for name in _plain_files(directory) if weights or name == _OPTIMIZER]
+    # The weights go first: a plain Trainer then refuses the directory ("Can't find a valid
+    # checkpoint") instead of loading the weights and silently skipping a compressed optimizer.
+    return compress_in_place(
+        directory, files, policy, meta_key=_META_KEY, marker=_MARKER_TEXT, resumes="the Trainer resumes from them",
+        verify=verify, workers=workers, stream_wrapper=stream_wrapper,
+    )
 
 
 def decompress_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
@@ -185,30 +143,18 @@ def decompress_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
     Returns:
         The names of the plain files written.
     """
-    directory = Path(checkpoint_dir)
     _wait_for_conversions()
-    stamp = directory.stat()
-    restored = []
-    for compressed in sorted(directory.glob("*" + COMPRESSED_SUFFIX)):
-        name = compressed.name[: -len(COMPRESSED_SUFFIX)]
-        if name not in _TREE_KEY:
-            continue
-        with nc.open(compressed) as reader:
-            meta = reader.metadata.get(_META_KEY, {})
-        tree = _load_tree(compressed, _TREE_KEY[name], "cpu")
-        # Atomic (temporary file, fsync, rename): a crash leaves the compressed file as it was.
-        with LOCAL.open_write(str(directory / name)) as stream:
-            if name == _SAFE_WEIGHTS:
-                stream.write(safetensors.torch.save(tree, metadata=meta.get("safetensors_metadata")))
-            else:
-                torch.save(tree, stream)
-        LOCAL.remove(str(compressed))
-        restored.append(name)
-    if not any(directory.glob("*" + COMPRESSED_SUFFIX)):
-        LOCAL.remove(str(directory / MARKER_NAME))
-    LOCAL.fsync(str(directory))
-    _restore_mtime(directory, stamp)
-    return restored
+    return decompress_in_place(
+        Path(checkpoint_dir), _TREE_KEY, _write_plain, meta_key=_META_KEY,
+        load_tree=lambda path, key: _load_tree(path, key, "cpu"),
+    )
+
+
+def _write_plain(name: str, tree: Any, meta: dict[str, Any], stream: IO[bytes]) -> None:
+    if name == _SAFE_WEIGHTS:
+        stream.write(safetensors.torch.save(tree, metadata=meta.get("safetensors_metadata")))
+    else:
+        torch.save(tree, stream)
 
 
 def _plain_files(directory: Path) -> list[str]:
@@ -242,16 +188,6 @@ def _read_plain(path: Path) -> tuple[Any, dict[str, Any]]:
     return tree, {"file": path.name}
 
 
-def _verify_copy(target: Path, key: str, original: Any) -> None:
-    decoded = _load_tree(target, key, "cpu")
-    difference = first_difference(original, decoded, key)
-    if difference is not None:
-        raise nc.errors.FormatError(
-            f"{target}: the compressed copy differs from the Trainer's file at {difference!r}; "
-            "please report this as a bug (pass verify=False only to skip this check)."
-        )
-
-
 def _load_tree(path: Path | str, key: str, map_location: Any) -> Any:
     """The tree stored under ``key`` in one of our files; errors name the file and a way out."""
     path = Path(path)
@@ -268,12 +204,10 @@ def _resume_hint(checkpoint: Path) -> str:
     step = _step_of(checkpoint.name)
     if step is None or not checkpoint.parent.is_dir():
         return "Resume from another checkpoint."
-    earlier = sorted(
-        (s, p.name) for p in checkpoint.parent.iterdir() if p.is_dir() and (s := _step_of(p.name)) is not None and s < step
-    )
+    earlier = [p for s, p in numbered_dirs(checkpoint.parent, _step_of) if s < step]
     if not earlier:
         return "There is no earlier checkpoint in this directory to resume from."
-    return f"Resume from an earlier checkpoint instead: trainer.train(resume_from_checkpoint={str(checkpoint.parent / earlier[-1][1])!r})."
+    return f"Resume from an earlier checkpoint instead: trainer.train(resume_from_checkpoint={str(earlier[-1])!r})."
 
 
 def _step_of(name: str) -> int | None:
@@ -281,16 +215,10 @@ def _step_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _restore_mtime(directory: Path, stamp: os.stat_result) -> None:
-    LOCAL.set_times(str(directory), stamp)
-
-
-
-
 # -- the callback ------------------------------------------------------------------------------
 
 
-class NvcompTrainerCallback(TrainerCallback):
+class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
     """Compresses the optimizer state (and, with :class:`NvcompTrainer`, the model weights) of every checkpoint.
 
     With a stock ``Trainer`` (or ``SFTTrainer`` ...), the model weights stay as the Trainer wrote
@@ -300,13 +228,8 @@ class NvcompTrainerCallback(TrainerCallback):
     the scheduler, as the Trainer does) when training begins. With :class:`NvcompTrainer` (or
     :class:`NvcompTrainerMixin`) the weights are compressed too (``compress_weights``).
 
-    With ``async_save=True``, ``on_save`` hands the conversion of ``checkpoint-N`` (read the
-    Trainer's files, compress, verify, remove the plain files) to a background thread and returns.
-    The Trainer's files on disk are the snapshot: at every moment each file is there complete,
-    plain or compressed. Before the Trainer saves again (and rotates old checkpoints), the callback
-    waits for the pending conversion; the save that ends training is converted before ``on_save``
-    returns. A failed conversion (its directory is left as the Trainer wrote it, which still
-    resumes) is raised before the next save, or by ``on_train_end``.
+    With ``async_save=True``, each conversion runs in the background; the callback waits for it
+    before the Trainer saves (and rotates) again, and at the end of training (``docs/transformers.md``).
 
     Example:
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds,
@@ -314,29 +237,19 @@ class NvcompTrainerCallback(TrainerCallback):
         >>> trainer.train(resume_from_checkpoint=True)
 
     Args:
-        policy: Codec settings per component; defaults to ``CodecPolicy()``.
+        policy, workers, async_save, on_saved, stream_wrapper, tiers: As for every integration
+            (:class:`nvcomp_checkpoint.entrypoint.SaveEntryPoint`). ``async_save`` converts each
+            checkpoint in the background (see above); ``on_saved`` runs once the compressed files are
+            durable and the plain ones removed. ``output_dir`` is tier 0 (with ``save_total_limit``
+            as its retention); copies are named by the step N, and
+            ``trainer.train(resume_from_checkpoint=callback.resume_path())`` resumes on a fresh node.
         verify: Decode each compressed file and compare it bit for bit before deleting the plain one.
-        workers: Compression threads (default: every core).
-        async_save: Convert each checkpoint in the background (see above).
-        on_saved: Called with the :class:`~nvcomp_checkpoint.SaveReport` of each conversion once
-            the compressed files are durable and the plain ones removed (with ``async_save``, on
-            the background thread).
-        stream_wrapper: Wraps each compressed file's output stream (throttling, byte counting ...).
         compress_weights: ``None`` (default): compress the weights only when the Trainer is an
             :class:`NvcompTrainerMixin`, which can resume from them. ``True`` with a stock
             Trainer is refused when the Trainer is created.
-        tiers: :class:`~nvcomp_checkpoint.Tier` s to copy each converted ``checkpoint-N`` folder
-            to (a shared file system, an object store), on their schedules, with their retention;
-            ``output_dir`` is tier 0 (with ``save_total_limit`` as its retention). A copy is named
-            by the step N and starts once the conversion is durable. On a fresh node,
-            ``trainer.train(resume_from_checkpoint=callback.resume_path())`` resumes from the
-            newest copy that checks. Copies never hold up training; ``on_train_end`` waits
-            for them and raises a failed one.
 
     Attributes:
-        last_report: The :class:`~nvcomp_checkpoint.SaveReport` of the latest conversion;
-            ``seconds_blocked`` is the time ``on_save`` held training, ``seconds`` the time
-            until the conversion was done.
+        last_report: The :class:`~nvcomp_checkpoint.SaveReport` of the latest conversion.
     """
 
     def __init__(
@@ -351,22 +264,15 @@ class NvcompTrainerCallback(TrainerCallback):
         compress_weights: bool | None = None,
         tiers: list[Tier] | None = None,
     ) -> None:
-        self.tiers: TierCopies | None = None if tiers is None else TierCopies(tiers, "NvcompTrainerCallback")
-        self._saves = SaveSequence("NvcompTrainerCallback", workers=workers, on_saved=on_saved, log_as="compressed")
-        self.policy = policy
+        SaveEntryPoint.__init__(
+            self, "NvcompTrainerCallback", policy, workers=workers, async_save=async_save, on_saved=on_saved,
+            stream_wrapper=stream_wrapper, tiers=tiers, log_as="compressed",
+        )
         self.verify = verify
-        self.workers = workers
-        self.async_save = bool(async_save)
-        self.on_saved = on_saved
-        self.stream_wrapper = stream_wrapper
         self.compress_weights = compress_weights
         self._weights = bool(compress_weights)
         self._resumes_itself = False  # the Trainer is an NvcompTrainerMixin: it loads what we wrote
         _CALLBACKS.add(self)
-
-    @property
-    def last_report(self) -> nc.SaveReport | None:
-        return self._saves.last_report
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Reject the setups whose checkpoints this callback cannot convert, or that could not resume."""
@@ -382,7 +288,7 @@ class NvcompTrainerCallback(TrainerCallback):
                 f"{args.output_dir}: hub_strategy={args.hub_strategy!r} uploads each checkpoint directory in the "
                 "background while NvcompTrainerCallback rewrites it. Use hub_strategy='every_save' or 'end'."
             )
-        trainer = _calling_trainer()
+        trainer = (_trainer_locals() or {}).get("self")
         self._resumes_itself = isinstance(trainer, NvcompTrainerMixin)
         if self.compress_weights and trainer is not None and not self._resumes_itself:
             raise nc.CheckpointError(
@@ -409,10 +315,10 @@ class NvcompTrainerCallback(TrainerCallback):
             "first in your Trainer class's bases), or run decompress_checkpoint() on it first."
         )
         wanted = args.resume_from_checkpoint  # set by the example scripts' --resume_from_checkpoint
-        if isinstance(wanted, str) and os.path.isdir(wanted) and _compressed_weights(wanted) is not None:
+        if isinstance(wanted, str) and os.path.isdir(wanted) and _compressed(wanted, _WEIGHTS) is not None:
             raise nc.CheckpointError(f"{wanted}: {fix}")
         latest = _newest_checkpoint(args.output_dir)
-        if latest is not None and _compressed_weights(latest) is not None:
+        if latest is not None and _compressed(latest, _WEIGHTS) is not None:
             logger.warning("%s: if this run resumes from it, %s", latest, fix)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -423,21 +329,16 @@ class NvcompTrainerCallback(TrainerCallback):
         if checkpoint is None:
             return
         _wait_for_conversions()
-        optimizer, scheduler = kwargs.get("optimizer"), kwargs.get("lr_scheduler")
-        compressed = checkpoint / (_OPTIMIZER + COMPRESSED_SUFFIX)
-        if not compressed.is_file() or (checkpoint / _OPTIMIZER).is_file() or optimizer is None:
-            return  # the Trainer loaded (or had nothing to load) itself
-        if not (checkpoint / _SCHEDULER).is_file():
-            return  # as the Trainer: an optimizer state without its scheduler is not from the same save
-        logger.info("Loading the compressed optimizer state from %s.", compressed)
-        _load_optimizer_and_scheduler(checkpoint, args, optimizer, scheduler)
+        optimizer = kwargs.get("optimizer")
+        if _compressed(checkpoint, (_OPTIMIZER,)) is not None and optimizer is not None:  # else the Trainer loaded it itself
+            _load_optimizer_and_scheduler(checkpoint, args, optimizer, kwargs.get("lr_scheduler"))
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Convert the checkpoint the Trainer has just written (after its rotation)."""
         entered = time.perf_counter()
         if not args.should_save:
             return  # other ranks: the main process owns the checkpoint files
-        self.wait("on_save")  # normally nothing is pending here: see on_step_end
+        self._wait_for_saves("on_save")  # normally nothing is pending here: see on_step_end
         directory = _saved_checkpoint(args.output_dir, state.global_step)
         if directory is None:
             logger.warning("NvcompTrainerCallback: no checkpoint-%d directory under %s", state.global_step, args.output_dir)
@@ -446,75 +347,38 @@ class NvcompTrainerCallback(TrainerCallback):
             directory, self.policy, verify=self.verify, workers=self.workers, stream_wrapper=self.stream_wrapper,
             weights=self._weights,
         )
-        step = state.global_step
         # Copies to the tiers start once the converted directory is durable (the group's completion).
-        after = [] if self.tiers is None else [lambda report: self._copy_to_tiers(step, directory)]
+        after = self._after_durable(state.global_step, directory)
         if not self.async_save:
-            self._saves.notify(convert(), after)
+            self._saved(convert(), after)
             return
-        group = self._saves.begin(directory, started=entered, notify=after)
-        self._saves.run(group, directory.name, convert)
-        group.blocked = time.perf_counter() - entered
-        self._saves.seal(group)
+        self._save_group(directory, entered, after, lambda group: self._saves.run(group, directory.name, convert))
         if control.should_training_stop:
             # The last save: nothing left to overlap with, and what follows (loading the best
             # model, the final rotation, the end of the process) must see a finished directory.
-            self.wait("on_save at the end of training")
-
-    def _copy_to_tiers(self, step: int, directory: Path) -> None:
-        assert self.tiers is not None
-        self.tiers.adopt(step, directory)
-
-    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
-        """The newest ``checkpoint-N`` copy on ``tiers`` that checks (every file), or ``None`` (a fresh start).
-
-        ``trainer.train(resume_from_checkpoint=callback.resume_path())`` resumes from it on a
-        fresh node, where ``output_dir`` is gone; damaged or incomplete newer copies are skipped.
-        A copy on an object store is downloaded, checked, into ``local_dir`` first (default
-        ``.nvckpt-restore`` in the working directory).
-
-        Raises:
-            ValueError: The callback has no ``tiers``.
-        """
-        if self.tiers is None:
-            raise ValueError("NvcompTrainerCallback.resume_path(): no tiers; pass NvcompTrainerCallback(tiers=[nc.Tier(...)])")
-        return self.tiers.resume_path(local_dir)
+            self._wait_for_saves("on_save at the end of training")
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Before the Trainer saves (and rotates), let the pending conversion finish."""
         if control.should_save:
-            self.wait("the next save")
+            self._wait_for_saves("the next save")
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """As :meth:`on_step_end`, for ``save_strategy="epoch"``."""
         if control.should_save:
-            self.wait("the next save")
+            self._wait_for_saves("the next save")
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """With ``save_strategy="best"`` the decision to save comes after evaluation: wait here."""
         if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
-            self.wait("the next save")
+            self._wait_for_saves("the next save")
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        """Wait for the pending conversion (and the copies to ``tiers``) and raise its error."""
-        self.wait("on_train_end")
-        self._saves.close()
-        if self.tiers is not None:
-            self.tiers.wait()
+        """Wait for the pending conversion (and the copies to ``tiers``) and raise its error.
 
-    def pending(self) -> bool:
-        """True while a background conversion runs."""
-        return self._saves.pending() > 0
-
-    def wait(self, when: str = "wait()") -> None:
-        """Wait for the pending background conversion; raise its error if it failed.
-
-        Raises:
-            CheckpointError: The conversion failed; its directory holds the Trainer's plain files
-                (the Trainer resumes from them).
+        A failed conversion leaves its directory with the Trainer's plain files, which resume.
         """
-        self._saves.wait()
-        self._saves.raise_errors(when)
+        self.close("on_train_end")
 
 
 # Callbacks of this process, so that loading a checkpoint waits for their conversions.
@@ -528,15 +392,15 @@ def _wait_for_conversions() -> None:
             callback._saves.wait()
 
 
-def _calling_trainer() -> Trainer | None:
-    """The ``Trainer`` whose event this is: callbacks are not handed the Trainer itself."""
+def _trainer_locals(needs: str = "self") -> dict[str, Any] | None:
+    """The local variables of the innermost ``Trainer`` method on the stack that has ``needs``
+    (callbacks are not handed the Trainer itself)."""
     frame = sys._getframe(1)
     for _ in range(40):
         if frame is None:
             return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
-            return candidate
+        if isinstance(frame.f_locals.get("self"), Trainer) and needs in frame.f_locals:
+            return frame.f_locals
         frame = frame.f_back
     return None
 
@@ -547,14 +411,10 @@ def _resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path | 
     The Trainer keeps it in a local variable of its training loop (transformers 4 and 5); if
     that is ever gone, a run that starts at a step > 0 resumes from ``checkpoint-<step>``.
     """
-    frame = sys._getframe(1)
-    for _ in range(40):
-        if frame is None:
-            break
-        if isinstance(frame.f_locals.get("self"), Trainer) and "resume_from_checkpoint" in frame.f_locals:
-            found = frame.f_locals["resume_from_checkpoint"]
-            return Path(found) if isinstance(found, (str, os.PathLike)) else None
-        frame = frame.f_back
+    found = _trainer_locals("resume_from_checkpoint")
+    if found is not None:
+        found = found["resume_from_checkpoint"]
+        return Path(found) if isinstance(found, (str, os.PathLike)) else None
     if state.global_step == 0:
         return None
     guess = _saved_checkpoint(args.output_dir, state.global_step)
@@ -566,8 +426,21 @@ def _resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path | 
     return guess
 
 
+def _compressed(checkpoint: str | os.PathLike[str] | None, names: tuple[str, ...]) -> Path | None:
+    """The compressed copy of the first of ``names`` in a checkpoint, if every plain one is gone."""
+    if checkpoint is None or any((Path(checkpoint) / name).is_file() for name in names):
+        return None  # the Trainer's own file wins: it is what the Trainer wrote
+    found = [p for name in names if (p := Path(checkpoint) / (name + COMPRESSED_SUFFIX)).is_file()]
+    return found[0] if found else None
+
+
 def _load_optimizer_and_scheduler(checkpoint: Path, args: TrainingArguments, optimizer: Any, scheduler: Any) -> None:
     """What ``Trainer._load_optimizer_and_scheduler`` does, from the compressed optimizer state."""
+    if not (checkpoint / _SCHEDULER).is_file():
+        # The Trainer loads the optimizer and the scheduler together or not at all: an
+        # optimizer state without its scheduler is not from the same save.
+        return
+    logger.info("Loading the compressed optimizer state from %s.", checkpoint / (_OPTIMIZER + COMPRESSED_SUFFIX))
     # As the Trainer does: the CPU for one process, each rank's own device when distributed.
     map_location = args.device if args.world_size > 1 and args.device.type != "cpu" else "cpu"
     optimizer.load_state_dict(_load_tree(checkpoint / (_OPTIMIZER + COMPRESSED_SUFFIX), "optimizer", map_location))
@@ -579,8 +452,8 @@ def _load_optimizer_and_scheduler(checkpoint: Path, args: TrainingArguments, opt
 
 def _newest_checkpoint(output_dir: str) -> Path | None:
     """``checkpoint-<largest step>`` in ``output_dir`` (what ``resume_from_checkpoint=True`` picks)."""
-    found = [(s, p) for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and (s := _step_of(p.name)) is not None]
-    return max(found)[1] if found else None
+    found = numbered_dirs(Path(output_dir), _step_of)
+    return found[-1][1] if found else None
 
 
 def _saved_checkpoint(output_dir: str, step: int) -> Path | None:
@@ -601,14 +474,12 @@ class NvcompTrainerMixin:
 
     Put it first in the bases of your Trainer class: ``class MyTrainer(NvcompTrainerMixin,
     SFTTrainer)``. Plain checkpoints still load through the Trainer's own code; for each file that
-    exists only compressed, the compressed copy is read instead. Overrides the Trainer's
-    ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler`` and ``_load_best_model``, and
-    makes them and ``_save_checkpoint`` wait for background conversions (tested with transformers 5).
+    exists only compressed, the compressed copy is read instead (``docs/transformers.md``).
     """
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         _wait_for_conversions()  # a directory is read only once its async conversion is done
-        weights = _compressed_weights(resume_from_checkpoint)
+        weights = _compressed(resume_from_checkpoint, _WEIGHTS)
         if weights is None or self._nvcomp_delegates():
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         logger.info("Loading model from %s.", weights)
@@ -617,25 +488,14 @@ class NvcompTrainerMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         _wait_for_conversions()
-        compressed = Path(checkpoint) / (_OPTIMIZER + COMPRESSED_SUFFIX) if checkpoint is not None else None
-        if (
-            compressed is None
-            or not compressed.is_file()
-            or (Path(checkpoint) / _OPTIMIZER).is_file()
-            or self._nvcomp_delegates()
-        ):
+        if _compressed(checkpoint, (_OPTIMIZER,)) is None or self._nvcomp_delegates():
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
-        scheduler = Path(checkpoint) / _SCHEDULER
-        if not scheduler.is_file():
-            # The Trainer loads the optimizer and the scheduler together or not at all: an
-            # optimizer state without its scheduler is not from the same save.
-            return None
         _load_optimizer_and_scheduler(Path(checkpoint), self.args, self.optimizer, self.lr_scheduler)  # type: ignore[attr-defined]
 
     def _load_best_model(self) -> None:
         _wait_for_conversions()
         best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
-        weights = _compressed_weights(best) if best else None
+        weights = _compressed(best, _WEIGHTS) if best else None
         if weights is None or self._nvcomp_delegates():
             return super()._load_best_model()  # type: ignore[misc]
         logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)  # type: ignore[attr-defined]
@@ -657,19 +517,6 @@ class NvcompTrainerMixin:
     def _nvcomp_delegates(self) -> bool:
         # DeepSpeed and FSDP load checkpoints their own way; the callback refuses them.
         return bool(getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False))
-
-
-def _compressed_weights(checkpoint: str | os.PathLike[str]) -> Path | None:
-    """The compressed weights of a checkpoint, if the plain ones are gone."""
-    directory = Path(checkpoint)
-    for name in (_SAFE_WEIGHTS, _TORCH_WEIGHTS):
-        if (directory / name).is_file():
-            return None  # the Trainer's own file wins: it is what the Trainer wrote
-    for name in (_SAFE_WEIGHTS, _TORCH_WEIGHTS):
-        compressed = directory / (name + COMPRESSED_SUFFIX)
-        if compressed.is_file():
-            return compressed
-    return None
 
 
 class NvcompTrainer(NvcompTrainerMixin, Trainer):

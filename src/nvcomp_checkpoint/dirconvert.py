@@ -1,0 +1,156 @@
+"""Converting files of a directory in place: ``FILE`` becomes ``FILE.nvc`` and back.
+
+At every instant each file is in the directory complete, plain or compressed, so a crash or a
+failure (disk full) at any point leaves a directory that loads. The Trainer integration converts
+its ``checkpoint-N`` directories with it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Callable, Mapping, Sequence
+
+from .api import load, open as open_checkpoint, save
+from .dirstore import MARKER_NAME, write_marker
+from .errors import CheckpointError, CheckpointWriteError, FormatError
+from .policy import CodecPolicy
+from .report import SaveReport, merge_reports
+from .storage import LOCAL, stale_temp_files
+from .tensors import first_difference
+
+__all__ = ["PlainFile", "compress_in_place", "decompress_in_place", "SUFFIX"]
+
+#: Appended to the name of each converted file (``optimizer.pt`` -> ``optimizer.pt.nvc``).
+SUFFIX = ".nvc"
+
+
+@dataclass(frozen=True)
+class PlainFile:
+    """A file to compress: its name in the directory, the key its tree is stored under inside
+    the compressed file, and how to read it (the tree and metadata to keep with it)."""
+
+    name: str
+    key: str
+    read: Callable[[Path], tuple[Any, dict[str, Any]]]
+
+
+def compress_in_place(
+    directory: Path,
+    files: Sequence[PlainFile],
+    policy: CodecPolicy | None = None,
+    *,
+    meta_key: str,
+    marker: str,
+    resumes: str,
+    verify: bool = True,
+    workers: int | None = None,
+    stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+) -> SaveReport:
+    """Replace ``files`` (in this order) by compressed copies; see the module docstring.
+
+    Each compressed file holds ``{file.key: tree}`` with the file's metadata under ``meta_key``
+    in its index. Every compressed file is durable before a plain one goes; then the ``marker``
+    text is written, so whoever opens the directory learns what its files are. The directory's
+    modification time is kept (rotations order checkpoints by it).
+
+    Args:
+        resumes: Who reads the plain files when this fails (``"the Trainer resumes from them"``).
+        verify: Decode each compressed file and compare it bit for bit with the plain tree
+            before the plain file is deleted.
+
+    Raises:
+        CheckpointWriteError: Writing failed; the directory is as it was.
+        CheckpointError: ``verify`` found a difference, or a file could not be read; the plain
+            files are kept.
+    """
+    stamp = directory.stat()
+    start = time.perf_counter()
+    stale_temp_files(directory, remove=True)  # a conversion killed mid-write left save()'s temporary file
+    written: list[Path] = []
+    reports: list[SaveReport] = []
+    try:
+        for file in files:
+            tree, meta = file.read(directory / file.name)
+            target = directory / (file.name + SUFFIX)
+            reports.append(save(
+                {file.key: tree}, target, policy, metadata={meta_key: meta}, workers=workers, stream_wrapper=stream_wrapper,
+            ))
+            written.append(target)
+            if verify:
+                _verify_copy(target, file.key, tree)
+            del tree
+    except BaseException as exc:
+        # Undo, so the directory is exactly what it was (and uses no more space than that). A
+        # compressed file goes only while its plain file is still there: two processes converting
+        # one directory (a shared file system) must never remove the last copy.
+        for path in written:
+            if path.with_name(path.name[: -len(SUFFIX)]).is_file():
+                LOCAL.remove(str(path))
+        _sync(directory, stamp)
+        if isinstance(exc, OSError):
+            raise CheckpointWriteError(
+                f"{directory}: compressing the checkpoint failed ({exc}). Its plain files are untouched and "
+                f"{resumes}; free disk space before the next save."
+            ) from exc
+        if isinstance(exc, CheckpointError):
+            raise type(exc)(f"{str(exc).rstrip('.')}. The plain files of {directory} are untouched and {resumes}.") from exc
+        raise
+    if files:
+        write_marker(directory, marker)
+    for file in files:
+        LOCAL.remove(str(directory / file.name))
+    _sync(directory, stamp)
+    return merge_reports(str(directory), reports, time.perf_counter() - start)
+
+
+def decompress_in_place(
+    directory: Path,
+    keys: Mapping[str, str],
+    write: Callable[[str, Any, dict[str, Any], IO[bytes]], None],
+    *,
+    meta_key: str,
+    load_tree: Callable[[Path, str], Any],
+) -> list[str]:
+    """Write back the plain file of each ``NAME.nvc`` whose ``NAME`` is in ``keys``; remove the compressed ones.
+
+    ``write(name, tree, meta, stream)`` writes one plain file (atomically: a crash leaves the
+    compressed file as it was); ``load_tree(path, key)`` reads the tree stored under ``key``.
+
+    Returns:
+        The names of the plain files written.
+    """
+    stamp = directory.stat()
+    restored = []
+    for compressed in sorted(directory.glob("*" + SUFFIX)):
+        name = compressed.name[: -len(SUFFIX)]
+        if name not in keys:
+            continue
+        with open_checkpoint(compressed) as reader:
+            meta = reader.metadata.get(meta_key, {})
+        tree = load_tree(compressed, keys[name])
+        with LOCAL.open_write(str(directory / name)) as stream:
+            write(name, tree, meta, stream)
+        LOCAL.remove(str(compressed))
+        restored.append(name)
+    if not any(directory.glob("*" + SUFFIX)):
+        LOCAL.remove(str(directory / MARKER_NAME))
+    _sync(directory, stamp)
+    return restored
+
+
+def _verify_copy(target: Path, key: str, original: Any) -> None:
+    decoded = load(target, map_location="cpu")[key]
+    difference = first_difference(original, decoded, key)
+    if difference is not None:
+        raise FormatError(
+            f"{target}: the compressed copy differs from the plain file at {difference!r}; "
+            "please report this as a bug (pass verify=False only to skip this check)."
+        )
+
+
+def _sync(directory: Path, stamp: os.stat_result) -> None:
+    LOCAL.fsync(str(directory))
+    LOCAL.set_times(str(directory), stamp)

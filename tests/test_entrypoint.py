@@ -1,0 +1,114 @@
+"""Tests of entrypoint: the options, saves, errors and tier copies every integration shares."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import torch
+
+import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.entrypoint import SaveEntryPoint, as_policy, policy_and_metadata, report_metrics, torch_weights_only
+from nvcomp_checkpoint.errors import CheckpointWriteError
+
+
+class Full:
+    """Stream wrapper: the disk is full."""
+
+    def __call__(self, stream: IO[bytes]) -> "Full":
+        return self
+
+    def write(self, data: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class Saver(SaveEntryPoint):
+    """The smallest integration: saves a tree to a file, as the Lightning plugin does."""
+
+    def save(self, tree: Any, path: Path, step: int) -> None:
+        started = time.perf_counter()
+        after = self._after_durable(step, path)
+        if not self.async_save:
+            self._saved(nc.save(tree, path, self.policy, stream_wrapper=self.stream_wrapper), after)
+            return
+        self._save_group(path, started, after, lambda g: self._saves.save(g, "file", tree, path, self.policy, stream_wrapper=self.stream_wrapper))
+
+
+def _tree() -> dict[str, torch.Tensor]:
+    return {"w": torch.randn(32, 32, generator=torch.Generator().manual_seed(0))}
+
+
+def test_policy_takes_a_policy_a_dict_or_nothing() -> None:
+    assert as_policy(None, "X") == nc.CodecPolicy()
+    assert as_policy({"other": "none"}, "X") == nc.CodecPolicy(other="none")
+    with pytest.raises(TypeError, match=r"X\(policy=...\) must be a CodecPolicy or a dict, got int"):
+        SaveEntryPoint("X", 3)  # type: ignore[arg-type]
+
+
+def test_per_save_options_give_a_policy_and_metadata() -> None:
+    base = nc.CodecPolicy()
+    policy, meta = policy_and_metadata({"exp_avg": "none", "metadata": {"run": 1}}, base, "X")
+    assert policy.exp_avg.codec == "none" and policy.weights == base.weights and meta == {"run": 1}
+    assert policy_and_metadata(None, base, "X") == (base, None)
+    with pytest.raises(ValueError, match=r"unknown storage_options key\(s\) \['nope'\]"):
+        policy_and_metadata({"nope": 1}, base, "X")
+    with pytest.raises(TypeError, match=r"storage_options\['policy'\] must be a CodecPolicy or a dict, got str"):
+        policy_and_metadata({"policy": "zstd"}, base, "X")
+
+
+def test_weights_only_follows_torch_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert torch_weights_only(False) is False and torch_weights_only(True) is True
+    assert torch_weights_only(None) is True  # torch >= 2.6
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    assert torch_weights_only(None) is False
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    assert torch_weights_only(False) is True
+
+
+def test_a_background_failure_is_raised_once_naming_who_reports_it(tmp_path: Path) -> None:
+    seen: list[nc.SaveReport] = []
+    saver = Saver("Saver", async_save=True, on_saved=seen.append, stream_wrapper=Full())
+    saver.save(_tree(), tmp_path / "a.nvc", step=1)
+    with pytest.raises(CheckpointWriteError, match=r"a\.nvc.*reported by wait\(\)"):
+        saver.wait()
+    saver.wait()  # raised once
+    assert not (tmp_path / "a.nvc").exists() and seen == [] and saver.pending() == 0
+
+
+def test_close_raises_a_failure_or_logs_it_while_another_error_propagates(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    saver = Saver("Saver", async_save=True, stream_wrapper=Full())
+    saver.save(_tree(), tmp_path / "a.nvc", step=1)
+    with pytest.raises(CheckpointWriteError, match="reported by the end"):
+        saver.close("the end")
+    saver.save(_tree(), tmp_path / "b.nvc", step=2)  # a later save starts the thread again
+    with caplog.at_level(logging.ERROR, "nvcomp_checkpoint"), pytest.raises(KeyError):
+        try:
+            raise KeyError("the first error")
+        except KeyError:
+            saver.close("the end")
+            raise
+    assert "b.nvc" in caplog.text
+
+
+def test_saves_report_and_copy_to_tiers_once_durable(tmp_path: Path) -> None:
+    seen: list[nc.SaveReport] = []
+    saver = Saver("Saver", async_save=True, on_saved=seen.append, tiers=[nc.Tier(tmp_path / "copies")])
+    (tmp_path / "ckpt").mkdir()
+    saver.save(_tree(), tmp_path / "ckpt" / "step-3.nvc", step=3)
+    saver.wait()
+    assert [r.path for r in seen] == [str(tmp_path / "ckpt" / "step-3.nvc")] and saver.last_report is seen[0]
+    found = saver.resume_path()
+    assert found is not None and Path(found).is_relative_to(tmp_path / "copies")
+    assert torch.equal(nc.load(found)["w"], _tree()["w"])
+    metrics = report_metrics(seen[0], "p/")
+    assert metrics["p/raw_bytes"] == seen[0].raw_bytes and "p/ratio/weights" in metrics
+
+
+def test_resume_path_without_tiers_names_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"Saver.resume_path\(\): no tiers; pass Saver\(tiers=\[nc.Tier\(...\)\]\)"):
+        Saver("Saver").resume_path()
