@@ -1,0 +1,181 @@
+"""Accelerate FSDP2 state through ``register_nvcomp_hooks``: sharded (NvcompWriter) and full (.nvc).
+
+Real ``Accelerator.save_state`` / ``load_state`` on 2 spawned ranks (gloo, CPU), a model that
+``accelerator.prepare`` wraps with FSDP2 ``fully_shard``. Accelerate picks FSDP only with an
+accelerator device (``AcceleratorState``: MULTI_GPU and the like, never MULTI_CPU), so each rank
+sets ``distributed_type`` to FSDP itself, before and again after ``prepare`` (which puts MULTI_CPU
+back); everything else is Accelerate's own code. FSDP1 does not run on the CPU ("Inconsistent
+compute device"); it and the CUDA runs are in ``benchmarks/gpu_check.sh``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import assert_tree_equal
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+SAVE_STEPS, NEXT_STEPS = 2, 3
+
+
+# -- run in each rank ------------------------------------------------------------------------------
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 2))
+
+
+def _prepared(kind: str, seed: int) -> tuple[Any, Any, Any]:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    acc = Accelerator(cpu=True)
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=kind)
+    model = _model(seed)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    acc.state.distributed_type = DistributedType.FSDP
+    return acc, model, opt
+
+
+def _train(acc: Any, model: Any, opt: Any, steps: int, first: int) -> list[float]:
+    losses = []
+    for step in range(first, first + steps):
+        g = torch.Generator().manual_seed(1000 * step + acc.process_index)
+        loss = model(torch.randn(16, 24, generator=g)).square().mean()
+        opt.zero_grad()
+        acc.backward(loss)
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _full_state(model: Any, opt: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, {"model": msd, "optim": osd})
+
+
+def _save_run(rank: int, root: str, kind: str) -> None:
+    from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+
+    acc, model, opt = _prepared(kind, seed=0)
+    _train(acc, model, opt, SAVE_STEPS, first=0)
+    hooks = register_nvcomp_hooks(acc)
+    acc.save_state(os.path.join(root, "ours"))
+    hooks.remove()
+    acc.save_state(os.path.join(root, "plain"))  # Accelerate's own FSDP files, for the hooks to load
+    state = _full_state(model, opt)
+    losses = _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)
+    torch.save({"state": state, "losses": losses}, os.path.join(root, f"saved_{rank}.pt"))
+
+
+def _resume_run(rank: int, root: str, kind: str) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+
+    out: dict[str, Any] = {}
+    acc, model, opt = _prepared(kind, seed=1)  # other weights than the saved ones
+    for name in ("ours", "plain"):
+        hooks = register_nvcomp_hooks(acc)
+        acc.load_state(os.path.join(root, name))
+        hooks.remove()
+        state = _full_state(model, opt)
+        out[name] = {"state": state, "losses": _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)}
+    if kind == "SHARDED_STATE_DICT":
+        # A stock Accelerator cannot read our shards, and says which reader can.
+        try:
+            acc.load_state(os.path.join(root, "ours"))
+            out["stock"] = "loaded"
+        except CheckpointException as exc:  # DCP's (a BaseException) holds each rank's error
+            out["stock"] = repr(exc)
+    torch.save(out, os.path.join(root, f"resumed_{rank}.pt"))
+
+
+def _rank_main(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...]) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )
+    fn(rank, *args)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _spawn(fn: Any, *args: Any) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    mp.start_processes(_rank_main, args=(2, port, fn, args), nprocs=2, start_method="spawn", join=True)
+
+
+# -- the tests ------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path, kind: str) -> None:
+    _spawn(_save_run, str(tmp_path), kind)
+    ours = tmp_path / "ours"
+    manifest = json.loads((ours / "nvcomp_checkpoint.json").read_text())
+    assert manifest["fsdp"] == {"version": 2, "state_dict_type": kind}
+    assert manifest["models"] == [] and manifest["optimizers"] == []
+    names = sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*") if p.is_file())
+    if kind == "SHARDED_STATE_DICT":
+        # Every rank's shards compressed, Accelerate's directory names kept, no plain DCP file.
+        for d in ("pytorch_model_fsdp_0", "optimizer_0"):
+            assert len([n for n in names if n.startswith(f"{d}/__") and n.endswith(".nvcdcp")]) == 2, names
+            assert f"{d}/.metadata" in names
+        assert not [n for n in names if n.endswith(".distcp")]
+        assert (tmp_path / "plain" / "pytorch_model_fsdp_0" / "__0_0.distcp").is_file()
+    else:
+        assert "pytorch_model_fsdp.nvc" in names and "optimizer.nvc" in names
+        assert not [n for n in names if n.endswith(".bin")]
+        assert (tmp_path / "plain" / "pytorch_model_fsdp.bin").is_file()
+    for name in manifest["files"]:
+        assert (ours / name).is_file()
+
+    _spawn(_resume_run, str(tmp_path), kind)
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)
+        resumed = torch.load(tmp_path / f"resumed_{rank}.pt", weights_only=False)
+        # Loading ours restores exactly what loading Accelerate's own files restores ...
+        assert_tree_equal(resumed["ours"], resumed["plain"], f"rank{rank}")
+        for name in ("ours", "plain"):
+            # ... which is the state as saved, bit for bit, and the uninterrupted run's next losses.
+            # (A full FSDP2 load broadcasts rank 0's state, which turns Adam's betas tuple into a list.)
+            assert_tree_equal(_tuples_as_lists(saved["state"]), _tuples_as_lists(resumed[name]["state"]), f"{name}/rank{rank}")
+            assert resumed[name]["losses"] == saved["losses"], (name, rank)
+        if kind == "SHARDED_STATE_DICT":
+            assert "NvcompReader" in resumed["stock"], resumed["stock"]
+
+
+def _tuples_as_lists(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _tuples_as_lists(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_tuples_as_lists(v) for v in tree]
+    return tree
+
+
+def test_fsdp_names_are_state_files() -> None:
+    from nvcomp_checkpoint.integrations.accelerate import _is_state_file
+    from nvcomp_checkpoint.integrations.accelerate_fsdp import is_fsdp_state_name
+
+    for name in ("pytorch_model_fsdp_0", "optimizer_1", "pytorch_model_fsdp.nvc", "pytorch_model_fsdp_1.bin", "optimizer.nvc"):
+        assert is_fsdp_state_name(name) and _is_state_file(name), name
+    for name in ("notes.txt", "pytorch_model_fsdp", "optimizer_x"):
+        assert not is_fsdp_state_name(name), name
