@@ -179,3 +179,20 @@ def test_fsdp_names_are_state_files() -> None:
         assert is_fsdp_state_name(name) and _is_state_file(name), name
     for name in ("notes.txt", "pytorch_model_fsdp", "optimizer_x"):
         assert not is_fsdp_state_name(name), name
+
+
+def test_trainer_callback_with_fsdp_needs_the_mixin(tmp_path: Path) -> None:
+    # The HF Trainer runs FSDP only on an accelerator device (as Accelerate): its save/resume runs
+    # in benchmarks/gpu_check.sh; here, what the callback refuses when the Trainer is created.
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.transformers import NvcompTrainerCallback
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], fsdp=True)
+    with pytest.raises(nc.CheckpointError, match="NvcompTrainer .or put NvcompTrainerMixin"):
+        NvcompTrainerCallback().on_init_end(args, TrainerState(), TrainerControl())
+    from nvcomp_checkpoint.integrations.transformers_fsdp import check_fsdp_callback
+
+    with pytest.raises(nc.CheckpointError, match=r"compress_weights=True\) with FSDP"):
+        check_fsdp_callback(None, True, True, str(tmp_path))
