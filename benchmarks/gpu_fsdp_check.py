@@ -316,9 +316,9 @@ CASES: dict[str, tuple[bool, Callable[..., None], Callable[..., tuple[bool, str]
     "dcp_cuda_shards": (False, phase_dcp_cuda_shards, case_dcp_cuda_shards),
     "accelerate_fsdp2_sharded": (False, _accelerate_phase(2, "SHARDED_STATE_DICT"), _accelerate_case("SHARDED_STATE_DICT")),
     "accelerate_fsdp1_sharded": (True, _accelerate_phase(1, "SHARDED_STATE_DICT"), _accelerate_case("SHARDED_STATE_DICT")),
-    "accelerate_fsdp1_full": (True, _accelerate_phase(1, "FULL_STATE_DICT"), _accelerate_case("FULL_STATE_DICT")),
     "trainer_fsdp2_sharded": (True, phase_trainer, case_trainer),
     "lightning_fsdp1_sharded": (True, phase_lightning, case_lightning),
+    "accelerate_fsdp1_full": (True, _accelerate_phase(1, "FULL_STATE_DICT"), _accelerate_case("FULL_STATE_DICT")),
 }
 _WHY_CUDA = {
     "accelerate_fsdp1_sharded": "FSDP1 does not run on the CPU (Inconsistent compute device)",
