@@ -4,8 +4,8 @@
 # sync/async saves of a checkpoint trained on the GPU with bit-exact CPU and GPU reloads. Prints
 # ONE table and writes it to $OUT/gpu_check_table.md (with the logs and JSON it is made from).
 #
-# Step limits: install 20 + versions 15 + tests 95 + codec bench 55 + saves 45 + framework wheels 40
-# + sharded checkpoints 150 + table 4 = 424 s, about 7 minutes; give the device tool timeout_s=440
+# Step limits: install 20 + versions 15 + tests 95 + codec bench 55 + saves 45 + framework wheels 60
+# + sharded checkpoints 150 + table 4 = 444 s, under 7.5 minutes; give the device tool timeout_s=460
 # (the machine's start is not in it).
 #
 # Wheels (git-ignored .whl/, ~38 MiB; the device image has Python 3.12, torch 2.11 for CUDA 13,
@@ -163,7 +163,7 @@ else
     step save_bench 45 "$PY" benchmarks/gpu_async_bench.py --mb 512 --reps 2 --json "$OUT/gpu_async_bench.json"
 fi
 
-step install_frameworks 40 bash -c install_frameworks
+step install_frameworks 60 bash -c install_frameworks
 # One row per case in the log ("gpu_fsdp_check: {...}"); the dry run runs the cases the CPU allows.
 if [ "$DRY_RUN" = 1 ]; then
     step fsdp 150 "$PY" benchmarks/gpu_fsdp_check.py --device cpu --budget-s 120 --phase-timeout-s 90

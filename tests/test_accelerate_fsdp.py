@@ -196,3 +196,24 @@ def test_trainer_callback_with_fsdp_needs_the_mixin(tmp_path: Path) -> None:
 
     with pytest.raises(nc.CheckpointError, match=r"compress_weights=True\) with FSDP"):
         check_fsdp_callback(None, True, True, str(tmp_path))
+
+
+@pytest.mark.parametrize("module", ["accelerate.accelerator", "transformers.trainer"])
+def test_fsdp_functions_are_swapped_for_the_call_only(module: str) -> None:
+    # Accelerate's save_state/load_state and the Trainer call the four functions by the names
+    # they imported: those are swapped while the block runs, and put back after, also on error.
+    import importlib
+
+    from accelerate.utils import fsdp_utils
+
+    from nvcomp_checkpoint.integrations import accelerate_fsdp
+
+    namespace = importlib.import_module(module)
+    names = accelerate_fsdp.FSDP_FUNCTION_NAMES
+    assert all(getattr(namespace, n) is getattr(fsdp_utils, n) for n in names)
+    with pytest.raises(KeyError):
+        with accelerate_fsdp.nvcomp_fsdp_functions(namespace, workers=1):
+            assert namespace.save_fsdp_model.func is accelerate_fsdp.save_fsdp_model
+            assert namespace.load_fsdp_optimizer is accelerate_fsdp.load_fsdp_optimizer
+            raise KeyError("inside")
+    assert all(getattr(namespace, n) is getattr(fsdp_utils, n) for n in names)

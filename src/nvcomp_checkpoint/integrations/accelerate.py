@@ -76,6 +76,9 @@ model.nvc and optimizer.nvc (model_1.nvc ...) hold the model weights and optimiz
 compressed losslessly; the other files are Accelerate's own. accelerator.load_state() without
 the hooks fails on this directory with "No such file or directory: .../pytorch_model.bin".
 
+With FSDP, pytorch_model_fsdp_0/ and optimizer_0/ hold every rank's shards, compressed (read them
+with nvcomp_checkpoint.dcp.NvcompReader), or pytorch_model_fsdp.nvc and optimizer.nvc the full state.
+
 - Load it: from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
            register_nvcomp_hooks(accelerator); accelerator.load_state("<this directory>")
 - Read one file: nvcomp_checkpoint.load("model.nvc")
