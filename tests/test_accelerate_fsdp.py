@@ -217,3 +217,18 @@ def test_fsdp_functions_are_swapped_for_the_call_only(module: str) -> None:
             assert namespace.load_fsdp_optimizer is accelerate_fsdp.load_fsdp_optimizer
             raise KeyError("inside")
     assert all(getattr(namespace, n) is getattr(fsdp_utils, n) for n in names)
+
+
+def test_fsdp_setups_without_a_compressed_form_are_refused_at_registration() -> None:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.integrations.accelerate_fsdp import check_fsdp_hooks
+
+    local = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type="LOCAL_STATE_DICT")
+    with pytest.raises(nc.CheckpointError, match="LOCAL_STATE_DICT writes one torch.save file per rank.*SHARDED_STATE_DICT"):
+        check_fsdp_hooks(local, async_save=False)
+    sharded = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    with pytest.raises(nc.CheckpointError, match="async_save is not supported with FSDP"):
+        check_fsdp_hooks(sharded, async_save=True)
+    check_fsdp_hooks(sharded, async_save=False)

@@ -151,10 +151,8 @@ def register_nvcomp_hooks(
             "state with its own writer; nvcomp-checkpoint cannot take those files over. Call save_state "
             "without register_nvcomp_hooks, or compress a consolidated state dict with nvcomp_checkpoint.save()."
         )
-    if accelerator.distributed_type == DistributedType.FSDP and async_save:
-        raise CheckpointError(  # FSDP state is written by every rank inside save_state (accelerate_fsdp)
-            "register_nvcomp_hooks: async_save is not supported with FSDP; register the hooks without it."
-        )
+    if accelerator.distributed_type == DistributedType.FSDP:
+        accelerate_fsdp.check_fsdp_hooks(accelerator.state.fsdp_plugin, async_save)
     if isinstance(getattr(accelerator, "_nvcomp_state_hooks", None), NvcompStateHooks):
         raise CheckpointError(
             "register_nvcomp_hooks: this Accelerator already has nvcomp-checkpoint hooks; call .remove() on "

@@ -35,6 +35,7 @@ __all__ = [
     "is_fsdp_state_name",
     "fsdp_manifest_fields",
     "check_loadable",
+    "check_fsdp_hooks",
     "FSDP_FUNCTION_NAMES",
 ]
 
@@ -316,6 +317,16 @@ def _dcp_load(state: dict[str, Any], directory: Path) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     dcp.load(state, storage_reader=NvcompReader(directory), planner=DefaultLoadPlanner())
+
+
+def check_fsdp_hooks(fsdp_plugin: Any, async_save: bool) -> None:
+    """What ``register_nvcomp_hooks`` refuses of an FSDP Accelerator, before the first save."""
+    _check_supported(fsdp_plugin, True, "register_nvcomp_hooks")
+    if async_save:
+        raise CheckpointError(
+            "register_nvcomp_hooks: async_save is not supported with FSDP (every rank writes its shards inside "
+            "save_state); register the hooks without it."
+        )
 
 
 def check_loadable(accelerator: Any, path: Path, manifest: dict[str, Any]) -> None:
