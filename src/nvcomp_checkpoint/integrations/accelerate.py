@@ -35,9 +35,9 @@ from accelerate.utils import (
 )
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.integrations import accelerate_fsdp
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, rotate, write_marker
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
+from nvcomp_checkpoint.integrations import accelerate_fsdp
 from nvcomp_checkpoint.savegroup import SaveGroup, SaveSequence
 from nvcomp_checkpoint.storage import LOCAL
 from nvcomp_checkpoint.tiers import Tier, TierCopies

@@ -677,7 +677,8 @@ class NvcompTrainerMixin:
         self._issue_warnings_after_load(load_result)  # type: ignore[attr-defined]
 
     def _nvcomp_delegates(self) -> bool:
-        # DeepSpeed and FSDP load checkpoints their own way; the callback refuses them.
+        # DeepSpeed loads checkpoints its own way (the callback refuses it); FSDP goes through
+        # transformers_fsdp before this is asked.
         return bool(getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False))
 
 
