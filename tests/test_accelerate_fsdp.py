@@ -73,6 +73,14 @@ def _save_run(rank: int, root: str, kind: str) -> None:
     _train(acc, model, opt, SAVE_STEPS, first=0)
     hooks = register_nvcomp_hooks(acc)
     acc.save_state(os.path.join(root, "ours"))
+    # A folder that also holds your own files is updated in place, twice: the first save's rank
+    # files must not stay behind.
+    if rank == 0:
+        os.makedirs(os.path.join(root, "shared"))
+        Path(root, "shared", "notes.txt").write_text("mine")
+    acc.wait_for_everyone()
+    acc.save_state(os.path.join(root, "shared"))
+    acc.save_state(os.path.join(root, "shared"))
     hooks.remove()
     acc.save_state(os.path.join(root, "plain"))  # Accelerate's own FSDP files, for the hooks to load
     state = _full_state(model, opt)
@@ -147,6 +155,10 @@ def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path, kind: str) -> No
         assert (tmp_path / "plain" / "pytorch_model_fsdp.bin").is_file()
     for name in manifest["files"]:
         assert (ours / name).is_file()
+    shared = tmp_path / "shared"
+    kept = sorted(p.relative_to(shared).as_posix() for p in shared.rglob("*") if p.is_file())
+    listed = json.loads((shared / "nvcomp_checkpoint.json").read_text())["files"]
+    assert kept == sorted([*listed, "nvcomp_checkpoint.json", "notes.txt"]), kept
 
     _spawn(_resume_run, str(tmp_path), kind)
     for rank in range(2):

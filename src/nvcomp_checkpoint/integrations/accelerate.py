@@ -416,7 +416,7 @@ class NvcompStateHooks:
             new = set(LOCAL.listdir(os.fspath(call.staging)))
             _STORE.install_in_place(
                 call.staging, target, first=lambda n: n.endswith(".nvc"),
-                obsolete=[*previous.get("models", []), *previous.get("optimizers", [])],
+                obsolete=[*previous.get("models", []), *previous.get("optimizers", []), *accelerate_fsdp.replaced_files(previous, call.staging)],
             )
             left = sorted(n for n in LOCAL.listdir(os.fspath(target)) if _PLAIN_STATE_FILE.fullmatch(n) and n not in new)
             if not previous and left:

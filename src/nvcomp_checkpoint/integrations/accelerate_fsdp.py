@@ -36,6 +36,7 @@ __all__ = [
     "fsdp_manifest_fields",
     "check_loadable",
     "check_fsdp_hooks",
+    "replaced_files",
     "FSDP_FUNCTION_NAMES",
 ]
 
@@ -317,6 +318,16 @@ def _dcp_load(state: dict[str, Any], directory: Path) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     dcp.load(state, storage_reader=NvcompReader(directory), planner=DefaultLoadPlanner())
+
+
+def replaced_files(previous_manifest: dict[str, Any], staging: Path) -> list[str]:
+    """Files of the previous save's FSDP entries that a save updating its directory in place does
+    not rewrite (rank files carry a fresh save id each time): deleted before the new manifest lands,
+    as merging the new shard directories into the old ones would otherwise keep them forever."""
+    return [
+        name for name in previous_manifest.get("files", {})
+        if "/" in name and is_fsdp_state_name(name.split("/", 1)[0]) and not (staging / name).exists()
+    ]
 
 
 def check_fsdp_hooks(fsdp_plugin: Any, async_save: bool) -> None:
