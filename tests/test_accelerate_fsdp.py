@@ -34,17 +34,28 @@ def _model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 2))
 
 
-def _prepared(kind: str, seed: int) -> tuple[Any, Any, Any]:
+KINDS = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+
+
+def _prepared(seed: int) -> tuple[Any, Any, Any]:
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
 
     acc = Accelerator(cpu=True)
     acc.state.distributed_type = DistributedType.FSDP
-    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=kind)
+    _use(acc, KINDS[0])
     model = _model(seed)
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     acc.state.distributed_type = DistributedType.FSDP
     return acc, model, opt
+
+
+def _use(acc: Any, kind: str) -> None:
+    # One plugin per state dict type, as a run configured with it would have (FSDP2 reads only
+    # the type and its configs at save and load time).
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=kind)
 
 
 def _train(acc: Any, model: Any, opt: Any, steps: int, first: int) -> list[float]:
@@ -66,48 +77,53 @@ def _full_state(model: Any, opt: Any) -> dict[str, Any]:
     return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, {"model": msd, "optim": osd})
 
 
-def _save_run(rank: int, root: str, kind: str) -> None:
+def _save_run(rank: int, root: str) -> None:
     from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
 
-    acc, model, opt = _prepared(kind, seed=0)
+    acc, model, opt = _prepared(seed=0)
     _train(acc, model, opt, SAVE_STEPS, first=0)
-    hooks = register_nvcomp_hooks(acc)
-    acc.save_state(os.path.join(root, "ours"))
-    # A folder that also holds your own files is updated in place, twice: the first save's rank
-    # files must not stay behind.
-    if rank == 0:
-        os.makedirs(os.path.join(root, "shared"))
-        Path(root, "shared", "notes.txt").write_text("mine")
-    acc.wait_for_everyone()
-    acc.save_state(os.path.join(root, "shared"))
-    acc.save_state(os.path.join(root, "shared"))
-    hooks.remove()
-    acc.save_state(os.path.join(root, "plain"))  # Accelerate's own FSDP files, for the hooks to load
+    for kind in KINDS:
+        _use(acc, kind)
+        out = os.path.join(root, kind)
+        hooks = register_nvcomp_hooks(acc)
+        acc.save_state(os.path.join(out, "ours"))
+        # A folder that also holds your own files is updated in place, twice: the first save's
+        # rank files must not stay behind.
+        if rank == 0:
+            os.makedirs(os.path.join(out, "shared"))
+            Path(out, "shared", "notes.txt").write_text("mine")
+        acc.wait_for_everyone()
+        acc.save_state(os.path.join(out, "shared"))
+        acc.save_state(os.path.join(out, "shared"))
+        hooks.remove()
+        acc.save_state(os.path.join(out, "plain"))  # Accelerate's own FSDP files, for the hooks to load
     state = _full_state(model, opt)
     losses = _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)
     torch.save({"state": state, "losses": losses}, os.path.join(root, f"saved_{rank}.pt"))
 
 
-def _resume_run(rank: int, root: str, kind: str) -> None:
+def _resume_run(rank: int, root: str) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
 
     out: dict[str, Any] = {}
-    acc, model, opt = _prepared(kind, seed=1)  # other weights than the saved ones
-    for name in ("ours", "plain"):
-        hooks = register_nvcomp_hooks(acc)
-        acc.load_state(os.path.join(root, name))
-        hooks.remove()
-        state = _full_state(model, opt)
-        out[name] = {"state": state, "losses": _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)}
-    if kind == "SHARDED_STATE_DICT":
-        # A stock Accelerator cannot read our shards, and says which reader can.
-        try:
-            acc.load_state(os.path.join(root, "ours"))
-            out["stock"] = "loaded"
-        except CheckpointException as exc:  # DCP's (a BaseException) holds each rank's error
-            out["stock"] = repr(exc)
+    acc, model, opt = _prepared(seed=1)  # other weights than the saved ones
+    for kind in KINDS:
+        _use(acc, kind)
+        for name in ("ours", "plain"):
+            hooks = register_nvcomp_hooks(acc)
+            acc.load_state(os.path.join(root, kind, name))
+            hooks.remove()
+            state = _full_state(model, opt)
+            out[f"{kind}/{name}"] = {"state": state, "losses": _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)}
+    _use(acc, "SHARDED_STATE_DICT")
+    # A stock Accelerator cannot read our shards, and says which reader can.
+    try:
+        acc.load_state(os.path.join(root, "SHARDED_STATE_DICT", "ours"))
+        out["stock"] = "loaded"
+    except CheckpointException as exc:  # DCP's (a BaseException) holds each rank's error
+        out["stock"] = repr(exc)
     torch.save(out, os.path.join(root, f"resumed_{rank}.pt"))
 
 
@@ -134,45 +150,45 @@ def _spawn(fn: Any, *args: Any) -> None:
 
 # -- the tests ------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
-def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path, kind: str) -> None:
-    _spawn(_save_run, str(tmp_path), kind)
-    ours = tmp_path / "ours"
-    manifest = json.loads((ours / "nvcomp_checkpoint.json").read_text())
-    assert manifest["fsdp"] == {"version": 2, "state_dict_type": kind}
-    assert manifest["models"] == [] and manifest["optimizers"] == []
-    names = sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*") if p.is_file())
-    if kind == "SHARDED_STATE_DICT":
-        # Every rank's shards compressed, Accelerate's directory names kept, no plain DCP file.
-        for d in ("pytorch_model_fsdp_0", "optimizer_0"):
-            assert len([n for n in names if n.startswith(f"{d}/__") and n.endswith(".nvcdcp")]) == 2, names
-            assert f"{d}/.metadata" in names
-        assert not [n for n in names if n.endswith(".distcp")]
-        assert (tmp_path / "plain" / "pytorch_model_fsdp_0" / "__0_0.distcp").is_file()
-    else:
-        assert "pytorch_model_fsdp.nvc" in names and "optimizer.nvc" in names
-        assert not [n for n in names if n.endswith(".bin")]
-        assert (tmp_path / "plain" / "pytorch_model_fsdp.bin").is_file()
-    for name in manifest["files"]:
-        assert (ours / name).is_file()
-    shared = tmp_path / "shared"
-    kept = sorted(p.relative_to(shared).as_posix() for p in shared.rglob("*") if p.is_file())
-    listed = json.loads((shared / "nvcomp_checkpoint.json").read_text())["files"]
-    assert kept == sorted([*listed, "nvcomp_checkpoint.json", "notes.txt"]), kept
+def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
+    _spawn(_save_run, str(tmp_path))
+    for kind in KINDS:
+        ours = tmp_path / kind / "ours"
+        manifest = json.loads((ours / "nvcomp_checkpoint.json").read_text())
+        assert manifest["fsdp"] == {"version": 2, "state_dict_type": kind}
+        assert manifest["models"] == [] and manifest["optimizers"] == []
+        names = sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*") if p.is_file())
+        if kind == "SHARDED_STATE_DICT":
+            # Every rank's shards compressed, Accelerate's directory names kept, no plain DCP file.
+            for d in ("pytorch_model_fsdp_0", "optimizer_0"):
+                assert len([n for n in names if n.startswith(f"{d}/__") and n.endswith(".nvcdcp")]) == 2, names
+                assert f"{d}/.metadata" in names
+            assert not [n for n in names if n.endswith(".distcp")]
+            assert (tmp_path / kind / "plain" / "pytorch_model_fsdp_0" / "__0_0.distcp").is_file()
+        else:
+            assert "pytorch_model_fsdp.nvc" in names and "optimizer.nvc" in names
+            assert not [n for n in names if n.endswith(".bin")]
+            assert (tmp_path / kind / "plain" / "pytorch_model_fsdp.bin").is_file()
+        assert sorted(manifest["files"]) == sorted(n for n in names if n != "nvcomp_checkpoint.json")
+        shared = tmp_path / kind / "shared"
+        kept = sorted(p.relative_to(shared).as_posix() for p in shared.rglob("*") if p.is_file())
+        listed = json.loads((shared / "nvcomp_checkpoint.json").read_text())["files"]
+        assert kept == sorted([*listed, "nvcomp_checkpoint.json", "notes.txt"]), kept
 
-    _spawn(_resume_run, str(tmp_path), kind)
+    _spawn(_resume_run, str(tmp_path))
     for rank in range(2):
         saved = torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)
         resumed = torch.load(tmp_path / f"resumed_{rank}.pt", weights_only=False)
-        # Loading ours restores exactly what loading Accelerate's own files restores ...
-        assert_tree_equal(resumed["ours"], resumed["plain"], f"rank{rank}")
-        for name in ("ours", "plain"):
-            # ... which is the state as saved, bit for bit, and the uninterrupted run's next losses.
-            # (A full FSDP2 load broadcasts rank 0's state, which turns Adam's betas tuple into a list.)
-            assert_tree_equal(_tuples_as_lists(saved["state"]), _tuples_as_lists(resumed[name]["state"]), f"{name}/rank{rank}")
-            assert resumed[name]["losses"] == saved["losses"], (name, rank)
-        if kind == "SHARDED_STATE_DICT":
-            assert "NvcompReader" in resumed["stock"], resumed["stock"]
+        for kind in KINDS:
+            # Loading ours restores exactly what loading Accelerate's own files restores ...
+            assert_tree_equal(resumed[f"{kind}/ours"], resumed[f"{kind}/plain"], f"{kind}/rank{rank}")
+            for name in ("ours", "plain"):
+                # ... which is the state as saved, bit for bit, and the uninterrupted run's next losses.
+                # (A full FSDP2 load broadcasts rank 0's state, which turns Adam's betas tuple into a list.)
+                got = resumed[f"{kind}/{name}"]
+                assert_tree_equal(_tuples_as_lists(saved["state"]), _tuples_as_lists(got["state"]), f"{kind}/{name}/rank{rank}")
+                assert got["losses"] == saved["losses"], (kind, name, rank)
+        assert "NvcompReader" in resumed["stock"], resumed["stock"]
 
 
 def _tuples_as_lists(tree: Any) -> Any:
