@@ -4,8 +4,9 @@
 # sync/async saves of a checkpoint trained on the GPU with bit-exact CPU and GPU reloads. Prints
 # ONE table and writes it to $OUT/gpu_check_table.md (with the logs and JSON it is made from).
 #
-# Step limits: install 20 + versions 15 + tests 95 + codec bench 55 + saves 45 + table 4 = 234 s,
-# under 4 minutes; give the device tool timeout_s=300 (the machine's start is not in it).
+# Step limits: install 20 + versions 15 + tests 95 + codec bench 55 + saves 45 + framework wheels 60
+# + sharded checkpoints 150 + table 4 = 444 s, under 7.5 minutes; give the device tool timeout_s=460
+# (the machine's start is not in it).
 #
 # Wheels (git-ignored .whl/, ~38 MiB; the device image has Python 3.12, torch 2.11 for CUDA 13,
 # numpy, xxhash, fsspec, rich, pytest and pytest-timeout, but not these):
@@ -17,7 +18,17 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
 #     nvidia-nvcomp-cu13==6.0.0.12 nvidia-libnvcomp-cu13==6.0.0.12 zstandard==0.25.0
-# Run through the device tool: command "bash benchmarks/gpu_check.sh", carry [".whl"].
+# The sharded-checkpoint step (benchmarks/gpu_fsdp_check.py: Accelerate FSDP1/FSDP2, the HF Trainer
+# with FSDP2, Lightning's NvcompFSDPStrategy, CUDA shards through NvcompWriter) needs Accelerate,
+# Transformers and Lightning, which the image lacks: 21 wheels (~23 MiB, git-ignored .whl-fw/):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl-fw \
+#     accelerate==1.15.0 transformers==5.24.0 huggingface_hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0 \
+#     regex==2026.11.19 pyyaml==6.0.4 psutil==7.2.2 tqdm==4.70.1 httpx2==2.16.2 httpcore2==2.16.2 anyio==4.16.0 \
+#     h11==0.16.0 certifi==2026.10.19.post1 idna==3.20 click==8.5.1 typer==0.29.2 shellingham==1.5.4 \
+#     lightning==2.6.6 lightning_utilities==0.15.3 torchmetrics==1.8.2
+# Run through the device tool: command "bash benchmarks/gpu_check.sh", carry [".whl", ".whl-fw"]
+# (about 61 MiB of the tool's 64).
 #
 # DRY_RUN=1 runs every step here, without a GPU: the wheels are installed for Python 3.12 into a
 # scratch folder (never into this interpreter), the tests are collected and skip, the codec
@@ -105,8 +116,28 @@ json.dump({"text": text, "wheels": wheels}, open(sys.argv[1], "w"))
 EOF
 }
 
-# `timeout` runs programs, not shell functions: the two steps below run in a child bash.
-export -f install_wheels versions
+# Accelerate, Transformers, Lightning and what they import, for the sharded-checkpoint step.
+install_frameworks() {
+    if ! ls .whl-fw/*.whl >/dev/null 2>&1; then
+        echo "gpu_check: .whl-fw/ holds no wheels; fetch them as the header of $0 says"
+        return 2
+    fi
+    if [ "$DRY_RUN" = 1 ]; then
+        # Prove the set installs for the device's Python 3.12; this interpreter keeps its own copies.
+        local scratch="$SITE-frameworks-dry"
+        rm -rf "$scratch"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$scratch" \
+            --python-version 3.12 --implementation cp --only-binary=:all: --platform manylinux_2_28_x86_64 \
+            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 .whl-fw/*.whl || return 2
+        rm -rf "$scratch"
+    else
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl-fw/*.whl || return 2
+    fi
+    PYTHONPATH="$SITE" "$PY" -c "import accelerate, transformers, lightning; print('frameworks: accelerate', accelerate.__version__, 'transformers', transformers.__version__, 'lightning', lightning.__version__)"
+}
+
+# `timeout` runs programs, not shell functions: the steps below run in a child bash.
+export -f install_wheels versions install_frameworks
 export PY SITE DRY_RUN OUT
 if [ "$DRY_RUN" = 1 ]; then
     echo "gpu_check: DRY_RUN=1: every step runs on this machine's CPU" | tee -a "$LOG"
@@ -130,6 +161,14 @@ if [ "$DRY_RUN" = 1 ]; then
     step save_bench 45 "$PY" benchmarks/gpu_async_bench.py --device cpu --mb 32 --reps 1 --json "$OUT/gpu_async_bench.json"
 else
     step save_bench 45 "$PY" benchmarks/gpu_async_bench.py --mb 512 --reps 2 --json "$OUT/gpu_async_bench.json"
+fi
+
+step install_frameworks 60 bash -c install_frameworks
+# One row per case in the log ("gpu_fsdp_check: {...}"); the dry run runs the cases the CPU allows.
+if [ "$DRY_RUN" = 1 ]; then
+    step fsdp 150 "$PY" benchmarks/gpu_fsdp_check.py --device cpu --budget-s 120 --phase-timeout-s 90
+else
+    step fsdp 150 "$PY" benchmarks/gpu_fsdp_check.py --budget-s 120 --phase-timeout-s 60
 fi
 
 echo "== table" | tee -a "$LOG"

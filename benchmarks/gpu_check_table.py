@@ -2,8 +2,9 @@
 and save measurements, printed and written to ``$OUT/gpu_check_table.md``.
 
 Reads what the steps left in ``--out``: steps.tsv (name, exit code, seconds, limit), versions.json,
-pytest.xml (JUnit), gpu_codec_bench.json and gpu_async_bench.json; a missing file is a row that
-says so, never an error, so a check cut short still reports what it did.
+pytest.xml (JUnit), gpu_codec_bench.json, gpu_async_bench.json, and the ``gpu_fsdp_check:`` lines
+of gpu_check.log; a missing file is a row that says so, never an error, so a check cut short still
+reports what it did.
 """
 
 from __future__ import annotations
@@ -57,6 +58,21 @@ def _tests(out: Path) -> str:
     return text + (f"; failed: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}" if names else "")
 
 
+def _fsdp_rows(out: Path) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        lines = (out / "gpu_check.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        if line.startswith("gpu_fsdp_check: "):
+            try:
+                rows.append(json.loads(line[len("gpu_fsdp_check: "):]))
+            except ValueError:
+                continue
+    return rows
+
+
 def build(out: Path) -> str:
     steps = _steps(out)
     rows: list[tuple[str, str, str]] = []
@@ -91,6 +107,13 @@ def build(out: Path) -> str:
     if reloads:
         bad = [k for k, ok in reloads.items() if not ok]
         rows.append(("  reloads bit-identical", f"{len(reloads) - len(bad)} of {len(reloads)}", ", ".join(bad) or ", ".join(reloads)))
+    fsdp = _fsdp_rows(out)
+    rows.append(("framework wheels from .whl-fw/", _step_result(steps, "install_frameworks"), ""))
+    rows.append(("sharded checkpoints (FSDP)", _step_result(steps, "fsdp"), f"{len(fsdp)} cases reported" if fsdp else "no case reported"))
+    for r in fsdp:
+        outcome = {True: "ok", False: "FAILED", None: "not run"}[r.get("ok")]
+        seconds = f", {r['seconds']:.0f} s" if r.get("seconds") else ""
+        rows.append((f"  {r.get('case')}", outcome + seconds, str(r.get("detail", "")).replace("|", "/").replace("\n", " ")[:400]))
     total = sum(s for _, s, _ in steps.values())
     limits = sum(limit for _, _, limit in steps.values())
     rows.append(("all steps", f"{total:.0f} s", f"their limits add up to {limits} s, and 4 s for this table"))

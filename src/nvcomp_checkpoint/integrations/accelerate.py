@@ -39,6 +39,7 @@ from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint
 from nvcomp_checkpoint.savegroup import SaveGroup
+from nvcomp_checkpoint.integrations import accelerate_fsdp
 from nvcomp_checkpoint.storage import LOCAL
 from nvcomp_checkpoint.tiers import Tier
 
@@ -76,13 +77,15 @@ model.nvc and optimizer.nvc (model_1.nvc ...) hold the model weights and optimiz
 compressed losslessly; the other files are Accelerate's own. accelerator.load_state() without
 the hooks fails on this directory with "No such file or directory: .../pytorch_model.bin".
 
+With FSDP, pytorch_model_fsdp_0/ and optimizer_0/ hold every rank's shards, compressed (read them
+with nvcomp_checkpoint.dcp.NvcompReader), or pytorch_model_fsdp.nvc and optimizer.nvc the full state.
+
 - Load it: from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
            register_nvcomp_hooks(accelerator); accelerator.load_state("<this directory>")
 - Read one file: nvcomp_checkpoint.load("model.nvc")
 """
 _UNSUPPORTED = {
     DistributedType.DEEPSPEED: "DeepSpeed",
-    DistributedType.FSDP: "FSDP",
     DistributedType.MEGATRON_LM: "Megatron-LM",
     DistributedType.XLA: "XLA",
 }
@@ -119,8 +122,10 @@ def register_nvcomp_hooks(
         ``save_state``/``load_state``.
 
     Raises:
-        CheckpointError: The accelerator uses DeepSpeed, FSDP, Megatron-LM or XLA, or already
-            has these hooks.
+        CheckpointError: The accelerator uses DeepSpeed, Megatron-LM or XLA, or FSDP with
+            ``async_save``, or already has these hooks. (FSDP state is compressed: sharded through
+            :class:`~nvcomp_checkpoint.dcp.NvcompWriter`, full into ``.nvc`` files; see
+            :mod:`nvcomp_checkpoint.integrations.accelerate_fsdp`.)
 
     Example:
         >>> accelerator = Accelerator()
@@ -140,6 +145,8 @@ def register_nvcomp_hooks(
             "state with its own writer; nvcomp-checkpoint cannot take those files over. Call save_state "
             "without register_nvcomp_hooks, or compress a consolidated state dict with nvcomp_checkpoint.save()."
         )
+    if accelerator.distributed_type == DistributedType.FSDP:
+        accelerate_fsdp.check_fsdp_hooks(accelerator.state.fsdp_plugin, async_save)
     if isinstance(getattr(accelerator, "_nvcomp_state_hooks", None), NvcompStateHooks):
         raise CheckpointError(
             "register_nvcomp_hooks: this Accelerator already has nvcomp-checkpoint hooks; call .remove() on "
@@ -341,9 +348,11 @@ class NvcompStateHooks(SaveEntryPoint):
             "accelerate": accelerate.__version__, "step": call.step, "iteration": call.iteration,
             "models": call.models, "optimizers": call.optimizer_files, "policy": self.policy.to_dict(),
         }
+        if self.accelerator.distributed_type == DistributedType.FSDP:
+            fields.update(accelerate_fsdp.fsdp_manifest_fields(self.accelerator))
         write_marker(call.staging, _MARKER_TEXT)
-        # .nvc files carry a checksum per chunk; hashing them again would double the reads.
-        _STORE.write_manifest(call.staging, fields, hashed=lambda p: p.suffix != ".nvc")
+        # .nvc files (and DCP rank files) carry a checksum per chunk; hashing them again would double the reads.
+        _STORE.write_manifest(call.staging, fields, hashed=lambda p: p.suffix not in (".nvc", ".nvcdcp"))
         target = call.target
         # Checked again here: an async save commits later, and the cwd or the directory may have changed.
         if call.staging.parent == target or _STORE.shared_with_others(target, _is_state_file):
@@ -351,7 +360,7 @@ class NvcompStateHooks(SaveEntryPoint):
             new = set(LOCAL.listdir(os.fspath(call.staging)))
             _STORE.install_in_place(
                 call.staging, target, first=lambda n: n.endswith(".nvc"),
-                obsolete=[*previous.get("models", []), *previous.get("optimizers", [])],
+                obsolete=[*previous.get("models", []), *previous.get("optimizers", []), *accelerate_fsdp.replaced_files(previous, call.staging)],
             )
             left = sorted(n for n in LOCAL.listdir(os.fspath(target)) if _PLAIN_STATE_FILE.fullmatch(n) and n not in new)
             if not previous and left:
@@ -380,12 +389,14 @@ class NvcompStateHooks(SaveEntryPoint):
     def _run_inner_save(self, call: _SaveCall, auto: bool, safe_serialization: bool, kwargs: dict[str, Any]) -> None:
         acc = self.accelerator
         config = acc.project_configuration
+        fsdp = acc.distributed_type == DistributedType.FSDP  # every rank writes its shards (accelerate_fsdp)
         handle = acc.register_save_state_pre_hook(self._save_hook)
-        acc._optimizers = []
+        acc._optimizers = call.optimizers if fsdp else []
         config.automatic_checkpoint_naming = False
-        self._saving = call
+        self._saving = None if fsdp else call
         try:
-            self._inner_save(str(call.staging), safe_serialization=safe_serialization, **kwargs)
+            with accelerate_fsdp.nvcomp_fsdp_functions(accelerate.accelerator, self.policy, workers=self.workers) if fsdp else contextlib.nullcontext():
+                self._inner_save(str(call.staging), safe_serialization=safe_serialization, **kwargs)
         finally:
             self._saving = None
             config.automatic_checkpoint_naming = auto
@@ -461,6 +472,13 @@ class NvcompStateHooks(SaveEntryPoint):
             if name not in listed:
                 raise FormatError(f"{path / MANIFEST_NAME}: {name} is not in the file list; the directory is damaged")
         _STORE.check_files(path, manifest)
+        if "fsdp" in manifest or acc.distributed_type == DistributedType.FSDP:
+            accelerate_fsdp.check_loadable(acc, path, manifest)
+            with accelerate_fsdp.nvcomp_fsdp_functions(accelerate.accelerator):
+                self._inner_load(os.fspath(path), load_kwargs, **load_model_func_kwargs)
+            if self.tiers is not None and isinstance(manifest.get("iteration"), int):
+                acc.project_configuration.iteration = manifest["iteration"] + 1
+            return
         if len(manifest["optimizers"]) != len(acc._optimizers):
             raise CheckpointError(
                 f"{path}: holds the state of {len(manifest['optimizers'])} optimizer(s) "
@@ -547,7 +565,8 @@ def _is_save_failure(exc: BaseException) -> bool:
 def _is_state_file(name: str) -> bool:
     """Files that a save_state writes, with or without these hooks (and their temporaries)."""
     temporary = name.startswith(".") and (".tmp-" in name or ".nvckpt-" in name)
-    return temporary or name in (MANIFEST_NAME, MARKER_NAME) or _STATE_FILE.fullmatch(name) is not None
+    saved = _STATE_FILE.fullmatch(name) is not None or accelerate_fsdp.is_fsdp_state_name(name)
+    return temporary or name in (MANIFEST_NAME, MARKER_NAME) or saved
 
 
 def _number(name: str) -> int | None:

@@ -27,6 +27,7 @@ from nvcomp_checkpoint.dirconvert import SUFFIX, PlainFile, compress_in_place, d
 from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint
 from nvcomp_checkpoint.tiers import Tier
+from nvcomp_checkpoint.integrations import transformers_fsdp
 
 __all__ = [
     "NvcompTrainerCallback",
@@ -276,12 +277,13 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Reject the setups whose checkpoints this callback cannot convert, or that could not resume."""
-        if args.deepspeed or args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        if args.deepspeed:
             raise nc.CheckpointError(
                 f"{args.output_dir}: NvcompTrainerCallback compresses the Trainer's own optimizer.pt and model "
-                "weights; with DeepSpeed or FSDP the optimizer state is written in their own sharded format, "
+                "weights; with DeepSpeed the optimizer state is written in DeepSpeed's own sharded format, "
                 "which it does not convert. Remove the callback for this run."
             )
+        fsdp = bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
         if args.push_to_hub and str(getattr(args.hub_strategy, "value", args.hub_strategy)) in ("checkpoint", "all_checkpoints"):
             # The Trainer uploads checkpoint-N in the background while on_save would rewrite it.
             raise nc.CheckpointError(
@@ -298,6 +300,9 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
                 "class's bases), or leave compress_weights unset to keep the weights plain."
             )
         self._weights = self._resumes_itself if self.compress_weights is None else bool(self.compress_weights)
+        if fsdp:  # NvcompTrainerMixin writes the FSDP state compressed itself (integrations/transformers_fsdp.py)
+            transformers_fsdp.check_fsdp_callback(trainer, self._resumes_itself, self.compress_weights, args.output_dir)
+            self._weights = False
         if trainer is not None and not self._resumes_itself:
             # on_train_begin restores the optimizer state the Trainer skipped: first, so that the
             # other callbacks' on_train_begin see the state training resumes from.
@@ -480,6 +485,9 @@ class NvcompTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         _wait_for_conversions()  # a directory is read only once its async conversion is done
         weights = _compressed(resume_from_checkpoint, _WEIGHTS)
+        if transformers_fsdp.fsdp_enabled(self):
+            with transformers_fsdp.loading_fsdp_state():
+                return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         if weights is None or self._nvcomp_delegates():
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         logger.info("Loading model from %s.", weights)
@@ -488,6 +496,11 @@ class NvcompTrainerMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         _wait_for_conversions()
+        if transformers_fsdp.fsdp_enabled(self) and checkpoint is not None:
+            if transformers_fsdp.load_fsdp_optimizer_and_scheduler(self, checkpoint):
+                return None
+            with transformers_fsdp.loading_fsdp_state():
+                return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         if _compressed(checkpoint, (_OPTIMIZER,)) is None or self._nvcomp_delegates():
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         _load_optimizer_and_scheduler(Path(checkpoint), self.args, self.optimizer, self.lr_scheduler)  # type: ignore[attr-defined]
@@ -496,6 +509,9 @@ class NvcompTrainerMixin:
         _wait_for_conversions()
         best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
         weights = _compressed(best, _WEIGHTS) if best else None
+        if transformers_fsdp.fsdp_enabled(self):
+            with transformers_fsdp.loading_fsdp_state():
+                return super()._load_best_model()  # type: ignore[misc]
         if weights is None or self._nvcomp_delegates():
             return super()._load_best_model()  # type: ignore[misc]
         logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)  # type: ignore[attr-defined]
@@ -506,6 +522,12 @@ class NvcompTrainerMixin:
         _wait_for_conversions()
         return super()._save_checkpoint(*args, **kwargs)  # type: ignore[misc]
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not transformers_fsdp.fsdp_enabled(self):
+            return super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+        # FSDP state is written compressed by every rank here (the callback converts nothing under FSDP).
+        transformers_fsdp.save_fsdp_state(self, super()._save_optimizer_and_scheduler, output_dir)  # type: ignore[misc]
+
     def _nvcomp_load_weights(self, model: torch.nn.Module, weights: Path) -> None:
         # Loaded on the CPU, non-strict, with the Trainer's own warnings: as the Trainer loads
         # model.safetensors (tied weights are absent from the file by design).
@@ -515,7 +537,8 @@ class NvcompTrainerMixin:
         self._issue_warnings_after_load(load_result)  # type: ignore[attr-defined]
 
     def _nvcomp_delegates(self) -> bool:
-        # DeepSpeed and FSDP load checkpoints their own way; the callback refuses them.
+        # DeepSpeed loads checkpoints its own way (the callback refuses it); FSDP goes through
+        # transformers_fsdp before this is asked.
         return bool(getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False))
 
 

@@ -1,0 +1,359 @@
+"""Accelerate's FSDP state (FSDP1 and FSDP2) written and read by nvcomp-checkpoint.
+
+Accelerate's ``save_state`` and the HF ``Trainer`` write FSDP state with four functions of
+``accelerate.utils.fsdp_utils`` that hard-code DCP's ``FileSystemWriter``; this module has the same
+four functions, writing ``SHARDED_STATE_DICT`` through :class:`~nvcomp_checkpoint.dcp.NvcompWriter`
+and ``FULL_STATE_DICT`` through :func:`nvcomp_checkpoint.save`, and :func:`nvcomp_fsdp_functions`
+puts them in place of Accelerate's for the length of one call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Iterator
+
+import torch
+from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+from accelerate.utils import fsdp_utils as _accelerate_fsdp
+
+import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
+from nvcomp_checkpoint.errors import CheckpointError, FormatError
+from nvcomp_checkpoint.storage import LOCAL
+
+__all__ = [
+    "save_fsdp_model",
+    "load_fsdp_model",
+    "save_fsdp_optimizer",
+    "load_fsdp_optimizer",
+    "nvcomp_fsdp_functions",
+    "is_fsdp_state_name",
+    "fsdp_manifest_fields",
+    "check_loadable",
+    "check_fsdp_hooks",
+    "replaced_files",
+    "FSDP_FUNCTION_NAMES",
+]
+
+#: The names under which Accelerate's ``save_state``/``load_state`` and the Trainer call them.
+FSDP_FUNCTION_NAMES = ("save_fsdp_model", "save_fsdp_optimizer", "load_fsdp_model", "load_fsdp_optimizer")
+
+# What these functions write: the DCP directories keep Accelerate's names (pytorch_model_fsdp_0/,
+# optimizer_0/: Accelerate and the Trainer find checkpoints by them), the full state dicts take
+# .nvc in place of .bin. Accelerate's own .bin names match too, for a directory saved without us.
+_FSDP_NAME = re.compile(
+    rf"{FSDP_MODEL_NAME}_\d+|{OPTIMIZER_NAME}_\d+|{FSDP_MODEL_NAME}(_\d+)?\.(nvc|bin)|{OPTIMIZER_NAME}(_\d+)?\.nvc"
+)
+
+
+def is_fsdp_state_name(name: str) -> bool:
+    """True for the entries of a ``save_state`` directory that hold FSDP model or optimizer state."""
+    return _FSDP_NAME.fullmatch(name) is not None
+
+
+def fsdp_manifest_fields(accelerator: Any) -> dict[str, Any]:
+    """What a manifest records of an FSDP save: the FSDP version and the state dict type."""
+    plugin = accelerator.state.fsdp_plugin
+    return {"fsdp": {"version": int(plugin.fsdp_version), "state_dict_type": _type_name(plugin)}}
+
+
+@contextlib.contextmanager
+def nvcomp_fsdp_functions(
+    namespace: ModuleType, policy: nc.CodecPolicy | None = None, *, workers: int | None = None
+) -> Iterator[None]:
+    """Let ``namespace`` (``accelerate.accelerator``, ``transformers.trainer``) call this module's
+    four FSDP functions in place of Accelerate's while the block runs.
+
+    Both modules call the functions by the names they imported, so the names are what is swapped;
+    the previous ones come back when the block ends, also on error.
+    """
+    ours: dict[str, Callable[..., Any]] = {
+        "save_fsdp_model": functools.partial(save_fsdp_model, policy=policy, workers=workers),
+        "save_fsdp_optimizer": functools.partial(save_fsdp_optimizer, policy=policy, workers=workers),
+        "load_fsdp_model": load_fsdp_model,
+        "load_fsdp_optimizer": load_fsdp_optimizer,
+    }
+    missing = [name for name in FSDP_FUNCTION_NAMES if not callable(getattr(namespace, name, None))]
+    if missing:
+        raise CheckpointError(
+            f"{namespace.__name__} no longer calls {', '.join(missing)}: this version of it saves FSDP state "
+            "another way, which nvcomp-checkpoint does not know. Pin the version nvcomp-checkpoint supports "
+            "(accelerate 1.x, transformers 5.x) or save without nvcomp-checkpoint."
+        )
+    previous = {name: getattr(namespace, name) for name in FSDP_FUNCTION_NAMES}
+    for name, function in ours.items():
+        setattr(namespace, name, function)
+    try:
+        yield
+    finally:
+        for name, function in previous.items():
+            setattr(namespace, name, function)
+
+
+# -- the four functions: Accelerate's signatures, plus the codec policy --------------------------
+
+
+def save_fsdp_model(
+    fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, output_dir: str | os.PathLike[str], model_index: int = 0,
+    adapter_only: bool = False, use_dcp: bool = True, *, policy: nc.CodecPolicy | None = None, workers: int | None = None,
+) -> None:
+    """``accelerate.utils.save_fsdp_model`` with compressed files.
+
+    ``SHARDED_STATE_DICT``: every rank writes its shards into ``pytorch_model_fsdp_<i>/`` through
+    :class:`~nvcomp_checkpoint.dcp.NvcompWriter`. ``FULL_STATE_DICT``: the main process writes
+    ``pytorch_model_fsdp.nvc`` (``_<i>`` for later models) with :func:`nvcomp_checkpoint.save`.
+
+    Raises:
+        CheckpointError: ``LOCAL_STATE_DICT`` or ``use_dcp=False`` (per-rank ``torch.save`` files).
+    """
+    _check_supported(fsdp_plugin, use_dcp, output_dir)
+    LOCAL.makedirs(os.fspath(output_dir))
+    full = _is_full(fsdp_plugin)
+    if full:
+        _set_full_config(fsdp_plugin, accelerator)  # as Accelerate: offload and rank 0 only when distributed
+    with _state_dict_context(fsdp_plugin, model):
+        state_dict = _accelerate_fsdp._get_model_state_dict(
+            model, adapter_only=adapter_only, sd_options=_accelerate_fsdp._prepare_sd_options(fsdp_plugin)
+        )
+        if full:
+            if accelerator.process_index == 0:
+                nc.save(state_dict, Path(output_dir) / _full_name(FSDP_MODEL_NAME, model_index), policy, workers=workers)
+        else:
+            _dcp_save({"model": state_dict}, Path(output_dir) / f"{FSDP_MODEL_NAME}_{model_index}", policy, workers)
+
+
+def load_fsdp_model(
+    fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, input_dir: str | os.PathLike[str], model_index: int = 0,
+    adapter_only: bool = False, use_dcp: bool = True,
+) -> Any:
+    """``accelerate.utils.load_fsdp_model`` that reads what :func:`save_fsdp_model` wrote, and plain state.
+
+    Sharded: ``pytorch_model_fsdp_<i>/`` is read with :class:`~nvcomp_checkpoint.dcp.NvcompReader`
+    (compressed or plain). Full: ``pytorch_model_fsdp.nvc``, else Accelerate's own ``.bin``.
+    """
+    full = _is_full(fsdp_plugin)
+    compressed = Path(input_dir) / _full_name(FSDP_MODEL_NAME, model_index)
+    if full and not compressed.is_file():
+        _check_state_dict_type(fsdp_plugin, Path(input_dir), FSDP_MODEL_NAME, model_index)
+        return _accelerate_fsdp.load_fsdp_model(fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp)
+    _check_supported(fsdp_plugin, use_dcp, input_dir)
+    if not full:
+        _check_state_dict_type(fsdp_plugin, Path(input_dir), FSDP_MODEL_NAME, model_index)
+    accelerator.wait_for_everyone()
+    if full:
+        _set_full_config(fsdp_plugin, accelerator)
+    sd_options = _accelerate_fsdp._prepare_sd_options(fsdp_plugin)
+    with _state_dict_context(fsdp_plugin, model):
+        if full:
+            fsdp1 = int(fsdp_plugin.fsdp_version) == 1
+            if fsdp1 and accelerator.process_index != 0 and not _is_fsdp1_module(model):
+                # Accelerate's rule: an unwrapped FSDP1 model is loaded on rank 0 and synced from it.
+                if not fsdp_plugin.sync_module_states:
+                    raise ValueError(
+                        "Set the `sync_module_states` flag to `True` so that model states are synced across processes "
+                        "when initializing FSDP object"
+                    )
+                return None
+            # FSDP2 broadcasts from rank 0: the others pass an empty state dict.
+            state_dict = nc.load(compressed) if fsdp1 or accelerator.is_main_process else {}
+        else:
+            state_dict = {"model": _accelerate_fsdp._get_model_state_dict(model, adapter_only=adapter_only, sd_options=sd_options)}
+            _dcp_load(state_dict, Path(input_dir) / f"{FSDP_MODEL_NAME}_{model_index}")
+            state_dict = state_dict["model"]
+        result = _accelerate_fsdp._set_model_state_dict(model, state_dict, adapter_only=adapter_only, sd_options=sd_options)
+    accelerator.wait_for_everyone()
+    return result
+
+
+def save_fsdp_optimizer(
+    fsdp_plugin: Any, accelerator: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+    output_dir: str | os.PathLike[str], optimizer_index: int = 0, use_dcp: bool = True, *,
+    policy: nc.CodecPolicy | None = None, workers: int | None = None,
+) -> None:
+    """``accelerate.utils.save_fsdp_optimizer`` with compressed files: ``optimizer_<i>/`` (sharded)
+    or ``optimizer.nvc`` (full, written by the main process)."""
+    _check_supported(fsdp_plugin, use_dcp, output_dir)
+    LOCAL.makedirs(os.fspath(output_dir))
+    with _state_dict_context(fsdp_plugin, model):
+        state = _optimizer_state(fsdp_plugin, model, optimizer)
+        if _is_full(fsdp_plugin):
+            if accelerator.process_index == 0:
+                nc.save(state, Path(output_dir) / _full_name(OPTIMIZER_NAME, optimizer_index), policy, workers=workers)
+        else:
+            _dcp_save({"optimizer": state}, Path(output_dir) / f"{OPTIMIZER_NAME}_{optimizer_index}", policy, workers)
+
+
+def load_fsdp_optimizer(
+    fsdp_plugin: Any, accelerator: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+    input_dir: str | os.PathLike[str], optimizer_index: int = 0, adapter_only: bool = False, use_dcp: bool = True,
+) -> None:
+    """``accelerate.utils.load_fsdp_optimizer`` that reads what :func:`save_fsdp_optimizer` wrote, and plain state."""
+    full = _is_full(fsdp_plugin)
+    compressed = Path(input_dir) / _full_name(OPTIMIZER_NAME, optimizer_index)
+    if full and not compressed.is_file():
+        _check_state_dict_type(fsdp_plugin, Path(input_dir), OPTIMIZER_NAME, optimizer_index)
+        return _accelerate_fsdp.load_fsdp_optimizer(
+            fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, adapter_only, use_dcp
+        )
+    _check_supported(fsdp_plugin, use_dcp, input_dir)
+    if not full:
+        _check_state_dict_type(fsdp_plugin, Path(input_dir), OPTIMIZER_NAME, optimizer_index)
+    accelerator.wait_for_everyone()
+    sd_options = _accelerate_fsdp._prepare_sd_options(fsdp_plugin)
+    with _state_dict_context(fsdp_plugin, model):
+        if full:
+            state = None
+            if accelerator.process_index == 0 or not fsdp_plugin.optim_state_dict_config.rank0_only:
+                state = nc.load(compressed)
+        else:
+            holder = {"optimizer": _optimizer_state(fsdp_plugin, model, optimizer)}
+            _dcp_load(holder, Path(input_dir) / f"{OPTIMIZER_NAME}_{optimizer_index}")
+            state = holder["optimizer"]
+        if int(fsdp_plugin.fsdp_version) == 1:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model=model, optim=optimizer, optim_state_dict=state))
+        else:
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            set_optimizer_state_dict(model, optimizer, state, options=sd_options)
+    accelerator.wait_for_everyone()
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _type_name(fsdp_plugin: Any) -> str:
+    kind = fsdp_plugin.state_dict_type
+    return str(getattr(kind, "name", kind)).rsplit(".", 1)[-1]
+
+
+def _is_full(fsdp_plugin: Any) -> bool:
+    return _type_name(fsdp_plugin) == "FULL_STATE_DICT"
+
+
+def _full_name(stem: str, index: int) -> str:
+    return f"{stem}.nvc" if index == 0 else f"{stem}_{index}.nvc"
+
+
+def _check_supported(fsdp_plugin: Any, use_dcp: bool, where: str | os.PathLike[str]) -> None:
+    kind = _type_name(fsdp_plugin)
+    if kind not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        raise CheckpointError(
+            f"{where}: FSDP state_dict_type {kind} writes one torch.save file per rank, which nvcomp-checkpoint "
+            "does not compress. Set fsdp_state_dict_type to SHARDED_STATE_DICT (compressed through "
+            "torch.distributed.checkpoint) or FULL_STATE_DICT, or save without nvcomp-checkpoint's hooks."
+        )
+    if not use_dcp and kind == "SHARDED_STATE_DICT":
+        raise CheckpointError(
+            f"{where}: use_dcp=False writes one torch.save file per rank, which nvcomp-checkpoint does not "
+            "compress. Leave use_dcp=True (the default), or save without nvcomp-checkpoint's hooks."
+        )
+
+
+def _check_state_dict_type(fsdp_plugin: Any, directory: Path, stem: str, index: int) -> None:
+    """A directory saved with the other state dict type: say so, instead of 'No such file'."""
+    sharded = directory / f"{stem}_{index}"
+    full = [directory / _full_name(stem, index), directory / (_full_name(stem, index)[: -len(".nvc")] + ".bin")]
+    if _is_full(fsdp_plugin) and not any(p.is_file() for p in full) and sharded.is_dir():
+        raise FormatError(
+            f"{directory}: holds {sharded.name}/, sharded state (SHARDED_STATE_DICT), but this run's FSDP plugin "
+            "loads FULL_STATE_DICT. Set fsdp_state_dict_type to SHARDED_STATE_DICT to load it."
+        )
+    if not _is_full(fsdp_plugin) and not sharded.is_dir() and any(p.is_file() for p in full):
+        raise FormatError(
+            f"{directory}: holds {next(p.name for p in full if p.is_file())}, a full state dict (FULL_STATE_DICT), "
+            "but this run's FSDP plugin loads SHARDED_STATE_DICT. Set fsdp_state_dict_type to FULL_STATE_DICT to load it."
+        )
+
+
+def _set_full_config(fsdp_plugin: Any, accelerator: Any) -> None:
+    # FSDP raises with offload_to_cpu on a single GPU; Accelerate enables both only when distributed.
+    multi = accelerator.num_processes > 1
+    fsdp_plugin.state_dict_config.offload_to_cpu = multi
+    fsdp_plugin.state_dict_config.rank0_only = multi
+
+
+def _state_dict_context(fsdp_plugin: Any, model: torch.nn.Module) -> Any:
+    if int(fsdp_plugin.fsdp_version) != 1:
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP.state_dict_type(
+        model, fsdp_plugin.state_dict_type, fsdp_plugin.state_dict_config, fsdp_plugin.optim_state_dict_config
+    )
+
+
+def _is_fsdp1_module(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return type(model) is FSDP
+
+
+def _optimizer_state(fsdp_plugin: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    if int(fsdp_plugin.fsdp_version) == 2:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=_accelerate_fsdp._prepare_sd_options(fsdp_plugin))
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP.optim_state_dict(model, optimizer)
+
+
+def _dcp_save(state: dict[str, Any], directory: Path, policy: nc.CodecPolicy | None, workers: int | None) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    LOCAL.makedirs(os.fspath(directory))
+    dcp.save(state, storage_writer=NvcompWriter(directory, policy, workers=workers), planner=DefaultSavePlanner())
+
+
+def _dcp_load(state: dict[str, Any], directory: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    dcp.load(state, storage_reader=NvcompReader(directory), planner=DefaultLoadPlanner())
+
+
+def replaced_files(previous_manifest: dict[str, Any], staging: Path) -> list[str]:
+    """Files of the previous save's FSDP entries that a save updating its directory in place does
+    not rewrite (rank files carry a fresh save id each time): deleted before the new manifest lands,
+    as merging the new shard directories into the old ones would otherwise keep them forever."""
+    return [
+        name for name in previous_manifest.get("files", {})
+        if "/" in name and is_fsdp_state_name(name.split("/", 1)[0]) and not (staging / name).exists()
+    ]
+
+
+def check_fsdp_hooks(fsdp_plugin: Any, async_save: bool) -> None:
+    """What ``register_nvcomp_hooks`` refuses of an FSDP Accelerator, before the first save."""
+    _check_supported(fsdp_plugin, True, "register_nvcomp_hooks")
+    if async_save:
+        raise CheckpointError(
+            "register_nvcomp_hooks: async_save is not supported with FSDP (every rank writes its shards inside "
+            "save_state); register the hooks without it."
+        )
+
+
+def check_loadable(accelerator: Any, path: Path, manifest: dict[str, Any]) -> None:
+    """A ``save_state`` directory of these hooks and the accelerator that loads it agree on FSDP."""
+    saved = manifest.get("fsdp")
+    fsdp = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None) is not None and str(
+        getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
+    ) == "FSDP"
+    if saved is not None and not fsdp:
+        raise CheckpointError(
+            f"{path}: saved with FSDP ({saved.get('state_dict_type')}), but this Accelerator does not use FSDP; "
+            "load it with an FSDP Accelerator, as the run that saved it."
+        )
+    if saved is None and fsdp:
+        raise CheckpointError(
+            f"{path}: saved without FSDP (model.nvc, optimizer.nvc), but this Accelerator uses FSDP; load it with "
+            "the Accelerator setup that saved it, or load model.nvc with nvcomp_checkpoint.load() into the model "
+            "before preparing it."
+        )

@@ -1,0 +1,88 @@
+"""The HF ``Trainer``'s FSDP checkpoints (FSDP1 and FSDP2) compressed by nvcomp-checkpoint.
+
+The Trainer saves and loads FSDP state with Accelerate's four ``fsdp_utils`` functions, imported
+into ``transformers.trainer``; :class:`~nvcomp_checkpoint.transformers.NvcompTrainerMixin` runs
+those steps with the functions of :mod:`nvcomp_checkpoint.integrations.accelerate_fsdp` in their
+place (the reason this module imports the Accelerate integration).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import transformers.trainer
+from transformers.trainer_pt_utils import reissue_pt_warnings
+
+import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.integrations.accelerate_fsdp import load_fsdp_optimizer, nvcomp_fsdp_functions
+
+__all__ = ["fsdp_enabled", "save_fsdp_state", "loading_fsdp_state", "load_fsdp_optimizer_and_scheduler", "check_fsdp_callback"]
+
+_SCHEDULER = "scheduler.pt"
+_FULL_OPTIMIZER = "optimizer.nvc"  # accelerate_fsdp's name for a full optimizer state (index 0)
+
+
+def fsdp_enabled(trainer: Any) -> bool:
+    return bool(getattr(trainer, "is_fsdp_enabled", False))
+
+
+def _callback(trainer: Any) -> Any:
+    """The trainer's NvcompTrainerCallback (by duck type: this module may not import its own caller)."""
+    for callback in trainer.callback_handler.callbacks:
+        if type(callback).__name__ == "NvcompTrainerCallback":
+            return callback
+    return None
+
+
+def save_fsdp_state(trainer: Any, save: Callable[[str], None], output_dir: str) -> None:
+    """Run the Trainer's ``_save_optimizer_and_scheduler`` with the FSDP state compressed.
+
+    Compressed only when the trainer has an ``NvcompTrainerCallback`` (its ``policy`` and
+    ``workers`` apply); without one the Trainer's own files are written.
+    """
+    callback = _callback(trainer)
+    if callback is None:
+        save(output_dir)
+        return
+    with nvcomp_fsdp_functions(transformers.trainer, callback.policy, workers=callback.workers):
+        save(output_dir)
+
+
+def loading_fsdp_state() -> Any:
+    """A context in which the Trainer's FSDP loads read compressed and plain state."""
+    return nvcomp_fsdp_functions(transformers.trainer)
+
+
+def load_fsdp_optimizer_and_scheduler(trainer: Any, checkpoint: str | os.PathLike[str]) -> bool:
+    """Load a full (``FULL_STATE_DICT``) compressed optimizer state and the scheduler, as the
+    Trainer does for ``optimizer.bin``; the Trainer does not know ``optimizer.nvc`` and would
+    skip it. Returns False (nothing loaded) when the checkpoint holds no such file."""
+    directory = Path(checkpoint)
+    if not (directory / _FULL_OPTIMIZER).is_file() or not (directory / _SCHEDULER).is_file():
+        return False
+    load_fsdp_optimizer(trainer.accelerator.state.fsdp_plugin, trainer.accelerator, trainer.optimizer, trainer.model, directory)
+    with warnings.catch_warnings(record=True) as caught:
+        trainer.lr_scheduler.load_state_dict(torch.load(directory / _SCHEDULER, weights_only=True))
+    reissue_pt_warnings(caught)
+    return True
+
+
+def check_fsdp_callback(trainer: Any, resumes_itself: bool, compress_weights: bool | None, output_dir: str) -> None:
+    """Refuse, when the Trainer is created, what could not resume from compressed FSDP state."""
+    if not resumes_itself:
+        raise nc.CheckpointError(
+            f"{output_dir}: NvcompTrainerCallback with FSDP compresses the FSDP state through NvcompTrainerMixin; "
+            f"a stock {type(trainer).__name__ if trainer is not None else 'Trainer'} could neither write nor resume "
+            "from it. Use "
+            "nvcomp_checkpoint.transformers.NvcompTrainer (or put NvcompTrainerMixin first in your Trainer class's bases)."
+        )
+    if compress_weights:
+        raise nc.CheckpointError(
+            f"{output_dir}: NvcompTrainerCallback(compress_weights=True) with FSDP: the model state is already "
+            "compressed in pytorch_model_fsdp_0/ (or pytorch_model_fsdp.nvc); the model.safetensors a full state dict "
+            "also writes stays plain for from_pretrained. Leave compress_weights unset."
+        )
