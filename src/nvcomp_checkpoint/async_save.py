@@ -177,6 +177,10 @@ class AsyncSaver:
         report_errors: ``False``: a failed save's error goes only to its handle (``result()``,
             ``exception()``, done callbacks), whose owner reports it; :meth:`save`, :meth:`wait`,
             :meth:`close` and :func:`wait_for_saves` never raise it.
+        overlap: Start compressing each tensor as soon as the snapshot has copied it, while
+            :meth:`save` still copies the rest (the file is durable sooner). ``False``: the
+            background save starts once the whole snapshot is taken (on a machine with few
+            cores, :meth:`save` then shares them with nothing of ours and returns sooner).
 
     Example:
         >>> saver = AsyncSaver(max_pending=1)
@@ -194,12 +198,14 @@ class AsyncSaver:
         reuse_buffers: bool = True,
         workers: int | None = None,
         report_errors: bool = True,
+        overlap: bool = True,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         self.max_pending = max_pending
         self.workers = workers
         self.report_errors = report_errors
+        self.overlap = overlap
         self.buffers = SnapshotBuffers(
             gpu_budget_bytes=gpu_budget_bytes, pinned_bytes=pinned_bytes, reuse=reuse_buffers, max_pooled=max_pending
         )
@@ -275,7 +281,7 @@ class AsyncSaver:
             # on while the worker starts compressing the tensors already copied.
             snapshot = self.buffers.take(
                 obj, validate=lambda tensors: plan_tensors(tensors, policy, where), pre_encode=pre_encode, where=where,
-                background=True,
+                background=self.overlap,
             )
         except BaseException:
             self._slots.release()

@@ -452,10 +452,14 @@ class SnapshotBuffers:
 _Piece = tuple[np.ndarray, np.ndarray, int]
 
 
+def _copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
+    np.copyto(dst, src)
+
+
 def _copy_pieces(pieces: list[_Piece]) -> None:
     for dst, src, index in pieces:
         try:
-            np.copyto(dst, src)
+            _copy_bytes(dst, src)
         except Exception as exc:
             raise _CopyFailed(index) from exc
 
