@@ -193,3 +193,22 @@ def _clone(tree: Any) -> Any:
     if isinstance(tree, list):
         return [_clone(v) for v in tree]
     return tree
+
+
+def test_the_background_write_does_not_plan_the_tree_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import nvcomp_checkpoint.writer as writer_mod
+
+    planned: list[int] = []
+    plan = writer_mod.plan_tensors
+
+    def counted(tensors: Any, *args: Any) -> Any:
+        planned.append(len(tensors))
+        return plan(tensors, *args)
+
+    monkeypatch.setattr(writer_mod, "plan_tensors", counted)  # what CheckpointWriter.write calls
+    tree = {"a": torch.randn(1000), "b": [torch.arange(5), {"c": torch.ones(3, 3)}], "step": 3}
+    nc.save_async(tree, tmp_path / "async.nvc").result(timeout=60)
+    assert planned == []  # planned once, on the caller's thread, by the snapshot
+    nc.save(tree, tmp_path / "sync.nvc")
+    assert planned == [3]
+    assert_tree_equal(tree, nc.load(tmp_path / "async.nvc"))
