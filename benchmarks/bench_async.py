@@ -4,6 +4,11 @@ Each method runs in its own process (so peak RSS is its own) on the same ~280 MB
 small BERT fine-tuned a few AdamW steps on the CPU. Run: ``python benchmarks/bench_async.py``;
 ``--state bf16`` saves a mixed-precision training state instead (bf16 weights, fp32 AdamW
 moments, bf16 gradients).
+
+``--paired N`` runs ``--methods`` in one process instead, N rounds, each method once per round in
+a rotating order, and reports per method the best and median durable and blocked times and the
+CPU time per save, and the median of the per-round ratios against ``nc_sync``: on a shared,
+noisy machine a ratio of two saves made seconds apart is steadier than one of two bests.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -24,7 +30,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"
 CACHE = OUT / "async_bert_small.v1.pt"
-sys.path.insert(0, str(HERE.parent / "src"))
+# --src DIR: the library of another checkout (to compare two versions on one machine, in turns).
+_SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv[:-1] else str(HERE.parent / "src")
+sys.path.insert(0, _SRC)
 
 import nvcomp_checkpoint as nc  # noqa: E402
 from nvcomp_checkpoint.report import format_bytes, format_table  # noqa: E402
@@ -36,6 +44,7 @@ METHODS = {
     "dcp_async_zstd": "DCP async_save + ZStandard",
     "nc_sync": "nvcomp_checkpoint.save",
     "nc_async": "nvcomp_checkpoint.save_async",
+    "nc_async_serial": "AsyncSaver(overlap=False)",
 }
 
 
@@ -203,9 +212,9 @@ def _nc_sync(ckpt: dict[str, Any], path: Path) -> tuple[float, float]:
     return report.seconds, report.seconds
 
 
-def _nc_async(ckpt: dict[str, Any], path: Path) -> tuple[float, float]:
+def _nc_async(ckpt: dict[str, Any], path: Path, saver: Any = None) -> tuple[float, float]:
     t0 = time.perf_counter()
-    handle = nc.save_async(ckpt, path)
+    handle = nc.save_async(ckpt, path) if saver is None else saver.save(ckpt, path)
     blocked = time.perf_counter() - t0
     handle.result()
     return blocked, time.perf_counter() - t0
@@ -235,6 +244,9 @@ def run_method(method: str, reps: int, workdir: Path, state_kind: str = "fp32") 
         fn = lambda: _nc_sync(ckpt, path)  # noqa: E731
     elif method == "nc_async":
         fn = lambda: _nc_async(ckpt, path)  # noqa: E731
+    elif method == "nc_async_serial":
+        serial = nc.AsyncSaver(overlap=False)
+        fn = lambda: _nc_async(ckpt, path, serial)  # noqa: E731
     else:
         raise SystemExit(f"unknown method {method}")
     base_rss = _status_kib("VmRSS")
@@ -290,6 +302,82 @@ def pipeline(ckpt: dict[str, Any], workdir: Path, rate: float = 200e6, reps: int
     return {"rate": rate, "compress_only_s": compress, "throttled_s": min(throttled), "write_only_s": stored / rate}
 
 
+# -- paired: every method in one process, in turns ------------------------------------------------
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system  # every thread of this process: the background save's too
+
+
+def run_paired(methods: list[str], rounds: int, workdir: Path, state_kind: str) -> dict[str, Any]:
+    """Each round saves once with every method, starting one method later each round."""
+    ckpt = live_checkpoint(state_kind)
+    workdir.mkdir(parents=True, exist_ok=True)
+    fns: dict[str, Callable[[], tuple[float, float]]] = {}
+    for method in methods:
+        path = workdir / f"paired-{method}.ckpt"
+        if method == "torch_save":
+            fns[method] = lambda p=path: _torch_save(ckpt, p)
+        elif method == "nc_sync":
+            fns[method] = lambda p=path: _nc_sync(ckpt, p)
+        elif method == "nc_async":
+            fns[method] = lambda p=path: _nc_async(ckpt, p)
+        elif method == "nc_async_serial":
+            # The copy done before the background save starts (as before overlapping them).
+            serial = nc.AsyncSaver(overlap=False)
+            fns[method] = lambda p=path, s=serial: _nc_async(ckpt, p, s)
+        else:
+            raise SystemExit(f"--paired runs torch_save, nc_sync, nc_async and nc_async_serial, not {method}")
+    for fn in fns.values():
+        fn()  # warm-up: snapshot arena, thread pools, page cache of the target files
+    samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in methods}
+    for r in range(rounds):
+        for k in range(len(methods)):
+            method = methods[(r + k) % len(methods)]
+            cpu = _cpu_seconds()
+            blocked, durable = fns[method]()
+            samples[method].append((blocked, durable, _cpu_seconds() - cpu))
+    raw = sum(t.numel() * t.element_size() for t in _tensors(ckpt))
+    stored = {m: tree_bytes(workdir / f"paired-{m}.ckpt") for m in methods}
+    return {"raw_bytes": raw, "stored_bytes": stored, "samples": samples}
+
+
+def report_paired(result: dict[str, Any], state_kind: str, src: str) -> None:
+    samples: dict[str, list[tuple[float, float, float]]] = result["samples"]
+    rounds = len(next(iter(samples.values())))
+    what = "fp32 weights + AdamW state" if state_kind == "fp32" else "bf16 weights + fp32 AdamW state + bf16 gradients"
+    print(f"checkpoint: BERT (6 x 384, config-built), {what}, {format_bytes(result['raw_bytes'])} raw; "
+          f"{os.cpu_count()} CPUs; {rounds} rounds, methods in turn in one process; library {src}")
+
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs)
+
+    sync = [d for _, d, _ in samples.get("nc_sync", [])]
+    rows = []
+    for method, runs in samples.items():
+        blocked, durable, cpu = ([r[i] for r in runs] for i in range(3))
+        ratios = [d / s for d, s in zip(durable, sync)] if sync else []
+        rows.append([
+            METHODS[method], f"{min(blocked):.3f} / {med(blocked):.3f}", f"{min(durable):.3f} / {med(durable):.3f}",
+            f"{med(cpu):.2f}",
+            f"{min(durable) / min(sync):.3f}x / {med(ratios):.3f}x" if sync else "-",
+            format_bytes(result["stored_bytes"][method]),
+        ])
+    print(format_table(
+        ["method", "blocked s (best / median)", "to durable s (best / median)", "CPU s per save (median)",
+         "durable vs nc_sync (best/best / median of pairs)", "file"],
+        rows,
+    ))
+    if "nc_async" in samples and sync:
+        durable = [d for _, d, _ in samples["nc_async"]]
+        ratios = sorted(d / s for d, s in zip(durable, sync))
+        best = min(durable) / min(sync)
+        print()
+        print(f"async/sync per round: {', '.join(f'{x:.2f}' for x in ratios)}")
+        print(f"[{'PASS' if best <= 1.15 else 'FAIL'}] async to durable, best against best: {best:.3f}x <= 1.15x")
+        print(f"[{'PASS' if med(ratios) <= 1.15 else 'FAIL'}] async to durable, median of paired ratios: "
+              f"{med(ratios):.3f}x <= 1.15x")
+
+
 # -- driver --------------------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -300,8 +388,18 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
     parser.add_argument("--state", choices=("fp32", "bf16"), default="fp32",
                         help="fp32: weights and AdamW moments; bf16: bf16 weights, fp32 moments, bf16 gradients")
+    parser.add_argument("--paired", type=int, default=0, metavar="N",
+                        help="N rounds of --methods (torch_save, nc_sync, nc_async) in turns, in one process")
+    parser.add_argument("--src", default=_SRC, help=argparse.SUPPRESS)
     args = parser.parse_args()
     workdir = OUT / "bench_async"
+    if args.paired:
+        build_cache()
+        result = run_paired(args.methods.split(","), args.paired, workdir / f"paired-{os.getpid()}", args.state)
+        shutil.rmtree(workdir / f"paired-{os.getpid()}", ignore_errors=True)
+        report_paired(result, args.state, args.src)
+        (OUT / f"bench_async_paired_{args.state}.json").write_text(json.dumps(result, indent=2))
+        return
     if args.method:
         print(json.dumps(run_method(args.method, args.reps, workdir, args.state)))
         return
@@ -312,7 +410,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for method in args.methods.split(","):
             proc = subprocess.run(
-                [sys.executable, __file__, "--method", method, "--reps", str(args.reps), "--state", args.state],
+                [sys.executable, __file__, "--method", method, "--reps", str(args.reps), "--state", args.state, "--src", args.src],
                 capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
             )
             if proc.returncode != 0:

@@ -20,7 +20,7 @@ from .policy import CodecPolicy
 from .reader import CheckpointReader, MapLocation
 from .report import SaveReport
 from .storage import LocalStorage, open_checkpoint_stream, stale_temp_files, storage_for, write_errors
-from .writer import CheckpointWriter
+from .writer import CheckpointWriter, TreePlan
 
 __all__ = ["save", "load", "open", "verify", "is_nvcomp_checkpoint", "VerifyResult", "VerifyProblem", "write_checkpoint", "log_report"]
 
@@ -86,8 +86,12 @@ def write_checkpoint(
     pre_encoded: dict[int, Any] | None = None,
     base: str | os.PathLike[str] | None = None,
     base_state: Any = None,
+    plan: TreePlan | None = None,
 ) -> SaveReport:
-    """:func:`save` without waiting for async saves or logging (the async saver's worker runs this)."""
+    """:func:`save` without waiting for async saves or logging (the async saver's worker runs this).
+
+    ``plan``: ``obj`` already flattened and planned (an async snapshot's), not done again.
+    """
     policy = policy or CodecPolicy()
     where = os.fspath(path)
     storage, spath = storage_for(path, storage_options)
@@ -108,7 +112,7 @@ def write_checkpoint(
                 if stream_wrapper is not None:
                     stream = stream_wrapper(stream)
                 writer = CheckpointWriter(stream, policy, where, workers=workers, progress=progress, pre_encoded=pre_encoded, base=source)
-                _, stats, raw = writer.write(obj, metadata)
+                _, stats, raw = writer.write(obj, metadata, plan=plan)
                 stored = writer.bytes_written
     finally:
         if source is not None:

@@ -23,7 +23,7 @@ from .policy import CodecPolicy
 from .report import SaveReport
 from .snapshot import Snapshot, SnapshotBuffers
 from .pending import has_pending_save, path_key, wait_for_path, wait_for_saves
-from .writer import PinnedRing, checked_metadata, plan_tensors, pre_encode_on_gpu
+from .writer import PinnedRing, TreePlan, checked_metadata, plan_tensors, planned_copy, pre_encode_on_gpu
 
 __all__ = [
     "AsyncSaveHandle",
@@ -78,6 +78,8 @@ class AsyncSaveHandle:
         self._saver = saver
         self._started = started
         self._blocked = 0.0
+        # Set once save() has returned it (or raised): the report's seconds_blocked is known.
+        self._returned = threading.Event()
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._callbacks: list[DoneCallback] = []
@@ -175,6 +177,10 @@ class AsyncSaver:
         report_errors: ``False``: a failed save's error goes only to its handle (``result()``,
             ``exception()``, done callbacks), whose owner reports it; :meth:`save`, :meth:`wait`,
             :meth:`close` and :func:`wait_for_saves` never raise it.
+        overlap: Start compressing each tensor as soon as the snapshot has copied it, while
+            :meth:`save` still copies the rest (the file is durable sooner). ``False``: the
+            background save starts once the whole snapshot is taken (on a machine with few
+            cores, :meth:`save` then shares them with nothing of ours and returns sooner).
 
     Example:
         >>> saver = AsyncSaver(max_pending=1)
@@ -192,12 +198,14 @@ class AsyncSaver:
         reuse_buffers: bool = True,
         workers: int | None = None,
         report_errors: bool = True,
+        overlap: bool = True,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         self.max_pending = max_pending
         self.workers = workers
         self.report_errors = report_errors
+        self.overlap = overlap
         self.buffers = SnapshotBuffers(
             gpu_budget_bytes=gpu_budget_bytes, pinned_bytes=pinned_bytes, reuse=reuse_buffers, max_pooled=max_pending
         )
@@ -227,7 +235,8 @@ class AsyncSaver:
         """Snapshot ``obj`` and save it to ``path`` in the background.
 
         Returns once the snapshot is taken: every tensor and value of ``obj`` may change
-        afterwards without affecting the file. Arguments are those of
+        afterwards without affecting the file. The background save starts while the snapshot
+        is still copying: it compresses each tensor once its copy is done. Arguments are those of
         :func:`nvcomp_checkpoint.save`. With ``base`` the file is a delta of it, written once
         every pending save to ``base`` has landed; tensors the snapshot compressed on the GPU
         are stored plain.
@@ -240,6 +249,8 @@ class AsyncSaver:
                 error yet (this save is then not started).
             UnsupportedObjectError, CodecUnavailableError: ``obj`` cannot be saved with ``policy``
                 (raised here, before anything is copied).
+            CheckpointWriteError: A tensor could not be copied (raised here, and only here;
+                nothing is written).
         """
         started = time.perf_counter()
         where = os.fspath(path)
@@ -266,14 +277,16 @@ class AsyncSaver:
             # On a GPU with nvCOMP, CUDA tensors are compressed into GPU memory right away: the
             # snapshot is then the (smaller) compressed frames, not a raw copy.
             pre_encode = (lambda tensors, budget: pre_encode_on_gpu(tensors, policy, where, budget)) if gpu_available() else None
+            # The plan is kept for the writer (it does not plan again), and the host copies run
+            # on while the worker starts compressing the tensors already copied.
             snapshot = self.buffers.take(
-                obj, validate=lambda tensors: plan_tensors(tensors, policy, where), pre_encode=pre_encode, where=where
+                obj, validate=lambda tensors: plan_tensors(tensors, policy, where), pre_encode=pre_encode, where=where,
+                background=self.overlap,
             )
         except BaseException:
             self._slots.release()
             raise
         handle = AsyncSaveHandle(self, where, started)
-        handle.snapshot_seconds = snapshot.seconds
         handle.snapshot_host_bytes, handle.snapshot_gpu_bytes = snapshot.host_bytes, snapshot.gpu_bytes
         kwargs = dict(
             policy=policy, metadata=metadata, storage_options=storage_options,
@@ -287,9 +300,21 @@ class AsyncSaver:
                 raise CheckpointError(f"{where}: this AsyncSaver was closed while saving; create a new one to save")
             self._live.append(handle)
             pending.register(handle)
-            handle._blocked = time.perf_counter() - started
             self._ensure_worker()
             self._queue.put((handle, snapshot, kwargs))
+        try:
+            snapshot.wait_copied()  # the caller may change its tensors once this returns
+        except BaseException:
+            snapshot.cancel()
+            if snapshot.copy_failed and not self.is_worker_thread():
+                # The background write stops at the first tensor not copied; once it has, no
+                # temporary file is left. The error is raised here only, never again.
+                handle.wait()
+            raise
+        finally:
+            handle.snapshot_seconds = snapshot.seconds
+            handle._blocked = time.perf_counter() - started
+            handle._returned.set()
         _LOG.debug("%s: async snapshot of %d bytes in %.3f s", where, snapshot.raw_bytes, snapshot.seconds)
         return handle
 
@@ -333,7 +358,13 @@ class AsyncSaver:
             report: SaveReport | None = None
             error: BaseException | None = None
             try:
-                report = write_checkpoint(snapshot.tree, handle.path, **kwargs, pre_encoded=snapshot.pre_encoded)
+                plan = TreePlan(
+                    snapshot.skeleton,
+                    tuple(planned_copy(p, t, kwargs["policy"], handle.path) for p, t in zip(snapshot.checked, snapshot.tensors)),
+                    snapshot.wait_copied,
+                )
+                report = write_checkpoint(None, handle.path, **kwargs, pre_encoded=snapshot.pre_encoded, plan=plan)
+                handle._returned.wait()
                 report = replace(report, seconds=time.perf_counter() - handle._started, seconds_blocked=handle._blocked)
             except BaseException as exc:  # noqa: BLE001 - a waiter must never hang on a dead save
                 error = exc if isinstance(exc, CheckpointError) else CheckpointWriteError(
@@ -342,15 +373,19 @@ class AsyncSaver:
                 if error is not exc:
                     error.__cause__ = exc
             finally:
-                snapshot.release()
+                snapshot.release()  # waits for copies still running
+            # A failed copy was raised by save() to its caller, who never got this handle.
+            callers = error is not None and snapshot.copy_failed
             # The outcome is set before the slot is freed: the next save() looks for errors then.
             handle._report, handle._error = report, error
             with self._lock:
                 self._live.remove(handle)
-                if error is not None and self.report_errors:
+                if error is not None and self.report_errors and not callers:
                     self._errors.append(handle)
             pending.unregister(handle)
-            if error is not None:
+            if callers:
+                _LOG.debug("%s: async save stopped: its snapshot failed (raised by save_async): %s", handle.path, error)
+            elif error is not None:
                 _LOG.warning(
                     "%s: async save failed: %s (raised by result(), the next save, or wait_for_saves())",
                     handle.path, error,

@@ -11,14 +11,16 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
+from .errors import CheckpointWriteError
 from .format.skeleton import TensorRef, flatten, unflatten
+from .policy import key_string
 from .tensors import SOURCE_DEVICE_ATTR, flat_bytes
 
 __all__ = ["Snapshot", "SnapshotBuffers", "SOURCE_DEVICE_ATTR"]
@@ -46,15 +48,23 @@ def _nbytes(t: torch.Tensor) -> int:
 class Snapshot:
     """A copy of a checkpoint tree that nothing but the pending save refers to.
 
+    Taken with ``background=True``, host copies may still be running: :meth:`wait_copied`
+    says when a tensor (or all of them) is copied.
+
     Attributes:
-        tree: The copied tree, to hand to the writer.
+        skeleton: :func:`flatten`'s skeleton of the tree, its plain values copied.
+        tensors: The copied tensors, in the skeleton's order (a tensor compressed on its GPU
+            instead of copied is the caller's own; the writer reads only its shape and dtype).
+        checked: What ``validate`` returned (the writer's plan of the caller's tensors).
         raw_bytes: Bytes of all tensors copied.
         host_bytes: Of those, bytes held in host memory.
         gpu_bytes: Of those, bytes held in GPU memory.
-        seconds: Time taken to copy.
+        seconds: Time taken to copy (for a background copy: until :meth:`wait_copied` of all).
     """
 
-    tree: Any
+    skeleton: Any
+    tensors: list[torch.Tensor]
+    checked: Any
     raw_bytes: int
     host_bytes: int
     gpu_bytes: int
@@ -63,11 +73,52 @@ class Snapshot:
     #: ``{id(tensor): frames}`` of CUDA tensors compressed on their GPU instead of copied; the
     #: tree then holds the tensor itself, of which the writer reads only shape and dtype.
     pre_encoded: dict[int, Any] = field(default_factory=dict, repr=False)
+    _copying: "_HostCopy | None" = field(default=None, repr=False)
+    _started: float = field(default=0.0, repr=False)
+    _tree: Any = field(default=None, repr=False)
+
+    @property
+    def tree(self) -> Any:
+        """The copied tree (built on first use; the writer takes :attr:`skeleton` and :attr:`tensors`)."""
+        if self._tree is None and self.skeleton is not None:
+            # unflatten fills containers in place: it gets a copy of them, the skeleton stays.
+            containers, _ = flatten(self.skeleton)
+            tensors = self.tensors
+            self._tree = unflatten(containers, lambda i: tensors[i])
+        return self._tree
+
+    def wait_copied(self, index: int | None = None) -> None:
+        """Wait until tensor ``index`` of :attr:`tensors` (``None``: every tensor) is copied.
+
+        Raises:
+            CheckpointWriteError: That copy failed or was cancelled; names the tensor.
+        """
+        if self._copying is None:
+            return
+        self._copying.wait(index)
+        if index is None:
+            self.seconds = time.perf_counter() - self._started
+
+    @property
+    def copy_failed(self) -> bool:
+        """True if a host copy failed or was cancelled (known for sure once every copy has ended)."""
+        return self._copying is not None and self._copying.failed
+
+    def cancel(self) -> None:
+        """Stop the host copies not started yet, and wait for the running ones to end."""
+        if self._copying is not None:
+            self._copying.cancel()
 
     def release(self) -> None:
-        """Return the memory to the pool it came from (call once the save is done)."""
+        """Return the memory to the pool it came from (call once the save is done).
+
+        Host copies still running are waited for first: they write into that memory.
+        """
+        if self._copying is not None:
+            self._copying.settle()
         release, self._release = self._release, lambda: None
-        self.tree = None
+        self.skeleton = self._tree = None
+        self.tensors = []
         release()
 
 
@@ -159,35 +210,43 @@ class SnapshotBuffers:
     def take(
         self,
         obj: Any,
-        validate: Callable[[TensorList], None] | None = None,
+        validate: Callable[[TensorList], Any] | None = None,
         pre_encode: Callable[[TensorList, Callable[[torch.device], int]], dict[int, Any]] | None = None,
         where: str = "checkpoint",
+        background: bool = False,
     ) -> Snapshot:
         """Copy ``obj``: every tensor into memory of this pool, containers and values deep.
 
         Args:
             obj: A checkpoint tree (dicts, lists, tuples, tensors, plain values).
             validate: Called with the tree's ``(path, tensor)`` list before anything is copied,
-                so that a tree the writer would refuse fails here, on the caller's thread.
+                so that a tree the writer would refuse fails here, on the caller's thread; what
+                it returns is kept as :attr:`Snapshot.checked`.
             pre_encode: Compresses CUDA tensors on their GPU within a per-device budget and
                 returns ``{id(tensor): frames}``; those tensors are not copied (their compressed
                 frames are the snapshot). ``None``: every tensor is copied.
             where: The file being saved, for error messages.
+            background: Return while the copy threads still copy host tensors (in the tree's
+                order): :meth:`Snapshot.wait_copied` waits for them, and the caller must, before
+                its tensors change. Copies to GPU memory or staged from it are done on return.
 
         Returns:
             A :class:`Snapshot`; call :meth:`Snapshot.release` when the save is done.
+
+        Raises:
+            CheckpointWriteError: A copy failed (without ``background``); names the tensor.
         """
         start = time.perf_counter()
         skeleton, tensors = flatten(obj, where=where)
-        if validate is not None:
-            validate(tensors)
+        checked = validate(tensors) if validate is not None else None
         skeleton = _copy_plain(skeleton)
         all_tensors = tensors
         pre_encoded: dict[int, Any] = {}
         if pre_encode is not None:
             pre_encoded = pre_encode(tensors, self._gpu_budget)
         # What was compressed on the GPU is not copied; the rest is, as below.
-        tensors = [(p, t) for p, t in all_tensors if id(t) not in pre_encoded]
+        positions = [i for i, (_, t) in enumerate(all_tensors) if id(t) not in pre_encoded]
+        tensors = [all_tensors[i] for i in positions]
         # An explicit budget covers both parts; a default one is measured after the compression.
         pre_used: dict[torch.device, int] = {}
         if self.gpu_budget_bytes is not None:
@@ -205,26 +264,36 @@ class SnapshotBuffers:
                     host_need += _aligned(_nbytes(t))
             arena = self._host_arena(host_need) if host_need else torch.empty(0, dtype=torch.uint8)
             gpu_arenas: dict[torch.device, torch.Tensor] = {}
+            copying: _HostCopy | None = None
             try:
-                copies, staged, gpu_bytes = self._copy_all(tensors, offsets, arena, on_gpu, gpu_arenas)
+                copies, staged, gpu_bytes, host_pieces = self._copy_all(tensors, offsets, arena, on_gpu, gpu_arenas)
+                # Host copies start first: staging GPU tensors (below) overlaps them.
+                copying = self._copy_host(
+                    [(dst, src, positions[i]) for dst, src, i in host_pieces],
+                    lambda i: key_string(all_tensors[i][0]),
+                    where,
+                )
                 for device, pairs in staged.items():
                     self._stage_to_host(device, pairs)
                 for device in {t.device for _, t in tensors if t.device.type == "cuda"}:
                     # Copies run on the caller's current stream; training may overwrite the
                     # sources the moment we return, so they must be complete first.
                     torch.cuda.current_stream(device).synchronize()
+                if not background:
+                    copying.wait(None)
                 break
             except _RetryOnHost as exc:
                 gpu_arenas.clear()
                 self._give_back(arena)
                 on_gpu = {i for i in on_gpu if tensors[i][1].device != exc.device}
             except BaseException:
+                if copying is not None:
+                    copying.cancel()  # nothing may still write into the arena given back
                 gpu_arenas.clear()
                 self._give_back(arena)
                 raise
         copied = iter(copies)
         merged = [t if id(t) in pre_encoded else next(copied) for _, t in all_tensors]
-        tree = unflatten(skeleton, lambda i: merged[i])
         raw = sum(_nbytes(t) for _, t in all_tensors)
         encoded_bytes = sum(f.numel() for batches in pre_encoded.values() for frames, _ in batches for f in frames)
         gpu_bytes += encoded_bytes
@@ -240,7 +309,10 @@ class SnapshotBuffers:
             pre_encoded.clear()
 
         host_bytes = sum(_nbytes(t) for _, t in tensors) - (gpu_bytes - encoded_bytes)
-        return Snapshot(tree, raw, host_bytes, gpu_bytes, time.perf_counter() - start, release, pre_encoded)
+        return Snapshot(
+            skeleton, merged, checked, raw, host_bytes, gpu_bytes, time.perf_counter() - start, release, pre_encoded,
+            _copying=None if copying.done() else copying, _started=start,
+        )
 
     def _gpu_placement(self, tensors: TensorList, used: dict[torch.device, int] | None = None) -> set[int]:
         """Indices of CUDA tensors whose copy stays on their GPU (within the budget, of which
@@ -272,7 +344,9 @@ class SnapshotBuffers:
         arena: torch.Tensor,
         on_gpu: set[int],
         gpu_arenas: dict[torch.device, torch.Tensor],
-    ) -> tuple[list[torch.Tensor], dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]], int]:
+    ) -> tuple[list[torch.Tensor], dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]], int, list[_Piece]]:
+        """Copy what is not a plain host copy; returns the copies, the CUDA tensors to stage
+        to host memory, the bytes kept on GPUs and the host copies still to make."""
         gpu_offsets: dict[int, int] = {}
         gpu_need: dict[torch.device, int] = {}
         for i in sorted(on_gpu):
@@ -289,7 +363,7 @@ class SnapshotBuffers:
 
         copies: list[torch.Tensor] = []
         staged: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        host_pieces: list[tuple[np.ndarray, np.ndarray]] = []
+        host_pieces: list[_Piece] = []
         gpu_bytes = 0
         for i, (_, src) in enumerate(tensors):
             n = _nbytes(src)
@@ -305,15 +379,14 @@ class SnapshotBuffers:
                 src_bytes = flat_bytes(src).numpy()
                 dst_bytes = flat.numpy()
                 for start in range(0, n, _PIECE):
-                    host_pieces.append((dst_bytes[start : start + _PIECE], src_bytes[start : start + _PIECE]))
+                    host_pieces.append((dst_bytes[start : start + _PIECE], src_bytes[start : start + _PIECE], i))
             elif n:
                 dst.copy_(src.detach())  # strided, lazily conjugated, or on another device
             copies.append(_like(dst, src))
-        self._copy_host(host_pieces)
-        return copies, staged, gpu_bytes
+        return copies, staged, gpu_bytes, host_pieces
 
-    def _copy_host(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """memcpy on a few threads that take jobs of about ``_PIECE`` bytes as they go.
+    def _copy_host(self, pieces: list[_Piece], name: Callable[[int], str], where: str) -> "_HostCopy":
+        """memcpy on a few threads that take jobs of about ``_PIECE`` bytes, in order, as they go.
 
         torch's ``copy_`` splits each tensor over OpenMP threads that wait for each other, so one
         preempted thread stalls the copy: on a busy 2-core machine it ran at 0.6 GB/s against
@@ -321,21 +394,18 @@ class SnapshotBuffers:
         job: a job per tensor (500+ for a model with its AdamW state) spent more time handing
         futures between threads than copying (``benchmarks/README.md``, async saves of bf16).
         """
-        total = sum(d.nbytes for d, _ in pieces)
+        total = sum(piece[0].nbytes for piece in pieces)
         if total < (32 << 20) or self._threads <= 1:
-            _copy_pairs(pieces)
-            return
-        jobs: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
+            return _HostCopy([pieces], None, name, where)
+        jobs: list[list[_Piece]] = [[]]
         size = 0
-        for pair in pieces:
+        for piece in pieces:
             if size >= _PIECE:
                 jobs.append([])
                 size = 0
-            jobs[-1].append(pair)
-            size += pair[0].nbytes
-        pool = self._copy_pool()
-        for fut in [pool.submit(_copy_pairs, job) for job in jobs]:
-            fut.result()
+            jobs[-1].append(piece)
+            size += piece[0].nbytes
+        return _HostCopy(jobs, self._copy_pool(), name, where)
 
     def _copy_pool(self) -> ThreadPoolExecutor:
         # A pool inherited through fork has no threads behind it: make a new one in the child.
@@ -378,9 +448,101 @@ class SnapshotBuffers:
                 drain()
 
 
-def _copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    for dst, src in pairs:
-        np.copyto(dst, src)
+#: A host copy to make: (destination bytes, source bytes, index of the tensor in the tree).
+_Piece = tuple[np.ndarray, np.ndarray, int]
+
+
+def _copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
+    np.copyto(dst, src)
+
+
+def _copy_pieces(pieces: list[_Piece]) -> None:
+    for dst, src, index in pieces:
+        try:
+            _copy_bytes(dst, src)
+        except Exception as exc:
+            raise _CopyFailed(index) from exc
+
+
+class _CopyFailed(Exception):
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.index = index
+
+
+class _HostCopy:
+    """Host copy jobs of one snapshot, in the tree's order: which jobs hold each tensor's bytes.
+
+    With ``pool`` None the jobs run at once, in the calling thread.
+    """
+
+    def __init__(self, jobs: list[list[_Piece]], pool: ThreadPoolExecutor | None, name: Callable[[int], str], where: str) -> None:
+        self._name, self._where = name, where
+        self._spans: dict[int, tuple[int, int]] = {}
+        self._first = [job[0][2] if job else -1 for job in jobs]  # a job's first tensor, to name it
+        for j, job in enumerate(jobs):
+            for _, _, index in job:
+                first = self._spans.get(index, (j, j))[0]
+                self._spans[index] = (first, j)
+        if pool is not None:
+            self._futures = [pool.submit(_copy_pieces, job) for job in jobs]
+            return
+        self._futures = []
+        for job in jobs:
+            fut: Future[None] = Future()
+            try:
+                _copy_pieces(job)
+                fut.set_result(None)
+            except _CopyFailed as exc:
+                fut.set_exception(exc)
+            self._futures.append(fut)
+
+    def done(self) -> bool:
+        """Every job has ended (copied, failed or cancelled) and none failed."""
+        return all(f.done() for f in self._futures) and not self.failed
+
+    @property
+    def failed(self) -> bool:
+        return any(f.done() and (f.cancelled() or f.exception() is not None) for f in self._futures)
+
+    def wait(self, index: int | None) -> None:
+        """Wait for the jobs of tensor ``index`` (``None``: all); raise if one of them failed."""
+        if index is None:
+            jobs = range(len(self._futures))
+        elif index in self._spans:
+            first, last = self._spans[index]
+            jobs = range(first, last + 1)
+        else:
+            return  # nothing of it is copied here (empty, on a GPU, or copied in take())
+        for j in jobs:
+            try:
+                self._futures[j].result()
+            except CancelledError:
+                raise CheckpointWriteError(
+                    f"{self._where}: the save was stopped before tensor {self._name(self._first[j])!r} "
+                    "was copied; nothing was written, and any previous file at this path is untouched"
+                ) from None
+            except _CopyFailed as exc:
+                cause = exc.__cause__
+                raise CheckpointWriteError(
+                    f"{self._where}: the async snapshot could not copy tensor {self._name(exc.index)!r} ({cause!r}); "
+                    "nothing was written, and any previous file at this path is untouched"
+                ) from cause
+
+    def cancel(self) -> None:
+        """Cancel the jobs not started; wait for the running ones."""
+        for fut in self._futures:
+            fut.cancel()
+        self.settle()
+
+    def settle(self) -> None:
+        """Wait until no job runs any more, whatever its outcome."""
+        for fut in self._futures:
+            if not fut.cancelled():
+                try:
+                    fut.result()
+                except BaseException:  # noqa: BLE001 - the outcome is read through wait()
+                    pass
 
 
 class _RetryOnHost(Exception):

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -34,7 +34,7 @@ from .version import __version__
 from .workers import GPU_BATCH_BYTES, default_workers, is_inline, worker_pool
 
 __all__ = [
-    "PlannedTensor", "plan_tensors", "CheckpointWriter", "PinnedRing", "pre_encode_on_gpu", "default_workers", "SOURCE_DEVICE_ATTR",
+    "PlannedTensor", "plan_tensors", "planned_copy", "TreePlan", "CheckpointWriter", "PinnedRing", "pre_encode_on_gpu", "default_workers", "SOURCE_DEVICE_ATTR",
 ]
 
 #: Largest chunk compressed with nvCOMP's Zstd (the facts table, codecs/registry.py, says why).
@@ -125,14 +125,48 @@ def plan_tensors(
         nbytes = t.numel() * t.element_size()
         spec = policy.spec_for(key, component, nbytes)
         key = unique_key(key, used)
-        width = plane_width(t.dtype)
-        itemsize = t.element_size()
-        chunk = max(itemsize, spec.chunk_bytes // itemsize * itemsize)
-        device = _compress_device(key, t, spec, policy, where)
-        if device is not None and spec.codec != "none":
-            chunk = gpu_chunk_bytes(spec.codec, chunk, itemsize)
-        planned.append(PlannedTensor(key, t, component, spec, width, chunk, device))
+        device, chunk = _placement(key, t, spec, policy, where)
+        planned.append(PlannedTensor(key, t, component, spec, plane_width(t.dtype), chunk, device))
     return planned
+
+
+def _placement(key: str, t: torch.Tensor, spec: CodecSpec, policy: CodecPolicy, where: str) -> tuple[torch.device | None, int]:
+    """Where ``t`` is compressed, and its chunk size there."""
+    itemsize = t.element_size()
+    chunk = max(itemsize, spec.chunk_bytes // itemsize * itemsize)
+    device = _compress_device(key, t, spec, policy, where)
+    if device is not None and spec.codec != "none":
+        chunk = gpu_chunk_bytes(spec.codec, chunk, itemsize)
+    return device, chunk
+
+
+def planned_copy(item: PlannedTensor, copy: torch.Tensor, policy: CodecPolicy, where: str) -> PlannedTensor:
+    """``item`` planned for ``copy``, a copy of its tensor (an async snapshot's).
+
+    The key, component and spec stay; a copy on another device (a CUDA tensor staged to host
+    memory) is compressed where a tensor on that device would be, as a plan of the copy says.
+    """
+    if copy.device == item.tensor.device:
+        return replace(item, tensor=copy)
+    device, chunk = _placement(item.key, copy, item.spec, policy, where)
+    return replace(item, tensor=copy, device=device, chunk_bytes=chunk)
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """A tree flattened and planned before the write (by an async snapshot), so the writer
+    does neither again.
+
+    Attributes:
+        skeleton: :func:`flatten`'s skeleton of the tree.
+        tensors: Its tensors planned, in the skeleton's order (``TensorRef(i)`` is ``tensors[i]``).
+        wait_for: Called with a tensor's index before anything reads its bytes: the snapshot
+            may still be copying it. Raises if that copy failed (the save then fails).
+    """
+
+    skeleton: Any
+    tensors: tuple[PlannedTensor, ...]
+    wait_for: Callable[[int], None] | None = None
 
 
 def checked_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
@@ -426,6 +460,7 @@ class CheckpointWriter:
         self.depth = max(1, depth)
         self.progress = progress
         self._pos = 0
+        self._wait_for: Callable[[int], None] | None = None
 
     def _write(self, data: bytes | memoryview | np.ndarray) -> int:
         self.stream.write(data)
@@ -438,11 +473,20 @@ class CheckpointWriter:
         """Bytes written to the stream so far (the file's size once :meth:`write` returned)."""
         return self._pos
 
-    def write(self, obj: Any, metadata: dict[str, Any] | None = None) -> tuple[Index, dict[str, ComponentStats], int]:
-        """Write ``obj``; returns the index, per-component stats and the raw tensor bytes."""
+    def write(
+        self, obj: Any, metadata: dict[str, Any] | None = None, *, plan: TreePlan | None = None
+    ) -> tuple[Index, dict[str, ComponentStats], int]:
+        """Write ``obj``; returns the index, per-component stats and the raw tensor bytes.
+
+        With ``plan`` (``obj``'s, made earlier), ``obj`` is not flattened and planned again.
+        """
         metadata = checked_metadata(metadata, self.where)  # before the first byte: the index is written last
-        skeleton, tensors = flatten(obj, where=self.where)
-        planned = plan_tensors(tensors, self.policy, self.where)
+        if plan is None:
+            skeleton, tensors = flatten(obj, where=self.where)
+            planned = plan_tensors(tensors, self.policy, self.where)
+        else:
+            skeleton, planned = plan.skeleton, list(plan.tensors)
+        self._wait_for = plan.wait_for if plan is not None else None
         if self.base is not None:
             for item in planned:
                 # A tensor an async snapshot compressed already is stored plain.
@@ -506,7 +550,7 @@ class CheckpointWriter:
         # at once, or a GPU batch would wait for a pinned slot that only this thread frees.
         inline = is_inline(pool)
         in_flight = 0
-        for idx, nbytes, on_gpu, job in self._jobs(planned):
+        for idx, nbytes, on_gpu, job in self._jobs_once_copied(planned):
             weight = min(nbytes, unit)
             window.append((idx, weight, on_gpu, pool.submit(job)))
             in_flight += weight
@@ -580,6 +624,23 @@ class CheckpointWriter:
         if on_gpu:
             self._ring.written()
         return weight
+
+    def _jobs_once_copied(self, planned: list[PlannedTensor]) -> Iterator[tuple[int, int, bool, Callable[[], _Encoded]]]:
+        """:meth:`_jobs`, each tensor's first job held until its snapshot copy is done.
+
+        Waited for here, on the writing thread, not in the jobs: the workers stay free for the
+        tensors before it, and a failed copy stops the save before the next job is queued.
+        """
+        wait_for = self._wait_for
+        if wait_for is None:
+            yield from self._jobs(planned)
+            return
+        waited = -1
+        for job in self._jobs(planned):
+            if job[0] != waited:
+                waited = job[0]
+                wait_for(waited)
+            yield job
 
     def _jobs(self, planned: list[PlannedTensor]) -> Iterator[tuple[int, int, bool, Callable[[], _Encoded]]]:
         """``(tensor index, raw bytes, job)`` for every compression job, in file order."""
