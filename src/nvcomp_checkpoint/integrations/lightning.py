@@ -25,6 +25,7 @@ from typing_extensions import override
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
 from nvcomp_checkpoint.errors import UnsafeCheckpointError
+from nvcomp_checkpoint.incremental import IncrementalFiles
 from nvcomp_checkpoint.savegroup import SavedCallback, SaveSequence
 from nvcomp_checkpoint.storage import storage_for
 from nvcomp_checkpoint.tiers import Tier, TierCopies
@@ -100,6 +101,11 @@ def _resolve_weights_only(weights_only: Optional[bool]) -> bool:
     return bool(weights_only)
 
 
+def _not_last(path: str) -> bool:
+    # ModelCheckpoint rewrites last.ckpt in place: a delta against it would lose its base.
+    return not os.path.basename(path).startswith(getattr(ModelCheckpoint, "CHECKPOINT_NAME_LAST", None) or "last")
+
+
 class NvcompCheckpointIO(CheckpointIO):
     """Saves Lightning checkpoints compressed, per component (weights, optimizer moments ...).
 
@@ -139,6 +145,11 @@ class NvcompCheckpointIO(CheckpointIO):
             is tier 0. Copies run in the background, named by the checkpoint's ``global_step``;
             :meth:`resume_path` is the newest copy that checks, for ``trainer.fit(ckpt_path=...)``
             on a fresh node. :meth:`wait` and :meth:`teardown` wait for the copies and raise a failed one.
+        incremental: Save each checkpoint as a delta against the previous one this process saved
+            (a full one every ``full_every``; ``last.ckpt``, rewritten in place, is never a base).
+            :meth:`remove_checkpoint` keeps a file that a kept delta needs until that delta is removed.
+        full_every, delta_base: As for :class:`~nvcomp_checkpoint.ChainPolicy` (``full_every``
+            default 10, ``delta_base`` ``"previous"`` or ``"full"``).
 
     Attributes:
         last_report: The :class:`SaveReport` of the most recent completed save (``None`` before one);
@@ -161,8 +172,19 @@ class NvcompCheckpointIO(CheckpointIO):
         on_saved: SavedCallback | None = None,
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         tiers: list[Tier] | None = None,
+        incremental: bool = False,
+        full_every: int | None = None,
+        delta_base: str = "previous",
     ) -> None:
         super().__init__()
+        if incremental and tiers is not None:
+            raise ValueError(
+                "NvcompCheckpointIO(incremental=True, tiers=...): copies to tiers are renamed by step, which breaks the "
+                "relative base names of delta files; use one of them, or nc.CheckpointManager(tiers, incremental=True)"
+            )
+        self.incremental: IncrementalFiles | None = None if not incremental else IncrementalFiles(
+            "NvcompCheckpointIO", full_every, delta_base, storage_options=fsspec_options or None, can_be_base=_not_last,
+        )
         _register_with_standalone_packages()
         if policy is None:
             policy = CodecPolicy()
@@ -254,22 +276,36 @@ class NvcompCheckpointIO(CheckpointIO):
                 # Once durable (the group's completion, on the background thread with async_save).
                 after.append(lambda r: self._copy_to_tiers(step, path))
         if not self.async_save:
-            report = nc.save(
-                checkpoint, path, policy, metadata=meta, storage_options=self.fsspec_options or None,
-                workers=self.workers, stream_wrapper=self.stream_wrapper,
-            )
+            base = self.incremental.base_for(path) if self.incremental is not None else None
+            try:
+                report = nc.save(
+                    checkpoint, path, policy, metadata=meta, storage_options=self.fsspec_options or None,
+                    workers=self.workers, stream_wrapper=self.stream_wrapper, base=base,
+                )
+            except BaseException:
+                if self.incremental is not None:
+                    self.incremental.failed()
+                raise
             self._saves.notify(report, after)
             return
         self._saves.wait_for_slot()
-        self._saves.raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
+        try:
+            self._saves.raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
+        except BaseException:
+            if self.incremental is not None:
+                self.incremental.failed()
+            raise
+        base = self.incremental.base_for(path) if self.incremental is not None else None
         group = self._saves.begin(path, started=started, notify=after)
         try:
             self._saves.save(
                 group, "checkpoint", checkpoint, path, policy, metadata=meta,
-                storage_options=self.fsspec_options or None, stream_wrapper=self.stream_wrapper,
+                storage_options=self.fsspec_options or None, stream_wrapper=self.stream_wrapper, base=base,
             )
         except BaseException:
             self._saves.abandon(group)
+            if self.incremental is not None:
+                self.incremental.failed()
             raise
         group.blocked = time.perf_counter() - started
         self._saves.seal(group)
@@ -377,6 +413,13 @@ class NvcompCheckpointIO(CheckpointIO):
         self._remove_now(path)
 
     def _remove_now(self, path: Any) -> None:
+        storage, spath = storage_for(path, self.fsspec_options or None)
+        if self.incremental is not None:  # a file a kept delta needs waits for that delta's removal
+            self.incremental.remove(os.fspath(path), self._delete)
+            return
+        storage.remove(spath)
+
+    def _delete(self, path: str) -> None:
         storage, spath = storage_for(path, self.fsspec_options or None)
         storage.remove(spath)
 

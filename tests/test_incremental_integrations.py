@@ -1,0 +1,135 @@
+"""``incremental=True`` in the integrations: real Lightning and Accelerate loops on tiny models.
+
+Lightning: ModelCheckpoint(save_top_k=2) with deltas, a resume in a fresh process from a delta of
+depth 2 (bit-identical state, the same next losses), removals deferred until no kept delta needs
+the file, across processes. Accelerate: save_state with total_limit keeps the folders a kept
+delta needs. The HF Trainer callback refuses the option.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+import nvcomp_checkpoint as nc  # noqa: E402
+from conftest import assert_tree_equal  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from nvcomp_checkpoint.incremental import DEFERRED_NAME, IncrementalFiles  # noqa: E402
+from nvcomp_checkpoint.lightning import NvcompCheckpointIO  # noqa: E402
+from test_lightning import BATCHES_PER_EPOCH, TinyModule, fit_tiny  # noqa: E402
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+class StepLogged(TinyModule):
+    """TinyModule that logs its step, so that ModelCheckpoint(monitor="gstep", mode="max") keeps the newest k."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("gstep", float(self.global_step))
+        return super().training_step(batch, batch_idx)
+
+
+def newest_two(dirpath: Path) -> ModelCheckpoint:
+    return ModelCheckpoint(dirpath=str(dirpath), save_top_k=2, monitor="gstep", mode="max", filename="{step}")
+
+
+def name(step: int) -> str:
+    return f"step={step}.ckpt"
+
+
+def base_name(path: Path) -> str | None:
+    with nc.open(path) as r:
+        return None if r.index.base is None else r.index.base.path
+
+
+RESUME = """\
+import sys
+sys.path.insert(0, {tests!r})
+import test_lightning
+from test_incremental_integrations import StepLogged, newest_two
+from test_lightning import DumpRestoredState, LossLog, fit_tiny
+from nvcomp_checkpoint.lightning import NvcompCheckpointIO
+from pathlib import Path
+
+test_lightning.TinyModule = StepLogged
+fit_tiny({root!r}, 5, plugins=[NvcompCheckpointIO(incremental=True, full_every=3)], ckpt_path={ckpt!r},
+         callbacks=[newest_two(Path({ckpts!r})), DumpRestoredState({dump!r}), LossLog({losses!r})])
+"""
+
+
+def test_lightning_top_k_with_deltas_resumes_bit_identical_in_a_fresh_process(tmp_path, monkeypatch):
+    import test_lightning
+
+    monkeypatch.setattr(test_lightning, "TinyModule", StepLogged)
+    plain = tmp_path / "plain"
+    _, _, plain_losses = fit_tiny(plain, 5, callbacks=[ModelCheckpoint(dirpath=str(plain), save_top_k=-1, filename="{step}")])
+
+    ckpts = tmp_path / "ckpts"
+    plugin = NvcompCheckpointIO(incremental=True, full_every=3)
+    _, _, losses = fit_tiny(tmp_path / "run", 3, plugins=[plugin], callbacks=[newest_two(ckpts)])
+    assert losses == plain_losses[: 3 * BATCHES_PER_EPOCH]
+    # Saves at steps 4 (full), 8 (delta of 4), 12 (delta of 8). ModelCheckpoint removed step 4,
+    # which 12 still needs through 8: kept, and listed for removal once nothing needs it.
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted([name(4), name(8), name(12), DEFERRED_NAME])
+    assert [base_name(ckpts / name(s)) for s in (4, 8, 12)] == [None, name(4), name(8)]
+    assert json.loads((ckpts / DEFERRED_NAME).read_text()) == [name(4)]
+
+    # A fresh process resumes from step 12 (a delta of depth 2) into the same folder.
+    dump, loss_file = tmp_path / "restored.pt", tmp_path / "losses.json"
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME.format(
+        tests=str(TESTS_DIR), root=str(tmp_path / "resumed"), ckpt=str(ckpts / name(12)), ckpts=str(ckpts),
+        dump=str(dump), losses=str(loss_file),
+    ))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    restored = torch.load(dump, weights_only=True)
+    at_12 = torch.load(plain / name(12), weights_only=True)
+    assert_tree_equal(at_12["state_dict"], restored["state_dict"], "state_dict")
+    assert_tree_equal(at_12["optimizer_states"][0], restored["optimizer"], "optimizer")
+    assert json.loads(loss_file.read_text()) == plain_losses[3 * BATCHES_PER_EPOCH :]
+    # The resumed run saved 16 (full: the first save of a process) and 20 (delta of 16), and removed
+    # 8; Lightning never removes the file it resumed from (12), so 12's chain (8, 4) stays.
+    assert base_name(ckpts / name(20)) == name(16)
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted([name(s) for s in (4, 8, 12, 16, 20)] + [DEFERRED_NAME])
+    assert sorted(json.loads((ckpts / DEFERRED_NAME).read_text())) == [name(4), name(8)]
+    at_20 = torch.load(plain / name(20), weights_only=True)
+    assert_tree_equal(at_20["state_dict"], nc.load(ckpts / name(20), weights_only=False)["state_dict"])
+    # A later process removing 12 deletes the whole chain the earlier ones had to keep.
+    deleted = IncrementalFiles("test").remove(ckpts / name(12), os.remove)
+    assert sorted(Path(p).name for p in deleted) == sorted([name(4), name(8), name(12)])
+    assert sorted(p.name for p in ckpts.iterdir()) == [name(16), name(20)]
+
+
+def test_lightning_async_saves_with_deltas(tmp_path):
+    ckpts = tmp_path / "ckpts"
+    plugin = NvcompCheckpointIO(incremental=True, full_every=2, async_save=True)
+    trainer, model, _ = fit_tiny(tmp_path / "run", 3, plugins=[plugin], callbacks=[ModelCheckpoint(dirpath=str(ckpts), save_top_k=-1, filename="{step}")])
+    assert [base_name(ckpts / name(s)) for s in (4, 8, 12)] == [None, name(4), None]
+    assert_tree_equal(model.state_dict(), nc.load(ckpts / name(12), weights_only=False)["state_dict"])
+    assert nc.load(ckpts / name(8), weights_only=False)["global_step"] == 8
+
+
+def test_last_ckpt_is_never_a_base_and_a_rewritten_file_is_saved_full(tmp_path):
+    book = IncrementalFiles("test", full_every=10, can_be_base=lambda p: not Path(p).name.startswith("last"))
+    a, last, b = tmp_path / "a.ckpt", tmp_path / "last.ckpt", tmp_path / "b.ckpt"
+    assert book.base_for(a) is None
+    assert book.base_for(last) == str(a)
+    assert book.base_for(b) == str(a)  # last.ckpt is rewritten in place: never a base
+    assert book.base_for(b) is None  # b saved again: a delta cannot replace a file of its own chain
+
+
+def test_incremental_with_tiers_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="incremental=True, tiers="):
+        NvcompCheckpointIO(incremental=True, tiers=[nc.Tier(tmp_path / "t")])
+    with pytest.raises(ValueError, match="full_every must be an int >= 1"):
+        NvcompCheckpointIO(incremental=True, full_every=0)
