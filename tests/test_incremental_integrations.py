@@ -8,6 +8,7 @@ delta needs. The HF Trainer callback refuses the option.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -133,3 +134,66 @@ def test_incremental_with_tiers_is_refused_with_the_fix(tmp_path):
         NvcompCheckpointIO(incremental=True, tiers=[nc.Tier(tmp_path / "t")])
     with pytest.raises(ValueError, match="full_every must be an int >= 1"):
         NvcompCheckpointIO(incremental=True, full_every=0)
+
+
+# -- Accelerate ------------------------------------------------------------------------------
+def _accelerate_build(project: Path, total_limit: int | None, incremental: bool) -> tuple[Any, ...]:
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+
+    from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+
+    set_seed(0)
+    config = ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True, total_limit=total_limit)
+    acc = Accelerator(cpu=True, project_config=config)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    hooks = register_nvcomp_hooks(acc, incremental=incremental, full_every=3) if incremental else None
+    return acc, model, opt, hooks
+
+
+def _accelerate_step(objs: tuple[Any, ...], i: int) -> float:
+    acc, model, opt, _ = objs
+    g = torch.Generator().manual_seed(i)
+    x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    acc.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def test_accelerate_save_state_with_total_limit_keeps_the_folders_kept_deltas_need(tmp_path):
+    pytest.importorskip("accelerate")
+    objs = _accelerate_build(tmp_path / "inc", total_limit=2, incremental=True)
+    acc = objs[0]
+    checkpoints = tmp_path / "inc" / "checkpoints"
+    kept_by_step = []
+    snapshots = {}
+    for i in range(5):
+        _accelerate_step(objs, i)
+        acc.save_state()
+        snapshots[i] = {k: v.clone() for k, v in objs[1].state_dict().items()}
+        kept_by_step.append(sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".")))
+    # 0 full, 1 and 2 deltas (1 of 0, 2 of 1), 3 full, 4 delta of 3. total_limit=2 keeps the newest
+    # two and every folder they need: 0 stays while 1 or 2 is kept.
+    assert kept_by_step == [
+        ["checkpoint_0"], ["checkpoint_0", "checkpoint_1"], ["checkpoint_0", "checkpoint_1", "checkpoint_2"],
+        ["checkpoint_0", "checkpoint_1", "checkpoint_2", "checkpoint_3"], ["checkpoint_3", "checkpoint_4"],
+    ]
+    for name, base in (("checkpoint_3", None), ("checkpoint_4", "../checkpoint_3/model.nvc")):
+        assert base_name(checkpoints / name / "model.nvc") == base
+    assert base_name(checkpoints / "checkpoint_4" / "optimizer.nvc") == "../checkpoint_3/optimizer.nvc"
+    # load_state of the newest (a delta) restores the state it saved, optimizer included.
+    expected_opt = copy.deepcopy(objs[2].state_dict())
+    _accelerate_step(objs, 99)
+    acc.load_state()
+    assert_tree_equal(snapshots[4], objs[1].state_dict())
+    assert_tree_equal(expected_opt, objs[2].state_dict())
+
+
+def test_hf_callback_refuses_incremental_with_the_fix():
+    transformers_cb = pytest.importorskip("nvcomp_checkpoint.transformers")
+    with pytest.raises(ValueError, match="CheckpointManager"):
+        transformers_cb.NvcompTrainerCallback(incremental=True)

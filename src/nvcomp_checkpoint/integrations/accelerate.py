@@ -37,6 +37,7 @@ from accelerate.utils import (
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, rotate, write_marker
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
+from nvcomp_checkpoint.incremental import IncrementalFiles, keep_with_bases
 from nvcomp_checkpoint.savegroup import SaveGroup, SaveSequence
 from nvcomp_checkpoint.storage import LOCAL
 from nvcomp_checkpoint.tiers import Tier, TierCopies
@@ -96,6 +97,9 @@ def register_nvcomp_hooks(
     on_saved: Callable[[nc.SaveReport], Any] | None = None,
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
     tiers: list[Tier] | None = None,
+    incremental: bool = False,
+    full_every: int | None = None,
+    delta_base: str = "previous",
 ) -> "NvcompStateHooks":
     """Make ``accelerator.save_state``/``load_state`` compress model weights and optimizer state.
 
@@ -117,6 +121,12 @@ def register_nvcomp_hooks(
             a copy is named by the save's iteration (``save_iteration``), and ``load_state`` of a
             folder these hooks saved sets ``save_iteration`` to the one after it. On a fresh node,
             ``accelerator.load_state(hooks.resume_path())`` loads the newest copy that checks.
+        incremental: Each ``.nvc`` file of a ``save_state`` folder is a delta against the same
+            file of the previous folder these hooks saved (a full folder every ``full_every``,
+            and the first save of a process); ``total_limit`` rotation keeps every folder a kept
+            one needs. A folder updated in place is saved in full.
+        full_every, delta_base: As for :class:`~nvcomp_checkpoint.ChainPolicy` (``full_every``
+            default 10, ``delta_base`` ``"previous"`` or ``"full"``).
 
     Returns:
         A handle: ``handle.last_report`` is the :class:`~nvcomp_checkpoint.SaveReport` of the
@@ -154,6 +164,7 @@ def register_nvcomp_hooks(
     return NvcompStateHooks(
         accelerator, policy or nc.CodecPolicy(), workers,
         async_save=async_save, on_saved=on_saved, stream_wrapper=stream_wrapper, tiers=tiers,
+        incremental=incremental, full_every=full_every, delta_base=delta_base,
     )
 
 
@@ -212,8 +223,17 @@ class NvcompStateHooks:
         on_saved: Callable[[nc.SaveReport], Any] | None = None,
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         tiers: list[Tier] | None = None,
+        incremental: bool = False,
+        full_every: int | None = None,
+        delta_base: str = "previous",
     ) -> None:
         # Checked first: a wrong argument must not leave the accelerator half wrapped.
+        if incremental and tiers is not None:
+            raise ValueError(
+                "register_nvcomp_hooks(incremental=True, tiers=...): copies to tiers are renamed by iteration, which "
+                "breaks the relative base names of delta files; use one of them"
+            )
+        self.incremental = IncrementalFiles("register_nvcomp_hooks", full_every, delta_base) if incremental else None
         self.tiers: TierCopies | None = None if tiers is None else TierCopies(tiers, "register_nvcomp_hooks")
         self.accelerator = accelerator
         self.policy = policy
@@ -331,7 +351,8 @@ class NvcompStateHooks:
             checkpoints = Path(os.path.abspath(acc.project_dir)) / "checkpoints"
             shown = Path(os.path.join(acc.project_dir, "checkpoints", f"checkpoint_{acc.save_iteration}"))
             target = checkpoints / shown.name
-            staging = _STORE.staging_path(checkpoints.parent / target.name)
+            # A delta names its base relative to its own folder: staged at the depth it is committed at.
+            staging = _STORE.staging_path(target if self.incremental is not None else checkpoints.parent / target.name)
             if target.exists():
                 # Accelerate's own rule and message for automatic naming.
                 raise ValueError(
@@ -372,6 +393,8 @@ class NvcompStateHooks:
             acc.wait_for_everyone()
         except BaseException as exc:
             config.iteration = call.iteration
+            if self.incremental is not None:
+                self.incremental.failed()
             if call.group is not None:
                 self._saves.abandon(call.group)  # its files must stop writing into staging first
                 _remove_quietly(call.staging)
@@ -386,6 +409,8 @@ class NvcompStateHooks:
                     self._saves.result(call.group)
                 except BaseException:
                     config.iteration = call.iteration
+                    if self.incremental is not None:
+                        self.incremental.failed()
                     raise
         if not self.async_save:
             acc.wait_for_everyone()
@@ -425,7 +450,11 @@ class NvcompStateHooks:
             _remove_quietly(replaced)  # the previous checkpoint; leftovers are cleaned next time
         if rotation is not None:
             checkpoints, limit = rotation
-            rotate(_numbered_dirs(checkpoints), limit, keep=target, trash=checkpoints.parent)
+            ordered = _numbered_dirs(checkpoints)
+            if self.incremental is not None:  # a chain goes as a whole: the folders kept ones need stay
+                needed = keep_with_bases([os.fspath(p) for p in [*ordered[-limit:], target]])
+                ordered, limit = [p for p in ordered if os.fspath(p) not in needed], 0
+            rotate(ordered, limit, keep=target, trash=checkpoints.parent)
 
     def _copy_to_tiers(self, call: _SaveCall) -> None:
         assert self.tiers is not None
@@ -433,6 +462,8 @@ class NvcompStateHooks:
 
     def _failed(self, call: _SaveCall, exc: BaseException) -> BaseException:
         _remove_quietly(call.staging)
+        if self.incremental is not None:
+            self.incremental.failed()
         error = _save_failed(call.target, exc)
         error.__cause__ = exc
         return error
@@ -470,6 +501,8 @@ class NvcompStateHooks:
                 workers=self.workers, metadata={"accelerate": {"kind": kind, "index": i, **meta}},
                 stream_wrapper=self.stream_wrapper,
             )
+            if self.incremental is not None and call.staging.parent == call.target.parent:
+                kwargs["base"] = self.incremental.base_for(call.target / name, slot=name)
             if call.background:
                 self._saves.save(call.group, name, state, call.staging / name, self.policy, **kwargs)
             else:

@@ -332,6 +332,8 @@ class NvcompTrainerCallback(TrainerCallback):
             ``trainer.train(resume_from_checkpoint=callback.resume_path())`` resumes from the
             newest copy that checks. Copies never hold up training; ``on_train_end`` waits
             for them and raises a failed one.
+        incremental: Refused (``ValueError``): the Trainer deletes old ``checkpoint-N`` folders
+            itself, which could delete a base that a kept delta needs.
 
     Attributes:
         last_report: The :class:`~nvcomp_checkpoint.SaveReport` of the latest conversion;
@@ -350,7 +352,15 @@ class NvcompTrainerCallback(TrainerCallback):
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         compress_weights: bool | None = None,
         tiers: list[Tier] | None = None,
+        incremental: bool = False,
     ) -> None:
+        if incremental:
+            raise ValueError(
+                "NvcompTrainerCallback(incremental=True) is not supported: the Trainer deletes old checkpoint-N "
+                "folders itself (save_total_limit, best-model rotation) without asking, which would delete bases "
+                "that kept deltas need. Save in full here, or use nc.CheckpointManager(tiers, incremental=True) or "
+                "the Lightning / Accelerate integrations' incremental=True."
+            )
         self.tiers: TierCopies | None = None if tiers is None else TierCopies(tiers, "NvcompTrainerCallback")
         self._saves = SaveSequence("NvcompTrainerCallback", workers=workers, on_saved=on_saved, log_as="compressed")
         self.policy = policy
