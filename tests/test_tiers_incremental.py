@@ -4,6 +4,7 @@ copies, restore and fetch following chains, on local folders and a real S3 endpo
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import time
 from pathlib import Path
@@ -185,3 +186,21 @@ def test_chains_on_s3_restore_and_fetch(tmp_path, moto):
     local = fresh.fetch(5, 1, tmp_path / "download")
     assert sorted(p.name for p in (tmp_path / "download").iterdir() if p.suffix == ".nvc") == ["step-0000000004.nvc", "step-0000000005.nvc"]
     assert_tree_equal(states[5], nc.load(local))
+
+
+def test_nvckpt_sync_brings_and_keeps_the_chain(tmp_path, capsys):
+    from nvcomp_checkpoint.cli.main import main
+
+    run, states = _Run(), {}
+    with nc.CheckpointManager([nc.Tier(tmp_path / "local")], incremental=True, full_every=3, async_save=False) as mgr:
+        for step in range(1, 6):
+            states[step] = run.state(step)
+            mgr.save(step, states[step])
+    dst = tmp_path / "copy"
+    assert main(["sync", "--json", str(tmp_path / "local"), str(dst), "--keep", "1"]) == 0
+    # --keep 1 keeps 5, a delta of 4: both are copied (4 first) and kept.
+    out = json.loads(capsys.readouterr().out)
+    assert out["copied"] == [4, 5] and out["kept"] == [4, 5]
+    r = nc.CheckpointManager([nc.Tier(dst)]).restore()
+    assert r.step == 5
+    assert_tree_equal(states[5], r.state)
