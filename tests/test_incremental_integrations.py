@@ -52,6 +52,17 @@ def base_name(path: Path) -> str | None:
         return None if r.index.base is None else r.index.base.path
 
 
+class DumpAt(pl.Callback):
+    """Saves (plain torch.save) the model and optimizer state once ``global_step`` reaches ``step``."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            torch.save({"state_dict": pl_module.state_dict(), "optimizer": trainer.optimizers[0].state_dict()}, self.path)
+
+
 RESUME = """\
 import sys
 sys.path.insert(0, {tests!r})
@@ -62,7 +73,7 @@ from nvcomp_checkpoint.lightning import NvcompCheckpointIO
 from pathlib import Path
 
 test_lightning.TinyModule = StepLogged
-fit_tiny({root!r}, 5, plugins=[NvcompCheckpointIO(incremental=True, full_every=3)], ckpt_path={ckpt!r},
+fit_tiny({root!r}, 5, plugins=[NvcompCheckpointIO(incremental=True, full_every=4)], ckpt_path={ckpt!r},
          callbacks=[newest_two(Path({ckpts!r})), DumpRestoredState({dump!r}), LossLog({losses!r})])
 """
 
@@ -71,44 +82,33 @@ def test_lightning_top_k_with_deltas_resumes_bit_identical_in_a_fresh_process(tm
     import test_lightning
 
     monkeypatch.setattr(test_lightning, "TinyModule", StepLogged)
-    plain = tmp_path / "plain"
-    _, _, plain_losses = fit_tiny(plain, 5, callbacks=[ModelCheckpoint(dirpath=str(plain), save_top_k=-1, filename="{step}")])
+    ckpts, at_12 = tmp_path / "ckpts", tmp_path / "at-12.pt"
+    plugin = NvcompCheckpointIO(incremental=True, full_every=4)
+    _, model, losses = fit_tiny(tmp_path / "run", 5, plugins=[plugin], callbacks=[newest_two(ckpts), DumpAt(12, at_12)])
+    # Saves at steps 4 (full), 8, 12, 16 (each a delta of the one before), 20 (full). ModelCheckpoint
+    # removed 4, 8 and 12 (top 2: 16 and 20); 16 still needs them all: they stay, listed for removal.
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted([name(s) for s in (4, 8, 12, 16, 20)] + [DEFERRED_NAME])
+    assert [base_name(ckpts / name(s)) for s in (4, 8, 12, 16, 20)] == [None, name(4), name(8), name(12), None]
+    assert sorted(json.loads((ckpts / DEFERRED_NAME).read_text())) == sorted([name(4), name(8), name(12)])
+    assert_tree_equal(model.state_dict(), nc.load(ckpts / name(20), weights_only=False)["state_dict"])
 
-    ckpts = tmp_path / "ckpts"
-    plugin = NvcompCheckpointIO(incremental=True, full_every=3)
-    _, _, losses = fit_tiny(tmp_path / "run", 3, plugins=[plugin], callbacks=[newest_two(ckpts)])
-    assert losses == plain_losses[: 3 * BATCHES_PER_EPOCH]
-    # Saves at steps 4 (full), 8 (delta of 4), 12 (delta of 8). ModelCheckpoint removed step 4,
-    # which 12 still needs through 8: kept, and listed for removal once nothing needs it.
-    assert sorted(p.name for p in ckpts.iterdir()) == sorted([name(4), name(8), name(12), DEFERRED_NAME])
-    assert [base_name(ckpts / name(s)) for s in (4, 8, 12)] == [None, name(4), name(8)]
-    assert json.loads((ckpts / DEFERRED_NAME).read_text()) == [name(4)]
-
-    # A fresh process resumes from step 12 (a delta of depth 2) into the same folder.
+    # A fresh process resumes from step 12 (a delta of depth 2).
     dump, loss_file = tmp_path / "restored.pt", tmp_path / "losses.json"
     script = tmp_path / "resume.py"
     script.write_text(RESUME.format(
-        tests=str(TESTS_DIR), root=str(tmp_path / "resumed"), ckpt=str(ckpts / name(12)), ckpts=str(ckpts),
+        tests=str(TESTS_DIR), root=str(tmp_path / "resumed"), ckpt=str(ckpts / name(12)), ckpts=str(tmp_path / "ckpts2"),
         dump=str(dump), losses=str(loss_file),
     ))
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    restored = torch.load(dump, weights_only=True)
-    at_12 = torch.load(plain / name(12), weights_only=True)
-    assert_tree_equal(at_12["state_dict"], restored["state_dict"], "state_dict")
-    assert_tree_equal(at_12["optimizer_states"][0], restored["optimizer"], "optimizer")
-    assert json.loads(loss_file.read_text()) == plain_losses[3 * BATCHES_PER_EPOCH :]
-    # The resumed run saved 16 (full: the first save of a process) and 20 (delta of 16), and removed
-    # 8; Lightning never removes the file it resumed from (12), so 12's chain (8, 4) stays.
-    assert base_name(ckpts / name(20)) == name(16)
-    assert sorted(p.name for p in ckpts.iterdir()) == sorted([name(s) for s in (4, 8, 12, 16, 20)] + [DEFERRED_NAME])
-    assert sorted(json.loads((ckpts / DEFERRED_NAME).read_text())) == [name(4), name(8)]
-    at_20 = torch.load(plain / name(20), weights_only=True)
-    assert_tree_equal(at_20["state_dict"], nc.load(ckpts / name(20), weights_only=False)["state_dict"])
-    # A later process removing 12 deletes the whole chain the earlier ones had to keep.
-    deleted = IncrementalFiles("test").remove(ckpts / name(12), os.remove)
-    assert sorted(Path(p).name for p in deleted) == sorted([name(4), name(8), name(12)])
-    assert sorted(p.name for p in ckpts.iterdir()) == [name(16), name(20)]
+    restored, expected = torch.load(dump, weights_only=True), torch.load(at_12, weights_only=True)
+    assert_tree_equal(expected["state_dict"], restored["state_dict"], "state_dict")
+    assert_tree_equal(expected["optimizer"], restored["optimizer"], "optimizer")
+    assert json.loads(loss_file.read_text()) == losses[3 * BATCHES_PER_EPOCH :]
+    # ModelCheckpoint removing 16 in a later process: the chain the first run had to keep goes too.
+    deleted = IncrementalFiles("test").remove(ckpts / name(16), os.remove)
+    assert sorted(Path(p).name for p in deleted) == sorted(name(s) for s in (4, 8, 12, 16))
+    assert sorted(p.name for p in ckpts.iterdir()) == [name(20)]
 
 
 def test_lightning_async_saves_with_deltas(tmp_path):
