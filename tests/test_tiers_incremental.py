@@ -7,7 +7,6 @@ import copy
 import json
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
