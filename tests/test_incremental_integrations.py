@@ -111,22 +111,27 @@ def test_lightning_top_k_with_deltas_resumes_bit_identical_in_a_fresh_process(tm
     assert sorted(p.name for p in ckpts.iterdir()) == [name(20)]
 
 
-def test_lightning_async_saves_with_deltas(tmp_path):
+def test_lightning_async_saves_with_deltas_and_last_ckpt(tmp_path):
     ckpts = tmp_path / "ckpts"
     plugin = NvcompCheckpointIO(incremental=True, full_every=2, async_save=True)
-    trainer, model, _ = fit_tiny(tmp_path / "run", 3, plugins=[plugin], callbacks=[ModelCheckpoint(dirpath=str(ckpts), save_top_k=-1, filename="{step}")])
+    callback = ModelCheckpoint(dirpath=str(ckpts), save_top_k=-1, filename="{step}", save_last=True)
+    trainer, model, _ = fit_tiny(tmp_path / "run", 3, plugins=[plugin], callbacks=[callback])
     assert [base_name(ckpts / name(s)) for s in (4, 8, 12)] == [None, name(4), None]
+    # last.ckpt, rewritten in place after each save, is a delta of the file saved just before it
+    # and never a base itself.
+    assert base_name(ckpts / "last.ckpt") == name(12)
     assert_tree_equal(model.state_dict(), nc.load(ckpts / name(12), weights_only=False)["state_dict"])
+    assert_tree_equal(model.state_dict(), nc.load(ckpts / "last.ckpt", weights_only=False)["state_dict"])
     assert nc.load(ckpts / name(8), weights_only=False)["global_step"] == 8
 
 
-def test_last_ckpt_is_never_a_base_and_a_rewritten_file_is_saved_full(tmp_path):
+def test_last_ckpt_is_never_a_base_and_a_delta_never_replaces_its_chain(tmp_path):
     book = IncrementalFiles("test", full_every=10, can_be_base=lambda p: not Path(p).name.startswith("last"))
     a, last, b = tmp_path / "a.ckpt", tmp_path / "last.ckpt", tmp_path / "b.ckpt"
     assert book.base_for(a) is None
     assert book.base_for(last) == str(a)
     assert book.base_for(b) == str(a)  # last.ckpt is rewritten in place: never a base
-    assert book.base_for(b) is None  # b saved again: a delta cannot replace a file of its own chain
+    assert book.base_for(a) is None  # a is b's base: saving over it cannot be a delta of b
 
 
 def test_incremental_with_tiers_is_refused_with_the_fix(tmp_path):

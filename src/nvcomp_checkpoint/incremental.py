@@ -103,7 +103,7 @@ class IncrementalFiles:
                     )
             candidates = [p for p in history if p != path and self.can_be_base(p)]
             base = self.policy.base_for(candidates)
-            if base is not None and (rewritten or base in self._doomed or path in self._chain(base)):
+            if base is not None and (base in self._doomed or path in self._chain(base)):
                 base = None  # a delta cannot replace a file of its own chain, nor keep a removed file alive
             if base is None:
                 history.clear()
