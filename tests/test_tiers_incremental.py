@@ -123,13 +123,15 @@ def test_a_slow_tier_gets_every_delta_after_its_base(tmp_path):
         mgr.wait()
         slow_steps = mgr.steps(1)
         manifests = {s: mgr.manifest(s, 1) for s in slow_steps}
-    assert 9 in slow_steps
-    for s, m in manifests.items():  # every delta's base is there, committed before it
+    # Which saves the slow tier took depends on timing (a due copy that finds the queue full is
+    # skipped); what it lists never depends on it: every delta after its base, and it restores.
+    assert slow_steps
+    for s, m in manifests.items():
         if m.base is not None:
             assert m.base in manifests and manifests[m.base].created <= m.created
     r = nc.CheckpointManager([nc.Tier(tmp_path / "slow")]).restore()
-    assert r.step == 9
-    assert_tree_equal(states[9], r.state)
+    assert r.step == slow_steps[-1]
+    assert_tree_equal(states[r.step], r.state)
 
 
 def test_restore_falls_back_over_a_broken_chain(tmp_path, caplog):
