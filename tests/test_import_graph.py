@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "version", "tensors", "workers", "codecs", "filters", "metrics")),
     ("format", ("format", "policy", "storage", "report", "filetype", "pending", "dirstore", "delta")),
     ("pipeline", ("writer", "reader", "snapshot")),
-    ("api", ("api", "async_save", "savegroup", "entrypoint", "dirconvert", "tiers", "dcp", "broadcast", "")),
+    ("api", ("api", "async_save", "savegroup", "entrypoint", "dirconvert", "tiers", "incremental", "dcp", "broadcast", "")),
     ("adapters", ("cli", "integrations", "lightning", "accelerate", "transformers")),
 ]
 FRAMEWORKS = {

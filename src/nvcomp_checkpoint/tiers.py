@@ -22,6 +22,7 @@ from . import metrics
 from .api import load as _load
 from .api import save as _save_sync
 from .async_save import save_async as _save_async
+from .delta import ChainPolicy, chain_of, retained
 from .errors import CheckpointError, CheckpointWriteError, FormatError
 from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
 from .policy import CodecPolicy, Component, classify
@@ -133,6 +134,8 @@ class UnitManifest:
     light: bool
     files: tuple[FileEntry, ...]
     created: float
+    #: The step this unit is a delta against (an incremental save), None for a full checkpoint.
+    base: int | None = None
     #: Where the unit's bytes are when a framework wrote them itself (see :meth:`CheckpointManager.adopt`);
     #: never stored: a committed copy lives at its tier's own path.
     source: str | None = field(default=None, compare=False)
@@ -147,6 +150,8 @@ class UnitManifest:
             "light": self.light, "created": self.created,
             "files": [{"path": f.path, "size": f.size, "index_xxh3": f.index_xxh3, "xxh3": f.xxh3} for f in self.files],
         }
+        if self.base is not None:
+            doc["base"] = self.base
         return json.dumps(doc, indent=1).encode()
 
     @classmethod
@@ -156,7 +161,11 @@ class UnitManifest:
             if doc.get("format") != _MANIFEST_FORMAT:
                 raise ValueError("not a unit manifest")
             files = tuple(FileEntry(str(f["path"]), int(f["size"]), f.get("index_xxh3"), f.get("xxh3")) for f in doc["files"])
-            return cls(int(doc["step"]), bool(doc["directory"]), bool(doc["light"]), files, float(doc["created"]))
+            base = doc.get("base")
+            return cls(
+                int(doc["step"]), bool(doc["directory"]), bool(doc["light"]), files, float(doc["created"]),
+                base=None if base is None else int(base),
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise FormatError(f"{where}: damaged unit manifest ({exc})") from exc
 
@@ -274,7 +283,7 @@ class TierStore:
         return removed
 
     # -- checks -------------------------------------------------------------------------------
-    def describe(self, step: int, directory: bool, light: bool, source: str | None = None) -> UnitManifest:
+    def describe(self, step: int, directory: bool, light: bool, source: str | None = None, base: int | None = None) -> UnitManifest:
         """The manifest of a unit just written to this tier by a save (tier 0), or at ``source``."""
         unit = self.unit_path(step, directory) if source is None else source
         entries = []
@@ -290,7 +299,7 @@ class TierStore:
             digest = _index_digest(self.storage, path, size)
             whole = None if digest is not None else _file_xxh3(self.storage, path)
             entries.append(FileEntry(rel, size, digest, whole))
-        return UnitManifest(step, directory, light, tuple(entries), time.time(), source)
+        return UnitManifest(step, directory, light, tuple(entries), time.time(), base=base, source=source)
 
     def check(self, manifest: UnitManifest, *, full: bool = False) -> None:
         """Raise :class:`FormatError` unless every file has its size and digest (``full``: every byte)."""
@@ -306,6 +315,30 @@ class TierStore:
                 raise FormatError(f"{path}: the index digest differs from the manifest's (damaged or replaced)")
             if entry.xxh3 is not None and (full or entry.index_xxh3 is None) and _file_xxh3(self.storage, path) != entry.xxh3:
                 raise FormatError(f"{path}: checksum mismatch against the manifest (damaged copy)")
+
+
+def _check_chain(store: TierStore, manifest: UnitManifest, manifests: dict[int, UnitManifest], *, full: bool) -> None:
+    """Raise :class:`FormatError` unless every base of the delta ``manifest`` is committed on ``store`` and checks."""
+    base, seen = manifest.base, {manifest.step}
+    while base is not None:
+        m = manifests.get(base)
+        if m is None or base in seen:
+            raise FormatError(
+                f"{store.unit_path(manifest.step, manifest.directory)}: a delta whose base step {base} is not on {store.label} "
+                "(a broken chain)"
+            )
+        seen.add(base)
+        store.check(m, full=full)
+        base = m.base
+    if not manifest.directory:  # each base file is the one its delta was written against (index reads only)
+        try:
+            chain_of(store.unit_path(manifest.step, False), CheckpointReader, store.tier.storage_options)
+        except CheckpointError as exc:
+            raise FormatError(str(exc)) from exc
+    if full:  # every frame of the delta and of each base tensor it needs decodes
+        why = verify_unit(store, manifest, full=True)
+        if why is not None:
+            raise FormatError(why)
 
 
 def verify_unit(store: TierStore, manifest: UnitManifest, *, full: bool = True) -> str | None:
@@ -541,7 +574,18 @@ class CheckpointManager:
         async_save: Save with :func:`nvcomp_checkpoint.save_async` (return once the snapshot is
             taken); ``False`` saves synchronously.
         full_every: Every ``full_every``-th save (the first included) is full; the others keep
-            only the tensors classified ``weights`` and are marked light. ``None``: all full.
+            only the tensors classified ``weights`` and are marked light, or, with
+            ``incremental``, are deltas of the whole state. ``None``: all full (with
+            ``incremental``: 10).
+        incremental: Save each checkpoint as a delta against an earlier one
+            (:func:`nvcomp_checkpoint.save` with ``base=``); the manifest records the base step.
+            Retention keeps every base a kept step needs, a delta is committed on a tier only
+            after its base, and restore treats a delta whose chain is broken as a damaged copy.
+            The first save of a manager is full.
+        delta_base: With ``incremental``: ``"previous"`` (each delta against the save before it:
+            the smallest files, a load decodes up to ``full_every`` files) or ``"full"`` (against
+            the last full save: a load decodes two files, and a copy to a sparse tier brings one
+            base instead of the whole chain). See :class:`~nvcomp_checkpoint.ChainPolicy`.
         policy: Codec settings of the saves.
         workers: Compression threads.
         clean: Remove leftovers of interrupted saves and copies from every tier now. Only one
@@ -570,6 +614,8 @@ class CheckpointManager:
         clean: bool = True,
         on_copy_progress: Callable[[str, int, int], None] | None = None,
         tier0_external: bool = False,
+        incremental: bool = False,
+        delta_base: str = "previous",
     ) -> None:
         if not tiers:
             raise ValueError("CheckpointManager needs at least one Tier")
@@ -586,6 +632,14 @@ class CheckpointManager:
         self.workers = workers
         self.on_copy_progress = on_copy_progress
         self.tier0_external = bool(tier0_external)
+        if incremental and self.tier0_external:
+            raise ValueError(
+                "CheckpointManager(incremental=True, tier0_external=True): the framework writes tier 0 itself; give "
+                "the framework's integration incremental=True instead (its files are then deltas), without tiers="
+            )
+        self.incremental = bool(incremental)
+        self.chain_policy: ChainPolicy | None = ChainPolicy(full_every or 10, delta_base) if incremental else None
+        self._chain: list[int] = []  # steps saved since this manager started, while the chain is unbroken
         self._last_adopted: tuple[int, str] | None = None
         labels = [t.name or f"tier{i}" for i, t in enumerate(tiers)]
         if len(set(labels)) != len(labels):
@@ -643,33 +697,77 @@ class CheckpointManager:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         self._refuse_external("save()")
-        self._raise_save_errors()
+        try:
+            self._raise_save_errors()
+        except BaseException:
+            self._chain = []  # a failed save is no base: the next one is full
+            raise
         if light is None:
-            light = self.full_every is not None and self._saves % self.full_every != 0
+            light = self.full_every is not None and not self.incremental and self._saves % self.full_every != 0
         self._saves += 1
+        base = None if light else self._next_base(step)
         tree = state
         meta: dict[str, Any] = {"nvckpt_step": step, "nvckpt_light": bool(light)}
         if light:
             tree, dropped = light_tree(state)
             meta["nvckpt_dropped"] = dropped
+        if base is not None:
+            meta["nvckpt_base_step"] = base
         path = self.unit_path(step)
+        base_path = None if base is None else self.unit_path(base)
         opts = self.tiers[0].write_options()
         started = time.perf_counter()
+        if base is not None:
+            with self._lock:  # tier-0 retention keeps the base (and its chain) until this save is committed
+                self._pinned[base] = self._pinned.get(base, 0) + 1
         if not self.async_save:
-            report = _save_sync(tree, path, self.policy, metadata=meta, storage_options=opts, workers=self.workers)
+            try:
+                report = _save_sync(tree, path, self.policy, metadata=meta, storage_options=opts, workers=self.workers, base=base_path)
+            except BaseException:
+                self._chain = []
+                raise
+            finally:
+                self._unpin(base)
             blocked = time.perf_counter() - started
             metrics.record_blocked_seconds(blocked)
             metrics.record_save_seconds(self.names[0], "write", report.seconds)
-            self._committed_on_tier0(step, False, bool(light), report)
+            self._committed_on_tier0(step, False, bool(light), report, base)
             return report
-        handle = _save_async(tree, path, self.policy, metadata=meta, storage_options=opts, workers=self.workers)
+        try:
+            handle = _save_async(tree, path, self.policy, metadata=meta, storage_options=opts, workers=self.workers, base=base_path)
+        except BaseException:
+            self._chain = []
+            self._unpin(base)
+            raise
         blocked = time.perf_counter() - started
         metrics.record_blocked_seconds(blocked)
         metrics.record_save_seconds(self.names[0], "snapshot", blocked)
         with self._lock:
             self._pending_saves.append(handle)
-        handle.add_done_callback(lambda h: self._on_saved(step, bool(light), h))
+        handle.add_done_callback(lambda h: self._on_saved(step, bool(light), h, base))
         return handle
+
+    def _next_base(self, step: int) -> int | None:
+        """The step the save of ``step`` is a delta against (None: a full save), and count the save."""
+        if self.chain_policy is None:
+            return None
+        if self._chain and step <= self._chain[-1]:
+            self._chain = []  # a run resumed from an older step starts a new chain
+        base = self.chain_policy.base_for([str(s) for s in self._chain])
+        if base is None:
+            self._chain = []
+        self._chain.append(step)
+        return None if base is None else int(base)
+
+    def _unpin(self, step: int | None) -> None:
+        if step is None:
+            return
+        with self._lock:
+            left = self._pinned.get(step, 1) - 1
+            if left:
+                self._pinned[step] = left
+            else:
+                self._pinned.pop(step, None)
 
     def commit(self, step: int, *, light: bool = False, directory: bool | None = None) -> UnitManifest:
         """Register a unit written to :meth:`unit_path` by someone else (a sharded save), and copy it on.
@@ -729,33 +827,42 @@ class CheckpointManager:
         self._schedule_copies(manifest)
         return manifest
 
-    def _on_saved(self, step: int, light: bool, handle: Any) -> None:
+    def _on_saved(self, step: int, light: bool, handle: Any, base: int | None = None) -> None:
         try:
-            self._commit_saved(step, light, handle)
+            self._commit_saved(step, light, handle, base)
         finally:
+            self._unpin(base)
             with self._lock:
                 if handle in self._pending_saves:
                     self._pending_saves.remove(handle)
 
-    def _commit_saved(self, step: int, light: bool, handle: Any) -> None:
+    def _commit_saved(self, step: int, light: bool, handle: Any, base: int | None = None) -> None:
         exc = handle.exception()  # seen here: the manager raises it from save() / wait()
         if exc is not None:
             with self._lock:
                 self._errors.append(exc)
+                self._chain = []  # no delta against a failed save: the next save is full
             _LOG.error("%s: save of step %d failed: %s", self.names[0], step, exc)
             return
         try:
             report = handle.result()
             metrics.record_save_seconds(self.names[0], "write", report.seconds)
-            self._committed_on_tier0(step, False, light, report)
+            self._committed_on_tier0(step, False, light, report, base)
         except Exception as exc:  # noqa: BLE001 - kept and raised from save() / wait()
             with self._lock:
                 self._errors.append(exc)
             _LOG.error("%s: committing step %d failed: %s", self.names[0], step, exc)
 
-    def _committed_on_tier0(self, step: int, directory: bool, light: bool, report: Any) -> UnitManifest:
+    def _committed_on_tier0(self, step: int, directory: bool, light: bool, report: Any, base: int | None = None) -> UnitManifest:
         store = self._stores[0]
-        manifest = store.describe(step, directory, light)
+        if base is not None and store.manifest(base) is None:
+            with self._lock:
+                self._chain = []
+            raise CheckpointWriteError(
+                f"{store.label}: step {step} is a delta against step {base}, which is not committed there (its save "
+                f"failed or it was removed); step {step} is not committed. The next save is full."
+            )
+        manifest = store.describe(step, directory, light, base=base)
         store.write_manifest(manifest)
         metrics.record_bytes_written(store.label, manifest.stored_bytes)
         metrics.record_last_step(store.label, step)
@@ -810,6 +917,8 @@ class CheckpointManager:
             cb, label, step = self.on_copy_progress, dst.label, manifest.step
             progress = lambda n: cb(label, step, n)  # noqa: E731
         try:
+            if manifest.base is not None:
+                self._copy_bases(i, manifest)
             delay = tier.backoff_s
             for attempt in range(tier.retries + 1):
                 started = time.perf_counter()
@@ -856,6 +965,51 @@ class CheckpointManager:
             except Exception as exc:  # noqa: BLE001
                 _LOG.warning("%s: retention failed: %s", self.names[0], exc)
 
+    def _copy_bases(self, i: int, manifest: UnitManifest) -> None:
+        """Commit the chain of the delta ``manifest`` on tier ``i``, oldest first, where it is not there yet.
+
+        Raises:
+            CheckpointWriteError: A base is not on tier 0 or its copy failed (the delta is then not copied).
+        """
+        src, dst = self._stores[0], self._stores[i]
+        chain: list[UnitManifest] = []
+        base = manifest.base
+        while base is not None:
+            m = src.manifest(base)
+            if m is None:
+                raise CheckpointWriteError(
+                    f"{dst.label} ({dst.root}): step {manifest.step} is not copied: its base step {base} is no longer on "
+                    f"{src.label} ({src.root})"
+                )
+            chain.append(m)
+            base = m.base
+        for m in reversed(chain):
+            there = dst.manifest(m.step)
+            if there is not None and [f.index_xxh3 for f in there.files] == [f.index_xxh3 for f in m.files]:
+                continue  # committed there by its own copy, or by an earlier delta's
+            try:
+                self._copy_with_retries(i, m)
+            except Exception as exc:  # noqa: BLE001
+                raise CheckpointWriteError(
+                    f"{dst.label} ({dst.root}): step {manifest.step} is not copied: it is a delta against step {m.step}, "
+                    f"whose copy there failed ({exc}). A delta is committed only after its base; the tier's previous "
+                    f"copies are untouched, step {manifest.step} stays on {src.label}."
+                ) from exc
+
+    def _copy_with_retries(self, i: int, manifest: UnitManifest) -> UnitManifest:
+        src, dst, tier = self._stores[0], self._stores[i], self.tiers[i]
+        delay = tier.backoff_s
+        for attempt in range(tier.retries + 1):
+            try:
+                return copy_unit(src, dst, manifest)
+            except Exception as exc:  # noqa: BLE001
+                if attempt == tier.retries:
+                    raise
+                _LOG.warning("%s: copying step %d failed (%s); retrying in %.1f s", dst.label, manifest.step, exc, delay)
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
     # -- retention ----------------------------------------------------------------------------
     def _apply_retention(self, i: int, committed: int | None = None) -> list[int]:
         """Delete the steps tier ``i`` no longer keeps; never its newest step or newest full step.
@@ -885,6 +1039,8 @@ class CheckpointManager:
                 with self._lock:
                     protect |= set(self._pinned)
             kept = retained_steps(manifests, tier.keep, tier.keep_every_steps, protect)
+            # A chain goes as a whole: every base a kept delta needs stays.
+            kept = set(retained(sorted(kept), lambda s: manifests[s].base if s in manifests else None))
             for step in sorted(set(manifests) - kept):
                 store.remove_unit(step, manifests[step].directory)
                 removed.append(step)
@@ -967,9 +1123,16 @@ class CheckpointManager:
         manifest = src.manifest(step)
         if manifest is None:
             raise CheckpointError(f"{src.label} ({src.root}): holds no step {step}")
+        chain = [manifest]
+        while chain[-1].base is not None:  # a delta comes with its chain, bases first
+            base = src.manifest(chain[-1].base)
+            if base is None:
+                raise CheckpointError(f"{src.label} ({src.root}): step {chain[-1].step} is a delta against step {chain[-1].base}, which is not there")
+            chain.append(base)
         local = TierStore(Tier(os.path.abspath(os.fspath(local_dir)), name="fetched"), "fetched")
         os.makedirs(local.root, exist_ok=True)
-        copy_unit(src, local, manifest)
+        for m in reversed(chain):
+            copy_unit(src, local, m)
         return local.unit_path(step, manifest.directory)
 
     def locate(self, step: int | None = None, *, allow_light: bool = False) -> Restored | None:
@@ -1019,6 +1182,7 @@ class CheckpointManager:
         for h in handles:
             h.wait()
         found: dict[int, list[tuple[int, UnitManifest]]] = {}
+        listed: dict[int, dict[int, UnitManifest]] = {}
         skipped: list[tuple[int, str, str]] = []
         for i, store in enumerate(self._stores):
             if i == 0 and self.tier0_external:
@@ -1029,6 +1193,7 @@ class CheckpointManager:
                 _LOG.warning("restore: %s (%s) cannot be listed, skipped: %s", store.label, store.root, exc)
                 skipped.append((-1, store.label, f"cannot list: {exc}"))
                 continue
+            listed[i] = manifests
             for s, m in manifests.items():
                 found.setdefault(s, []).append((i, m))
         candidates = sorted(found, reverse=True) if step is None else ([step] if step in found else [])
@@ -1046,6 +1211,8 @@ class CheckpointManager:
                 try:
                     store.check(m, full=m.directory or _every_byte)
                     opts = self.tiers[i].storage_options
+                    if m.base is not None:
+                        _check_chain(store, m, listed[i], full=_every_byte)
                     if m.directory:
                         state = loader(where, opts) if loader is not None else None
                     elif loader is not None:

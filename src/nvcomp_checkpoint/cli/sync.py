@@ -11,6 +11,7 @@ from typing import Any
 
 from nvcomp_checkpoint.errors import CheckpointError
 from nvcomp_checkpoint.report import format_bytes
+from nvcomp_checkpoint.delta import retained
 from nvcomp_checkpoint.tiers import copy_unit, open_tier, retained_steps
 
 from ._ui import EXIT_OK, Reporter, print_json, stdout_console
@@ -47,6 +48,8 @@ def run_sync(args: argparse.Namespace) -> int:
     if args.keep is not None:
         # Steps that --keep would delete at once are not worth copying.
         keep_from = retained_steps(set(have) | set(wanted), args.keep, None)
+        # ... and the bases the kept deltas need (copied first: steps go in ascending order).
+        keep_from = set(retained(sorted(keep_from), lambda s: wanted[s].base if s in wanted else have[s].base if s in have else None))
         wanted = {s: m for s, m in wanted.items() if s in keep_from}
     copied, nbytes = [], 0
     with Reporter(args.quiet) as reporter:
@@ -63,6 +66,7 @@ def run_sync(args: argparse.Namespace) -> int:
         full = [s for s, m in now.items() if not m.light]
         protect = {max(now)} | ({max(full)} if full else set()) if now else set()
         kept = retained_steps(now, args.keep, None, protect)
+        kept = set(retained(sorted(kept), lambda s: now[s].base if s in now else None))  # a chain goes as a whole
         for step in sorted(set(now) - kept):
             dst.remove_unit(step, now[step].directory)
             removed.append(step)

@@ -38,6 +38,7 @@ import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, rotate, write_marker
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint
+from nvcomp_checkpoint.incremental import IncrementalFiles, keep_with_bases
 from nvcomp_checkpoint.savegroup import SaveGroup
 from nvcomp_checkpoint.integrations import accelerate_fsdp
 from nvcomp_checkpoint.storage import LOCAL
@@ -100,6 +101,9 @@ def register_nvcomp_hooks(
     on_saved: Callable[[nc.SaveReport], Any] | None = None,
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
     tiers: list[Tier] | None = None,
+    incremental: bool = False,
+    full_every: int | None = None,
+    delta_base: str = "previous",
 ) -> "NvcompStateHooks":
     """Make ``accelerator.save_state``/``load_state`` compress model weights and optimizer state.
 
@@ -114,6 +118,12 @@ def register_nvcomp_hooks(
             (``save_iteration``), ``load_state`` of a folder these hooks saved sets
             ``save_iteration`` to the one after it, and on a fresh node
             ``accelerator.load_state(hooks.resume_path())`` loads the newest copy that checks.
+        incremental: Each ``.nvc`` file of a ``save_state`` folder is a delta against the same
+            file of the previous folder these hooks saved (a full folder every ``full_every``,
+            and the first save of a process); ``total_limit`` rotation keeps every folder a kept
+            one needs. A folder updated in place is saved in full.
+        full_every, delta_base: As for :class:`~nvcomp_checkpoint.ChainPolicy` (``full_every``
+            default 10, ``delta_base`` ``"previous"`` or ``"full"``).
 
     Returns:
         A handle: ``handle.last_report`` is the :class:`~nvcomp_checkpoint.SaveReport` of the
@@ -155,6 +165,7 @@ def register_nvcomp_hooks(
     return NvcompStateHooks(
         accelerator, policy, workers,
         async_save=async_save, on_saved=on_saved, stream_wrapper=stream_wrapper, tiers=tiers,
+        incremental=incremental, full_every=full_every, delta_base=delta_base,
     )
 
 
@@ -209,8 +220,17 @@ class NvcompStateHooks(SaveEntryPoint):
         on_saved: Callable[[nc.SaveReport], Any] | None = None,
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         tiers: list[Tier] | None = None,
+        incremental: bool = False,
+        full_every: int | None = None,
+        delta_base: str = "previous",
     ) -> None:
         # Checked first: a wrong argument must not leave the accelerator half wrapped.
+        if incremental and tiers is not None:
+            raise ValueError(
+                "register_nvcomp_hooks(incremental=True, tiers=...): copies to tiers are renamed by iteration, which "
+                "breaks the relative base names of delta files; use one of them"
+            )
+        self.incremental = IncrementalFiles("register_nvcomp_hooks", full_every, delta_base) if incremental else None
         super().__init__(
             "register_nvcomp_hooks", policy, workers=workers, async_save=async_save, on_saved=on_saved,
             stream_wrapper=stream_wrapper, tiers=tiers, log_as="save_state",
@@ -288,7 +308,8 @@ class NvcompStateHooks(SaveEntryPoint):
             checkpoints = Path(os.path.abspath(acc.project_dir)) / "checkpoints"
             shown = Path(os.path.join(acc.project_dir, "checkpoints", f"checkpoint_{acc.save_iteration}"))
             target = checkpoints / shown.name
-            staging = _STORE.staging_path(checkpoints.parent / target.name)
+            # A delta names its base relative to its own folder: staged at the depth it is committed at.
+            staging = _STORE.staging_path(target if self.incremental is not None else checkpoints.parent / target.name)
             if target.exists():
                 # Accelerate's own rule and message for automatic naming.
                 raise ValueError(
@@ -333,6 +354,8 @@ class NvcompStateHooks(SaveEntryPoint):
                 )
         except BaseException as exc:
             config.iteration = call.iteration
+            if self.incremental is not None:
+                self.incremental.failed()  # the next save is a full one
             if writes:
                 _remove_quietly(call.staging)  # once its files have stopped writing into it
             if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)) and not _is_save_failure(exc):
@@ -378,10 +401,16 @@ class NvcompStateHooks(SaveEntryPoint):
             _remove_quietly(replaced)  # the previous checkpoint; leftovers are cleaned next time
         if rotation is not None:
             checkpoints, limit = rotation
-            rotate([p for _, p in numbered_dirs(checkpoints, _number)], limit, keep=target, trash=checkpoints.parent)
+            ordered = [p for _, p in numbered_dirs(checkpoints, _number)]
+            if self.incremental is not None:  # a chain goes as a whole: the folders kept ones need stay
+                needed = keep_with_bases([os.fspath(p) for p in [*ordered[-limit:], target]])
+                ordered, limit = [p for p in ordered if os.fspath(p) not in needed], 0
+            rotate(ordered, limit, keep=target, trash=checkpoints.parent)
 
     def _failed(self, call: _SaveCall, exc: BaseException) -> BaseException:
         _remove_quietly(call.staging)
+        if self.incremental is not None:
+            self.incremental.failed()
         error = _save_failed(call.target, exc)
         error.__cause__ = exc
         return error
@@ -421,6 +450,8 @@ class NvcompStateHooks(SaveEntryPoint):
                 workers=self.workers, metadata={"accelerate": {"kind": kind, "index": i, **meta}},
                 stream_wrapper=self.stream_wrapper,
             )
+            if self.incremental is not None and call.staging.parent == call.target.parent:
+                kwargs["base"] = self.incremental.base_for(call.target / name, slot=name)
             if call.background:
                 self._saves.save(call.group, name, state, call.staging / name, self.policy, **kwargs)
             else:

@@ -24,6 +24,7 @@ import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
 from nvcomp_checkpoint.entrypoint import POLICY_OPTION_KEYS, SaveEntryPoint, policy_and_metadata, report_metrics, torch_weights_only
 from nvcomp_checkpoint.errors import UnsafeCheckpointError
+from nvcomp_checkpoint.incremental import IncrementalFiles
 from nvcomp_checkpoint.savegroup import SavedCallback
 from nvcomp_checkpoint.storage import storage_for
 from nvcomp_checkpoint.tiers import Tier
@@ -75,6 +76,11 @@ def _storage_as_loaded(storage: Any, location: str) -> Any:
     return storage
 
 
+def _not_last(path: str) -> bool:
+    # ModelCheckpoint rewrites last.ckpt in place: a delta against it would lose its base.
+    return not os.path.basename(path).startswith(getattr(ModelCheckpoint, "CHECKPOINT_NAME_LAST", None) or "last")
+
+
 class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
     """Saves Lightning checkpoints compressed, per component (weights, optimizer moments ...).
 
@@ -94,6 +100,11 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             with its own top-k; copies are named by the checkpoint's ``global_step``, and
             ``trainer.fit(ckpt_path=plugin.resume_path())`` resumes on a fresh node.
         fsspec_options: Options for fsspec when paths are URLs (credentials, endpoint ...).
+        incremental: Save each checkpoint as a delta against the previous one this process saved
+            (a full one every ``full_every``; ``last.ckpt``, rewritten in place, is never a base).
+            :meth:`remove_checkpoint` keeps a file that a kept delta needs until that delta is removed.
+        full_every, delta_base: As for :class:`~nvcomp_checkpoint.ChainPolicy` (``full_every``
+            default 10, ``delta_base`` ``"previous"`` or ``"full"``).
 
     Attributes:
         last_report: The :class:`SaveReport` of the most recent completed save (``None`` before one);
@@ -116,8 +127,19 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         on_saved: SavedCallback | None = None,
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         tiers: list[Tier] | None = None,
+        incremental: bool = False,
+        full_every: int | None = None,
+        delta_base: str = "previous",
     ) -> None:
         CheckpointIO.__init__(self)
+        if incremental and tiers is not None:
+            raise ValueError(
+                "NvcompCheckpointIO(incremental=True, tiers=...): copies to tiers are renamed by step, which breaks the "
+                "relative base names of delta files; use one of them, or nc.CheckpointManager(tiers, incremental=True)"
+            )
+        self.incremental: IncrementalFiles | None = None if not incremental else IncrementalFiles(
+            "NvcompCheckpointIO", full_every, delta_base, storage_options=fsspec_options or None, can_be_base=_not_last,
+        )
         _register_with_standalone_packages()
         SaveEntryPoint.__init__(
             self, "NvcompCheckpointIO", policy, workers=workers, async_save=async_save, max_pending=max_pending,
@@ -165,12 +187,21 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             storage_options=self.fsspec_options or None, stream_wrapper=self.stream_wrapper,
         )
         after = self._after_durable(info.get("global_step"), path, lambda r: self._tell_listeners(r, info))
-        if not self.async_save:
-            self._saved(nc.save(checkpoint, path, policy, workers=self.workers, **kwargs), after)
-            return
-        self._saves.wait_for_slot()
-        self._raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
-        self._save_group(path, started, after, lambda group: self._saves.save(group, "checkpoint", checkpoint, path, policy, **kwargs))
+        try:
+            if not self.async_save:
+                base = self.incremental.base_for(path) if self.incremental is not None else None
+                self._saved(nc.save(checkpoint, path, policy, workers=self.workers, base=base, **kwargs), after)
+                return
+            self._saves.wait_for_slot()
+            self._raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
+            base = self.incremental.base_for(path) if self.incremental is not None else None
+            self._save_group(
+                path, started, after, lambda group: self._saves.save(group, "checkpoint", checkpoint, path, policy, base=base, **kwargs)
+            )
+        except BaseException:
+            if self.incremental is not None:
+                self.incremental.failed()  # the next save is a full one
+            raise
 
     def _tell_listeners(self, report: SaveReport, info: dict[str, Any]) -> None:
         for listener in list(self._listeners):
@@ -232,6 +263,12 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         self._remove_now(path)
 
     def _remove_now(self, path: Any) -> None:
+        if self.incremental is not None:  # a file a kept delta needs waits for that delta's removal
+            self.incremental.remove(os.fspath(path), self._delete)
+            return
+        self._delete(os.fspath(path))
+
+    def _delete(self, path: str) -> None:
         storage, spath = storage_for(path, self.fsspec_options or None)
         storage.remove(spath)
 

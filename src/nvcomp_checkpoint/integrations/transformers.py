@@ -248,6 +248,8 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         compress_weights: ``None`` (default): compress the weights only when the Trainer is an
             :class:`NvcompTrainerMixin`, which can resume from them. ``True`` with a stock
             Trainer is refused when the Trainer is created.
+        incremental: Refused (``ValueError``): the Trainer deletes old ``checkpoint-N`` folders
+            itself, which could delete a base that a kept delta needs.
 
     Attributes:
         last_report: The :class:`~nvcomp_checkpoint.SaveReport` of the latest conversion.
@@ -264,7 +266,15 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         compress_weights: bool | None = None,
         tiers: list[Tier] | None = None,
+        incremental: bool = False,
     ) -> None:
+        if incremental:
+            raise ValueError(
+                "NvcompTrainerCallback(incremental=True) is not supported: the Trainer deletes old checkpoint-N "
+                "folders itself (save_total_limit, best-model rotation) without asking, which would delete bases "
+                "that kept deltas need. Save in full here, or use nc.CheckpointManager(tiers, incremental=True) or "
+                "the Lightning / Accelerate integrations' incremental=True."
+            )
         SaveEntryPoint.__init__(
             self, "NvcompTrainerCallback", policy, workers=workers, async_save=async_save, on_saved=on_saved,
             stream_wrapper=stream_wrapper, tiers=tiers, log_as="compressed",

@@ -1,0 +1,247 @@
+"""Incremental saves of the files a framework names itself: which earlier file each save is a delta
+against, and deletions deferred until no kept delta needs the file (what every integration shares).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import threading
+from typing import Any, Callable, Iterable
+
+from .delta import ChainPolicy, base_path_of, retained
+from .errors import CheckpointError
+from .reader import CheckpointReader
+from .storage import is_url, list_names, storage_for
+
+__all__ = ["IncrementalFiles", "DEFERRED_NAME", "unit_base_of", "keep_with_bases"]
+
+_LOG = logging.getLogger("nvcomp_checkpoint")
+
+#: Names of files whose removal waits for the deltas that need them, per folder (read by the next process).
+DEFERRED_NAME = ".nvckpt-deferred-removals.json"
+
+
+def _any_file(path: str) -> bool:
+    return True
+
+
+def _dirname(path: str) -> str:
+    return posixpath.dirname(path) if is_url(path) else os.path.dirname(os.path.abspath(path))
+
+
+def _norm(path: str | os.PathLike[str]) -> str:
+    path = os.fspath(path)
+    return path if is_url(path) else os.path.abspath(path)
+
+
+class IncrementalFiles:
+    """Bookkeeping of an integration's ``incremental=True``: bases, ``full_every`` counting, deferred deletion.
+
+    Files are grouped in slots (Accelerate: one per file name of a ``save_state`` folder; Lightning:
+    one for every ``.ckpt``); each save of a slot is a delta against the slot's previous save, a full
+    file every ``full_every`` saves (:class:`~nvcomp_checkpoint.ChainPolicy`). The first save of a
+    process is full, so a resumed run never depends on files it did not write.
+
+    Args:
+        owner: Names the integration in messages.
+        full_every: A full file every ``full_every`` saves of a slot (None: 10).
+        base: ``"previous"`` or ``"full"``, as for :class:`~nvcomp_checkpoint.ChainPolicy`.
+        can_be_base: False for paths the framework rewrites in place (Lightning's ``last.ckpt``):
+            a file others depend on must not change.
+        storage_options: fsspec options for URLs.
+    """
+
+    def __init__(
+        self,
+        owner: str,
+        full_every: int | None = None,
+        base: str = "previous",
+        *,
+        can_be_base: Callable[[str], bool] | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        try:
+            self.policy = ChainPolicy(10 if full_every is None else full_every, base)
+        except ValueError as exc:
+            raise ValueError(f"{owner}(incremental=True, full_every=...): {exc}") from None
+        self.owner = owner
+        self.can_be_base = can_be_base or _any_file
+        self.storage_options = storage_options
+        self._history: dict[str, list[str]] = {}  # slot -> paths saved in its current chain
+        self._written: set[str] = set()  # every path saved by this process (a second save rewrites it)
+        self._doomed: set[str] = set()
+        self._bases: dict[str, str | None] = {}  # what this process saved (or is saving) each path against
+        self._loaded_dirs: set[str] = set()
+        self._lock = threading.RLock()
+
+    def __getstate__(self) -> dict[str, Any]:  # Lightning sends plugins to spawned processes
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+    # -- saving ------------------------------------------------------------------------------
+    def base_for(self, path: str | os.PathLike[str], slot: str = "") -> str | None:
+        """The earlier file to save ``path`` against (None: save in full); call just before the save."""
+        path = _norm(path)
+        with self._lock:
+            self._doomed.discard(path)  # saved again: the framework keeps it after all
+            history = self._history.setdefault(slot, [])
+            rewritten = path in self._written
+            self._written.add(path)
+            if rewritten:
+                needed_by = [p for p in self._live() if p != path and path in self._chain(p)]
+                if needed_by:
+                    _LOG.warning(
+                        "%s: %s is saved again while %s are deltas against it; those cannot be loaded until they "
+                        "are saved again. Give files that are rewritten in place a name the can_be_base rule excludes.",
+                        self.owner, path, ", ".join(needed_by),
+                    )
+            candidates = [p for p in history if p != path and self.can_be_base(p)]
+            base = self.policy.base_for(candidates)
+            if base is not None and (base in self._doomed or path in self._chain(base)):
+                base = None  # a delta cannot replace a file of its own chain, nor keep a removed file alive
+            if base is None:
+                history.clear()
+            if self.can_be_base(path) and not rewritten:
+                history.append(path)
+            self._bases[path] = base
+            return base
+
+    def failed(self, slot: str | None = None) -> None:
+        """A save failed: the next save of ``slot`` (None: of every slot) is full."""
+        with self._lock:
+            for s in ([slot] if slot is not None else list(self._history)):
+                self._history.pop(s, None)
+
+    # -- removing ----------------------------------------------------------------------------
+    def remove(self, path: str | os.PathLike[str], delete: Callable[[str], None]) -> list[str]:
+        """Delete ``path`` with ``delete`` once no kept delta needs it, and any earlier deferred file now free.
+
+        Returns:
+            The paths deleted now.
+        """
+        path = _norm(path)
+        with self._lock:
+            self._load_deferred(_dirname(path))
+            self._doomed.add(path)
+            return self._collect(delete)
+
+    def collect(self, delete: Callable[[str], None]) -> list[str]:
+        """Delete the deferred files no kept delta needs any more (after a rewrite freed them)."""
+        with self._lock:
+            return self._collect(delete)
+
+    @property
+    def deferred(self) -> list[str]:
+        """Files whose removal waits for a kept delta that needs them."""
+        with self._lock:
+            return sorted(self._doomed)
+
+    def _collect(self, delete: Callable[[str], None]) -> list[str]:
+        needed: set[str] = set()
+        for p in self._live():
+            needed.update(self._chain(p))
+        done = []
+        for p in sorted(self._doomed - needed):
+            try:
+                delete(p)
+            except FileNotFoundError:
+                pass
+            self._doomed.discard(p)
+            done.append(p)
+        kept = sorted(self._doomed & needed)
+        if kept:
+            _LOG.info("%s: keeping %s until the deltas that need them are removed", self.owner, ", ".join(kept))
+        for folder in {_dirname(p) for p in [*done, *kept]}:
+            self._store_deferred(folder)
+        return done
+
+    def _live(self) -> list[str]:
+        """Checkpoint files that are kept: this process's and those beside the deferred ones, not deferred."""
+        folders = {_dirname(p) for p in self._doomed | self._written}
+        found = set(self._written)
+        for folder in folders:
+            storage, root = storage_for(folder, self.storage_options)
+            try:
+                names = list_names(storage, root)
+            except (FileNotFoundError, OSError):
+                continue
+            found.update(posixpath.join(folder, n) if is_url(folder) else os.path.join(folder, n) for n, d in names.items() if not d and not n.startswith("."))
+        return sorted(found - self._doomed)
+
+    def _chain(self, path: str) -> list[str]:
+        """The bases ``path`` needs, nearest first (empty for a full file, a missing one or another kind of file)."""
+        out: list[str] = []
+        current = path
+        while True:
+            if current in self._bases:  # known before the file is durable (an async save)
+                base = self._bases[current]
+            else:
+                try:
+                    base = base_path_of(current, CheckpointReader, self.storage_options)
+                except (CheckpointError, OSError, ValueError):
+                    return out
+            if base is None or base in out:
+                return out
+            base = _norm(base)
+            out.append(base)
+            current = base
+
+    # The deferred set outlives the process: a resumed run deletes what the previous one had to keep.
+    def _load_deferred(self, folder: str) -> None:
+        if folder in self._loaded_dirs or is_url(folder):
+            return
+        self._loaded_dirs.add(folder)
+        try:
+            with open(os.path.join(folder, DEFERRED_NAME), "rb") as f:
+                names = json.loads(f.read())
+        except (FileNotFoundError, ValueError):
+            return
+        self._doomed.update(os.path.join(folder, n) for n in names if isinstance(n, str) and os.path.exists(os.path.join(folder, n)))
+
+    def _store_deferred(self, folder: str) -> None:
+        if is_url(folder):
+            return
+        names = sorted(os.path.basename(p) for p in self._doomed if _dirname(p) == folder)
+        target = os.path.join(folder, DEFERRED_NAME)
+        if not names:
+            if os.path.exists(target):
+                os.remove(target)
+            return
+        tmp = target + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(names, f)
+        os.replace(tmp, target)
+
+
+def unit_base_of(path: str, storage_options: dict[str, Any] | None = None) -> str | None:
+    """The unit a checkpoint file or folder (a ``save_state`` folder) is a delta against, or None.
+
+    For a folder: the folder holding the base of the first delta file in it.
+    """
+    path = _norm(path)
+    if not is_url(path) and os.path.isdir(path):
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".nvc"):
+                try:
+                    base = base_path_of(os.path.join(path, name), CheckpointReader, storage_options)
+                except (CheckpointError, OSError):
+                    continue
+                if base is not None:
+                    return os.path.dirname(os.path.abspath(base))
+        return None
+    try:
+        base = base_path_of(path, CheckpointReader, storage_options)
+    except (CheckpointError, OSError):
+        return None
+    return None if base is None else _norm(base)
+
+
+def keep_with_bases(keep: Iterable[str], storage_options: dict[str, Any] | None = None) -> set[str]:
+    """``keep`` and every unit a kept one needs, transitively (for a rotation: a chain goes as a whole)."""
+    return set(retained([_norm(p) for p in keep], lambda p: unit_base_of(p, storage_options)))
