@@ -6,7 +6,7 @@ layer and those below):
     base        errors, version, tensors, workers, codecs/*, filters/*, metrics
     format      format/*, policy, storage, report, filetype, pending, dirstore, delta
     pipeline    writer, reader, snapshot
-    api         api, async_save, savegroup, entrypoint, dirconvert, tiers, dcp/*, the package __init__
+    api         api, async_save, savegroup, entrypoint, dirconvert, tiers, incremental, dcp/*, broadcast, the package __init__
     adapters    cli/*, integrations/*, the short-name shims lightning/accelerate/transformers
 
 The core never imports Lightning, Accelerate or Transformers; an integration imports its own
