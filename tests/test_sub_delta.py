@@ -184,6 +184,18 @@ def test_sub_shrinks_second_moments_against_xor_alone(tmp_path, monkeypatch):
     assert sa < sb and with_sub.stored_bytes < xor_only.stored_bytes
 
 
+def test_form_chosen_from_a_sample_loads_exactly_and_stores_about_as_small(tmp_path, monkeypatch):
+    base = tmp_path / "base.nvc"
+    nc.save(_state(20), base)
+    monkeypatch.setattr(nc.delta, "PICK_SAMPLE_BYTES", 0)  # every form of every plane compressed whole
+    whole = nc.save(_state(40), tmp_path / "whole.nvc", base=base)
+    monkeypatch.setattr(nc.delta, "PICK_SAMPLE_BYTES", 2048)  # planes of 12 KiB: chosen from 2 KiB samples
+    sampled = nc.save(_state(40), tmp_path / "sampled.nvc", base=base)
+    assert_tree_equal(_state(40), nc.load(tmp_path / "sampled.nvc"))
+    assert "sub" in _ops(tmp_path / "sampled.nvc")["optimizer/state/0/exp_avg_sq"]
+    assert whole.stored_bytes <= sampled.stored_bytes < 1.03 * whole.stored_bytes
+
+
 def test_rebase_of_a_sub_delta_stands_alone(tmp_path):
     from nvcomp_checkpoint.cli.main import main
 

@@ -155,6 +155,13 @@ def pick_frames(forms: Sequence[Form], size: Callable[[Any], int]) -> list[tuple
     return out
 
 
+#: On the CPU, a plane larger than twice this is chosen from a compressed sample of each form
+#: (its first ``PICK_SAMPLE_BYTES``), and only the chosen form is compressed whole; 0: every form
+#: whole. Compressing three forms whole made a delta save 2.15x (dense) and 2.48x (MoE) a full
+#: save; sampled, <see benchmarks/README.md> (benchmarks/bench_incremental.py).
+PICK_SAMPLE_BYTES = 128 << 10
+
+
 def encode_cpu_chunk_against(data: np.ndarray, base: np.ndarray, item: Any) -> list[Encoded]:
     """Frames of one chunk of a tensor that has a base, each plain, XORed or subtracted (``item``: a planned tensor)."""
     filt = ByteplaneFilter(item.width)
@@ -163,12 +170,18 @@ def encode_cpu_chunk_against(data: np.ndarray, base: np.ndarray, item: Any) -> l
     transformed = [("", data), (XOR, xor_bytes(data, base))]
     if tries_sub(item):
         transformed.append((SUB, sub_bytes(data, base, item.width)))
-    forms = []
-    for op, values in transformed:
-        pieces = filt.split(values) if byteplane else [values]
-        forms.append((op, pieces, [codec.encode(p) for p in pieces]))
-    chosen = pick_frames(forms, len)
-    return [(frame, len(p), xxhash.xxh3_64_intdigest(frame), op) for (frame, op), p in zip(chosen, forms[0][1])]
+    split = [(op, filt.split(values) if byteplane else [values]) for op, values in transformed]
+    sample = PICK_SAMPLE_BYTES
+    out: list[Encoded] = []
+    for i, plain in enumerate(split[0][1]):
+        candidates = [(op, pieces[i]) for op, pieces in split]
+        if sample and len(plain) > 2 * sample:
+            # Ties keep the earlier form, as pick_frames does.
+            estimates = [min(len(codec.encode(piece[:sample])), sample) for _, piece in candidates]
+            candidates = [candidates[estimates.index(min(estimates))]]
+        (frame, op), = pick_frames([(op, [piece], [codec.encode(piece)]) for op, piece in candidates], len)
+        out.append((frame, len(plain), xxhash.xxh3_64_intdigest(frame), op))
+    return out
 
 
 def undo_chunk_np_(dest: np.ndarray, base: np.ndarray, width: int, ops: Sequence[str]) -> None:
