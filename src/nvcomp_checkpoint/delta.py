@@ -157,8 +157,8 @@ def pick_frames(forms: Sequence[Form], size: Callable[[Any], int]) -> list[tuple
 
 #: On the CPU, a plane larger than twice this is chosen from a compressed sample of each form
 #: (its first ``PICK_SAMPLE_BYTES``), and only the chosen form is compressed whole; 0: every form
-#: whole. Compressing three forms whole made a delta save 2.15x (dense) and 2.48x (MoE) a full
-#: save; sampled, <see benchmarks/README.md> (benchmarks/bench_incremental.py).
+#: whole. Compressing three forms whole made a delta save 1.67-3.19x a full save (dense and MoE,
+#: three runs); sampled 1.16-1.82x, with the same ratio to 3 decimals (benchmarks/README.md).
 PICK_SAMPLE_BYTES = 128 << 10
 
 
