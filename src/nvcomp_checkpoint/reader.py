@@ -344,16 +344,16 @@ class CheckpointReader:
             return self._start_decode_stored(entry, device, pool)
         chain = self.chain
         if (device.type == "cuda" and gpu_available()) or not has_cpu_decoder(entry.codec.id):
-            # On the GPU the XOR is undone on the device, once the tensor is decoded.
+            # On the GPU the XOR and the difference are undone on the device, once the tensor is decoded.
             finish = self._start_decode_stored(entry, device, pool)
             return lambda: chain.undo(entry, finish())
-        # On the CPU each decoding worker undoes the XOR of its own chunk (in cache, in parallel).
+        # On the CPU each decoding worker undoes its own chunk's XOR and difference (in cache, in parallel).
         return self._start_decode_stored(entry, device, pool, after_chunk=chain.chunk_undoer(entry))
 
     def _start_decode_stored(
         self, entry: TensorEntry, device: torch.device, pool: Executor, after_chunk: Callable[..., None] | None = None
     ) -> Callable[[], torch.Tensor]:
-        """:meth:`_start_decode` of the bytes as stored (a delta tensor's before the XOR is undone)."""
+        """:meth:`_start_decode` of the bytes as stored (a delta tensor's before its transforms are undone)."""
         if device.type == "cuda" and gpu_available():
             gpu_tensor = self._decode_gpu(entry, device)
             return lambda: gpu_tensor
