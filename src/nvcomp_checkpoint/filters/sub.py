@@ -121,10 +121,12 @@ def undo_planes_np_(out: np.ndarray, ref: np.ndarray, width: int, ops: Sequence[
 
 
 def _unsigned(t: torch.Tensor, width: int) -> torch.Tensor:
-    """1-D uint8 element bytes as int64 unsigned element values (no overflow in later sums)."""
+    """1-D uint8 element bytes as unsigned element values in a type wide enough for their sums
+    (int32 up to 2-byte elements: half the GPU memory of int64 for bf16)."""
+    wide = torch.int32 if width <= 2 else torch.int64
     if width == 1:
-        return t.to(torch.int64)
-    return t.view(_TORCH_SIGNED[width]).to(torch.int64) & ((1 << (8 * width)) - 1)
+        return t.to(wide)
+    return t.view(_TORCH_SIGNED[width]).to(wide) & ((1 << (8 * width)) - 1)
 
 
 def _to_bytes(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -145,7 +147,7 @@ def sub_bytes_torch(data: torch.Tensor, ref: torch.Tensor, width: int) -> torch.
 def undo_planes_(out: torch.Tensor, ref: torch.Tensor, width: int, ops: Sequence[str]) -> None:
     """:func:`undo_planes_np_` for 1-D uint8 tensors on any device (the GPU reader's path).
 
-    Computed on int64 element values and masked: the same bytes as the numpy path.
+    Computed on wider element values and masked: the same bytes as the numpy path.
     """
     per_byte = _plane_ops(ops, width)
     if _SUB not in per_byte:
@@ -161,6 +163,6 @@ def undo_planes_(out: torch.Tensor, ref: torch.Tensor, width: int, ops: Sequence
         value = (o & mask) + (r & mask)
         if first:
             low = (1 << (8 * first)) - 1
-            value = value + ((o & low) < (r & low)).to(torch.int64) * (1 << (8 * first))
+            value = value + ((o & low) < (r & low)).to(o.dtype) * (1 << (8 * first))
         o = (o & (full ^ mask)) | (value & mask)
     out.copy_(_to_bytes(o, width))
