@@ -88,14 +88,15 @@ def test_golden_multi_chunk_entry():
 
 
 def _spec_reader(data: bytes, base: dict[str, np.ndarray] | None = None) -> tuple[dict, dict[str, np.ndarray]]:
-    """Decodes a version-1 file, or a version-2 delta given its base's tensors, following docs/format.md alone."""
-    assert data[:8] == (b"NVCKPT\x01\x00" if base is None else b"NVCKPT\x02\x00")
+    """Decodes a version-1 file, or a version-2 or -3 delta given its base's tensors, following docs/format.md alone."""
+    version = data[6]
+    assert data[:6] == b"NVCKPT" and data[7] == 0 and version in ((1,) if base is None else (2, 3))
     index_offset, index_size, index_hash, magic = struct.unpack("<QQQ8s", data[-32:])
     assert magic == b"NVCKEND\x00" and index_offset + index_size == len(data) - 32
     raw_index = data[index_offset : index_offset + index_size]
     assert xxhash.xxh3_64_intdigest(raw_index) == index_hash
     index = json.loads(raw_index)
-    assert index["format"] == "nvcomp-checkpoint" and index["version"] == (1 if base is None else 2)
+    assert index["format"] == "nvcomp-checkpoint" and index["version"] == version
     assert ("base" in index) == (base is not None)
 
     def frame_bytes(offset: int, size: int, raw_size: int, digest: str, codec: str) -> bytes:
@@ -117,24 +118,43 @@ def _spec_reader(data: bytes, base: dict[str, np.ndarray] | None = None) -> tupl
         if "delta" in t:
             ref = base[t["delta"]["key"]]
             assert f"{xxhash.xxh3_64_intdigest(ref.tobytes()):016x}" == t["delta"]["xxh3"]
+        width = t["width"]
         for start in range(0, nbytes, t["chunk_bytes"]):
             length = min(t["chunk_bytes"], nbytes - start)
+            ops = []
             for p in range(planes):
                 offset, size, digest, *op = next(frames)
                 raw = np.frombuffer(frame_bytes(offset, size, length // planes, digest, t["codec"]["id"]), np.uint8)
+                ops.append(op)
                 if op == ["xor"]:
                     # The XOR of this plane with the same plane of the base tensor's chunk.
                     raw = raw ^ ref[start : start + length].reshape(-1, planes)[:, p]
                 else:
-                    assert op == []
+                    assert op in ([], ["sub"]) and (op == [] or version == 3)
                 # Plane p holds byte p of every little-endian scalar of the chunk.
                 out[start : start + length].reshape(-1, planes)[:, p] = raw
+            if ["sub"] in ops:
+                _undo_sub(out[start : start + length], ref[start : start + length], width, ops * (width // planes))
         assert next(frames, None) is None
         tensors[t["key"]] = out
     s_off, s_size, s_raw, s_hash = index["skeleton"]
     skeleton = frame_bytes(s_off, s_size, s_raw, s_hash, "zstd")
     assert zipfile.is_zipfile(io.BytesIO(skeleton))  # a torch.save archive
     return index, tensors
+
+
+def _undo_sub(chunk: np.ndarray, ref: np.ndarray, width: int, ops: list[list[str]]) -> None:
+    """docs/format.md's rule for "sub" bytes, element by element with Python integers: byte k of
+    ``x`` is ``(D_k + b_k + borrow) mod 256``, borrow 1 when ``x mod 256**k < b mod 256**k``."""
+    assert width in (1, 2, 4)
+    elems, bases = chunk.reshape(-1, width), ref.reshape(-1, width)
+    for i in range(elems.shape[0]):
+        x, b = [int(v) for v in elems[i]], int.from_bytes(bases[i].tobytes(), "little")
+        for k in range(width):
+            if ops[k] == ["sub"]:
+                low_x = int.from_bytes(bytes(x[:k]), "little")
+                x[k] = (x[k] + (b >> (8 * k) & 0xFF) + (low_x < b % 256**k)) % 256
+        elems[i] = x
 
 
 def test_golden_matches_format_document():
@@ -252,13 +272,57 @@ def test_golden_delta_matches_format_document():
         assert make_golden.hashlib.sha256(tensors[key].tobytes()).hexdigest() == want["sha256"], key
 
 
-def test_resave_reproduces_golden_delta_bytes(tmp_path):
+def test_resave_reproduces_golden_delta_bytes(tmp_path, monkeypatch):
     same, why = _versions_match()
     if not same:
         pytest.skip(f"compressed bytes depend on library versions: {why}")
+    # Written before the difference ("sub", version 3) was tried: XOR only.
+    monkeypatch.setattr(nc.delta, "SUB_COMPONENTS", frozenset())
     shutil.copy(GOLDEN, tmp_path / GOLDEN.name)
     with nc.open(GOLDEN_DELTA) as reader:
         metadata = reader.metadata
     path = tmp_path / "delta.nvc"
     nc.save(make_golden_delta.golden_delta_tree(), path, make_golden_delta.golden_delta_policy(), metadata=metadata, workers=1, base=tmp_path / GOLDEN.name)
     assert path.read_bytes() == GOLDEN_DELTA.read_bytes()
+
+
+# -- the "sub" golden file (format version 3) ----------------------------------------------------
+
+GOLDEN_SUB = DATA / "golden_v3_sub.nvc"
+EXPECTED_SUB = json.loads((DATA / "golden_v3_sub.expected.json").read_text())
+
+
+def test_golden_sub_decodes_to_expected_tree():
+    back = nc.load(GOLDEN_SUB)
+    assert_tree_equal(make_golden_delta.golden_delta_tree(), back)
+    with nc.open(GOLDEN_SUB) as reader:
+        assert reader.index.version == 3 and reader.metadata == EXPECTED_SUB["metadata"]
+        for key, want in EXPECTED_SUB["tensors"].items():
+            assert make_golden.tensor_digest(reader.read(key)) == want["sha256"], key
+        assert all(err is None for _, err in reader.verify())
+        ops = {t.key: [f.op for f in t.frames] for t in reader.index.tensors}
+    # "sub" planes of bf16 and fp32 chunks beside XOR planes, above plain planes (the borrow
+    # from below), and on unfiltered chunks.
+    assert ops["model/embed.weight"] == ["sub", "xor"]
+    assert ops["model/fc.weight"][:4] == ["", "", "sub", "xor"]
+    assert ops["optimizer/state/0/exp_avg_sq"] == ["sub", "sub"]
+
+
+def test_golden_sub_matches_format_document():
+    _, base = _spec_reader(GOLDEN.read_bytes())
+    index, tensors = _spec_reader(GOLDEN_SUB.read_bytes(), base)
+    assert index["version"] == 3 and index["base"]["path"] == "golden_v1.nvc"
+    for key, want in EXPECTED_SUB["tensors"].items():
+        assert make_golden.hashlib.sha256(tensors[key].tobytes()).hexdigest() == want["sha256"], key
+
+
+def test_resave_reproduces_golden_sub_bytes(tmp_path):
+    same, why = _versions_match()
+    if not same:
+        pytest.skip(f"compressed bytes depend on library versions: {why}")
+    shutil.copy(GOLDEN, tmp_path / GOLDEN.name)
+    with nc.open(GOLDEN_SUB) as reader:
+        metadata = reader.metadata
+    path = tmp_path / "sub.nvc"
+    nc.save(make_golden_delta.golden_delta_tree(), path, make_golden_delta.golden_delta_policy(), metadata=metadata, workers=1, base=tmp_path / GOLDEN.name)
+    assert path.read_bytes() == GOLDEN_SUB.read_bytes()

@@ -206,7 +206,8 @@ def test_full_file_keeps_format_version_one(tmp_path):
     nc.save(_state(10), tmp_path / "full.nvc")
     assert (tmp_path / "full.nvc").read_bytes()[:8] == b"NVCKPT\x01\x00"
     _save_chain(tmp_path, [1, 2])
-    assert (tmp_path / "ckpt-2.nvc").read_bytes()[:8] == b"NVCKPT\x02\x00"
+    # Version 3: the writer tried the difference ("sub" frames) on the weights.
+    assert (tmp_path / "ckpt-2.nvc").read_bytes()[:8] == b"NVCKPT\x03\x00"
 
 
 def test_delta_header_and_index_version_must_agree(tmp_path):

@@ -57,8 +57,9 @@ def save(
             wrapper's ``write`` must pass every byte on, in order.
         base: An earlier checkpoint of the same run: the file is written as a delta of it
             (docs/format.md, "Delta files"). Each tensor whose key, dtype and shape match one of
-            the base is stored, byte plane by byte plane, plain or XORed with the base's,
-            whichever is smaller. Loading the delta needs the base at the same relative path.
+            the base is stored, byte plane by byte plane, plain, XORed with the base's or as the
+            integer difference from it, whichever is smallest. Loading the delta needs the base
+            at the same relative path.
         base_state: With ``base``: the state that was saved to ``base``, kept by the caller, so
             that the base's values need not be decoded (about 2x faster; the reader checks each
             value the delta uses against a digest, so a wrong copy fails loudly on load).

@@ -1,8 +1,8 @@
 """Incremental checkpoints: a checkpoint stored as its difference from an earlier one (its base).
 
 The writer XORs each tensor (of the components in :data:`XOR_COMPONENTS`) with the same tensor
-of the base and keeps, byte plane by byte plane, whichever of the plain and the XORed plane
-stores smaller; the reader follows the chain of
+of the base, also subtracts it (:data:`SUB_COMPONENTS`), and keeps, byte plane by byte plane,
+whichever of the plain, XORed and subtracted plane stores smallest; the reader follows the chain of
 bases back to a full checkpoint. The format is in ``docs/format.md`` ("Delta files").
 """
 
@@ -21,8 +21,9 @@ import xxhash
 from .codecs import cpu_codec, gpu_available, has_cpu_decoder
 from .errors import BaseCheckpointError, CheckpointError, UnsupportedObjectError
 from .filters import ByteplaneFilter
+from .filters.sub import SUB_WIDTHS, sub_bytes, undo_planes_, undo_planes_np_
 from .filters.xor import xor_bytes, xor_planes_, xor_planes_np_
-from .format.chain import XOR, BaseRef, TensorDelta
+from .format.chain import SUB, XOR, BaseRef, TensorDelta
 from .format.layout import TensorEntry
 from .storage import is_url
 
@@ -37,6 +38,9 @@ __all__ = [
     "retained",
     "pick_frames",
     "encode_cpu_chunk_against",
+    "tries_sub",
+    "undo_chunk_",
+    "undo_chunk_np_",
 ]
 
 #: Opens a checkpoint for reading (``CheckpointReader``; passed in so imports run one way).
@@ -48,6 +52,9 @@ OpenReader = Callable[..., Any]
 #: a second compression and a decode of the base. Weights went from 1.48x to 1.69x (MoE) and
 #: 3.31x (dense), second moments from 1.23x to 1.28-1.32x.
 XOR_COMPONENTS = frozenset({"weights", "exp_avg_sq", "other"})
+#: Components (of :data:`XOR_COMPONENTS`) whose planes may also be stored as planes of the
+#: wrapping difference with the base (frame op "sub"): a third compression of each plane.
+SUB_COMPONENTS = frozenset({"weights", "exp_avg_sq"})
 
 
 # -- where the base lies -------------------------------------------------------------------
@@ -118,41 +125,85 @@ def bytes_xxh3(flat: torch.Tensor) -> int:
 #: One frame as the writer hands it on: stored bytes, raw size, XXH3-64 of the stored bytes, op.
 Encoded = tuple[Any, int, int, str]
 
+#: One candidate form of a chunk's frames: (op, pieces, the codec's frame of each piece).
+Form = tuple[str, Sequence[Any], Sequence[Any]]
 
-def pick_frames(plain: Sequence[Any], xored: Sequence[Any], plain_coded: Sequence[Any], xored_coded: Sequence[Any], size: Callable[[Any], int]) -> list[tuple[Any, str]]:
-    """For each frame, the smallest of: the plain piece, its codec frame, the XORed piece, its frame.
 
-    Ties keep the plain form (no base needed to read it), and a codec frame that does not shrink
-    its piece is the piece itself (the format's raw rule). The same rule on the CPU and the GPU.
+def tries_sub(item: Any) -> bool:
+    """Whether the writer also tries the difference with the base for ``item`` (a planned tensor
+    with a base): its component is in :data:`SUB_COMPONENTS` and its width is one "sub" is defined for."""
+    return item.component.value in SUB_COMPONENTS and item.width in SUB_WIDTHS
+
+
+def pick_frames(forms: Sequence[Form], size: Callable[[Any], int]) -> list[tuple[Any, str]]:
+    """For each frame, the smallest of every form's piece and its codec frame.
+
+    ``forms`` is in order of preference (plain first, then XOR, then the difference): ties keep
+    the earlier form (plain needs no base; XOR is the cheaper to undo), and a codec frame that
+    does not shrink its piece is the piece itself (the format's raw rule). The same rule on the
+    CPU and the GPU.
     """
     out = []
-    for p, x, pc, xc in zip(plain, xored, plain_coded, xored_coded):
-        best_plain = pc if size(pc) < size(p) else p
-        best_xor = xc if size(xc) < size(x) else x
-        out.append((best_xor, XOR) if size(best_xor) < size(best_plain) else (best_plain, ""))
+    for i in range(len(forms[0][1])):
+        best: tuple[Any, str] | None = None
+        for op, pieces, coded in forms:
+            candidate = coded[i] if size(coded[i]) < size(pieces[i]) else pieces[i]
+            if best is None or size(candidate) < size(best[0]):
+                best = (candidate, op)
+        assert best is not None
+        out.append(best)
     return out
 
 
+#: On the CPU, a plane larger than twice this is chosen from a compressed sample of each form
+#: (its first ``PICK_SAMPLE_BYTES``), and only the chosen form is compressed whole; 0: every form
+#: whole. Compressing three forms whole made a delta save 1.67-3.19x a full save (dense and MoE,
+#: three runs); sampled 1.16-1.82x, with the same ratio to 3 decimals (benchmarks/README.md).
+PICK_SAMPLE_BYTES = 128 << 10
+
+
 def encode_cpu_chunk_against(data: np.ndarray, base: np.ndarray, item: Any) -> list[Encoded]:
-    """Frames of one chunk of a tensor that has a base, each plain or XORed (``item``: a planned tensor)."""
+    """Frames of one chunk of a tensor that has a base, each plain, XORed or subtracted (``item``: a planned tensor)."""
     filt = ByteplaneFilter(item.width)
     byteplane = item.spec.filter == "byteplane"
-    xored = xor_bytes(data, base)
-    plain_parts = filt.split(data) if byteplane else [data]
-    xor_parts = filt.split(xored) if byteplane else [xored]
     codec = cpu_codec(item.spec.codec, item.spec.level)
-    chosen = pick_frames(
-        plain_parts, xor_parts, [codec.encode(p) for p in plain_parts], [codec.encode(x) for x in xor_parts], len
-    )
-    return [(frame, len(p), xxhash.xxh3_64_intdigest(frame), op) for (frame, op), p in zip(chosen, plain_parts)]
+    transformed = [("", data), (XOR, xor_bytes(data, base))]
+    if tries_sub(item):
+        transformed.append((SUB, sub_bytes(data, base, item.width)))
+    split = [(op, filt.split(values) if byteplane else [values]) for op, values in transformed]
+    sample = PICK_SAMPLE_BYTES
+    out: list[Encoded] = []
+    for i, plain in enumerate(split[0][1]):
+        candidates = [(op, pieces[i]) for op, pieces in split]
+        if sample and len(plain) > 2 * sample:
+            # Ties keep the earlier form, as pick_frames does.
+            estimates = [min(len(codec.encode(piece[:sample])), sample) for _, piece in candidates]
+            candidates = [candidates[estimates.index(min(estimates))]]
+        (frame, op), = pick_frames([(op, [piece], [codec.encode(piece)]) for op, piece in candidates], len)
+        out.append((frame, len(plain), xxhash.xxh3_64_intdigest(frame), op))
+    return out
 
 
-def undo_xor_(flat: torch.Tensor, base: torch.Tensor, entry: TensorEntry) -> None:
+def undo_chunk_np_(dest: np.ndarray, base: np.ndarray, width: int, ops: Sequence[str]) -> None:
+    """Undo one chunk's transforms in place (numpy): ``dest`` its joined planes, ``ops`` its frames' ops."""
+    if SUB in ops:
+        undo_planes_np_(dest, base, width, ops)
+    elif any(ops):
+        xor_planes_np_(dest, base, width, [op == XOR for op in ops])
+
+
+def undo_chunk_(dest: torch.Tensor, base: torch.Tensor, width: int, ops: Sequence[str]) -> None:
+    """:func:`undo_chunk_np_` in torch, on any device (the GPU reader's path)."""
+    if SUB in ops:
+        undo_planes_(dest, base, width, ops)
+    elif any(ops):
+        xor_planes_(dest, base, width, [op == XOR for op in ops])
+
+
+def undo_delta_(flat: torch.Tensor, base: torch.Tensor, entry: TensorEntry) -> None:
     """Turn the decoded bytes of a delta tensor (1-D uint8) into its values, in place."""
     for start, length, frames in entry.chunks():
-        ops = [f.op == XOR for f in frames]
-        if any(ops):
-            xor_planes_(flat[start : start + length], base[start : start + length], entry.width, ops)
+        undo_chunk_(flat[start : start + length], base[start : start + length], entry.width, [f.op for f in frames])
 
 
 # -- reading: the chain --------------------------------------------------------------------------
@@ -243,11 +294,11 @@ class BaseChain:
             raise BaseCheckpointError(
                 f"{self._what()}: tensor {entry.delta.key!r} has {base.numel()} bytes, tensor {entry.key!r} of the delta {flat.numel()}"
             )
-        undo_xor_(flat, base, entry)
+        undo_delta_(flat, base, entry)
         return t
 
     def chunk_undoer(self, entry: TensorEntry) -> Callable[[int, Sequence[Any], np.ndarray], None]:
-        """For the CPU decoder: ``undo(chunk start, frames, decoded chunk)`` undoes one chunk's XOR.
+        """For the CPU decoder: ``undo(chunk start, frames, decoded chunk)`` undoes one chunk's XOR and difference.
 
         The base tensor is read (following the chain) now, before the chunks are decoded.
         """
@@ -260,7 +311,7 @@ class BaseChain:
         host = base.numpy()
 
         def undo(start: int, frames: Sequence[Any], dest: np.ndarray) -> None:
-            xor_planes_np_(dest, host[start : start + dest.size], entry.width, [f.op == XOR for f in frames])
+            undo_chunk_np_(dest, host[start : start + dest.size], entry.width, [f.op for f in frames])
 
         return undo
 

@@ -20,7 +20,7 @@ from .codecs import cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
 from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError, SizeLimitError, UnsafeCheckpointError
 from .filters import ByteplaneFilter
 from .delta import BaseChain
-from .format.layout import DELTA_MAGIC, FOOTER, MAGIC, Frame, Index, TensorEntry, unpack_footer
+from .format.layout import FOOTER, MAGIC, READ_VERSIONS, Frame, Index, TensorEntry, unpack_footer
 from .format.skeleton import check_skeleton, decode_skeleton, tensor_paths, unflatten
 from .policy import Component
 from .report import ComponentStats, ComponentSummary
@@ -139,9 +139,9 @@ class CheckpointReader:
         head = self._read_at(0, len(MAGIC))
         if head[:6] != MAGIC[:6]:
             raise FormatError(f"{self.path}: not an nvcomp-checkpoint file (no NVCKPT magic)")
-        if head[6] > DELTA_MAGIC[6]:
-            raise FormatError(f"{self.path}: format version {head[6]}; this nvcomp-checkpoint reads versions up to {DELTA_MAGIC[6]}. Upgrade to read it.")
-        if head not in (MAGIC, DELTA_MAGIC):
+        if head[6] > READ_VERSIONS[-1]:
+            raise FormatError(f"{self.path}: format version {head[6]}; this nvcomp-checkpoint reads versions up to {READ_VERSIONS[-1]}. Upgrade to read it.")
+        if head[6] not in READ_VERSIONS or head[7] != MAGIC[7]:
             raise FormatError(
                 f"{self.path}: damaged header (version byte {head[6]}, reserved byte {head[7]}; expected "
                 f"{MAGIC[6]} and {MAGIC[7]}); restore the file from another copy"
@@ -344,16 +344,16 @@ class CheckpointReader:
             return self._start_decode_stored(entry, device, pool)
         chain = self.chain
         if (device.type == "cuda" and gpu_available()) or not has_cpu_decoder(entry.codec.id):
-            # On the GPU the XOR is undone on the device, once the tensor is decoded.
+            # On the GPU the XOR and the difference are undone on the device, once the tensor is decoded.
             finish = self._start_decode_stored(entry, device, pool)
             return lambda: chain.undo(entry, finish())
-        # On the CPU each decoding worker undoes the XOR of its own chunk (in cache, in parallel).
+        # On the CPU each decoding worker undoes its own chunk's XOR and difference (in cache, in parallel).
         return self._start_decode_stored(entry, device, pool, after_chunk=chain.chunk_undoer(entry))
 
     def _start_decode_stored(
         self, entry: TensorEntry, device: torch.device, pool: Executor, after_chunk: Callable[..., None] | None = None
     ) -> Callable[[], torch.Tensor]:
-        """:meth:`_start_decode` of the bytes as stored (a delta tensor's before the XOR is undone)."""
+        """:meth:`_start_decode` of the bytes as stored (a delta tensor's before its transforms are undone)."""
         if device.type == "cuda" and gpu_available():
             gpu_tensor = self._decode_gpu(entry, device)
             return lambda: gpu_tensor

@@ -21,11 +21,12 @@ import torch
 import xxhash
 
 from .codecs import CodecConfig, codec_facts, cpu_codec, gpu_available, gpu_chunk_bytes, gpu_codec, has_cpu_decoder
-from .delta import BaseSource, encode_cpu_chunk_against, pick_frames
+from .delta import BaseSource, encode_cpu_chunk_against, pick_frames, tries_sub
 from .errors import CodecUnavailableError, UnsupportedObjectError
 from .filters import ByteplaneFilter, plane_width
-from .format.chain import TensorDelta
-from .format.layout import DELTA_MAGIC, MAGIC, MAX_INDEX_BYTES, QUANTIZED_DTYPES, Frame, Index, TensorEntry, pack_footer
+from .filters.sub import sub_bytes_torch
+from .format.chain import DELTA_FORMAT_VERSION, SUB, SUB_FORMAT_VERSION, XOR, TensorDelta
+from .format.layout import DELTA_MAGIC, MAGIC, SUB_MAGIC, MAX_INDEX_BYTES, QUANTIZED_DTYPES, Frame, Index, TensorEntry, pack_footer
 from .format.skeleton import encode_skeleton, flatten
 from .policy import CodecPolicy, CodecSpec, Component, key_string
 from .report import ComponentStats
@@ -227,8 +228,8 @@ def encode_gpu_batch(flat: torch.Tensor, starts: list[int], item: PlannedTensor,
     """Compress one batch of chunks on ``item.device``; the frames stay in GPU memory.
 
     A frame that does not shrink is the raw piece, which may be a view of ``flat``. With
-    ``base`` (the base tensor's bytes), each frame is plain or XORed with the base on the
-    device, whichever stores smaller (delta.pick_frames, the CPU's rule).
+    ``base`` (the base tensor's bytes), each frame is plain, XORed with the base or their
+    difference, computed on the device, whichever stores smallest (delta.pick_frames, the CPU's rule).
     """
     device = item.device
     assert device is not None
@@ -255,18 +256,26 @@ def encode_gpu_batch(flat: torch.Tensor, starts: list[int], item: PlannedTensor,
 def _encode_gpu_against(
     src: torch.Tensor, base: torch.Tensor, starts: list[int], item: PlannedTensor, pieces: list[torch.Tensor], codec: Any
 ) -> GpuFrames:
-    """The frames of one GPU batch of a tensor with a base: the XOR runs on the device."""
+    """The frames of one GPU batch of a tensor with a base: the XOR and the difference run on the device."""
     ref = base[starts[0] : starts[0] + src.numel()]
     if ref.device != src.device:
         ref = ref.to(src.device)
-    xored = torch.bitwise_xor(src, ref)
     filt = ByteplaneFilter(item.width)
-    xpieces: list[torch.Tensor] = []
-    for s in starts:
-        chunk = xored[s - starts[0] : s - starts[0] + item.chunk_bytes]
-        xpieces.extend(filt.split_torch(chunk) if item.spec.filter == "byteplane" else [chunk])
-    encoded = codec.encode_batch(pieces + xpieces)
-    chosen = pick_frames(pieces, xpieces, encoded[: len(pieces)], encoded[len(pieces) :], lambda t: t.numel())
+    transformed = [(XOR, torch.bitwise_xor(src, ref))]
+    if tries_sub(item):
+        transformed.append((SUB, sub_bytes_torch(src, ref, item.width)))
+    tpieces: list[list[torch.Tensor]] = []
+    for _, values in transformed:
+        parts: list[torch.Tensor] = []
+        for s in starts:
+            chunk = values[s - starts[0] : s - starts[0] + item.chunk_bytes]
+            parts.extend(filt.split_torch(chunk) if item.spec.filter == "byteplane" else [chunk])
+        tpieces.append(parts)
+    # One nvCOMP batch for every form of every piece.
+    encoded = codec.encode_batch(pieces + [p for parts in tpieces for p in parts])
+    n = len(pieces)
+    forms = [("", pieces, encoded[:n])] + [(op, parts, encoded[n * (k + 1) : n * (k + 2)]) for k, ((op, _), parts) in enumerate(zip(transformed, tpieces))]
+    chosen = pick_frames(forms, lambda t: t.numel())
     return [f for f, _ in chosen], [p.numel() for p in pieces], [op for _, op in chosen]
 
 
@@ -507,7 +516,8 @@ class CheckpointWriter:
                 f"over the format's limit of {MAX_INDEX_BYTES >> 30} GiB; store large arrays and byte strings as "
                 "torch tensors (torch.from_numpy, torch.frombuffer), which are compressed and streamed"
             )
-        self._write(MAGIC if self.base is None else DELTA_MAGIC)
+        version = self._version(planned)
+        self._write({DELTA_FORMAT_VERSION: DELTA_MAGIC, SUB_FORMAT_VERSION: SUB_MAGIC}.get(version, MAGIC))
         skel_frame = self._write_skeleton(skeleton_bytes)
         frames_of: list[list[Frame]] = [[] for _ in planned]
         self._ring = PinnedRing()
@@ -515,7 +525,15 @@ class CheckpointWriter:
             self._compress_and_write(planned, frames_of)
         finally:
             self._ring.close()
-        return self._finish(planned, frames_of, skel_frame, metadata)
+        return self._finish(planned, frames_of, skel_frame, metadata, version)
+
+    def _version(self, planned: list[PlannedTensor]) -> int | None:
+        """The file's format version, decided before its first byte (the magic holds it): 3 when
+        some tensor may get "sub" frames (an older reader then refuses the file), 2 for another
+        delta, None (1) for a full file."""
+        if self.base is None:
+            return None
+        return SUB_FORMAT_VERSION if any(item.base_key is not None and tries_sub(item) for item in planned) else DELTA_FORMAT_VERSION
 
     def _compress_and_write(self, planned: list[PlannedTensor], frames_of: list[list[Frame]]) -> None:
         # Worker threads read CUDA tensors on their own (default) stream: the kernels that made
@@ -560,7 +578,12 @@ class CheckpointWriter:
             self._drain_one(window, frames_of)
 
     def _finish(
-        self, planned: list[PlannedTensor], frames_of: list[list[Frame]], skel_frame: Frame, metadata: dict[str, Any] | None
+        self,
+        planned: list[PlannedTensor],
+        frames_of: list[list[Frame]],
+        skel_frame: Frame,
+        metadata: dict[str, Any] | None,
+        version: int | None = None,
     ) -> tuple[Index, dict[str, ComponentStats], int]:
         entries = []
         stats: dict[str, ComponentStats] = {}
@@ -588,7 +611,7 @@ class CheckpointWriter:
             raw_total += entry.nbytes
         meta = {"created_by": f"nvcomp-checkpoint {__version__}", "torch": torch.__version__, "created": time.time()}
         meta.update(metadata or {})
-        index = Index(skel_frame, tuple(entries), meta, self.base.ref if self.base is not None else None)
+        index = Index(skel_frame, tuple(entries), meta, self.base.ref if self.base is not None else None, version)
         index_bytes = index.to_json_bytes()
         if len(index_bytes) > MAX_INDEX_BYTES:
             # The reader refuses a larger index; fail the save (nothing lands at the path) rather

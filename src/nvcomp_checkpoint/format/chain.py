@@ -9,15 +9,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import FormatError
+from ..filters.sub import SUB_WIDTHS
 
-__all__ = ["FRAME_OPS", "XOR", "BaseRef", "TensorDelta", "DELTA_FORMAT_VERSION"]
+__all__ = ["FRAME_OPS", "XOR", "SUB", "BaseRef", "TensorDelta", "DELTA_FORMAT_VERSION", "SUB_FORMAT_VERSION", "SUB_WIDTHS"]
 
 #: Index ``version`` (and magic version byte) of a file that records a base.
 DELTA_FORMAT_VERSION = 2
 #: A frame's transform against the base: "" stored as is, "xor" XORed with the same byte plane
 #: of the same chunk of the base tensor's bytes.
 XOR = "xor"
-FRAME_OPS = ("", XOR)
+#: "sub": the same byte plane of the wrapping difference ``(x - b) mod 2**(8*width)`` of each
+#: little-endian ``width``-byte element and the base's (format version 3, docs/format.md).
+SUB = "sub"
+FRAME_OPS = ("", XOR, SUB)
+#: Index ``version`` (and magic version byte) of a delta file that may hold ``sub`` frames: a
+#: version-2 reader refuses it ("Upgrade") instead of taking differences for values.
+SUB_FORMAT_VERSION = 3
+#: Element widths ``sub`` frames are defined for: SUB_WIDTHS, (1, 2, 4).
 
 
 def _hex64(value: Any, what: str, where: str) -> int:

@@ -18,11 +18,13 @@ from ..codecs import CODEC_IDS, CodecConfig
 from ..codecs.registry import CHUNK_CAP_BYTES
 from ..errors import FormatError
 from ..filters import FILTER_IDS
-from .chain import DELTA_FORMAT_VERSION, FRAME_OPS, BaseRef, TensorDelta
+from .chain import DELTA_FORMAT_VERSION, FRAME_OPS, SUB, SUB_FORMAT_VERSION, SUB_WIDTHS, BaseRef, TensorDelta
 
 __all__ = [
     "MAGIC",
     "DELTA_MAGIC",
+    "SUB_MAGIC",
+    "READ_VERSIONS",
     "FORMAT_VERSION",
     "FOOTER",
     "FOOTER_MAGIC",
@@ -43,6 +45,10 @@ FORMAT_VERSION = 1
 MAGIC = b"NVCKPT" + bytes([FORMAT_VERSION, 0])
 #: The magic of a delta file (version 2: version 1 plus a base, docs/format.md "Delta files").
 DELTA_MAGIC = b"NVCKPT" + bytes([DELTA_FORMAT_VERSION, 0])
+#: The magic of a delta file that may hold ``sub`` frames (version 3: version 2 plus that op).
+SUB_MAGIC = b"NVCKPT" + bytes([SUB_FORMAT_VERSION, 0])
+#: Format versions this reader reads, oldest first.
+READ_VERSIONS = (FORMAT_VERSION, DELTA_FORMAT_VERSION, SUB_FORMAT_VERSION)
 FOOTER_MAGIC = b"NVCKEND\x00"
 #: index offset (u64), index size (u64), xxh3-64 of the index (u64), FOOTER_MAGIC; little-endian.
 FOOTER = struct.Struct("<QQQ8s")
@@ -101,7 +107,7 @@ class Frame:
     size: int
     raw_size: int
     xxh: int
-    #: Transform against the base (format/chain.py): "" = none, "xor".
+    #: Transform against the base (format/chain.py): "" = none, "xor", "sub".
     op: str = ""
 
     @property
@@ -127,7 +133,7 @@ class TensorEntry:
     device: str = "cpu"
     requires_grad: bool = False
     parameter: bool = False
-    #: The base tensor that ``xor`` frames refer to (delta files only).
+    #: The base tensor that ``xor`` and ``sub`` frames refer to (delta files only).
     delta: TensorDelta | None = None
 
     @property
@@ -184,7 +190,7 @@ def chunk_frame_sizes(nbytes: int, chunk_bytes: int, planes: int) -> list[int]:
     return sizes
 
 
-def _entry_from_json(data: Any, data_start: int, data_end: int, where: str, has_base: bool = False) -> TensorEntry:
+def _entry_from_json(data: Any, data_start: int, data_end: int, where: str, has_base: bool = False, version: int = FORMAT_VERSION) -> TensorEntry:
     try:
         key = str(data["key"])
         dtype = dtype_from_name(str(data["dtype"]), where)
@@ -238,6 +244,11 @@ def _entry_from_json(data: Any, data_start: int, data_end: int, where: str, has_
             raise FormatError(f"{where_t}: malformed frame record {raw!r:.200}") from exc
         if len(raw) not in (3, 4) or op not in FRAME_OPS or (op and delta is None):
             raise FormatError(f"{where_t}: malformed frame record {raw!r:.200} (a frame op needs a delta record)")
+        if op == SUB and (version < SUB_FORMAT_VERSION or width not in SUB_WIDTHS):
+            raise FormatError(
+                f"{where_t}: frame op 'sub' in a version-{version} file, or for elements of width {width} "
+                f"(it needs version {SUB_FORMAT_VERSION} and width {' / '.join(map(str, SUB_WIDTHS))}); the index is corrupt"
+            )
         if offset < data_start or size < 0 or offset + size > data_end or size > raw_size:
             raise FormatError(f"{where_t}: frame at {offset} (+{size}) lies outside the data region")
         if codec.id == "none" and size != raw_size:
@@ -260,12 +271,17 @@ class Index:
     skeleton: Frame
     tensors: tuple[TensorEntry, ...]
     metadata: dict[str, Any]
-    #: The checkpoint this one is a delta of (format version 2), or None.
+    #: The checkpoint this one is a delta of (format version 2 or 3), or None.
     base: BaseRef | None = None
+    #: The format version: 1 without a base; with one, 3 when the writer may have stored ``sub``
+    #: frames (it tried the difference on some tensor), else 2. None: the lowest that fits.
+    version: int | None = None
 
-    @property
-    def version(self) -> int:
-        return FORMAT_VERSION if self.base is None else DELTA_FORMAT_VERSION
+    def __post_init__(self) -> None:
+        if self.version is None:
+            has_sub = any(f.op == SUB for t in self.tensors for f in t.frames)
+            derived = FORMAT_VERSION if self.base is None else SUB_FORMAT_VERSION if has_sub else DELTA_FORMAT_VERSION
+            object.__setattr__(self, "version", derived)
 
     def to_json_bytes(self) -> bytes:
         doc: dict[str, Any] = {
@@ -288,13 +304,14 @@ class Index:
         if not isinstance(doc, dict) or doc.get("format") != "nvcomp-checkpoint":
             raise FormatError(f"{where}: not an nvcomp-checkpoint index")
         version = doc.get("version")
-        if version not in (FORMAT_VERSION, DELTA_FORMAT_VERSION) or type(version) is not int:
+        if version not in READ_VERSIONS or type(version) is not int:
             raise FormatError(
                 f"{where}: format version {version!r}; this nvcomp-checkpoint reads "
-                f"versions {FORMAT_VERSION} and {DELTA_FORMAT_VERSION}. Upgrade nvcomp-checkpoint to read it."
+                f"versions {', '.join(map(str, READ_VERSIONS))}. Upgrade nvcomp-checkpoint to read it."
             )
-        # Version 2 is version 1 plus a base; the version and the base record go together.
-        if (version == DELTA_FORMAT_VERSION) != ("base" in doc):
+        # Version 2 is version 1 plus a base, version 3 version 2 plus "sub" frames: a base
+        # record exactly in versions 2 and 3.
+        if (version >= DELTA_FORMAT_VERSION) != ("base" in doc):
             raise FormatError(f"{where}: format version {version} {'without' if 'base' in doc else 'with'} a base record")
         base = BaseRef.from_json(doc["base"], where) if "base" in doc else None
         try:
@@ -311,9 +328,9 @@ class Index:
             raise FormatError(f"{where}: skeleton frame lies outside the file")
         if not isinstance(tensors_json, list) or not isinstance(metadata, dict):
             raise FormatError(f"{where}: malformed index")
-        tensors = tuple(_entry_from_json(t, data_start, data_end, where, base is not None) for t in tensors_json)
+        tensors = tuple(_entry_from_json(t, data_start, data_end, where, base is not None, version) for t in tensors_json)
         _check_no_overlaps(skeleton, tensors, where)
-        return cls(skeleton, tensors, metadata, base)
+        return cls(skeleton, tensors, metadata, base, version)
 
 
 def _check_no_overlaps(skeleton: Frame, tensors: tuple[TensorEntry, ...], where: str) -> None:
