@@ -268,6 +268,15 @@ def test_save_without_collectives_commits_per_rank_and_loads_anywhere(two_rank_r
         model, opt = _plain()
         loaded = _load_into(model, opt, NvcompReader(two_rank_run / name))
         assert_tree_equal(_full(model, opt, loaded["extra"]), ref, f"{name} 2->1")
+    # Converted, it becomes an ordinary checkpoint (one .metadata), loadable by the stock reader.
+    from nvcomp_checkpoint.dcp import compress_directory, decompress_directory
+
+    compress_directory(two_rank_run / "nocoll_plain", tmp_path / "converted")
+    decompress_directory(two_rank_run / "nocoll", tmp_path / "plain_again")
+    for reader in (NvcompReader(tmp_path / "converted"), dcp.FileSystemReader(tmp_path / "plain_again")):
+        model, opt = _plain()
+        loaded = _load_into(model, opt, reader)
+        assert_tree_equal(_full(model, opt, loaded["extra"]), ref, f"{type(reader).__name__} converted 2->1")
     # Rank 1 never committed: the directory refuses to load, naming the missing file.
     partial = tmp_path / "partial"
     shutil.copytree(two_rank_run / "nocoll", partial)
