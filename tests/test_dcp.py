@@ -142,6 +142,11 @@ def _save_on_two(rank: int, world: int, tmp: str) -> None:
     state = _state(model, opt)
     dcp.save(state, storage_writer=NvcompWriter(root / "ours"))
     dcp.save(state, storage_writer=dcp.FileSystemWriter(root / "plain"))
+    # Without collectives: each rank plans, writes and commits (its __<rank>.metadata) alone.
+    dcp.save(state, storage_writer=NvcompWriter(root / "nocoll"), use_collectives=False)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(root / "nocoll_plain"), use_collectives=False)
+    with pytest.raises(CheckpointError, match="needs a new directory per checkpoint"):
+        dcp.save(state, storage_writer=NvcompWriter(root / "nocoll"), use_collectives=False)
     full = _full(model, opt, state["extra"])
     if rank == 0:
         torch.save(full, root / "ref.pt")
@@ -164,7 +169,7 @@ def _save_on_two(rank: int, world: int, tmp: str) -> None:
         torch.save(tp_full, root / "ref_tp.pt")
 
     # Round trips on 2 ranks, from ours and from the plain checkpoint, into fresh models.
-    for name in ("ours", "plain"):
+    for name in ("ours", "plain", "nocoll", "nocoll_plain"):
         fresh, fresh_opt = _sharded(world)
         loaded = _load_into(fresh, fresh_opt, NvcompReader(root / name))
         got = _full(fresh, fresh_opt, loaded["extra"])
@@ -251,6 +256,40 @@ def test_two_ranks_to_one_without_process_group(two_rank_run: Path) -> None:
     model, opt = _plain()
     loaded = _load_into(model, opt, NvcompReader(two_rank_run / "ours"))
     assert_tree_equal(_full(model, opt, loaded["extra"]), ref, "2->1")
+
+
+def test_save_without_collectives_commits_per_rank_and_loads_anywhere(two_rank_run: Path, tmp_path: Path) -> None:
+    # 2 -> 2 ran in the spawned run; here 2 -> 1 without a process group, ours and plain.
+    files = sorted(p.name for p in (two_rank_run / "nocoll").iterdir())
+    assert [f for f in files if not f.endswith(".nvcdcp")] == ["__0.metadata", "__1.metadata"] and len(files) == 4, files
+    assert is_compressed_dcp_checkpoint(two_rank_run / "nocoll")
+    ref = torch.load(two_rank_run / "ref.pt", weights_only=True)
+    for name in ("nocoll", "nocoll_plain"):
+        model, opt = _plain()
+        loaded = _load_into(model, opt, NvcompReader(two_rank_run / name))
+        assert_tree_equal(_full(model, opt, loaded["extra"]), ref, f"{name} 2->1")
+    # Converted, it becomes an ordinary checkpoint (one .metadata), loadable by the stock reader.
+    from nvcomp_checkpoint.dcp import compress_directory, decompress_directory
+
+    compress_directory(two_rank_run / "nocoll_plain", tmp_path / "converted")
+    decompress_directory(two_rank_run / "nocoll", tmp_path / "plain_again")
+    for reader in (NvcompReader(tmp_path / "converted"), dcp.FileSystemReader(tmp_path / "plain_again")):
+        model, opt = _plain()
+        loaded = _load_into(model, opt, reader)
+        assert_tree_equal(_full(model, opt, loaded["extra"]), ref, f"{type(reader).__name__} converted 2->1")
+    # Rank 1 never committed: the directory refuses to load, naming the missing file.
+    partial = tmp_path / "partial"
+    shutil.copytree(two_rank_run / "nocoll", partial)
+    (partial / "__1.metadata").unlink()
+    model, opt = _plain()
+    with pytest.raises(CheckpointException, match=r"__1\.metadata: missing.*rank 1 never committed"):
+        _load_into(model, opt, NvcompReader(partial))
+    # A plain one missing a rank's part: caught by the shards' coverage.
+    partial = tmp_path / "partial_plain"
+    shutil.copytree(two_rank_run / "nocoll_plain", partial)
+    (partial / "__1.metadata").unlink()
+    with pytest.raises(CheckpointException, match="saved only in part"):
+        _load_into(model, opt, NvcompReader(partial))
 
 
 def test_tensor_parallel_layout_loads_on_one_process(two_rank_run: Path) -> None:

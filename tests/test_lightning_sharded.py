@@ -22,6 +22,8 @@ pytest.importorskip("lightning")
 
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
 
+import nvcomp_checkpoint as nc  # noqa: E402
+from nvcomp_checkpoint.cli.main import main  # noqa: E402
 from nvcomp_checkpoint.dcp import is_compressed_dcp_checkpoint  # noqa: E402
 from nvcomp_checkpoint.errors import CheckpointError  # noqa: E402
 from nvcomp_checkpoint.lightning import (  # noqa: E402
@@ -73,12 +75,37 @@ _SCRIPT = textwrap.dedent(
             return torch.utils.data.DataLoader(data, batch_size=8)
 
 
+    class Ema(L.Callback):
+        """Tensor state in meta.pt, as an EMA callback's full copy of the weights: each saved state
+        is also written aside (torch.save) by rank 0, each loaded one too, to compare bit for bit."""
+
+        def __init__(self, out):
+            self.out, self.steps = Path(out), 0
+            self.ema = {"w": torch.zeros(48, 24), "half": torch.zeros(8, 48, dtype=torch.bfloat16)}
+
+        def on_train_batch_end(self, trainer, *args):
+            self.steps += 1
+            g = torch.Generator().manual_seed(self.steps)
+            self.ema = {k: (v * 0.9 + torch.randn(v.shape, generator=g).to(v.dtype)) for k, v in self.ema.items()}
+
+        def state_dict(self):
+            state = {"steps": self.steps, "ema": {k: v.clone() for k, v in self.ema.items()}}
+            if torch.distributed.get_rank() == 0:
+                torch.save(state, self.out.parent / f"{self.out.name}_ema_saved_{self.steps}.pt")
+            return state
+
+        def load_state_dict(self, state):
+            self.steps, self.ema = state["steps"], state["ema"]
+            if torch.distributed.get_rank() == 0:
+                torch.save(state, self.out.parent / f"{self.out.name}_ema_loaded.pt")
+
+
     def fit(strategy, out, epochs, ckpt_path=None, losses_name=None):
         model = Net()
         trainer = L.Trainer(
             accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-            callbacks=[ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1)],
+            callbacks=[ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1), Ema(out)],
         )
         trainer.fit(model, ckpt_path=ckpt_path)
         if losses_name and trainer.global_rank == 0:
@@ -116,6 +143,10 @@ def test_fit_then_resume_in_fresh_processes_gives_the_same_losses(tmp_path: Path
     assert is_compressed_dcp_checkpoint(ours)
     assert (ours / "meta.pt").is_file() and len(list(ours.glob("*.nvcdcp"))) == 2
     assert (plain / ".metadata").is_file() and not is_compressed_dcp_checkpoint(plain)
+    # meta.pt (loops, callbacks' state) is ours, compressed and checksummed; the stock strategy's is torch.save.
+    assert nc.is_nvcomp_checkpoint(ours / "meta.pt") and not nc.is_nvcomp_checkpoint(plain / "meta.pt")
+    assert main(["verify", "-q", str(ours)]) == 0
+    assert main(["verify", "-q", str(plain)]) == 0
 
     _run(script, "resume", tmp_path)
     full = json.loads((tmp_path / "full.json").read_text())
@@ -123,6 +154,13 @@ def test_fit_then_resume_in_fresh_processes_gives_the_same_losses(tmp_path: Path
     for name in ("resume_ours.json", "resume_plain.json"):
         resumed = json.loads((tmp_path / name).read_text())
         assert resumed == full[3:], name
+    # The callback's tensors come back bit-identical from our meta.pt and from a plain one.
+    for run in ("ours", "plain"):
+        saved = torch.load(tmp_path / f"{run}_ema_saved_3.pt", weights_only=True)
+        loaded = torch.load(tmp_path / f"resumed{'' if run == 'ours' else '_plain'}_ema_loaded.pt", weights_only=True)
+        assert saved["steps"] == loaded["steps"] == 3, run
+        for key, tensor in saved["ema"].items():
+            assert tensor.dtype == loaded["ema"][key].dtype and torch.equal(tensor.view(torch.uint8), loaded["ema"][key].view(torch.uint8)), (run, key)
     # The resumed run saved compressed checkpoints too.
     assert is_compressed_dcp_checkpoint(tmp_path / "resumed" / "epoch=1-step=6.ckpt")
 
@@ -165,8 +203,6 @@ def test_fsdp1_strategy_refuses_without_cuda() -> None:
 
 
 def test_compressed_full_file_is_refused_with_the_fix(tmp_path: Path) -> None:
-    import nvcomp_checkpoint as nc
-
     path = tmp_path / "full.ckpt"
     nc.save({"state_dict": {"w": torch.ones(4)}}, path)
     with pytest.raises(CheckpointError, match="nvckpt decompress"):

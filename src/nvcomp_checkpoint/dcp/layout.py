@@ -24,6 +24,8 @@ __all__ = [
     "RECORD_MAGIC",
     "StoredItem",
     "shard_name",
+    "rank_metadata_name",
+    "WORLD_SIZE_TAG",
     "encode_metadata",
     "decode_metadata",
     "is_compressed_metadata",
@@ -50,6 +52,17 @@ class StoredItem:
 
     file: str
     key: str
+
+
+#: In ``storage_meta.modules`` of a per-rank metadata file (a save without collectives): the
+#: number of ranks that saved, so a reader can tell a whole checkpoint from one missing ranks.
+WORLD_SIZE_TAG = "nvcomp_checkpoint.dcp.world_size="
+
+
+def rank_metadata_name(rank: int) -> str:
+    """One rank's metadata in a save without collectives (``dcp.save(..., use_collectives=False)``),
+    as DCP's ``FileSystemWriter`` names it."""
+    return f"__{rank}{METADATA_NAME}"
 
 
 def shard_name(rank: int, save_id: str) -> str:

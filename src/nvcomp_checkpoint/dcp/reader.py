@@ -7,6 +7,7 @@ file a load needs; every frame's checksum is checked before it is decoded.
 from __future__ import annotations
 
 import io
+import math
 import os
 import uuid
 from typing import Any
@@ -22,13 +23,23 @@ from ..codecs import gpu_available
 from ..errors import CheckpointError, FormatError
 from ..reader import CheckpointReader
 from ..storage import open_checkpoint_stream, storage_for
-from .layout import METADATA_NAME, MAX_METADATA_BYTES, StoredItem, decode_metadata, is_compressed_metadata, join, safe_unpickle
+from .layout import (
+    METADATA_NAME,
+    MAX_METADATA_BYTES,
+    WORLD_SIZE_TAG,
+    StoredItem,
+    decode_metadata,
+    is_compressed_metadata,
+    join,
+    rank_metadata_name,
+    safe_unpickle,
+)
 
-__all__ = ["NvcompReader", "read_stored_metadata", "is_compressed_dcp_checkpoint"]
+__all__ = ["NvcompReader", "read_stored_metadata", "merge_rank_metadata", "is_compressed_dcp_checkpoint"]
 
 
-def _read_metadata_bytes(path: str, storage_options: dict[str, Any] | None) -> bytes | None:
-    where = join(path, METADATA_NAME)
+def _read_metadata_bytes(path: str, storage_options: dict[str, Any] | None, name: str = METADATA_NAME) -> bytes | None:
+    where = join(path, name)
     storage, spath = storage_for(where, storage_options)
     if not storage.exists(spath):
         return None
@@ -47,18 +58,115 @@ def read_stored_metadata(path: str | os.PathLike[str], storage_options: dict[str
     path = os.fspath(path)
     data = _read_metadata_bytes(path, storage_options)
     if data is None:
-        return None
-    where = join(path, METADATA_NAME)
+        return _read_rank_metadata(path, storage_options)
+    return _decode(data, join(path, METADATA_NAME))
+
+
+def _decode(data: bytes, where: str) -> Metadata:
     metadata = decode_metadata(data, where) if is_compressed_metadata(data) else safe_unpickle(data, where)
     if not isinstance(metadata, Metadata):
         raise FormatError(f"{where}: holds a {type(metadata).__name__}, not DCP checkpoint metadata")
     return metadata
 
 
+def _world_size(metadata: Metadata) -> int | None:
+    for tag in getattr(metadata.storage_meta, "modules", None) or ():
+        if isinstance(tag, str) and tag.startswith(WORLD_SIZE_TAG):
+            return int(tag[len(WORLD_SIZE_TAG) :])
+    return None
+
+
+def _read_rank_metadata(path: str, storage_options: dict[str, Any] | None) -> Metadata | None:
+    """A save without collectives (``__<rank>.metadata`` per rank) as one ``Metadata``, or None.
+
+    Committed means: every rank's metadata is in place (ours record how many ranks saved; for a
+    plain one, ranks are counted up to the first missing file), and together they cover every
+    element of every tensor. Then DCP loads it as any checkpoint: on any number of ranks,
+    resharding, or in one process.
+    """
+    data = _read_metadata_bytes(path, storage_options, rank_metadata_name(0))
+    if data is None:
+        return None
+    parts = [_decode(data, join(path, rank_metadata_name(0)))]
+    world = _world_size(parts[0])
+    rank = 1
+    while world is None or rank < world:
+        name = rank_metadata_name(rank)
+        data = _read_metadata_bytes(path, storage_options, name)
+        if data is None:
+            if world is None:
+                break  # a plain checkpoint: the coverage check below catches a missing rank's shards
+            raise CheckpointError(
+                f"{join(path, name)}: missing: this checkpoint was saved without collectives by {world} ranks and rank "
+                f"{rank} never committed its part (its save failed or is still running). Load an earlier checkpoint."
+            )
+        part = _decode(data, join(path, name))
+        if _world_size(part) != world:
+            raise CheckpointError(
+                f"{join(path, name)}: saved by {_world_size(part)} ranks, {rank_metadata_name(0)} by {world}: "
+                "the directory mixes two saves; load an earlier checkpoint"
+            )
+        parts.append(part)
+        rank += 1
+    return merge_rank_metadata(parts, path)
+
+
+def merge_rank_metadata(parts: list[Metadata], path: str) -> Metadata:
+    """The per-rank metadata of a save without collectives merged into the metadata DCP loads from.
+
+    Items every rank saved (unsharded tensors, non-tensor values) are taken from the lowest rank.
+
+    Raises:
+        CheckpointError: the ranks disagree on a tensor's shape or dtype, or some of a tensor's
+            elements are in no rank's part.
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    merged: dict[str, Any] = {}
+    storage_data: dict[Any, Any] = {}
+    planner_data: dict[str, Any] = {}
+    for rank, part in enumerate(parts):
+        for fqn, md in part.state_dict_metadata.items():
+            have = merged.get(fqn)
+            if have is None:
+                merged[fqn] = TensorStorageMetadata(md.properties, md.size, list(md.chunks)) if isinstance(md, TensorStorageMetadata) else md
+                continue
+            if isinstance(have, BytesStorageMetadata) and isinstance(md, BytesStorageMetadata):
+                continue
+            if not (isinstance(have, TensorStorageMetadata) and isinstance(md, TensorStorageMetadata)) or (
+                have.size != md.size or have.properties.dtype != md.properties.dtype
+            ):
+                raise CheckpointError(
+                    f"{join(path, rank_metadata_name(rank))}: {fqn!r} differs from the other ranks' (type, shape or "
+                    "dtype): the directory mixes saves; load an earlier checkpoint"
+                )
+            seen = {tuple(c.offsets) for c in have.chunks}
+            have.chunks.extend(c for c in md.chunks if tuple(c.offsets) not in seen)
+        for index, stored in (part.storage_data or {}).items():
+            storage_data.setdefault(index, stored)
+        for key, value in (part.planner_data or {}).items():
+            planner_data.setdefault(key, value)
+    for fqn, md in merged.items():
+        if isinstance(md, TensorStorageMetadata) and len(md.size) > 0:
+            held = sum(math.prod(c.sizes) for c in md.chunks)
+            if held < math.prod(md.size):
+                raise CheckpointError(
+                    f"{path}: tensor {fqn!r} is saved only in part ({held} of {math.prod(md.size)} elements) by the "
+                    f"{len(parts)} rank metadata files present (saved without collectives): a rank's part is missing; "
+                    "load an earlier checkpoint"
+                )
+    first = parts[0]
+    return Metadata(state_dict_metadata=merged, planner_data=planner_data, storage_data=storage_data,
+                    storage_meta=first.storage_meta, version=first.version)
+
+
 def is_compressed_dcp_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
-    """True if ``path`` is a committed DCP directory written by :class:`NvcompWriter`."""
+    """True if ``path`` is a committed DCP directory written by :class:`NvcompWriter` (for a save
+    without collectives: rank 0's part is; loading checks every rank's)."""
     try:
         data = _read_metadata_bytes(os.fspath(path), storage_options)
+        if data is None:  # a save without collectives: rank 0's metadata
+            data = _read_metadata_bytes(os.fspath(path), storage_options, rank_metadata_name(0))
     except (OSError, CheckpointError):
         return False
     return data is not None and is_compressed_metadata(data)
@@ -100,14 +208,15 @@ class NvcompReader(StorageReader):
         self._plain = None
 
     def read_metadata(self, *args: Any) -> Metadata:  # type: ignore[override]
-        # No **kwargs: DCP then does not look for per-rank metadata (saves without collectives),
-        # which NvcompWriter never writes, and reports only the real reason a load cannot start.
+        # No **kwargs: DCP then does not fall back to reading only its own rank's metadata of a
+        # save without collectives (a load on other ranks would miss shards); read_stored_metadata
+        # merges every rank's, and a failure reports only the real reason a load cannot start.
         if not self.path:
             raise CheckpointError("NvcompReader has no directory: pass NvcompReader(path) or dcp.load(..., checkpoint_id=path)")
         metadata = read_stored_metadata(self.path, self.storage_options)
         if metadata is None:
             storage, spath = storage_for(self.path, self.storage_options)
-            what = "an empty directory or no directory" if not storage.exists(spath) else "a directory without .metadata"
+            what = "an empty directory or no directory" if not storage.exists(spath) else "a directory without .metadata (nor __0.metadata)"
             raise CheckpointError(
                 f"{self.path}: {what}: not a DCP checkpoint, or a save that never completed (the metadata is written "
                 "last, once every rank's file is durable). Load an earlier checkpoint."

@@ -14,6 +14,7 @@ import uuid
 from typing import IO, Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
@@ -24,7 +25,7 @@ from ..errors import CheckpointError, FormatError
 from ..policy import CodecPolicy, Component, classify
 from ..storage import storage_for, write_errors
 from ..writer import CheckpointWriter
-from .layout import METADATA_NAME, StoredItem, encode_metadata, join, shard_name
+from .layout import METADATA_NAME, WORLD_SIZE_TAG, StoredItem, encode_metadata, join, rank_metadata_name, shard_name
 from .reader import read_stored_metadata
 
 __all__ = ["NvcompWriter", "FqnPolicy", "fqn_component", "bytes_key", "unique_key"]
@@ -109,8 +110,16 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
             between ``dcp.async_save`` calls.
         stream_wrapper: Wraps each rank file's output stream (benchmarks throttle or count bytes
             with it); its ``write`` must pass every byte on, in order.
+        world_size: Only for ``dcp.save(..., use_collectives=False)`` with a ``process_group``
+            other than the default one: the number of ranks saving (recorded in each rank's
+            metadata, so a reader can tell a whole checkpoint). Default: the default group's size.
 
     Every rank file and ``.metadata`` are fsynced before they are renamed into place.
+
+    With ``dcp.save(..., use_collectives=False)`` there is no coordinator: each rank writes its
+    rank file, then its own ``__<rank>.metadata`` (atomically); the checkpoint is committed once
+    every rank's metadata is in place, which :class:`~nvcomp_checkpoint.dcp.NvcompReader` checks.
+    Such a save needs a directory holding no checkpoint (each rank would replace only its own part).
     """
 
     def __init__(
@@ -122,6 +131,7 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         storage_options: dict[str, Any] | None = None,
         cache_staged_state_dict: bool = False,
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+        world_size: int | None = None,
     ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
@@ -133,6 +143,8 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         self.save_id = uuid.uuid4().hex[:12]
         self.is_coordinator = False
         self.rank = 0
+        self.world_size = world_size
+        self.use_collectives = True
 
     # -- StorageWriter ---------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -149,16 +161,23 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         self.rank = int(kwargs.get("rank") or 0)
         if not self.path:
             raise CheckpointError("NvcompWriter has no directory: pass NvcompWriter(path) or dcp.save(..., checkpoint_id=path)")
-        if kwargs.get("use_collectives", True) is False:
-            raise CheckpointError(
-                f"{self.path}: NvcompWriter needs DCP's collectives (one .metadata for all ranks, written last); "
-                "call dcp.save without use_collectives=False"
-            )
+        self.use_collectives = kwargs.get("use_collectives", True) is not False
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         storage, spath = storage_for(self.path, self.storage_options)
         with write_errors(self.path, "creating the checkpoint directory"):
             storage.makedirs(spath)
+        if not self.use_collectives:
+            # Each rank commits alone: replacing a checkpoint would leave, after a failure on some
+            # ranks, a directory mixing two saves. Ranks check only names no peer of this save writes.
+            for name in (METADATA_NAME, rank_metadata_name(self.rank)):
+                s, p = storage_for(join(self.path, name), self.storage_options)
+                if s.exists(p):
+                    raise CheckpointError(
+                        f"{join(self.path, name)}: the directory holds a checkpoint; a save with use_collectives=False "
+                        "(each rank committing its own part, no coordinator) needs a new directory per checkpoint. "
+                        "Pass a fresh path, or save with collectives (the default), which replaces a checkpoint atomically."
+                    )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -206,6 +225,9 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         metadata.version = DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
         metadata.storage_meta = self.storage_meta()
+        if not self.use_collectives:
+            self._finish_rank(metadata)
+            return
         target = join(self.path, METADATA_NAME)
         storage, spath = storage_for(target, self.storage_options)
         previous = self._previous_files()
@@ -221,6 +243,24 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
                 s.remove(p)
             except OSError:
                 pass  # a leftover file is harmless: nothing references it
+
+    def _finish_rank(self, metadata: Metadata) -> None:
+        """A save without collectives: this rank's items only, committed by its own ``__<rank>.metadata``."""
+        world = self.world_size
+        if world is None:
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if not 0 <= self.rank < world:
+            raise CheckpointError(
+                f"{self.path}: rank {self.rank} of a save without collectives is outside a world of {world} ranks; "
+                "pass NvcompWriter(..., world_size=<ranks of the process group>)"
+            )
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.modules = [*metadata.storage_meta.modules, f"{WORLD_SIZE_TAG}{world}"]
+        target = join(self.path, rank_metadata_name(self.rank))
+        storage, spath = storage_for(target, self.storage_options)
+        with write_errors(target, "committing this rank's checkpoint metadata"):
+            with storage.open_write(spath) as stream:
+                stream.write(encode_metadata(metadata))
 
     def _previous_files(self) -> set[str]:
         """Rank files of the checkpoint already committed in this directory, if it is ours."""

@@ -13,9 +13,10 @@ from typing import Any, Mapping, Optional
 import torch
 from typing_extensions import override
 
+import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy
 from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
-from nvcomp_checkpoint.entrypoint import as_policy
+from nvcomp_checkpoint.entrypoint import as_policy, torch_weights_only
 from nvcomp_checkpoint.errors import CheckpointError
 from nvcomp_checkpoint.storage import storage_for, write_errors
 
@@ -67,7 +68,10 @@ def _save_sharded(strategy: Any, converted: dict[str, Any], checkpoint: dict[str
 
     ``meta.pt`` is what makes the directory a checkpoint to Lightning: rank 0 removes a previous
     one before any shard is written and writes the new one last, atomically, so a save that dies
-    midway leaves a directory that Lightning does not take for a checkpoint.
+    midway leaves a directory that Lightning does not take for a checkpoint. It is written with
+    :func:`nvcomp_checkpoint.save` (compressed, checksummed; callbacks such as an EMA can hold a
+    full copy of the weights there) under Lightning's name, which its ``_is_sharded_checkpoint``
+    tests for.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -82,9 +86,15 @@ def _save_sharded(strategy: Any, converted: dict[str, Any], checkpoint: dict[str
     strategy.barrier("nvckpt_sharded_save_start")
     dcp.save(converted, storage_writer=NvcompWriter(path, policy, workers=workers))
     if strategy.global_rank == 0:
-        with write_errors(meta), storage.open_write(meta) as stream:  # fsync + rename: the directory's commit
-            torch.save(checkpoint, stream)
+        nc.save(checkpoint, meta, policy, workers=workers)  # fsync + rename: the directory's commit
     strategy.barrier("nvckpt_sharded_save_end")
+
+
+def _load_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+    """``meta.pt``: ours (:func:`nvcomp_checkpoint.save`) or a plain ``torch.save`` one (older
+    checkpoints, Lightning's stock strategies); ``weights_only=None`` is ``torch.load``'s default."""
+    metadata: dict[str, Any] = nc.load(path / _METADATA_FILENAME, weights_only=torch_weights_only(weights_only))
+    return metadata
 
 
 def _save_lightning_checkpoint(
@@ -161,8 +171,7 @@ class NvcompModelParallelStrategy(ModelParallelStrategy):
             optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
             dcp.load(optim_state, storage_reader=NvcompReader(path))
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True))
-        metadata: dict[str, Any] = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
-        return metadata
+        return _load_meta(path, weights_only)
 
 
 class NvcompFSDPStrategy(FSDPStrategy):
@@ -221,8 +230,7 @@ class NvcompFSDPStrategy(FSDPStrategy):
                     )
                     flattened = FSDP.optim_state_dict_to_load(optim_state_dict=optim_state[key], model=self.model, optim=optimizer)
                     optimizer.load_state_dict(flattened)
-        metadata: dict[str, Any] = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
-        return metadata
+        return _load_meta(path, weights_only)
 
 
 def check_sharded_checkpoint_io(strategy: Any) -> None:
