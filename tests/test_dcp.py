@@ -8,6 +8,7 @@ byte; plain DCP checkpoints read by NvcompReader and ours refused by a stock rea
 from __future__ import annotations
 
 import os
+import json
 import shutil
 import signal
 import socket
@@ -538,3 +539,34 @@ def test_zstandard_extension_directory_compressed(tmp_path: Path) -> None:
     fresh, fresh_opt = _plain()
     loaded = _load_into(fresh, fresh_opt, NvcompReader(tmp_path / "ours"))
     assert_tree_equal(_full(fresh, fresh_opt, loaded["extra"]), _full(model, opt, {"step": 7, "note": "sharded"}), "zstd->ours")
+
+
+def test_nvckpt_on_directories_saved_without_collectives(two_rank_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from nvcomp_checkpoint.cli.main import main
+
+    def nvckpt(*argv: str) -> tuple[int, str]:
+        code = main(list(argv))
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    code, out = nvckpt("inspect", "--json", str(two_rank_run / "nocoll"))
+    shown = json.loads(out)
+    assert code == 0 and shown["format"] == "dcp-nvcomp" and shown["metadata_files"] == ["__0.metadata", "__1.metadata"]
+    assert len(shown["files"]) == 2 and shown["metadata_bytes"] > 0
+    code, out = nvckpt("inspect", str(two_rank_run / "nocoll_plain"))
+    assert code == 0 and "one per rank" in out, out
+    code, out = nvckpt("verify", str(two_rank_run / "nocoll"))
+    assert code == 0, out
+    # A rank that never committed fails verify, naming its metadata file.
+    partial = tmp_path / "partial"
+    shutil.copytree(two_rank_run / "nocoll", partial)
+    (partial / "__1.metadata").unlink()
+    code, out = nvckpt("verify", str(partial))
+    assert code == 1 and "__1.metadata: missing" in out, out
+    # compress / decompress dispatch to the DCP converters: an ordinary directory comes out.
+    code, out = nvckpt("compress", str(two_rank_run / "nocoll_plain"), str(tmp_path / "ours"))
+    assert code == 0 and (tmp_path / "ours" / ".metadata").is_file(), out
+    ref = torch.load(two_rank_run / "ref.pt", weights_only=True)
+    model, opt = _plain()
+    loaded = _load_into(model, opt, NvcompReader(tmp_path / "ours"))
+    assert_tree_equal(_full(model, opt, loaded["extra"]), ref, "nvckpt compress of a no-collectives directory")

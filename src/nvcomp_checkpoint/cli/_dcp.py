@@ -1,6 +1,7 @@
 """DCP checkpoint directories in the CLI: ``inspect`` and ``verify`` of ours and of plain ones.
 
-A directory is a DCP checkpoint when it holds a ``.metadata`` file; its rank files are then
+A directory is a DCP checkpoint when it holds a ``.metadata`` file, or ``__0.metadata`` (a save
+without collectives: one metadata file per rank, all of which must be there); its rank files are then
 described from that metadata (plain ``.distcp`` files hold no per-tensor index of their own).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
 from typing import Any
 
 import torch
@@ -24,11 +26,19 @@ __all__ = ["DCP_OURS", "DCP_PLAIN", "is_dcp_dir", "dcp_kind", "describe_dcp", "v
 #: ``format`` values of a DCP directory in inspect's and verify's output.
 DCP_OURS = "dcp-nvcomp"
 DCP_PLAIN = "dcp"
+_RANK_METADATA = re.compile(r"__\d+\.metadata")
 
 
 def is_dcp_dir(path: str) -> bool:
-    """True when ``path`` is a local directory holding DCP's ``.metadata`` (ours or plain)."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+    """True when ``path`` is a local directory holding DCP's ``.metadata`` or ``__0.metadata`` (ours or plain)."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, n)) for n in (".metadata", "__0.metadata"))
+
+
+def _metadata_files(path: str) -> list[str]:
+    """The metadata files of a DCP directory: ``.metadata``, or one ``__<rank>.metadata`` per rank."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return [".metadata"]
+    return sorted((n for n in os.listdir(path) if _RANK_METADATA.fullmatch(n)), key=lambda n: int(n[2:-9]))
 
 
 def _records(path: str) -> tuple[Any, dict[str, list[tuple[Any, Any]]]]:
@@ -85,8 +95,9 @@ def describe_dcp(path: str, trust: bool = False) -> dict[str, Any]:
                      "tensors": len(file_infos), "raw_bytes": sum(t.raw_bytes for t in file_infos),
                      "stored_bytes": sum(t.stored_bytes for t in file_infos),
                      **({} if size is not None else {"note": "missing"})})
-    meta_bytes = os.path.getsize(os.path.join(path, ".metadata"))
-    return {"path": path, "format": kind, "files": rows, "metadata_bytes": meta_bytes, "_infos": infos}
+    names = _metadata_files(path)
+    meta_bytes = sum(os.path.getsize(os.path.join(path, n)) for n in names)
+    return {"path": path, "format": kind, "files": rows, "metadata_files": names, "metadata_bytes": meta_bytes, "_infos": infos}
 
 
 def verify_plain_dcp(path: str) -> list[dict[str, Any]]:

@@ -233,7 +233,11 @@ def _run_inspect_dcp(args: argparse.Namespace) -> int:
     what = "compressed by nvcomp-checkpoint" if d["format"] == _dcp.DCP_OURS else "plain, as FileSystemWriter writes it"
     rows = [[f["file"], f["rank_file"], f["items"], format_bytes(f["raw_bytes"]), format_bytes(f["file_bytes"]),
              f"{f['raw_bytes'] / f['file_bytes']:.3f}x" if f["file_bytes"] else "-", f.get("note", "")] for f in d["files"]]
-    rows.append([".metadata", "", "", "", format_bytes(d["metadata_bytes"]), "", "written last: the commit"])
+    if d["metadata_files"] == [".metadata"]:
+        rows.append([".metadata", "", "", "", format_bytes(d["metadata_bytes"]), "", "written last: the commit"])
+    else:  # a save without collectives: each rank committed its own part
+        names = d["metadata_files"]
+        rows.append([f"{names[0]} .. {names[-1]}", "", "", "", format_bytes(d["metadata_bytes"]), "", "one per rank: each rank's commit"])
     rows.append(["total", "", len(infos), format_bytes(raw), format_bytes(on_disk), f"{raw / on_disk:.3f}x" if on_disk else "-", ""])
     console.print(make_table(f"{args.path} (DCP checkpoint, {what})", ["file", "rank file", "items", "raw", "on disk", "ratio", "note"],
                              rows, numeric_from=1))

@@ -74,7 +74,13 @@ def run_verify(args: argparse.Namespace) -> int:
     reporter = Reporter(args.quiet)
     stale: list[str] = []
     extra: list[dict[str, Any]] = []
-    dcp_kind = _dcp.dcp_kind(args.path) if kind == DIRECTORY and _dcp.is_dcp_dir(args.path) else None
+    dcp_kind = None
+    uncommitted: list[dict[str, Any]] = []
+    if kind == DIRECTORY and _dcp.is_dcp_dir(args.path):
+        try:
+            dcp_kind = _dcp.dcp_kind(args.path)
+        except CheckpointError as exc:  # a save without collectives that a rank never committed
+            uncommitted = [{"file": args.path, "tensor": None, "error": str(exc)}]
     if dcp_kind == _dcp.DCP_PLAIN:
         # No checksums in plain rank files: every item is read and decoded as DCP's reader would.
         paths = []
@@ -82,6 +88,7 @@ def run_verify(args: argparse.Namespace) -> int:
     elif kind == DIRECTORY:
         if dcp_kind == _dcp.DCP_OURS:
             extra = _dcp.verify_ours_dcp(args.path)
+        extra = uncommitted + extra
         stale = [p for d, _, _ in os.walk(args.path) for p in stale_temp_files(d)]
         paths = [os.path.join(args.path, rel) for rel, k in dir_files(args.path) if k == NVCOMP]
         if not paths and not extra:
