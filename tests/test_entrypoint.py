@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.entrypoint import SaveEntryPoint, as_policy, policy_and_metadata, report_metrics, torch_weights_only
+from nvcomp_checkpoint.entrypoint import SaveEntryPoint, as_policy, load_as_torch, policy_and_metadata, report_metrics, torch_weights_only
 from nvcomp_checkpoint.errors import CheckpointWriteError
 
 
@@ -68,6 +68,13 @@ def test_weights_only_follows_torch_load(monkeypatch: pytest.MonkeyPatch) -> Non
     assert torch_weights_only(None) is False
     monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
     assert torch_weights_only(False) is True
+
+
+def test_load_as_torch_refuses_objects_weights_only_with_the_frameworks_hint(tmp_path: Path) -> None:
+    nc.save({"w": torch.ones(3), "obj": Path("x")}, tmp_path / "c.nvc")
+    with pytest.raises(nc.errors.UnsafeCheckpointError, match="pass weights_only=False there"):
+        load_as_torch(tmp_path / "c.nvc", None, None, hint=" pass weights_only=False there")
+    assert load_as_torch(tmp_path / "c.nvc", None, False, hint="")["obj"] == Path("x")
 
 
 def test_a_background_failure_is_raised_once_naming_who_reports_it(tmp_path: Path) -> None:

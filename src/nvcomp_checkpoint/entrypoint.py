@@ -15,12 +15,17 @@ from typing import IO, Any, Callable, Mapping
 
 import torch
 
+from .api import load
+from .errors import UnsafeCheckpointError
 from .policy import CodecPolicy
 from .report import SaveReport
 from .savegroup import SavedCallback, SaveGroup, SaveSequence
 from .tiers import Tier, TierCopies
 
-__all__ = ["SaveEntryPoint", "as_policy", "policy_and_metadata", "POLICY_OPTION_KEYS", "torch_weights_only", "report_metrics"]
+__all__ = [
+    "SaveEntryPoint", "as_policy", "policy_and_metadata", "POLICY_OPTION_KEYS", "torch_weights_only", "load_as_torch",
+    "report_metrics",
+]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
 
@@ -86,6 +91,16 @@ def torch_weights_only(weights_only: bool | None) -> bool:
             return False
         return _TORCH_WEIGHTS_ONLY_DEFAULT
     return bool(weights_only)
+
+
+def load_as_torch(path: Any, map_location: Any, weights_only: bool | None, *, hint: str, storage_options: dict[str, Any] | None = None) -> Any:
+    """:func:`nvcomp_checkpoint.load` with ``torch.load``'s ``weights_only`` rules (:func:`torch_weights_only`),
+    as a framework's loader passes them; a file a weights-only load refuses is named in an
+    ``UnsafeCheckpointError`` that ends with ``hint`` (how to pass ``weights_only=False`` there)."""
+    try:
+        return load(path, map_location, weights_only=torch_weights_only(weights_only), storage_options=storage_options)
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(f"{exc}{hint}") from exc
 
 
 def report_metrics(report: SaveReport, prefix: str = "nvckpt/") -> dict[str, float]:
