@@ -17,6 +17,7 @@ import torch
 
 from .api import load
 from .errors import UnsafeCheckpointError
+from .incremental import IncrementalFiles
 from .policy import CodecPolicy
 from .report import SaveReport
 from .savegroup import SavedCallback, SaveGroup, SaveSequence
@@ -24,7 +25,7 @@ from .tiers import Tier, TierCopies
 
 __all__ = [
     "SaveEntryPoint", "as_policy", "policy_and_metadata", "POLICY_OPTION_KEYS", "torch_weights_only", "load_as_torch",
-    "report_metrics",
+    "report_metrics", "incremental_files",
 ]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
@@ -101,6 +102,26 @@ def load_as_torch(path: Any, map_location: Any, weights_only: bool | None, *, hi
         return load(path, map_location, weights_only=torch_weights_only(weights_only), storage_options=storage_options)
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"{exc}{hint}") from exc
+
+
+def incremental_files(
+    label: str, incremental: bool, full_every: int | None, delta_base: str, tiers: Any, *, named_by: str, hint: str = "",
+    **options: Any,
+) -> IncrementalFiles | None:
+    """An integration's ``incremental=True`` option (``None`` without it); checked before anything is set up.
+
+    Raises:
+        ValueError: With ``tiers``: copies to tiers are renamed by ``named_by``, which breaks the
+            relative base names of delta files (``hint``: another way to have both).
+    """
+    if not incremental:
+        return None
+    if tiers is not None:
+        raise ValueError(
+            f"{label}(incremental=True, tiers=...): copies to tiers are renamed by {named_by}, which breaks the relative "
+            f"base names of delta files; use one of them{hint}"
+        )
+    return IncrementalFiles(label, full_every, delta_base, **options)
 
 
 def report_metrics(report: SaveReport, prefix: str = "nvckpt/") -> dict[str, float]:

@@ -37,8 +37,8 @@ from accelerate.utils import (
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
-from nvcomp_checkpoint.entrypoint import SaveEntryPoint
-from nvcomp_checkpoint.incremental import IncrementalFiles, keep_with_bases
+from nvcomp_checkpoint.entrypoint import SaveEntryPoint, incremental_files
+from nvcomp_checkpoint.incremental import keep_with_bases
 from nvcomp_checkpoint.savegroup import SaveGroup
 from nvcomp_checkpoint.integrations import accelerate_fsdp
 from nvcomp_checkpoint.storage import LOCAL
@@ -225,12 +225,7 @@ class NvcompStateHooks(SaveEntryPoint):
         delta_base: str = "previous",
     ) -> None:
         # Checked first: a wrong argument must not leave the accelerator half wrapped.
-        if incremental and tiers is not None:
-            raise ValueError(
-                "register_nvcomp_hooks(incremental=True, tiers=...): copies to tiers are renamed by iteration, which "
-                "breaks the relative base names of delta files; use one of them"
-            )
-        self.incremental = IncrementalFiles("register_nvcomp_hooks", full_every, delta_base) if incremental else None
+        self.incremental = incremental_files("register_nvcomp_hooks", incremental, full_every, delta_base, tiers, named_by="iteration")
         super().__init__(
             "register_nvcomp_hooks", policy, workers=workers, async_save=async_save, on_saved=on_saved,
             stream_wrapper=stream_wrapper, tiers=tiers, log_as="save_state",

@@ -22,8 +22,9 @@ from typing_extensions import override
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
-from nvcomp_checkpoint.entrypoint import POLICY_OPTION_KEYS, SaveEntryPoint, load_as_torch, policy_and_metadata, report_metrics
-from nvcomp_checkpoint.incremental import IncrementalFiles
+from nvcomp_checkpoint.entrypoint import (
+    POLICY_OPTION_KEYS, SaveEntryPoint, incremental_files, load_as_torch, policy_and_metadata, report_metrics,
+)
 from nvcomp_checkpoint.savegroup import SavedCallback
 from nvcomp_checkpoint.storage import storage_for
 from nvcomp_checkpoint.tiers import Tier
@@ -131,13 +132,9 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         delta_base: str = "previous",
     ) -> None:
         CheckpointIO.__init__(self)
-        if incremental and tiers is not None:
-            raise ValueError(
-                "NvcompCheckpointIO(incremental=True, tiers=...): copies to tiers are renamed by step, which breaks the "
-                "relative base names of delta files; use one of them, or nc.CheckpointManager(tiers, incremental=True)"
-            )
-        self.incremental: IncrementalFiles | None = None if not incremental else IncrementalFiles(
-            "NvcompCheckpointIO", full_every, delta_base, storage_options=fsspec_options or None, can_be_base=_not_last,
+        self.incremental = incremental_files(
+            "NvcompCheckpointIO", incremental, full_every, delta_base, tiers, named_by="step",
+            hint=", or nc.CheckpointManager(tiers, incremental=True)", storage_options=fsspec_options or None, can_be_base=_not_last,
         )
         _register_with_standalone_packages()
         SaveEntryPoint.__init__(

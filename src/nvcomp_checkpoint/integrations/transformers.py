@@ -103,12 +103,10 @@ def compress_checkpoint(
 
     Args:
         checkpoint_dir: A ``checkpoint-N`` directory written by ``Trainer``.
-        policy: Codec settings per component; defaults to ``CodecPolicy()``.
+        policy, workers, stream_wrapper: As for every integration
+            (:class:`nvcomp_checkpoint.entrypoint.SaveEntryPoint`).
         verify: Decode each compressed file and compare it bit for bit with the plain file before
             deleting the plain file.
-        workers: Compression threads (default: every core).
-        stream_wrapper: Wraps each compressed file's output stream (throttling, byte counting
-            ...); its ``write`` must pass every byte on, in order.
         weights: Compress the model weights too. Without them the directory stays loadable by
             the stock ``Trainer`` and ``from_pretrained``; :class:`NvcompTrainerCallback`
             restores the optimizer state when training begins.
