@@ -378,14 +378,15 @@ class NvcompStateHooks(SaveEntryPoint):
             ],
         )
         self.last_reports = dict(reports)
-        left = previous == {} and sorted(n for n in LOCAL.listdir(os.fspath(target)) if _PLAIN_STATE_FILE.fullmatch(n) and n not in new)
-        if left:  # updated in place, over a folder that no save with these hooks wrote
-            logger.warning(
-                "%s: also holds %s, written without nvcomp-checkpoint; left in place, as Accelerate leaves "
-                "files it does not rewrite. load_state reads the .nvc files; if these are from an earlier "
-                "save_state, delete them to free the space.",
-                target, ", ".join(left),
-            )
+        if previous == {}:  # updated in place, a folder that no save with these hooks wrote
+            left = sorted(n for n in LOCAL.listdir(os.fspath(target)) if _PLAIN_STATE_FILE.fullmatch(n) and n not in new)
+            if left:
+                logger.warning(
+                    "%s: also holds %s, written without nvcomp-checkpoint; left in place, as Accelerate leaves "
+                    "files it does not rewrite. load_state reads the .nvc files; if these are from an earlier "
+                    "save_state, delete them to free the space.",
+                    target, ", ".join(left),
+                )
         if rotation is not None:
             checkpoints, limit = rotation
             ordered = [p for _, p in numbered_dirs(checkpoints, _number)]
