@@ -10,7 +10,7 @@ from typing import IO, Any
 import pytest
 import torch
 
-from nvcomp_checkpoint.dirconvert import SUFFIX, PlainFile, compress_in_place, decompress_in_place
+from nvcomp_checkpoint.dirconvert import SUFFIX, PlainFile, compress_in_place, compressed_copy, decompress_in_place
 from nvcomp_checkpoint.dirstore import MARKER_NAME
 from nvcomp_checkpoint.errors import CheckpointWriteError
 
@@ -38,7 +38,9 @@ def _directory(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
 def test_files_compress_in_place_and_come_back(tmp_path: Path) -> None:
     directory, trees = _directory(tmp_path)
     files = [PlainFile(name, "tree", _read) for name in trees]
+    assert compressed_copy(directory, ["a.pt"]) is None  # the plain file is there
     report = compress_in_place(directory, files, meta_key="test", marker="what these files are", resumes="the test resumes")
+    assert compressed_copy(directory, ["x.pt", "b.pt"]) == directory / ("b.pt" + SUFFIX)
     assert sorted(os.listdir(directory)) == [MARKER_NAME, "a.pt" + SUFFIX, "b.pt" + SUFFIX, "other.json"]
     assert report.raw_bytes > 0 and directory.stat().st_mtime == 1_000_000
     load = lambda path, key: __import__("nvcomp_checkpoint").load(path)[key]  # noqa: E731

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nvcomp_checkpoint.dirstore import DirectoryStore, rotate
+from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, rotate
 from nvcomp_checkpoint.errors import ChecksumError, FormatError
 from nvcomp_checkpoint.storage import LocalStorage
 
@@ -94,6 +94,36 @@ def test_an_in_place_install_moves_the_manifest_last_and_leaves_other_files(tmp_
     STORE.install_in_place(staging, target, first=lambda n: n.endswith(".nvc"), obsolete=["old.nvc"])
     assert sorted(os.listdir(target)) == ["manifest.json", "new.nvc", "notes.txt"]
     assert os.stat(target / "notes.txt").st_ino == inode
+
+
+def test_publish_replaces_a_saved_directory_and_installs_into_a_shared_one(tmp_path: Path) -> None:
+    saved = lambda name: name.endswith(".nvc")  # noqa: E731
+    target = tmp_path / "ckpt"
+    assert STORE.publish(_staged(tmp_path, target, {"m.nvc": b"1"}), target, {"names": ["m.nvc"]}, marker="m", saved=saved) is None
+    assert STORE.publish(_staged(tmp_path, target, {"n.nvc": b"2"}), target, {"names": ["n.nvc"]}, marker="m", saved=saved) is None
+    assert sorted(os.listdir(target)) == [MARKER_NAME, "manifest.json", "n.nvc"]  # replaced as a whole
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the replaced directory is gone
+    (target / "notes.txt").write_text("mine")  # now shared: updated file by file
+    staging = _staged(tmp_path, target, {"o.nvc": b"3"})
+    previous = STORE.publish(staging, target, {"names": ["o.nvc"]}, marker="m", saved=saved, obsolete=lambda p: p["names"])
+    assert previous is not None and previous["names"] == ["n.nvc"]
+    assert sorted(os.listdir(target)) == [MARKER_NAME, "manifest.json", "notes.txt", "o.nvc"]
+    assert STORE.checked_manifest(target, lists=("names",))["names"] == ["o.nvc"]  # type: ignore[index]
+
+
+def test_checked_manifest_refuses_an_incomplete_or_inconsistent_directory(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    assert STORE.checked_manifest(target) is None  # not ours: the framework loads it
+    (target / "m.nvc").write_bytes(b"1")
+    with pytest.raises(FormatError, match=r"holds \.nvc files but no manifest\.json"):
+        STORE.checked_manifest(target)
+    STORE.publish(_staged(tmp_path, target, {"m.nvc": b"1"}), target, {"names": ["m.nvc", "x.nvc"]}, marker="m", saved=bool)
+    with pytest.raises(FormatError, match=r"x\.nvc is not in the file list"):
+        STORE.checked_manifest(target, lists=("names",))
+    (target / "m.nvc").unlink()
+    with pytest.raises(FormatError, match=r"m\.nvc: missing"):
+        STORE.checked_manifest(target)
 
 
 def test_nvckpt_directory_conversion_recovers_an_interrupted_replacement(tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.entrypoint import SaveEntryPoint, as_policy, policy_and_metadata, report_metrics, torch_weights_only
+from nvcomp_checkpoint.entrypoint import (
+    SaveEntryPoint, as_policy, incremental_files, load_as_torch, policy_and_metadata, report_metrics, torch_weights_only,
+)
 from nvcomp_checkpoint.errors import CheckpointWriteError
 
 
@@ -68,6 +70,20 @@ def test_weights_only_follows_torch_load(monkeypatch: pytest.MonkeyPatch) -> Non
     assert torch_weights_only(None) is False
     monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
     assert torch_weights_only(False) is True
+
+
+def test_load_as_torch_refuses_objects_weights_only_with_the_frameworks_hint(tmp_path: Path) -> None:
+    nc.save({"w": torch.ones(3), "obj": Path("x")}, tmp_path / "c.nvc")
+    with pytest.raises(nc.errors.UnsafeCheckpointError, match="pass weights_only=False there"):
+        load_as_torch(tmp_path / "c.nvc", None, None, hint=" pass weights_only=False there")
+    assert load_as_torch(tmp_path / "c.nvc", None, False, hint="")["obj"] == Path("x")
+
+
+def test_the_incremental_option_is_refused_with_tiers_before_anything_is_set_up() -> None:
+    assert incremental_files("X", False, None, "previous", None, named_by="step") is None
+    assert incremental_files("X", True, 3, "full", None, named_by="step") is not None
+    with pytest.raises(ValueError, match=r"X\(incremental=True, tiers=\.\.\.\): copies to tiers are renamed by step"):
+        incremental_files("X", True, None, "previous", [], named_by="step")
 
 
 def test_a_background_failure_is_raised_once_naming_who_reports_it(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from .report import SaveReport, merge_reports
 from .storage import LOCAL, stale_temp_files
 from .tensors import first_difference
 
-__all__ = ["PlainFile", "compress_in_place", "decompress_in_place", "SUFFIX"]
+__all__ = ["PlainFile", "compress_in_place", "decompress_in_place", "compressed_copy", "SUFFIX"]
 
 #: Appended to the name of each converted file (``optimizer.pt`` -> ``optimizer.pt.nvc``).
 SUFFIX = ".nvc"
@@ -139,6 +139,14 @@ def decompress_in_place(
         LOCAL.remove(str(directory / MARKER_NAME))
     _sync(directory, stamp)
     return restored
+
+
+def compressed_copy(directory: str | os.PathLike[str] | None, names: Sequence[str]) -> Path | None:
+    """The compressed copy of the first of ``names`` in ``directory``, if none of the plain files is there."""
+    if directory is None or any((Path(directory) / name).is_file() for name in names):
+        return None  # a plain file wins: it is what the framework wrote
+    found = [p for name in names if (p := Path(directory) / (name + SUFFIX)).is_file()]
+    return found[0] if found else None
 
 
 def _verify_copy(target: Path, key: str, original: Any) -> None:

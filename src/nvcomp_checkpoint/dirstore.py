@@ -20,7 +20,10 @@ from .errors import ChecksumError, CheckpointWriteError, FormatError
 from .storage import LOCAL
 from .version import __version__
 
-__all__ = ["DirectoryStore", "InstallError", "holds_cwd", "sync_tree", "rotate", "digest", "STAGING_SUFFIX", "OLD_SUFFIX", "DELETING_SUFFIX", "MARKER_NAME", "write_marker"]
+__all__ = [
+    "DirectoryStore", "InstallError", "holds_cwd", "sync_tree", "rotate", "digest", "remove_quietly", "numbered_dirs",
+    "STAGING_SUFFIX", "OLD_SUFFIX", "DELETING_SUFFIX", "MARKER_NAME", "write_marker",
+]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
 
@@ -147,6 +150,35 @@ class DirectoryStore:
                     "load another checkpoint."
                 )
 
+    def checked_manifest(self, path: Path, *, lists: Iterable[str] = (), orphans: str = "*.nvc") -> dict[str, Any] | None:
+        """The manifest of ``path`` once every file it lists checks (:meth:`check_files`); ``None``
+        for a directory that no save through this store wrote.
+
+        Args:
+            path: The directory to load.
+            lists: Manifest fields holding lists of file names, each of which must be in its file list.
+            orphans: A glob of files that only a save through this store writes: a directory holding
+                some but no manifest is a save that did not complete.
+
+        Raises:
+            FormatError: The manifest or a file it lists is missing, damaged or altered (named).
+            ChecksumError: A listed file's contents differ from what the save wrote.
+        """
+        manifest = self.read_manifest(path)
+        if manifest is None:
+            if path.is_dir() and any(path.glob(orphans)):
+                raise FormatError(
+                    f"{path}: holds {orphans.lstrip('*')} files but no {self.manifest_name}: the save that wrote it did "
+                    "not complete (or the manifest was deleted). Load an earlier checkpoint."
+                )
+            return None
+        files = manifest.get("files", {})
+        for name in [name for field in lists for name in manifest.get(field, [])]:
+            if name not in files:
+                raise FormatError(f"{path / self.manifest_name}: {name} is not in the file list; the directory is damaged")
+        self.check_files(path, manifest)
+        return manifest
+
     # -- whole directory, or file by file ------------------------------------------------------
     def shared_with_others(self, target: Path, saved: Callable[[str], bool]) -> bool:
         """Whether ``target`` must be updated file by file (:meth:`install_in_place`) instead of
@@ -180,6 +212,44 @@ class DirectoryStore:
         return foreign
 
     # -- commit and recovery ------------------------------------------------------------------
+    def publish(
+        self,
+        staging: Path,
+        target: Path,
+        fields: dict[str, Any],
+        *,
+        marker: str,
+        saved: Callable[[str], bool],
+        hashed: Callable[[Path], bool] = lambda p: True,
+        first: Callable[[str], bool] = lambda name: False,
+        obsolete: Callable[[dict[str, Any]], Iterable[str]] = lambda previous: (),
+    ) -> dict[str, Any] | None:
+        """Complete a staged save: the marker, the manifest (:meth:`write_manifest`), then ``target``.
+
+        ``target`` is replaced as a whole (:meth:`commit`; the directory it replaced is deleted),
+        unless ``staging`` is inside it or it is shared with others (:meth:`shared_with_others`,
+        with ``saved``): then the staged entries are installed one by one (:meth:`install_in_place`,
+        with ``first``), and ``obsolete(previous manifest)`` names the previous save's files to delete.
+
+        Returns:
+            The manifest ``target`` had when it was updated in place (``{}`` if none); ``None``
+            when it was replaced as a whole.
+
+        Raises:
+            InstallError: An in-place update failed after it had begun (see :meth:`install_in_place`).
+        """
+        write_marker(staging, marker)
+        self.write_manifest(staging, fields, hashed=hashed)
+        # Checked at the commit: an async save commits later, and the cwd or the directory may have changed.
+        if staging.parent == target or self.shared_with_others(target, saved):
+            previous = self.read_manifest(target, quiet=True) or {}
+            self.install_in_place(staging, target, first=first, obsolete=obsolete(previous))
+            return previous
+        replaced = self.commit(staging, target)  # the commit point: nothing after it can fail the save
+        if replaced is not None:
+            remove_quietly(replaced)  # the previous checkpoint; leftovers are cleaned next time
+        return None
+
     def commit(self, staging: Path, target: Path) -> Path | None:
         """Put the complete staging directory at ``target`` in one step (the commit point).
 
@@ -262,6 +332,12 @@ class DirectoryStore:
 def write_marker(directory: Path, text: str) -> None:
     """Write :data:`MARKER_NAME` into ``directory`` (atomically)."""
     LOCAL.write_bytes(os.fspath(directory / MARKER_NAME), text.encode("utf-8"))
+
+
+def remove_quietly(path: Path) -> None:
+    """Delete ``path`` if possible: a leftover is removed by the next save (a fresh staging directory, recovery)."""
+    with contextlib.suppress(OSError):
+        LOCAL.remove(os.fspath(path))
 
 
 def holds_cwd(target: Path) -> bool:

@@ -15,12 +15,18 @@ from typing import IO, Any, Callable, Mapping
 
 import torch
 
+from .api import load
+from .errors import UnsafeCheckpointError
+from .incremental import IncrementalFiles
 from .policy import CodecPolicy
 from .report import SaveReport
 from .savegroup import SavedCallback, SaveGroup, SaveSequence
 from .tiers import Tier, TierCopies
 
-__all__ = ["SaveEntryPoint", "as_policy", "policy_and_metadata", "POLICY_OPTION_KEYS", "torch_weights_only", "report_metrics"]
+__all__ = [
+    "SaveEntryPoint", "as_policy", "policy_and_metadata", "POLICY_OPTION_KEYS", "torch_weights_only", "load_as_torch",
+    "report_metrics", "incremental_files",
+]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
 
@@ -86,6 +92,36 @@ def torch_weights_only(weights_only: bool | None) -> bool:
             return False
         return _TORCH_WEIGHTS_ONLY_DEFAULT
     return bool(weights_only)
+
+
+def load_as_torch(path: Any, map_location: Any, weights_only: bool | None, *, hint: str, storage_options: dict[str, Any] | None = None) -> Any:
+    """:func:`nvcomp_checkpoint.load` with ``torch.load``'s ``weights_only`` rules (:func:`torch_weights_only`),
+    as a framework's loader passes them; a file a weights-only load refuses is named in an
+    ``UnsafeCheckpointError`` that ends with ``hint`` (how to pass ``weights_only=False`` there)."""
+    try:
+        return load(path, map_location, weights_only=torch_weights_only(weights_only), storage_options=storage_options)
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(f"{exc}{hint}") from exc
+
+
+def incremental_files(
+    label: str, incremental: bool, full_every: int | None, delta_base: str, tiers: Any, *, named_by: str, hint: str = "",
+    **options: Any,
+) -> IncrementalFiles | None:
+    """An integration's ``incremental=True`` option (``None`` without it); checked before anything is set up.
+
+    Raises:
+        ValueError: With ``tiers``: copies to tiers are renamed by ``named_by``, which breaks the
+            relative base names of delta files (``hint``: another way to have both).
+    """
+    if not incremental:
+        return None
+    if tiers is not None:
+        raise ValueError(
+            f"{label}(incremental=True, tiers=...): copies to tiers are renamed by {named_by}, which breaks the relative "
+            f"base names of delta files; use one of them{hint}"
+        )
+    return IncrementalFiles(label, full_every, delta_base, **options)
 
 
 def report_metrics(report: SaveReport, prefix: str = "nvckpt/") -> dict[str, float]:

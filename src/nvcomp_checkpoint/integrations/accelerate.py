@@ -35,10 +35,10 @@ from accelerate.utils import (
 )
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, rotate, write_marker
+from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
-from nvcomp_checkpoint.entrypoint import SaveEntryPoint
-from nvcomp_checkpoint.incremental import IncrementalFiles, keep_with_bases
+from nvcomp_checkpoint.entrypoint import SaveEntryPoint, incremental_files
+from nvcomp_checkpoint.incremental import keep_with_bases
 from nvcomp_checkpoint.savegroup import SaveGroup
 from nvcomp_checkpoint.integrations import accelerate_fsdp
 from nvcomp_checkpoint.storage import LOCAL
@@ -225,12 +225,7 @@ class NvcompStateHooks(SaveEntryPoint):
         delta_base: str = "previous",
     ) -> None:
         # Checked first: a wrong argument must not leave the accelerator half wrapped.
-        if incremental and tiers is not None:
-            raise ValueError(
-                "register_nvcomp_hooks(incremental=True, tiers=...): copies to tiers are renamed by iteration, which "
-                "breaks the relative base names of delta files; use one of them"
-            )
-        self.incremental = IncrementalFiles("register_nvcomp_hooks", full_every, delta_base) if incremental else None
+        self.incremental = incremental_files("register_nvcomp_hooks", incremental, full_every, delta_base, tiers, named_by="iteration")
         super().__init__(
             "register_nvcomp_hooks", policy, workers=workers, async_save=async_save, on_saved=on_saved,
             stream_wrapper=stream_wrapper, tiers=tiers, log_as="save_state",
@@ -357,7 +352,7 @@ class NvcompStateHooks(SaveEntryPoint):
             if self.incremental is not None:
                 self.incremental.failed()  # the next save is a full one
             if writes:
-                _remove_quietly(call.staging)  # once its files have stopped writing into it
+                remove_quietly(call.staging)  # once its files have stopped writing into it
             if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)) and not _is_save_failure(exc):
                 raise _save_failed(target, exc) from exc
             raise
@@ -373,32 +368,25 @@ class NvcompStateHooks(SaveEntryPoint):
         }
         if self.accelerator.distributed_type == DistributedType.FSDP:
             fields.update(accelerate_fsdp.fsdp_manifest_fields(self.accelerator))
-        write_marker(call.staging, _MARKER_TEXT)
-        # .nvc files (and DCP rank files) carry a checksum per chunk; hashing them again would double the reads.
-        _STORE.write_manifest(call.staging, fields, hashed=lambda p: p.suffix not in (".nvc", ".nvcdcp"))
-        target = call.target
-        # Checked again here: an async save commits later, and the cwd or the directory may have changed.
-        if call.staging.parent == target or _STORE.shared_with_others(target, _is_state_file):
-            previous = _STORE.read_manifest(target, quiet=True) or {}
-            new = set(LOCAL.listdir(os.fspath(call.staging)))
-            _STORE.install_in_place(
-                call.staging, target, first=lambda n: n.endswith(".nvc"),
-                obsolete=[*previous.get("models", []), *previous.get("optimizers", []), *accelerate_fsdp.replaced_files(previous, call.staging)],
-            )
+        target, new = call.target, set(LOCAL.listdir(os.fspath(call.staging)))
+        previous = _STORE.publish(
+            call.staging, target, fields, marker=_MARKER_TEXT, saved=_is_state_file, first=lambda n: n.endswith(".nvc"),
+            # .nvc files (and DCP rank files) carry a checksum per chunk; hashing them again would double the reads.
+            hashed=lambda p: p.suffix not in (".nvc", ".nvcdcp"),
+            obsolete=lambda previous: [
+                *previous.get("models", []), *previous.get("optimizers", []), *accelerate_fsdp.replaced_files(previous, call.staging)
+            ],
+        )
+        self.last_reports = dict(reports)
+        if previous == {}:  # updated in place, a folder that no save with these hooks wrote
             left = sorted(n for n in LOCAL.listdir(os.fspath(target)) if _PLAIN_STATE_FILE.fullmatch(n) and n not in new)
-            if not previous and left:
+            if left:
                 logger.warning(
                     "%s: also holds %s, written without nvcomp-checkpoint; left in place, as Accelerate leaves "
                     "files it does not rewrite. load_state reads the .nvc files; if these are from an earlier "
                     "save_state, delete them to free the space.",
                     target, ", ".join(left),
                 )
-            replaced = None
-        else:
-            replaced = _STORE.commit(call.staging, target)  # the commit point: nothing after it can fail the save
-        self.last_reports = dict(reports)
-        if replaced is not None:
-            _remove_quietly(replaced)  # the previous checkpoint; leftovers are cleaned next time
         if rotation is not None:
             checkpoints, limit = rotation
             ordered = [p for _, p in numbered_dirs(checkpoints, _number)]
@@ -408,7 +396,7 @@ class NvcompStateHooks(SaveEntryPoint):
             rotate(ordered, limit, keep=target, trash=checkpoints.parent)
 
     def _failed(self, call: _SaveCall, exc: BaseException) -> BaseException:
-        _remove_quietly(call.staging)
+        remove_quietly(call.staging)
         if self.incremental is not None:
             self.incremental.failed()
         error = _save_failed(call.target, exc)
@@ -489,20 +477,10 @@ class NvcompStateHooks(SaveEntryPoint):
         else:
             self._inner_load(None, load_kwargs, **load_model_func_kwargs)  # Accelerate's own error
             return
-        manifest = _STORE.read_manifest(path)
-        if manifest is None:
-            if path.is_dir() and any(path.glob("*.nvc")):
-                raise FormatError(
-                    f"{path}: holds .nvc files but no {MANIFEST_NAME}: the save that wrote it did not complete "
-                    "(or the manifest was deleted). Load an earlier checkpoint."
-                )
+        manifest = _STORE.checked_manifest(path, lists=("models", "optimizers"))
+        if manifest is None:  # saved without these hooks
             self._inner_load(os.fspath(path), load_kwargs, **load_model_func_kwargs)
             return
-        listed = manifest.get("files", {})
-        for name in [*manifest.get("models", []), *manifest.get("optimizers", [])]:
-            if name not in listed:
-                raise FormatError(f"{path / MANIFEST_NAME}: {name} is not in the file list; the directory is damaged")
-        _STORE.check_files(path, manifest)
         if "fsdp" in manifest or acc.distributed_type == DistributedType.FSDP:
             accelerate_fsdp.check_loadable(acc, path, manifest)
             with accelerate_fsdp.nvcomp_fsdp_functions(accelerate.accelerator):
@@ -567,12 +545,6 @@ class NvcompStateHooks(SaveEntryPoint):
 # -- what is specific to Accelerate's directories ------------------------------------------
 def _numbered(stem: str, i: int) -> str:
     return f"{stem}.nvc" if i == 0 else f"{stem}_{i}.nvc"
-
-
-def _remove_quietly(path: Path) -> None:
-    # A leftover is removed by the next save (a fresh staging directory, recovery).
-    with contextlib.suppress(OSError):
-        LOCAL.remove(os.fspath(path))
 
 
 def _save_failed(target: Path, exc: BaseException) -> CheckpointWriteError:

@@ -22,9 +22,9 @@ from typing_extensions import override
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
-from nvcomp_checkpoint.entrypoint import POLICY_OPTION_KEYS, SaveEntryPoint, policy_and_metadata, report_metrics, torch_weights_only
-from nvcomp_checkpoint.errors import UnsafeCheckpointError
-from nvcomp_checkpoint.incremental import IncrementalFiles
+from nvcomp_checkpoint.entrypoint import (
+    POLICY_OPTION_KEYS, SaveEntryPoint, incremental_files, load_as_torch, policy_and_metadata, report_metrics,
+)
 from nvcomp_checkpoint.savegroup import SavedCallback
 from nvcomp_checkpoint.storage import storage_for
 from nvcomp_checkpoint.tiers import Tier
@@ -132,13 +132,9 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         delta_base: str = "previous",
     ) -> None:
         CheckpointIO.__init__(self)
-        if incremental and tiers is not None:
-            raise ValueError(
-                "NvcompCheckpointIO(incremental=True, tiers=...): copies to tiers are renamed by step, which breaks the "
-                "relative base names of delta files; use one of them, or nc.CheckpointManager(tiers, incremental=True)"
-            )
-        self.incremental: IncrementalFiles | None = None if not incremental else IncrementalFiles(
-            "NvcompCheckpointIO", full_every, delta_base, storage_options=fsspec_options or None, can_be_base=_not_last,
+        self.incremental = incremental_files(
+            "NvcompCheckpointIO", incremental, full_every, delta_base, tiers, named_by="step",
+            hint=", or nc.CheckpointManager(tiers, incremental=True)", storage_options=fsspec_options or None, can_be_base=_not_last,
         )
         _register_with_standalone_packages()
         SaveEntryPoint.__init__(
@@ -237,10 +233,7 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         if map_location is None and not nc.is_nvcomp_checkpoint(path, storage_options=options):
             map_location = _storage_as_loaded
-        try:
-            return nc.load(path, map_location, weights_only=torch_weights_only(weights_only), storage_options=options)
-        except UnsafeCheckpointError as exc:
-            raise UnsafeCheckpointError(f"{exc}{_LIGHTNING_HINT}") from exc
+        return load_as_torch(path, map_location, weights_only, hint=_LIGHTNING_HINT, storage_options=options)
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
@@ -483,12 +476,7 @@ def load_from_checkpoint(
         if accepts_weights_only:
             extra["weights_only"] = weights_only
         return cls.load_from_checkpoint(checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict, **extra)
-    try:
-        checkpoint = nc.load(
-            checkpoint_path, map_location, weights_only=torch_weights_only(weights_only), storage_options=fsspec_options
-        )
-    except UnsafeCheckpointError as exc:
-        raise UnsafeCheckpointError(f"{exc}{_LIGHTNING_HINT}") from exc
+    checkpoint = load_as_torch(checkpoint_path, map_location, weights_only, hint=_LIGHTNING_HINT, storage_options=fsspec_options)
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     del checkpoint

@@ -23,7 +23,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dirconvert import SUFFIX, PlainFile, compress_in_place, decompress_in_place
+from nvcomp_checkpoint.dirconvert import SUFFIX, PlainFile, compress_in_place, compressed_copy, decompress_in_place
 from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint
 from nvcomp_checkpoint.tiers import Tier
@@ -103,12 +103,10 @@ def compress_checkpoint(
 
     Args:
         checkpoint_dir: A ``checkpoint-N`` directory written by ``Trainer``.
-        policy: Codec settings per component; defaults to ``CodecPolicy()``.
+        policy, workers, stream_wrapper: As for every integration
+            (:class:`nvcomp_checkpoint.entrypoint.SaveEntryPoint`).
         verify: Decode each compressed file and compare it bit for bit with the plain file before
             deleting the plain file.
-        workers: Compression threads (default: every core).
-        stream_wrapper: Wraps each compressed file's output stream (throttling, byte counting
-            ...); its ``write`` must pass every byte on, in order.
         weights: Compress the model weights too. Without them the directory stays loadable by
             the stock ``Trainer`` and ``from_pretrained``; :class:`NvcompTrainerCallback`
             restores the optimizer state when training begins.
@@ -330,10 +328,10 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
             "first in your Trainer class's bases), or run decompress_checkpoint() on it first."
         )
         wanted = args.resume_from_checkpoint  # set by the example scripts' --resume_from_checkpoint
-        if isinstance(wanted, str) and os.path.isdir(wanted) and _compressed(wanted, _WEIGHTS) is not None:
+        if isinstance(wanted, str) and os.path.isdir(wanted) and compressed_copy(wanted, _WEIGHTS) is not None:
             raise nc.CheckpointError(f"{wanted}: {fix}")
         latest = _newest_checkpoint(args.output_dir)
-        if latest is not None and _compressed(latest, _WEIGHTS) is not None:
+        if latest is not None and compressed_copy(latest, _WEIGHTS) is not None:
             logger.warning("%s: if this run resumes from it, %s", latest, fix)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -345,7 +343,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
             return
         _wait_for_conversions()
         optimizer = kwargs.get("optimizer")
-        if _compressed(checkpoint, (_OPTIMIZER,)) is not None and optimizer is not None:  # else the Trainer loaded it itself
+        if compressed_copy(checkpoint, (_OPTIMIZER,)) is not None and optimizer is not None:  # else the Trainer loaded it itself
             _load_optimizer_and_scheduler(checkpoint, args, optimizer, kwargs.get("lr_scheduler"))
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -441,14 +439,6 @@ def _resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path | 
     return guess
 
 
-def _compressed(checkpoint: str | os.PathLike[str] | None, names: tuple[str, ...]) -> Path | None:
-    """The compressed copy of the first of ``names`` in a checkpoint, if every plain one is gone."""
-    if checkpoint is None or any((Path(checkpoint) / name).is_file() for name in names):
-        return None  # the Trainer's own file wins: it is what the Trainer wrote
-    found = [p for name in names if (p := Path(checkpoint) / (name + COMPRESSED_SUFFIX)).is_file()]
-    return found[0] if found else None
-
-
 def _load_optimizer_and_scheduler(checkpoint: Path, args: TrainingArguments, optimizer: Any, scheduler: Any) -> None:
     """What ``Trainer._load_optimizer_and_scheduler`` does, from the compressed optimizer state."""
     if not (checkpoint / _SCHEDULER).is_file():
@@ -494,7 +484,7 @@ class NvcompTrainerMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         _wait_for_conversions()  # a directory is read only once its async conversion is done
-        weights = _compressed(resume_from_checkpoint, _WEIGHTS)
+        weights = compressed_copy(resume_from_checkpoint, _WEIGHTS)
         if transformers_fsdp.fsdp_enabled(self):
             with transformers_fsdp.loading_fsdp_state():
                 return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
@@ -511,14 +501,14 @@ class NvcompTrainerMixin:
                 return None
             with transformers_fsdp.loading_fsdp_state():
                 return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
-        if _compressed(checkpoint, (_OPTIMIZER,)) is None or self._nvcomp_delegates():
+        if compressed_copy(checkpoint, (_OPTIMIZER,)) is None or self._nvcomp_delegates():
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         _load_optimizer_and_scheduler(Path(checkpoint), self.args, self.optimizer, self.lr_scheduler)  # type: ignore[attr-defined]
 
     def _load_best_model(self) -> None:
         _wait_for_conversions()
         best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
-        weights = _compressed(best, _WEIGHTS) if best else None
+        weights = compressed_copy(best, _WEIGHTS) if best else None
         if transformers_fsdp.fsdp_enabled(self):
             with transformers_fsdp.loading_fsdp_state():
                 return super()._load_best_model()  # type: ignore[misc]
