@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,44 @@ def test_a_source_the_framework_rotates_away_mid_copy_is_skipped_with_a_warning(
     assert mgr.steps(1) == []
     assert "removed or replaced" in caplog.text and "the copy is skipped" in caplog.text
     assert os.listdir(tmp_path / "shared") == []  # nothing half-copied left
+
+
+def test_a_framework_removal_waits_for_the_copies_of_that_checkpoint(tmp_path: Path) -> None:
+    # ModelCheckpoint's top-k (or Accelerate's total_limit) removes a checkpoint whose copy is
+    # still queued or running: the deletion runs once the copy is done, so the tier gets it.
+    fw = tmp_path / "fw"
+    fw.mkdir()
+    copying, release = threading.Event(), threading.Event()
+
+    def hold(tier: str, step: int, nbytes: int) -> None:
+        if step == 1:
+            copying.set()
+            assert release.wait(30)
+
+    mgr = nc.CheckpointManager(
+        [nc.Tier(fw, name="fw"), nc.Tier(tmp_path / "shared", name="shared", max_queued=8)],
+        tier0_external=True, on_copy_progress=hold,
+    )
+    for step in (1, 2):
+        nc.save({"w": torch.full((1000,), float(step))}, fw / f"step-{step}.ckpt")
+        mgr.adopt(step, fw / f"step-{step}.ckpt")
+    assert copying.wait(30)
+    removed: list[str] = []
+
+    def remover(name: str):
+        return lambda: (os.remove(fw / name), removed.append(name))
+
+    assert mgr.remove_after_copies(fw / "step-1.ckpt", remover("step-1.ckpt")) is True  # its copy is running
+    assert mgr.remove_after_copies(fw / "step-2.ckpt", remover("step-2.ckpt")) is True  # its copy is queued
+    assert (fw / "step-1.ckpt").exists() and removed == []
+    release.set()
+    mgr.wait()
+    assert removed == ["step-1.ckpt", "step-2.ckpt"] and os.listdir(fw) == []
+    assert mgr.steps(1) == [1, 2]
+    # Nothing pending: a removal runs at once.
+    nc.save({"w": torch.ones(3)}, fw / "step-3.ckpt")
+    assert mgr.remove_after_copies(fw / "step-3.ckpt", remover("step-3.ckpt")) is False and removed[-1] == "step-3.ckpt"
+    mgr.close()
 
 
 def test_tier_copies_take_a_list_of_tiers(tmp_path: Path) -> None:

@@ -365,25 +365,39 @@ def numbered_dirs(folder: Path, number: Callable[[str], int | None]) -> list[tup
     return sorted((n, folder / name) for name in names if not name.startswith(".") and (n := number(name)) is not None and (folder / name).is_dir())
 
 
-def rotate(ordered: list[Path], limit: int, keep: Path, trash: Path) -> None:
+def rotate(
+    ordered: list[Path], limit: int, keep: Path, trash: Path,
+    when: Callable[[Path, Callable[[], None]], Any] | None = None,
+) -> None:
     """Delete the oldest of ``ordered`` (oldest first) beyond ``limit``, never ``keep``.
 
     Runs only after ``keep`` is committed. Each is moved into ``trash`` (a folder outside the
     rotated one) before removal, so a crash mid-delete never leaves a half-deleted checkpoint
-    among the rotated ones.
+    among the rotated ones. ``when(path, delete)``: runs each deletion, now or later (e.g. once
+    the checkpoint's copies to storage tiers are done); default: now.
     """
     excess = len(ordered) - limit
     if excess <= 0:
         return
     _LOG.warning("Deleting %d checkpoints beyond total_limit=%d.", excess, limit)
     for old in [d for d in ordered if d != keep][:excess]:
-        doomed = trash / f".{old.name}{DELETING_SUFFIX}"
-        try:
-            LOCAL.remove(os.fspath(doomed))
-            LOCAL.rename(os.fspath(old), os.fspath(doomed))
-            LOCAL.remove(os.fspath(doomed))
-        except OSError as exc:
-            _LOG.warning("%s: could not delete this old checkpoint (%s); the new one is saved.", old, exc)
+        (when or _now)(old, lambda old=old: _delete_checkpoint(old, trash))
+
+
+def _now(path: Path, delete: Callable[[], None]) -> None:
+    delete()
+
+
+def _delete_checkpoint(old: Path, trash: Path) -> None:
+    if not LOCAL.exists(os.fspath(old)):
+        return  # a deferred deletion that an earlier rotation already ran
+    doomed = trash / f".{old.name}{DELETING_SUFFIX}"
+    try:
+        LOCAL.remove(os.fspath(doomed))
+        LOCAL.rename(os.fspath(old), os.fspath(doomed))
+        LOCAL.remove(os.fspath(doomed))
+    except OSError as exc:
+        _LOG.warning("%s: could not delete this old checkpoint (%s); the new one is saved.", old, exc)
 
 
 def _check_conflicts(staging: Path, target: Path) -> None:

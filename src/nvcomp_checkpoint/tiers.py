@@ -649,6 +649,8 @@ class CheckpointManager:
         self._retention_locks = [threading.Lock() for _ in tiers]
         self._pending_saves: list[Any] = []
         self._pinned: dict[int, int] = {}  # tier-0 step -> copies queued or running from it
+        self._adopted: dict[str, int] = {}  # tier-0 path an adopted unit was read from -> its step
+        self._removals: dict[int, list[Callable[[], None]]] = {}  # step -> deletions waiting for its copies
         self._errors: list[BaseException] = []
         self._saves = 0
         self._last_copy: dict[int, tuple[int | None, float | None]] = {}
@@ -768,6 +770,30 @@ class CheckpointManager:
                 self._pinned[step] = left
             else:
                 self._pinned.pop(step, None)
+            removals = [] if left else self._removals.pop(step, [])
+        _run_removals(step, removals)
+
+    def remove_after_copies(self, path: str | os.PathLike[str], delete: Callable[[], None]) -> bool:
+        """Run ``delete`` (the framework's removal of an adopted unit) once its copies are done.
+
+        A framework's own rotation (``ModelCheckpoint``'s top-k, Accelerate's ``total_limit``)
+        may remove a checkpoint whose copies to the tiers are still queued or running; the
+        deletion then waits for them (on the copy thread), so every tier due gets its copy.
+
+        Returns:
+            ``True`` if the deletion was deferred; ``False`` if it ran now.
+        """
+        _, spath = storage_for(os.fspath(path), self.tiers[0].storage_options)
+        if isinstance(self._stores[0].storage, LocalStorage):
+            spath = os.path.abspath(spath)
+        with self._lock:
+            step = self._adopted.get(spath)
+            if step is not None and self._pinned.get(step):
+                self._removals.setdefault(step, []).append(delete)
+                return True
+            self._adopted.pop(spath, None)
+        delete()
+        return False
 
     def commit(self, step: int, *, light: bool = False, directory: bool | None = None) -> UnitManifest:
         """Register a unit written to :meth:`unit_path` by someone else (a sharded save), and copy it on.
@@ -823,6 +849,8 @@ class CheckpointManager:
         directory = _is_dir(store.storage, spath)
         manifest = store.describe(step, directory, light, source=spath)
         self._last_adopted = (step, spath)
+        with self._lock:
+            self._adopted[spath] = step
         metrics.record_last_step(store.label, step)
         self._schedule_copies(manifest)
         return manifest
@@ -954,12 +982,7 @@ class CheckpointManager:
             with self._lock:
                 self._errors.append(exc)
         finally:
-            with self._lock:
-                left = self._pinned.get(manifest.step, 1) - 1
-                if left:
-                    self._pinned[manifest.step] = left
-                else:
-                    self._pinned.pop(manifest.step, None)
+            self._unpin(manifest.step)
             try:
                 self._apply_retention(0)
             except Exception as exc:  # noqa: BLE001
@@ -1239,6 +1262,14 @@ def open_tier(url: str, storage_options: dict[str, Any] | None = None, name: str
     return TierStore(tier, name or tier.url)
 
 
+def _run_removals(step: int, removals: list[Callable[[], None]]) -> None:
+    for delete in removals:
+        try:
+            delete()
+        except Exception as exc:  # noqa: BLE001 - a removal the framework asked for; the copies are done
+            _LOG.warning("step %d: removing the framework's checkpoint after its copies failed: %s", step, exc)
+
+
 class TierCopies:
     """The ``tiers=`` argument of the integrations: copies of the checkpoints a framework writes itself.
 
@@ -1300,6 +1331,14 @@ class TierCopies:
         """Wait for the copies started so far; raise the first failure (once)."""
         if self._manager is not None:
             self._manager.wait()
+
+    def remove_after_copies(self, path: str | os.PathLike[str], delete: Callable[[], None]) -> bool:
+        """The framework removes ``path``: now, or once its copies to the tiers are done (see
+        :meth:`CheckpointManager.remove_after_copies`). Returns whether it was deferred."""
+        if self._manager is None:
+            delete()
+            return False
+        return self._manager.remove_after_copies(path, delete)
 
     def locate(self, step: int | None = None) -> Restored | None:
         """The newest copy on the tiers that checks (see :meth:`CheckpointManager.locate`)."""

@@ -393,7 +393,9 @@ class NvcompStateHooks(SaveEntryPoint):
             if self.incremental is not None:  # a chain goes as a whole: the folders kept ones need stay
                 needed = keep_with_bases([os.fspath(p) for p in [*ordered[-limit:], target]])
                 ordered, limit = [p for p in ordered if os.fspath(p) not in needed], 0
-            rotate(ordered, limit, keep=target, trash=checkpoints.parent)
+            # A folder whose copies to the tiers are pending goes once they are done.
+            when = None if self.tiers is None else self.tiers.remove_after_copies
+            rotate(ordered, limit, keep=target, trash=checkpoints.parent, when=when)
 
     def _failed(self, call: _SaveCall, exc: BaseException) -> BaseException:
         remove_quietly(call.staging)

@@ -259,6 +259,9 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         if self.incremental is not None:  # a file a kept delta needs waits for that delta's removal
             self.incremental.remove(os.fspath(path), self._delete)
             return
+        if self.tiers is not None:  # a file whose copies to the tiers are pending goes once they are done
+            self.tiers.remove_after_copies(path, lambda: self._delete(os.fspath(path)))
+            return
         self._delete(os.fspath(path))
 
     def _delete(self, path: str) -> None:
