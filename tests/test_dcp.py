@@ -148,6 +148,19 @@ def _save_on_two(rank: int, world: int, tmp: str) -> None:
     dcp.save(state, storage_writer=dcp.FileSystemWriter(root / "nocoll_plain"), use_collectives=False)
     with pytest.raises(CheckpointError, match="needs a new directory per checkpoint"):
         dcp.save(state, storage_writer=NvcompWriter(root / "nocoll"), use_collectives=False)
+    # Save "s1" loses rank 1's commit; a retry "s2" into the same directory commits only rank 1's
+    # part (rank 0's own metadata is there): the tags tell the two saves apart.
+    dcp.save(state, storage_writer=NvcompWriter(root / "mixed", save_tag="s1"), use_collectives=False)
+    dist.barrier()
+    if rank == 1:
+        (root / "mixed" / "__1.metadata").unlink()
+    dist.barrier()
+    if rank == 0:
+        with pytest.raises(CheckpointError, match="needs a new directory per checkpoint"):
+            dcp.save(state, storage_writer=NvcompWriter(root / "mixed", save_tag="s2"), use_collectives=False)
+        dist.barrier()  # the one rank 1's dcp.save ends with
+    else:
+        dcp.save(state, storage_writer=NvcompWriter(root / "mixed", save_tag="s2"), use_collectives=False)
     full = _full(model, opt, state["extra"])
     if rank == 0:
         torch.save(full, root / "ref.pt")
@@ -285,6 +298,9 @@ def test_save_without_collectives_commits_per_rank_and_loads_anywhere(two_rank_r
     model, opt = _plain()
     with pytest.raises(CheckpointException, match=r"__1\.metadata: missing.*rank 1 never committed"):
         _load_into(model, opt, NvcompReader(partial))
+    # A retry into a directory a save left incomplete: the parts of two saves are refused.
+    with pytest.raises(CheckpointException, match=r"save_tag 's2', __0\.metadata has 's1': the directory mixes"):
+        _load_into(model, opt, NvcompReader(two_rank_run / "mixed"))
     # A plain one missing a rank's part: caught by the shards' coverage.
     partial = tmp_path / "partial_plain"
     shutil.copytree(two_rank_run / "nocoll_plain", partial)

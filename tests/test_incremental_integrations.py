@@ -202,3 +202,41 @@ def test_hf_callback_refuses_incremental_with_the_fix():
     transformers_cb = pytest.importorskip("nvcomp_checkpoint.transformers")
     with pytest.raises(ValueError, match="CheckpointManager"):
         transformers_cb.NvcompTrainerCallback(incremental=True)
+
+
+class _DiskFull:
+    """An output stream whose device fills up while ``full["on"]``: ``write`` raises ENOSPC."""
+
+    def __init__(self, stream: Any, full: dict[str, bool]) -> None:
+        self.stream, self.full = stream, full
+
+    def write(self, data: Any) -> int:
+        if self.full["on"]:
+            raise OSError(28, "No space left on device")
+        return self.stream.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def test_a_failed_async_save_is_never_the_base_of_the_next(tmp_path: Path) -> None:
+    # The failure is raised by wait() (ModelCheckpoint's remove_checkpoint or teardown may be
+    # first too), not by the next save: that save must still be full, not a delta against a
+    # file that never landed.
+    full = {"on": False}
+    plugin = NvcompCheckpointIO(async_save=True, incremental=True, full_every=5, stream_wrapper=lambda s: _DiskFull(s, full))
+    state = lambda step: {"w": torch.randn(1000, generator=torch.Generator().manual_seed(step)), "global_step": step}  # noqa: E731
+    plugin.save_checkpoint(state(1), tmp_path / "a-1.ckpt")
+    plugin.wait()
+    full["on"] = True
+    plugin.save_checkpoint(state(2), tmp_path / "a-2.ckpt")
+    with pytest.raises(nc.errors.CheckpointError):
+        plugin.wait()
+    full["on"] = False
+    plugin.save_checkpoint(state(3), tmp_path / "a-3.ckpt")
+    plugin.wait()
+    plugin.teardown()
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["a-1.ckpt", "a-3.ckpt"]
+    with nc.open(tmp_path / "a-3.ckpt") as reader:
+        assert reader.chain is None  # full: the save before it failed
+    assert torch.equal(nc.load(tmp_path / "a-3.ckpt")["w"], state(3)["w"])

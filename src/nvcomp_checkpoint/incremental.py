@@ -112,11 +112,17 @@ class IncrementalFiles:
             self._bases[path] = base
             return base
 
-    def failed(self, slot: str | None = None) -> None:
-        """A save failed: the next save of ``slot`` (None: of every slot) is full."""
+    def failed(self, slot: str | None = None, path: str | os.PathLike[str] | None = None) -> None:
+        """A save failed: the next save of ``slot`` (None: of every slot) is full.
+
+        ``path``: the file that save was writing; what it was to be saved against is forgotten, so
+        its chain is read from the file there (an earlier save of it, if any) again.
+        """
         with self._lock:
             for s in ([slot] if slot is not None else list(self._history)):
                 self._history.pop(s, None)
+            if path is not None:
+                self._bases.pop(_norm(path), None)
 
     # -- removing ----------------------------------------------------------------------------
     def remove(self, path: str | os.PathLike[str], delete: Callable[[str], None]) -> list[str]:

@@ -771,6 +771,9 @@ class CheckpointManager:
             else:
                 self._pinned.pop(step, None)
             removals = [] if left else self._removals.pop(step, [])
+            if removals:  # the unit goes: forget where it was adopted from
+                for gone in [p for p, s in self._adopted.items() if s == step]:
+                    del self._adopted[gone]
         _run_removals(step, removals)
 
     def remove_after_copies(self, path: str | os.PathLike[str], delete: Callable[[], None]) -> bool:
@@ -1267,7 +1270,7 @@ def _run_removals(step: int, removals: list[Callable[[], None]]) -> None:
         try:
             delete()
         except Exception as exc:  # noqa: BLE001 - a removal the framework asked for; the copies are done
-            _LOG.warning("step %d: removing the framework's checkpoint after its copies failed: %s", step, exc)
+            _LOG.warning("step %d: its copies are done, but removing the framework's checkpoint failed: %s", step, exc)
 
 
 class TierCopies:

@@ -26,6 +26,7 @@ __all__ = [
     "shard_name",
     "rank_metadata_name",
     "WORLD_SIZE_TAG",
+    "SAVE_TAG",
     "encode_metadata",
     "decode_metadata",
     "is_compressed_metadata",
@@ -57,6 +58,9 @@ class StoredItem:
 #: In ``storage_meta.modules`` of a per-rank metadata file (a save without collectives): the
 #: number of ranks that saved, so a reader can tell a whole checkpoint from one missing ranks.
 WORLD_SIZE_TAG = "nvcomp_checkpoint.dcp.world_size="
+#: With it, the caller's ``NvcompWriter(save_tag=...)``: the same on every rank of one save, so a
+#: directory mixing the parts of two saves (a retry into it) is refused.
+SAVE_TAG = "nvcomp_checkpoint.dcp.save_tag="
 
 
 def rank_metadata_name(rank: int) -> str:

@@ -26,6 +26,7 @@ from ..storage import open_checkpoint_stream, storage_for
 from .layout import (
     METADATA_NAME,
     MAX_METADATA_BYTES,
+    SAVE_TAG,
     WORLD_SIZE_TAG,
     StoredItem,
     decode_metadata,
@@ -76,6 +77,13 @@ def _world_size(metadata: Metadata) -> int | None:
     return None
 
 
+def _save_tag(metadata: Metadata) -> str | None:
+    for tag in getattr(metadata.storage_meta, "modules", None) or ():
+        if isinstance(tag, str) and tag.startswith(SAVE_TAG):
+            return tag[len(SAVE_TAG) :]
+    return None
+
+
 def _read_rank_metadata(path: str, storage_options: dict[str, Any] | None) -> Metadata | None:
     """A save without collectives (``__<rank>.metadata`` per rank) as one ``Metadata``, or None.
 
@@ -98,13 +106,19 @@ def _read_rank_metadata(path: str, storage_options: dict[str, Any] | None) -> Me
                 break  # a plain checkpoint: the coverage check below catches a missing rank's shards
             raise CheckpointError(
                 f"{join(path, name)}: missing: this checkpoint was saved without collectives by {world} ranks and rank "
-                f"{rank} never committed its part (its save failed or is still running). Load an earlier checkpoint."
+                f"{rank} never committed its part (its save failed or is still running). Load an earlier checkpoint, "
+                "and save again into a new directory: a retry into this one would mix the parts of two saves."
             )
         part = _decode(data, join(path, name))
         if _world_size(part) != world:
             raise CheckpointError(
                 f"{join(path, name)}: saved by {_world_size(part)} ranks, {rank_metadata_name(0)} by {world}: "
                 "the directory mixes two saves; load an earlier checkpoint"
+            )
+        if _save_tag(part) != _save_tag(parts[0] if parts else part):
+            raise CheckpointError(
+                f"{join(path, name)}: save_tag {_save_tag(part)!r}, {rank_metadata_name(0)} has "
+                f"{_save_tag(parts[0] if parts else part)!r}: the directory mixes the parts of two saves; load an earlier checkpoint"
             )
         parts.append(part)
         rank += 1

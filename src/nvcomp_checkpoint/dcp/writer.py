@@ -25,7 +25,7 @@ from ..errors import CheckpointError, FormatError
 from ..policy import CodecPolicy, Component, classify
 from ..storage import storage_for, write_errors
 from ..writer import CheckpointWriter
-from .layout import METADATA_NAME, WORLD_SIZE_TAG, StoredItem, encode_metadata, join, rank_metadata_name, shard_name
+from .layout import METADATA_NAME, SAVE_TAG, WORLD_SIZE_TAG, StoredItem, encode_metadata, join, rank_metadata_name, shard_name
 from .reader import read_stored_metadata
 
 __all__ = ["NvcompWriter", "FqnPolicy", "fqn_component", "bytes_key", "unique_key"]
@@ -113,6 +113,9 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         world_size: Only for ``dcp.save(..., use_collectives=False)`` with a ``process_group``
             other than the default one: the number of ranks saving (recorded in each rank's
             metadata, so a reader can tell a whole checkpoint). Default: the default group's size.
+        save_tag: Only for ``dcp.save(..., use_collectives=False)``: a name every rank of one save
+            passes (the step, say), recorded in each rank's metadata; a directory whose ranks'
+            tags differ (the parts of two saves) is refused when loaded.
 
     Every rank file and ``.metadata`` are fsynced before they are renamed into place.
 
@@ -132,6 +135,7 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         cache_staged_state_dict: bool = False,
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         world_size: int | None = None,
+        save_tag: str | None = None,
     ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
@@ -144,6 +148,7 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         self.is_coordinator = False
         self.rank = 0
         self.world_size = world_size
+        self.save_tag = None if save_tag is None else str(save_tag)
         self.use_collectives = True
 
     # -- StorageWriter ---------------------------------------------------------------------
@@ -255,7 +260,8 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
                 "pass NvcompWriter(..., world_size=<ranks of the process group>)"
             )
         assert metadata.storage_meta is not None
-        metadata.storage_meta.modules = [*metadata.storage_meta.modules, f"{WORLD_SIZE_TAG}{world}"]
+        tags = [f"{WORLD_SIZE_TAG}{world}"] + ([f"{SAVE_TAG}{self.save_tag}"] if self.save_tag is not None else [])
+        metadata.storage_meta.modules = [*metadata.storage_meta.modules, *tags]
         target = join(self.path, rank_metadata_name(self.rank))
         storage, spath = storage_for(target, self.storage_options)
         with write_errors(target, "committing this rank's checkpoint metadata"):

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import re
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator
@@ -42,6 +43,7 @@ __all__ = [
 
 #: The names under which Accelerate's ``save_state``/``load_state`` and the Trainer call them.
 FSDP_FUNCTION_NAMES = ("save_fsdp_model", "save_fsdp_optimizer", "load_fsdp_model", "load_fsdp_optimizer")
+_SWAP = threading.RLock()  # held while the FSDP functions are swapped (nvcomp_fsdp_functions)
 
 # What these functions write: the DCP directories keep Accelerate's names (pytorch_model_fsdp_0/,
 # optimizer_0/: Accelerate and the Trainer find checkpoints by them), the full state dicts take
@@ -85,14 +87,17 @@ def nvcomp_fsdp_functions(
             "another way, which nvcomp-checkpoint does not know. Pin the version nvcomp-checkpoint supports "
             "(accelerate 1.x, transformers 5.x) or save without nvcomp-checkpoint."
         )
-    previous = {name: getattr(namespace, name) for name in FSDP_FUNCTION_NAMES}
-    for name, function in ours.items():
-        setattr(namespace, name, function)
-    try:
-        yield
-    finally:
-        for name, function in previous.items():
+    # The names are the module's, shared by every thread: one swap at a time (nested ones, in the
+    # same thread, unwind in order), so a thread never puts back another thread's functions.
+    with _SWAP:
+        previous = {name: getattr(namespace, name) for name in FSDP_FUNCTION_NAMES}
+        for name, function in ours.items():
             setattr(namespace, name, function)
+        try:
+            yield
+        finally:
+            for name, function in previous.items():
+                setattr(namespace, name, function)
 
 
 # -- the four functions: Accelerate's signatures, plus the codec policy --------------------------

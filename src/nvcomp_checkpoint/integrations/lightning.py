@@ -192,12 +192,16 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             self._raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
             base = self.incremental.base_for(path) if self.incremental is not None else None
             self._save_group(
-                path, started, after, lambda group: self._saves.save(group, "checkpoint", checkpoint, path, policy, base=base, **kwargs)
+                path, started, after, lambda group: self._saves.save(group, "checkpoint", checkpoint, path, policy, base=base, **kwargs),
+                failed=lambda exc: self._save_failed(path),  # in the background: whoever raises the error later
             )
         except BaseException:
-            if self.incremental is not None:
-                self.incremental.failed()  # the next save is a full one
+            self._save_failed(path)
             raise
+
+    def _save_failed(self, path: Any) -> None:
+        if self.incremental is not None:
+            self.incremental.failed(path=os.fspath(path))  # the next save is a full one
 
     def _tell_listeners(self, report: SaveReport, info: dict[str, Any]) -> None:
         for listener in list(self._listeners):
