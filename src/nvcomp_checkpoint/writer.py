@@ -26,7 +26,7 @@ from .errors import CodecUnavailableError, UnsupportedObjectError
 from .filters import ByteplaneFilter, plane_width
 from .filters.sub import sub_bytes_torch
 from .format.chain import DELTA_FORMAT_VERSION, SUB, SUB_FORMAT_VERSION, XOR, TensorDelta
-from .format.layout import DELTA_MAGIC, MAGIC, SUB_MAGIC, MAX_INDEX_BYTES, QUANTIZED_DTYPES, Frame, Index, TensorEntry, pack_footer
+from .format.layout import DELTA_MAGIC, MAGIC, SAVE_METADATA_KEYS, SUB_MAGIC, MAX_INDEX_BYTES, QUANTIZED_DTYPES, Frame, Index, TensorEntry, pack_footer
 from .format.skeleton import encode_skeleton, flatten
 from .policy import CodecPolicy, CodecSpec, Component, key_string
 from .report import ComponentStats
@@ -609,7 +609,7 @@ class CheckpointWriter:
             comp = stats.get(entry.component, ComponentStats())
             stats[entry.component] = comp.add(entry.nbytes, entry.stored_bytes, entry.codec.label, entry.filter)
             raw_total += entry.nbytes
-        meta = {"created_by": f"nvcomp-checkpoint {__version__}", "torch": torch.__version__, "created": time.time()}
+        meta = dict(zip(SAVE_METADATA_KEYS, (f"nvcomp-checkpoint {__version__}", torch.__version__, time.time())))
         meta.update(metadata or {})
         index = Index(skel_frame, tuple(entries), meta, self.base.ref if self.base is not None else None, version)
         index_bytes = index.to_json_bytes()

@@ -115,7 +115,7 @@ def verify_plain_dcp(path: str) -> list[dict[str, Any]]:
     for name, items in files.items():
         full = os.path.join(path, name)
         if not os.path.isfile(full):
-            failures.extend({"file": full, "tensor": index.fqn, "error": f"{full}: missing (named by .metadata)"} for index, _ in items)
+            failures.extend(_missing(full, items))
             continue
         size = os.path.getsize(full)
         with open(full, "rb") as f:
@@ -145,6 +145,11 @@ def verify_plain_dcp(path: str) -> list[dict[str, Any]]:
     return failures
 
 
+def _missing(full: str, items: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
+    """One failure per item of a rank file that is not there."""
+    return [{"file": full, "tensor": index.fqn, "error": f"{full}: missing (named by .metadata)"} for index, _ in items]
+
+
 def verify_ours_dcp(path: str) -> list[dict[str, Any]]:
     """Checks of our DCP directory beyond each rank file's own checksums: every record's file
     exists and holds the record's key."""
@@ -153,7 +158,7 @@ def verify_ours_dcp(path: str) -> list[dict[str, Any]]:
     for name, items in files.items():
         full = os.path.join(path, name)
         if not os.path.isfile(full):
-            failures.extend({"file": full, "tensor": index.fqn, "error": f"{full}: missing (named by .metadata)"} for index, _ in items)
+            failures.extend(_missing(full, items))
             continue
         try:
             with nc.open(full) as reader:

@@ -10,6 +10,7 @@ from typing import Any
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, FormatError
 from nvcomp_checkpoint.report import format_bytes
+from nvcomp_checkpoint.format.layout import SAVE_METADATA_KEYS
 
 from . import _policy
 from ._ui import EXIT_OK, Reporter, check_workers, print_json, stdout_console
@@ -17,8 +18,6 @@ from .sources import NVCOMP, sniff
 
 __all__ = ["add_parser", "run_rebase", "describe_chain", "chain_text"]
 
-#: Index metadata keys written by every save; a rebased file gets fresh ones.
-_SAVE_KEYS = ("created_by", "torch", "created")
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -96,7 +95,7 @@ def run_rebase(args: argparse.Namespace) -> int:
         raise CheckpointError(f"{args.out}: is a file of the chain itself; write to another path")
     reporter = Reporter(args.quiet)
     with nc.open(args.delta) as reader:
-        meta = {k: v for k, v in reader.metadata.items() if k not in _SAVE_KEYS}
+        meta = {k: v for k, v in reader.metadata.items() if k not in SAVE_METADATA_KEYS}
         raw = reader.raw_bytes
     reporter.start(f"reading {os.path.basename(args.delta)} and its {len(links) - 1} base(s)")
     try:

@@ -19,6 +19,7 @@ from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpo
 from nvcomp_checkpoint.dirstore import DirectoryStore, sync_tree
 from nvcomp_checkpoint.report import component_rows, format_bytes
 from nvcomp_checkpoint.storage import LOCAL, is_url, storage_for, write_errors
+from nvcomp_checkpoint.format.layout import SAVE_METADATA_KEYS
 
 from . import _dcp, _policy
 from ._ui import EXIT_OK, Reporter, check_workers, make_table, print_json, stdout_console
@@ -37,8 +38,6 @@ from .sources import (
 
 __all__ = ["add_parsers", "run_compress", "run_decompress"]
 
-#: Index metadata keys written by every save; a re-compressed file gets fresh ones.
-_SAVE_KEYS = ("created_by", "torch", "created")
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -117,7 +116,7 @@ def _tensor_bytes(tree: Any) -> int:
 
 def _save_metadata(kind: str, src: str, source_meta: dict[str, Any]) -> dict[str, Any]:
     if kind == NVCOMP:
-        return {k: v for k, v in source_meta.items() if k not in _SAVE_KEYS}
+        return {k: v for k, v in source_meta.items() if k not in SAVE_METADATA_KEYS}
     meta: dict[str, Any] = {"source_format": kind, "source_file": os.path.basename(src.rstrip("/"))}
     if kind == SAFETENSORS and source_meta:
         meta["safetensors_metadata"] = dict(source_meta)

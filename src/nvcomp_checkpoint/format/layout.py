@@ -22,6 +22,7 @@ from .chain import DELTA_FORMAT_VERSION, FRAME_OPS, SUB, SUB_FORMAT_VERSION, SUB
 
 __all__ = [
     "MAGIC",
+    "SAVE_METADATA_KEYS",
     "DELTA_MAGIC",
     "SUB_MAGIC",
     "READ_VERSIONS",
@@ -50,6 +51,8 @@ SUB_MAGIC = b"NVCKPT" + bytes([SUB_FORMAT_VERSION, 0])
 #: Format versions this reader reads, oldest first.
 READ_VERSIONS = (FORMAT_VERSION, DELTA_FORMAT_VERSION, SUB_FORMAT_VERSION)
 FOOTER_MAGIC = b"NVCKEND\x00"
+#: The index metadata every save writes itself (a converted or rebased file gets fresh ones).
+SAVE_METADATA_KEYS = ("created_by", "torch", "created")
 #: index offset (u64), index size (u64), xxh3-64 of the index (u64), FOOTER_MAGIC; little-endian.
 FOOTER = struct.Struct("<QQQ8s")
 MAX_INDEX_BYTES = 1 << 30
