@@ -80,7 +80,7 @@ SCRIPT = textwrap.dedent(
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-    def build(project_dir=None, total_limit=None, hooks=True, async_save=False, stream_wrapper=None, on_saved=None):
+    def build(project_dir=None, total_limit=None, hooks=True, async_save=False, stream_wrapper=None, on_saved=None, leader_load=False):
         set_seed(0)
         config = ProjectConfiguration(
             project_dir=project_dir, automatic_checkpoint_naming=project_dir is not None, total_limit=total_limit
@@ -96,7 +96,9 @@ SCRIPT = textwrap.dedent(
         tracker = Tracker()
         acc.register_for_checkpointing(tracker)
         if hooks:
-            hooks = register_nvcomp_hooks(acc, async_save=async_save, stream_wrapper=stream_wrapper, on_saved=on_saved)
+            hooks = register_nvcomp_hooks(
+                acc, async_save=async_save, stream_wrapper=stream_wrapper, on_saved=on_saved, leader_load=leader_load
+            )
         else:
             hooks = None
         return acc, model, opt, sched, tracker, hooks
@@ -215,14 +217,17 @@ SCRIPT = textwrap.dedent(
         elif mode == "ddp":  # under torchrun: two processes share one directory
             slow = args[0:1] == ("async",)  # async, to a slow store: the commit lands after load_state is called
             objs = build(project_dir=out, total_limit=1, async_save=slow,
-                         stream_wrapper=(lambda s: Slow(s, 1.0)) if slow else None)
+                         stream_wrapper=(lambda s: Slow(s, 1.0)) if slow else None, leader_load=args[0:1] == ("leader",))
             train(objs, 2)
             objs[0].save_state()
             saved = snapshot(objs)
             train(objs, 2)
+            opened = []
+            sys.addaudithook(lambda event, a: opened.append(os.fspath(a[0])) if event == "open" and isinstance(a[0], (str, os.PathLike)) else None)
             objs[0].load_state()
             rank = objs[0].process_index
-            torch.save({"saved": saved, "loaded": snapshot(objs)}, os.path.join(out, f"rank{rank}.pt"))
+            nvc = sorted({os.path.basename(p) for p in opened if str(p).endswith(".nvc")})
+            torch.save({"saved": saved, "loaded": snapshot(objs), "nvc_opened": nvc}, os.path.join(out, f"rank{rank}.pt"))
 
 
     if __name__ == "__main__":
@@ -660,10 +665,11 @@ def test_interrupted_replacement_is_recovered_at_load(trained: Path, script: Pat
     assert_tree_equal(_load_pt(trained / "run.pt")["at_n"]["model"], module.snapshot(objs)["model"])
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "leader"])
 def test_two_processes_share_one_directory(script: Path, tmp_path: Path, mode: str) -> None:
     # DDP on the CPU (gloo): the main process writes and commits, every rank its RNG state. With
-    # async saves, rank 1's load_state must wait for rank 0's background commit.
+    # async saves, rank 1's load_state must wait for rank 0's background commit. With leader_load,
+    # rank 0 alone reads the .nvc files and rank 1 receives their state over the process group.
     project = tmp_path / "project"
     _run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), "ddp", str(project), mode)
     ckpt = project / "checkpoints" / "checkpoint_0"
@@ -672,6 +678,8 @@ def test_two_processes_share_one_directory(script: Path, tmp_path: Path, mode: s
     for rank in (0, 1):
         result = _load_pt(project / f"rank{rank}.pt")
         assert_tree_equal(result["saved"], result["loaded"])
+        read_by_this_rank = mode != "leader" or rank == 0
+        assert result["nvc_opened"] == (["model.nvc", "optimizer.nvc"] if read_by_this_rank else []), (rank, result["nvc_opened"])
 
 
 def test_async_commit_and_rotation_wait_until_the_files_are_durable(script: Path, tmp_path: Path) -> None:

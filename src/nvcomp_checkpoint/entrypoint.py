@@ -14,8 +14,10 @@ import time
 from typing import IO, Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
 
 from .api import load
+from .broadcast import load_broadcast
 from .errors import UnsafeCheckpointError
 from .incremental import IncrementalFiles
 from .policy import CodecPolicy
@@ -25,6 +27,7 @@ from .tiers import Tier, TierCopies
 
 __all__ = [
     "SaveEntryPoint", "as_policy", "policy_and_metadata", "POLICY_OPTION_KEYS", "torch_weights_only", "load_as_torch",
+    "load_tree", "leader_load_applies",
     "report_metrics", "incremental_files",
 ]
 
@@ -94,14 +97,35 @@ def torch_weights_only(weights_only: bool | None) -> bool:
     return bool(weights_only)
 
 
-def load_as_torch(path: Any, map_location: Any, weights_only: bool | None, *, hint: str, storage_options: dict[str, Any] | None = None) -> Any:
-    """:func:`nvcomp_checkpoint.load` with ``torch.load``'s ``weights_only`` rules (:func:`torch_weights_only`),
+def load_as_torch(
+    path: Any, map_location: Any, weights_only: bool | None, *, hint: str, storage_options: dict[str, Any] | None = None,
+    leader_load: bool = False,
+) -> Any:
+    """:func:`load_tree` with ``torch.load``'s ``weights_only`` rules (:func:`torch_weights_only`),
     as a framework's loader passes them; a file a weights-only load refuses is named in an
     ``UnsafeCheckpointError`` that ends with ``hint`` (how to pass ``weights_only=False`` there)."""
     try:
-        return load(path, map_location, weights_only=torch_weights_only(weights_only), storage_options=storage_options)
+        return load_tree(path, map_location, weights_only=torch_weights_only(weights_only), storage_options=storage_options, leader_load=leader_load)
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"{exc}{hint}") from exc
+
+
+def load_tree(
+    path: Any, map_location: Any = None, *, weights_only: bool = True, storage_options: dict[str, Any] | None = None,
+    leader_load: bool = False,
+) -> Any:
+    """:func:`nvcomp_checkpoint.load`, or with ``leader_load`` where :func:`leader_load_applies`,
+    :func:`nvcomp_checkpoint.load_broadcast`: a collective in which one rank per node reads ``path``
+    and the node's other ranks receive the tree (on the CPU, unless ``map_location`` is a device)."""
+    if leader_load and leader_load_applies():
+        device = map_location if isinstance(map_location, (str, torch.device)) else None
+        return load_broadcast(path, device, weights_only=weights_only, storage_options=storage_options)
+    return load(path, map_location, weights_only=weights_only, storage_options=storage_options)
+
+
+def leader_load_applies() -> bool:
+    """Whether a ``leader_load`` option makes a load collective: a process group of more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def incremental_files(

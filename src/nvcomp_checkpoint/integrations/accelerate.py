@@ -37,7 +37,7 @@ from accelerate.utils import (
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
-from nvcomp_checkpoint.entrypoint import SaveEntryPoint, incremental_files
+from nvcomp_checkpoint.entrypoint import SaveEntryPoint, incremental_files, load_tree
 from nvcomp_checkpoint.incremental import keep_with_bases
 from nvcomp_checkpoint.savegroup import SaveGroup
 from nvcomp_checkpoint.integrations import accelerate_fsdp
@@ -104,6 +104,7 @@ def register_nvcomp_hooks(
     incremental: bool = False,
     full_every: int | None = None,
     delta_base: str = "previous",
+    leader_load: bool = False,
 ) -> "NvcompStateHooks":
     """Make ``accelerator.save_state``/``load_state`` compress model weights and optimizer state.
 
@@ -124,6 +125,11 @@ def register_nvcomp_hooks(
             one needs. A folder updated in place is saved in full.
         full_every, delta_base: As for :class:`~nvcomp_checkpoint.ChainPolicy` (``full_every``
             default 10, ``delta_base`` ``"previous"`` or ``"full"``).
+        leader_load: In ``load_state`` of replicated (DDP) state, one process per node reads each
+            ``.nvc`` file and sends it to the node's other processes over the process group
+            (:func:`nvcomp_checkpoint.load_broadcast`), instead of every process reading the same
+            bytes from a shared file system. Every process calls ``load_state``, as Accelerate
+            requires anyway. FSDP state is read by each rank as before.
 
     Returns:
         A handle: ``handle.last_report`` is the :class:`~nvcomp_checkpoint.SaveReport` of the
@@ -165,7 +171,7 @@ def register_nvcomp_hooks(
     return NvcompStateHooks(
         accelerator, policy, workers,
         async_save=async_save, on_saved=on_saved, stream_wrapper=stream_wrapper, tiers=tiers,
-        incremental=incremental, full_every=full_every, delta_base=delta_base,
+        incremental=incremental, full_every=full_every, delta_base=delta_base, leader_load=leader_load,
     )
 
 
@@ -223,6 +229,7 @@ class NvcompStateHooks(SaveEntryPoint):
         incremental: bool = False,
         full_every: int | None = None,
         delta_base: str = "previous",
+        leader_load: bool = False,
     ) -> None:
         # Checked first: a wrong argument must not leave the accelerator half wrapped.
         self.incremental = incremental_files("register_nvcomp_hooks", incremental, full_every, delta_base, tiers, named_by="iteration")
@@ -232,6 +239,7 @@ class NvcompStateHooks(SaveEntryPoint):
             tiers_hint="register_nvcomp_hooks(accelerator, tiers=[nc.Tier(...)])",
         )
         self.accelerator = accelerator
+        self.leader_load = leader_load
         self.last_reports: dict[str, nc.SaveReport] = {}
         self._saving: _SaveCall | None = None
         self._loading: _LoadCall | None = None
@@ -536,11 +544,11 @@ class NvcompStateHooks(SaveEntryPoint):
                 "and register the same hooks as the run that saved it."
             )
         for model, name in zip(models, names):
-            state = nc.load(call.path / name, map_location=call.map_location)
+            state = load_tree(call.path / name, call.map_location, leader_load=self.leader_load)
             model.load_state_dict(state, **call.model_kwargs)
         models.clear()
         for optimizer, name in zip(call.optimizers, call.manifest["optimizers"]):
-            state = nc.load(call.path / name, map_location=call.map_location, weights_only=call.weights_only)
+            state = load_tree(call.path / name, call.map_location, weights_only=call.weights_only, leader_load=self.leader_load)
             optimizer.load_state_dict(state)
 
 

@@ -23,7 +23,7 @@ from typing_extensions import override
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
 from nvcomp_checkpoint.entrypoint import (
-    POLICY_OPTION_KEYS, SaveEntryPoint, incremental_files, load_as_torch, policy_and_metadata, report_metrics,
+    POLICY_OPTION_KEYS, SaveEntryPoint, incremental_files, leader_load_applies, load_as_torch, policy_and_metadata, report_metrics,
 )
 from nvcomp_checkpoint.savegroup import SavedCallback
 from nvcomp_checkpoint.storage import storage_for
@@ -105,6 +105,12 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             :meth:`remove_checkpoint` keeps a file that a kept delta needs until that delta is removed.
         full_every, delta_base: As for :class:`~nvcomp_checkpoint.ChainPolicy` (``full_every``
             default 10, ``delta_base`` ``"previous"`` or ``"full"``).
+        leader_load: On resume of replicated (DDP) state, one rank per node reads the checkpoint
+            and sends it to the node's other ranks over the process group
+            (:func:`nvcomp_checkpoint.load_broadcast`), instead of every rank fetching the same
+            bytes from object storage or a shared file system. Every rank must load together, as
+            ``trainer.fit/validate/test(ckpt_path=...)`` and ``fabric.load`` do; tensors arrive on
+            the CPU unless ``map_location`` names a device. Sharded strategies read their own shards.
 
     Attributes:
         last_report: The :class:`SaveReport` of the most recent completed save (``None`` before one);
@@ -130,8 +136,10 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         incremental: bool = False,
         full_every: int | None = None,
         delta_base: str = "previous",
+        leader_load: bool = False,
     ) -> None:
         CheckpointIO.__init__(self)
+        self.leader_load = leader_load
         self.incremental = incremental_files(
             "NvcompCheckpointIO", incremental, full_every, delta_base, tiers, named_by="step",
             hint=", or nc.CheckpointManager(tiers, incremental=True)", storage_options=fsspec_options or None, can_be_base=_not_last,
@@ -235,6 +243,9 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         storage, spath = storage_for(path, options)
         if not storage.exists(spath):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        if self.leader_load and leader_load_applies():
+            # A collective: only the reading rank of each node opens the file (onto the CPU).
+            return load_as_torch(path, map_location, weights_only, hint=_LIGHTNING_HINT, storage_options=options, leader_load=True)
         if map_location is None and not nc.is_nvcomp_checkpoint(path, storage_options=options):
             map_location = _storage_as_loaded
         return load_as_torch(path, map_location, weights_only, hint=_LIGHTNING_HINT, storage_options=options)

@@ -1,0 +1,126 @@
+"""``NvcompCheckpointIO(leader_load=True)``: a DDP resume reads the checkpoint once per node.
+
+A real ``Trainer`` on 2 CPU processes (DDP, gloo) saves compressed checkpoints; a fresh pair of
+processes resumes from one through an fsspec file system that counts the bytes each process reads:
+rank 0 reads the file, rank 1 reads nothing and receives the state over the process group, and
+the resumed run has the uninterrupted run's next losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import nvcomp_checkpoint as nc  # noqa: E402
+
+_SCRIPT = textwrap.dedent(
+    '''
+    import json, sys, warnings
+    from pathlib import Path
+    warnings.filterwarnings("ignore")
+    import fsspec
+    import torch
+    import lightning as L
+    from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from nvcomp_checkpoint.lightning import NvcompCheckpointIO
+
+    torch.set_num_threads(1)
+
+
+    class CountingOpener(LocalFileOpener):
+        def read(self, *args):
+            data = self.f.read(*args)
+            CountingFileSystem.bytes_read += len(data)
+            return data
+
+        def readinto(self, b):
+            n = self.f.readinto(b) or 0
+            CountingFileSystem.bytes_read += n
+            return n
+
+
+    class CountingFileSystem(LocalFileSystem):
+        protocol = ("countfile",)
+        bytes_read = 0
+
+        def _open(self, path, mode="rb", block_size=None, **kwargs):
+            if "r" not in mode:
+                return super()._open(path, mode, block_size, **kwargs)
+            return CountingOpener(self._strip_protocol(path), mode, fs=self, **kwargs)
+
+
+    fsspec.register_implementation("countfile", CountingFileSystem, clobber=True)
+
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+            self.losses = []
+
+        def training_step(self, batch, batch_idx):
+            loss = self.net(batch).square().mean()
+            self.losses.append([self.global_step, float(loss)])
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):
+            data = torch.randn(48, 24, generator=torch.Generator().manual_seed(1))
+            return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+    mode, root = sys.argv[1], Path(sys.argv[2])
+    leader = mode == "resume"
+    model = Net()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, plugins=[NvcompCheckpointIO(leader_load=leader)],
+        callbacks=[ModelCheckpoint(dirpath=root / mode, save_top_k=-1, every_n_epochs=1)],
+    )
+    ckpt = "countfile://" + str(root / "first" / "epoch=0-step=3.ckpt") if leader else None
+    trainer.fit(model, ckpt_path=ckpt)
+    out = {"losses": model.losses, "bytes_read": CountingFileSystem.bytes_read}
+    (root / f"{mode}_{trainer.global_rank}.json").write_text(json.dumps(out))
+    '''
+)
+
+
+def _run(script: Path, mode: str, root: Path) -> None:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(script), mode, str(root)], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+@pytest.mark.slow
+def test_ddp_resume_reads_the_checkpoint_on_one_rank_and_continues_the_run(tmp_path: Path) -> None:
+    script = tmp_path / "run.py"
+    script.write_text(_SCRIPT)
+    _run(script, "first", tmp_path)
+    ckpt = tmp_path / "first" / "epoch=0-step=3.ckpt"
+    assert nc.is_nvcomp_checkpoint(ckpt)
+
+    _run(script, "resume", tmp_path)
+    first = [json.loads((tmp_path / f"first_{r}.json").read_text()) for r in (0, 1)]
+    resumed = [json.loads((tmp_path / f"resume_{r}.json").read_text()) for r in (0, 1)]
+    size = ckpt.stat().st_size
+    # Rank 0 read the file (once, plus at most a header's worth); rank 1 read none of it.
+    assert size <= resumed[0]["bytes_read"] < 2 * size, (resumed[0]["bytes_read"], size)
+    assert resumed[1]["bytes_read"] == 0
+    for rank in (0, 1):
+        full = first[rank]["losses"]
+        assert [s for s, _ in full] == list(range(6))
+        assert resumed[rank]["losses"] == full[3:], rank
