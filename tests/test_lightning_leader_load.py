@@ -124,3 +124,19 @@ def test_ddp_resume_reads_the_checkpoint_on_one_rank_and_continues_the_run(tmp_p
         full = first[rank]["losses"]
         assert [s for s, _ in full] == list(range(6))
         assert resumed[rank]["losses"] == full[3:], rank
+
+
+def test_without_a_process_group_leader_load_is_a_plain_load(tmp_path: Path) -> None:
+    import torch
+
+    from nvcomp_checkpoint.lightning import NvcompCheckpointIO
+
+    state = {"state_dict": {"w": torch.randn(64, 32), "b": torch.arange(7, dtype=torch.bfloat16)}, "global_step": 3}
+    plugin = NvcompCheckpointIO(leader_load=True)
+    plugin.save_checkpoint(state, tmp_path / "a.ckpt")
+    loaded = plugin.load_checkpoint(tmp_path / "a.ckpt")
+    assert loaded["global_step"] == 3
+    for key, tensor in state["state_dict"].items():
+        assert torch.equal(loaded["state_dict"][key], tensor)
+    with pytest.raises(FileNotFoundError):
+        plugin.load_checkpoint(tmp_path / "missing.ckpt")
