@@ -151,7 +151,7 @@ step versions 15 bash -c versions
 # call from eating the step; a test that feeds nvCOMP bad input runs in a process of its own.
 PER_TEST=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout=60)
-step tests 95 "$PY" -m pytest tests/test_gpu_codecs.py tests/test_gpu_save.py tests/test_async.py -m gpu -q \
+step tests 95 "$PY" -m pytest tests/test_gpu_codecs.py tests/test_gpu_save.py tests/test_async.py tests/test_dcp.py -m gpu -q \
     -p no:cacheprovider "${PER_TEST[@]}" -rfEs --junitxml="$OUT/pytest.xml"
 
 step codec_bench 55 "$PY" benchmarks/gpu_codec_bench.py --size-mib 64 --repeats 2 --budget-s 40 \

@@ -12,6 +12,7 @@ import json
 import shutil
 import signal
 import socket
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -171,6 +172,18 @@ def _save_on_two(rank: int, world: int, tmp: str) -> None:
     full_async = _full(model, opt, state["extra"])  # a collective: every rank takes part
     if rank == 0:
         torch.save(full_async, root / "ref_async.pt")
+    # Staged on the tensors' own device (here the CPU; on a GPU, a clone there that the background
+    # save compresses with nvCOMP): training that goes on meanwhile must not reach the checkpoint.
+    # The save's collectives run on a group of their own, beside training's.
+    save_group = dist.new_group(backend="gloo")
+    late = lambda stream: (time.sleep(1.0), stream)[1]  # noqa: E731 - the write starts once training went on
+    writer = NvcompWriter(root / "async_device", staging="device", stream_wrapper=late)
+    pending = dcp.async_save(state, storage_writer=writer, process_group=save_group)
+    _train(model, opt, 1, rank)
+    pending.result()
+    trained_on = _full(model, opt, state["extra"])["model"]  # a collective; rank 0 gets the full tensors
+    if rank == 0:
+        assert any(not torch.equal(trained_on[k], full_async["model"][k]) for k in trained_on), "training went on"
     dist.barrier()
 
     # A tensor-parallel layout: the first layer's rows and the second's columns split (Shard(0), Shard(1)).
@@ -213,6 +226,12 @@ def _reshard_to_three(rank: int, world: int, tmp: str) -> None:
         rows = shard.tensor.shape[0]
         shard.tensor.copy_(_sharded_tensor_value()[offset : offset + rows])
     dcp.save({"st": st}, storage_writer=NvcompWriter(root / "sharded_tensor"))
+    # Staged on its device (the CPU here): the ShardedTensor keeps its layout; a later change stays out.
+    late = lambda stream: (time.sleep(0.5), stream)[1]  # noqa: E731
+    pending = dcp.async_save({"st": st}, storage_writer=NvcompWriter(root / "sharded_tensor_device", staging="device", stream_wrapper=late))
+    for shard in st.local_shards():
+        shard.tensor.add_(1)
+    pending.result()
 
 
 def _sharded_tensor_value() -> torch.Tensor:
@@ -318,9 +337,10 @@ def test_tensor_parallel_layout_loads_on_one_process(two_rank_run: Path) -> None
 
 def test_async_save_loads_bit_identical(two_rank_run: Path) -> None:
     ref = torch.load(two_rank_run / "ref_async.pt", weights_only=True)
-    model, opt = _plain()
-    loaded = _load_into(model, opt, NvcompReader(two_rank_run / "async"))
-    assert_tree_equal(_full(model, opt, loaded["extra"]), ref, "async")
+    for name in ("async", "async_device"):
+        model, opt = _plain()
+        loaded = _load_into(model, opt, NvcompReader(two_rank_run / name))
+        assert_tree_equal(_full(model, opt, loaded["extra"]), ref, name)
 
 
 def test_two_ranks_to_three_and_three_to_one(two_rank_run: Path) -> None:
@@ -337,9 +357,23 @@ def test_sharded_tensor_with_two_chunks_on_a_rank_loads_on_one_process(two_rank_
     assert len(files) == 1
     with nc.open(files[0]) as reader:
         assert sorted(reader.keys()) == ["st", "st@9,0"]  # the second chunk of rank 0, by its offsets
-    state = {"st": torch.zeros(10, 6, dtype=torch.float64)}
-    dcp.load(state, storage_reader=NvcompReader(two_rank_run / "sharded_tensor"))
-    assert torch.equal(state["st"], _sharded_tensor_value())
+    for name in ("sharded_tensor", "sharded_tensor_device"):
+        state = {"st": torch.zeros(10, 6, dtype=torch.float64)}
+        dcp.load(state, storage_reader=NvcompReader(two_rank_run / name))
+        assert torch.equal(state["st"], _sharded_tensor_value()), name
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"staging": "gpu"}, "choose 'host' or 'device'"),
+        ({"staging": "device", "cache_staged_state_dict": True}, "Pass one of them"),
+        ({"staging": "device", "device_budget_bytes": -1}, "must be >= 0"),
+    ],
+)
+def test_staging_options_are_checked(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        NvcompWriter(tmp_path, **kwargs)
 
 
 def test_stock_reader_is_told_to_use_nvcomp_reader(two_rank_run: Path) -> None:
@@ -437,6 +471,25 @@ def test_cuda_shards_round_trip(tmp_path: Path) -> None:
     fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
     dcp.load(fresh, storage_reader=NvcompReader(tmp_path))
     assert_tree_equal(fresh, state)
+    with nc.open(next(tmp_path.glob("*.nvcdcp"))) as reader:
+        assert all(reader.entry(k).device.startswith("cuda") for k in reader.keys() if k.startswith("model."))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not nc.gpu_available(), reason="needs a CUDA GPU with nvCOMP: device staging clones CUDA shards there")
+def test_async_save_staged_on_the_gpu_is_compressed_there_and_point_in_time(tmp_path: Path) -> None:
+    model = _model().cuda()
+    state = {"model": model.state_dict()}
+    saved = {k: v.clone() for k, v in state["model"].items()}
+    late = lambda stream: (time.sleep(0.5), stream)[1]  # noqa: E731 - the write starts after the change below
+    pending = dcp.async_save(state, storage_writer=NvcompWriter(tmp_path, staging="device", stream_wrapper=late), no_dist=True)
+    with torch.no_grad():
+        for v in state["model"].values():
+            v.add_(1)
+    pending.result()
+    fresh = {"model": {k: torch.zeros_like(v, device="cpu") for k, v in saved.items()}}
+    dcp.load(fresh, storage_reader=NvcompReader(tmp_path), no_dist=True)
+    assert_tree_equal(fresh["model"], {k: v.cpu() for k, v in saved.items()})
     with nc.open(next(tmp_path.glob("*.nvcdcp"))) as reader:
         assert all(reader.entry(k).device.startswith("cuda") for k in reader.keys() if k.startswith("model."))
 

@@ -6,6 +6,7 @@ frame); the coordinator writes ``.metadata`` last, atomically: that rename is th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fnmatch
 import io
@@ -15,6 +16,8 @@ from typing import IO, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
@@ -91,13 +94,46 @@ def _item_key(item: WriteItem, used: set[str]) -> str:
     return unique_key(item.index.fqn, offsets, used)
 
 
+def _device_copy(obj: Any, on_device: Callable[[torch.Tensor], bool]) -> Any:
+    """A copy of a state tree for ``staging="device"``: every tensor cloned where ``on_device`` says
+    so (on its own device), else copied to the host; DTensors and ShardedTensors keep their layout;
+    other values are deep-copied (as DCP's own stager does)."""
+
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone() if on_device(t) else t.detach().to("cpu", copy=True)
+
+    if isinstance(obj, DTensor):
+        local = clone(obj.to_local())
+        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride())
+    if isinstance(obj, ShardedTensor):
+        shards = obj.local_shards()
+        if shards and all([on_device(shard.tensor) for shard in shards]):
+            # Same devices: the shards' and the tensor's metadata stay as they are (as ShardedTensor.to builds it).
+            cloned = [Shard(shard.tensor.detach().clone(), copy.deepcopy(shard.metadata)) for shard in shards]
+            return ShardedTensor._init_from_local_shards_and_global_metadata(
+                cloned, sharded_tensor_metadata=copy.deepcopy(obj.metadata()), process_group=obj._process_group,
+                init_rrefs=obj._init_rrefs,
+            )
+        return copy.deepcopy(obj) if all(shard.tensor.device.type == "cpu" for shard in shards) else obj.to(device="cpu")
+    if isinstance(obj, torch.Tensor):
+        return clone(obj)
+    if isinstance(obj, dict):
+        return {k: _device_copy(v, on_device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_device_copy(v, on_device) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_device_copy(v, on_device) for v in obj)
+    if obj is None or isinstance(obj, (int, float, str, bytes, bool)):
+        return obj
+    return copy.deepcopy(obj)
+
+
 class NvcompWriter(StorageWriter, BlockingAsyncStager):
     """Writes a DCP checkpoint directory whose rank files are compressed by nvcomp-checkpoint.
 
     Use it wherever DCP takes a ``storage_writer``:
-    ``dcp.save(state_dict, storage_writer=NvcompWriter(path))``, ``dcp.async_save(...)``
-    (staging copies the state to host memory first, as ``FileSystemWriter`` does). Read it back
-    with :class:`~nvcomp_checkpoint.dcp.NvcompReader`.
+    ``dcp.save(state_dict, storage_writer=NvcompWriter(path))``, ``dcp.async_save(...)``. Read it
+    back with :class:`~nvcomp_checkpoint.dcp.NvcompReader`.
 
     Args:
         path: The checkpoint directory (local path or fsspec URL); created if missing. May be
@@ -116,6 +152,15 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         save_tag: Only for ``dcp.save(..., use_collectives=False)``: a name every rank of one save
             passes (the step, say), recorded in each rank's metadata; a directory whose ranks'
             tags differ (the parts of two saves) is refused when loaded.
+        staging: How ``dcp.async_save`` copies the state before it returns to training.
+            ``"host"`` (default, as ``FileSystemWriter``): every tensor to host memory, and the
+            background save compresses on the CPU. ``"device"``: each tensor is cloned on its own
+            device (a GPU-to-GPU copy, far faster than one to the host), and the background save
+            compresses CUDA shards on their GPU with nvCOMP, so only compressed bytes cross to
+            the host. It needs free GPU memory for the clones: tensors beyond
+            ``device_budget_bytes`` per GPU (default: half its free memory) are copied to the
+            host instead.
+        device_budget_bytes: GPU memory per device that ``staging="device"`` may use.
 
     Every rank file and ``.metadata`` are fsynced before they are renamed into place.
 
@@ -136,7 +181,18 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         world_size: int | None = None,
         save_tag: str | None = None,
+        staging: str = "host",
+        device_budget_bytes: int | None = None,
     ) -> None:
+        if staging not in ("host", "device"):
+            raise ValueError(f"NvcompWriter(staging={staging!r}): choose 'host' or 'device'")
+        if staging == "device" and cache_staged_state_dict:
+            raise ValueError(
+                "NvcompWriter(staging='device', cache_staged_state_dict=True): the cache is a pinned host copy; "
+                "device staging clones on the GPU for each save. Pass one of them."
+            )
+        if device_budget_bytes is not None and device_budget_bytes < 0:
+            raise ValueError(f"NvcompWriter(device_budget_bytes={device_budget_bytes}): must be >= 0")
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.path = os.fspath(path) if path is not None else ""
@@ -150,6 +206,34 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         self.world_size = world_size
         self.save_tag = None if save_tag is None else str(save_tag)
         self.use_collectives = True
+        self.staging = staging
+        self.device_budget_bytes = device_budget_bytes
+
+    # -- AsyncStager -----------------------------------------------------------------------
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The copy of ``state_dict`` that ``dcp.async_save`` writes in the background (see ``staging``)."""
+        if self.staging == "host":
+            return BlockingAsyncStager.stage(self, state_dict)
+        budget: dict[torch.device, int] = {}
+        with torch.no_grad():
+            staged = _device_copy(state_dict, lambda t: self._may_clone(t, budget))
+        for device in budget:
+            # The clones were queued on the current stream: done before training changes the source.
+            torch.cuda.synchronize(device)
+        return staged
+
+    def _may_clone(self, t: torch.Tensor, budget: dict[torch.device, int]) -> bool:
+        """Whether ``t`` is cloned on its device (else copied to the host): CPU tensors always; CUDA
+        tensors while the device's budget lasts."""
+        if t.device.type != "cuda":
+            return t.device.type == "cpu"
+        if t.device not in budget:
+            budget[t.device] = self.device_budget_bytes if self.device_budget_bytes is not None else torch.cuda.mem_get_info(t.device)[0] // 2
+        need = t.numel() * t.element_size()
+        if need > budget[t.device]:
+            return False
+        budget[t.device] -= need
+        return True
 
     # -- StorageWriter ---------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
