@@ -25,7 +25,7 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirconvert import SUFFIX, PlainFile, compress_in_place, compressed_copy, decompress_in_place
 from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
-from nvcomp_checkpoint.entrypoint import SaveEntryPoint
+from nvcomp_checkpoint.entrypoint import SaveEntryPoint, load_tree
 from nvcomp_checkpoint.tiers import Tier
 from nvcomp_checkpoint.integrations import transformers_fsdp
 
@@ -187,11 +187,12 @@ def _read_plain(path: Path) -> tuple[Any, dict[str, Any]]:
     return tree, {"file": path.name}
 
 
-def _load_tree(path: Path | str, key: str, map_location: Any) -> Any:
-    """The tree stored under ``key`` in one of our files; errors name the file and a way out."""
+def _load_tree(path: Path | str, key: str, map_location: Any, leader_load: bool = False) -> Any:
+    """The tree stored under ``key`` in one of our files; errors name the file and a way out.
+    ``leader_load``: read once per node and broadcast (:func:`~nvcomp_checkpoint.entrypoint.load_tree`)."""
     path = Path(path)
     try:
-        saved = nc.load(path, map_location=map_location)
+        saved = load_tree(path, map_location, leader_load=leader_load)
     except nc.errors.CheckpointError as exc:
         raise type(exc)(f"{str(exc).rstrip('.')}. {_resume_hint(path.parent)}") from exc
     if not isinstance(saved, dict) or key not in saved:
@@ -248,6 +249,10 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
             Trainer is refused when the Trainer is created.
         incremental: Refused (``ValueError``): the Trainer deletes old ``checkpoint-N`` folders
             itself, which could delete a base that a kept delta needs.
+        leader_load: On resume of replicated (DDP) state, one process per node reads each
+            compressed file and sends it to the node's other processes over the process group
+            (:func:`nvcomp_checkpoint.load_broadcast`), instead of every process reading the same
+            bytes from a shared file system. The Trainer resumes on every process, as this needs.
 
     Attributes:
         last_report: The :class:`~nvcomp_checkpoint.SaveReport` of the latest conversion.
@@ -265,6 +270,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         compress_weights: bool | None = None,
         tiers: list[Tier] | None = None,
         incremental: bool = False,
+        leader_load: bool = False,
     ) -> None:
         if incremental:
             raise ValueError(
@@ -278,6 +284,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
             stream_wrapper=stream_wrapper, tiers=tiers, log_as="compressed",
         )
         self.verify = verify
+        self.leader_load = leader_load
         self.compress_weights = compress_weights
         self._weights = bool(compress_weights)
         self._resumes_itself = False  # the Trainer is an NvcompTrainerMixin: it loads what we wrote
@@ -344,7 +351,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         _wait_for_conversions()
         optimizer = kwargs.get("optimizer")
         if compressed_copy(checkpoint, (_OPTIMIZER,)) is not None and optimizer is not None:  # else the Trainer loaded it itself
-            _load_optimizer_and_scheduler(checkpoint, args, optimizer, kwargs.get("lr_scheduler"))
+            _load_optimizer_and_scheduler(checkpoint, args, optimizer, kwargs.get("lr_scheduler"), self.leader_load)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Convert the checkpoint the Trainer has just written (after its rotation)."""
@@ -439,7 +446,9 @@ def _resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path | 
     return guess
 
 
-def _load_optimizer_and_scheduler(checkpoint: Path, args: TrainingArguments, optimizer: Any, scheduler: Any) -> None:
+def _load_optimizer_and_scheduler(
+    checkpoint: Path, args: TrainingArguments, optimizer: Any, scheduler: Any, leader_load: bool = False
+) -> None:
     """What ``Trainer._load_optimizer_and_scheduler`` does, from the compressed optimizer state."""
     if not (checkpoint / _SCHEDULER).is_file():
         # The Trainer loads the optimizer and the scheduler together or not at all: an
@@ -448,7 +457,7 @@ def _load_optimizer_and_scheduler(checkpoint: Path, args: TrainingArguments, opt
     logger.info("Loading the compressed optimizer state from %s.", checkpoint / (_OPTIMIZER + COMPRESSED_SUFFIX))
     # As the Trainer does: the CPU for one process, each rank's own device when distributed.
     map_location = args.device if args.world_size > 1 and args.device.type != "cpu" else "cpu"
-    optimizer.load_state_dict(_load_tree(checkpoint / (_OPTIMIZER + COMPRESSED_SUFFIX), "optimizer", map_location))
+    optimizer.load_state_dict(_load_tree(checkpoint / (_OPTIMIZER + COMPRESSED_SUFFIX), "optimizer", map_location, leader_load))
     if scheduler is not None:
         with warnings.catch_warnings(record=True) as caught:
             scheduler.load_state_dict(torch.load(checkpoint / _SCHEDULER, weights_only=True))
@@ -503,7 +512,9 @@ class NvcompTrainerMixin:
                 return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         if compressed_copy(checkpoint, (_OPTIMIZER,)) is None or self._nvcomp_delegates():
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
-        _load_optimizer_and_scheduler(Path(checkpoint), self.args, self.optimizer, self.lr_scheduler)  # type: ignore[attr-defined]
+        _load_optimizer_and_scheduler(
+            Path(checkpoint), self.args, self.optimizer, self.lr_scheduler, self._nvcomp_leader_load()  # type: ignore[attr-defined]
+        )
 
     def _load_best_model(self) -> None:
         _wait_for_conversions()
@@ -531,10 +542,15 @@ class NvcompTrainerMixin:
     def _nvcomp_load_weights(self, model: torch.nn.Module, weights: Path) -> None:
         # Loaded on the CPU, non-strict, with the Trainer's own warnings: as the Trainer loads
         # model.safetensors (tied weights are absent from the file by design).
-        state_dict = _load_tree(weights, "model", "cpu")
+        state_dict = _load_tree(weights, "model", "cpu", self._nvcomp_leader_load())
         load_result = model.load_state_dict(state_dict, False)
         del state_dict
         self._issue_warnings_after_load(load_result)  # type: ignore[attr-defined]
+
+    def _nvcomp_leader_load(self) -> bool:
+        # The option lives on the callback, which holds the integration's settings.
+        callbacks = self.callback_handler.callbacks  # type: ignore[attr-defined]
+        return any(isinstance(cb, NvcompTrainerCallback) and cb.leader_load for cb in callbacks)
 
     def _nvcomp_delegates(self) -> bool:
         # DeepSpeed loads checkpoints its own way (the callback refuses it); FSDP goes through

@@ -1,0 +1,92 @@
+"""``NvcompTrainerCallback(leader_load=True)``: a DDP resume reads each compressed file once per node.
+
+The Hugging Face Trainer on 2 CPU processes (torchrun, gloo) saves compressed checkpoints; fresh
+processes resume from one. With ``leader_load`` rank 0 alone opens the ``.nvc`` files (an audit hook
+lists every file a process opens) and rank 1 receives their state over the process group; both
+continue with the uninterrupted run's losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+_SCRIPT = textwrap.dedent(
+    '''
+    import json, os, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+    from nvcomp_checkpoint.transformers import NvcompTrainer, NvcompTrainerCallback
+
+    torch.set_num_threads(1)
+
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self):
+            self.x = torch.randint(0, 128, (64, 16), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+    mode, root = sys.argv[1], sys.argv[2]
+    opened = []
+    if mode != "first":
+        sys.addaudithook(lambda event, a: opened.append(os.fspath(a[0])) if event == "open" and isinstance(a[0], (str, os.PathLike)) else None)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32))
+    args = TrainingArguments(
+        output_dir=os.path.join(root, mode), max_steps=6, save_steps=3, per_device_train_batch_size=4, logging_steps=1,
+        learning_rate=1e-3, seed=1, report_to=[], use_cpu=True, disable_tqdm=True,
+    )
+    trainer = NvcompTrainer(
+        model=model, args=args, train_dataset=Tokens(), callbacks=[NvcompTrainerCallback(leader_load=mode == "leader")]
+    )
+    trainer.train(resume_from_checkpoint=None if mode == "first" else os.path.join(root, "first", "checkpoint-3"))
+    losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    nvc = sorted({os.path.basename(p) for p in opened if p.endswith(".nvc") and "checkpoint-3" in p})
+    with open(os.path.join(root, f"{mode}_{trainer.args.process_index}.json"), "w") as f:
+        json.dump({"losses": losses, "nvc_opened": nvc}, f)
+    '''
+)
+
+
+def _torchrun(script: Path, mode: str, root: Path) -> None:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), mode, str(root)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+@pytest.mark.slow
+def test_ddp_resume_reads_each_file_on_one_rank_and_continues_the_run(tmp_path: Path) -> None:
+    script = tmp_path / "run.py"
+    script.write_text(_SCRIPT)
+    _torchrun(script, "first", tmp_path)
+    assert sorted(p.name for p in (tmp_path / "first" / "checkpoint-3").glob("*.nvc")) == [
+        "model.safetensors.nvc", "optimizer.pt.nvc",
+    ]
+    _torchrun(script, "leader", tmp_path)
+    full = json.loads((tmp_path / "first_0.json").read_text())["losses"]
+    assert sorted(int(s) for s in full) == list(range(1, 7))
+    for rank in (0, 1):
+        resumed = json.loads((tmp_path / f"leader_{rank}.json").read_text())
+        expected = ["model.safetensors.nvc", "optimizer.pt.nvc"] if rank == 0 else []
+        assert resumed["nvc_opened"] == expected, (rank, resumed["nvc_opened"])
+        # The resumed run's log starts with the checkpoint's history (steps 1-3), then trains on.
+        assert resumed["losses"] == full, rank
