@@ -639,3 +639,15 @@ def test_nvckpt_on_directories_saved_without_collectives(two_rank_run: Path, tmp
     model, opt = _plain()
     loaded = _load_into(model, opt, NvcompReader(tmp_path / "ours"))
     assert_tree_equal(_full(model, opt, loaded["extra"]), ref, "nvckpt compress of a no-collectives directory")
+
+
+def test_tied_weights_are_stored_once_and_load_under_both_names(tmp_path: Path) -> None:
+    # Language models tie the embedding and the output layer: two names, one tensor.
+    w = torch.randn(64, 32)
+    dcp.save({"m": {"wte.weight": w, "lm_head.weight": w, "b": torch.ones(3)}}, storage_writer=NvcompWriter(tmp_path), no_dist=True)
+    target = {"m": {"wte.weight": torch.zeros(64, 32), "lm_head.weight": torch.zeros(64, 32), "b": torch.zeros(3)}}
+    dcp.load(target, storage_reader=NvcompReader(tmp_path), no_dist=True)
+    assert torch.equal(target["m"]["wte.weight"], w) and torch.equal(target["m"]["lm_head.weight"], w)
+    assert torch.equal(target["m"]["b"], torch.ones(3))
+    rank_file = next(tmp_path.glob("*.nvcdcp"))
+    assert rank_file.stat().st_size < 64 * 32 * 4 * 1.5  # the tied tensor's bytes once, not twice

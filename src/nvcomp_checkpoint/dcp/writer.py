@@ -304,9 +304,11 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
                     stream = self.stream_wrapper(stream)
                 writer = CheckpointWriter(stream, self.policy, where, workers=self.workers)
                 index, _, _ = writer.write(tree, {"dcp_rank": self.rank, "dcp_file": name})
+        # A name that shares its tensor with another (tied weights) is stored once, under the
+        # other name: the file reads it back by either; its own stored size is 0.
         stored = {entry.key: entry.stored_bytes for entry in index.tensors}
         return [
-            WriteResult(index=item.index, size_in_bytes=stored[key], storage_data=StoredItem(name, key))
+            WriteResult(index=item.index, size_in_bytes=stored.get(key, 0), storage_data=StoredItem(name, key))
             for item, key in keyed
         ]
 
