@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import warnings
 from pathlib import Path
@@ -77,16 +78,32 @@ def _full_state(model: Any, opt: Any) -> dict[str, Any]:
     return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, {"model": msd, "optim": osd})
 
 
+def _tier_save(acc: Any, root: str, name: str) -> None:
+    """A sharded save_state with a copy to a local folder tier (made by rank 0, once committed)."""
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+
+    _use(acc, "SHARDED_STATE_DICT")
+    hooks = register_nvcomp_hooks(acc, tiers=[nc.Tier(os.path.join(root, "tier"))])
+    acc.save_state(os.path.join(root, "local", name))
+    hooks.remove()  # waits for the copy
+
+
 def _save_run(rank: int, root: str) -> None:
     from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
 
     acc, model, opt = _prepared(seed=0)
-    _train(acc, model, opt, SAVE_STEPS, first=0)
+    _train(acc, model, opt, SAVE_STEPS - 1, first=0)
+    _tier_save(acc, root, "first")  # an older copy, which the resume must pass over
+    _train(acc, model, opt, 1, first=SAVE_STEPS - 1)
+    reports = {}
     for kind in KINDS:
         _use(acc, kind)
         out = os.path.join(root, kind)
         hooks = register_nvcomp_hooks(acc)
         acc.save_state(os.path.join(out, "ours"))
+        # The process that commits reports the save: every rank's files; the others have none.
+        reports[kind] = (hooks.last_report, hooks.last_reports)
         # A folder that also holds your own files is updated in place, twice: the first save's
         # rank files must not stay behind.
         if rank == 0:
@@ -97,9 +114,11 @@ def _save_run(rank: int, root: str) -> None:
         acc.save_state(os.path.join(out, "shared"))
         hooks.remove()
         acc.save_state(os.path.join(out, "plain"))  # Accelerate's own FSDP files, for the hooks to load
+    _tier_save(acc, root, "second")
     state = _full_state(model, opt)
     losses = _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)
-    torch.save({"state": state, "losses": losses}, os.path.join(root, f"saved_{rank}.pt"))
+    torch.save({"state": state, "losses": losses, "reports": reports, "iteration": acc.save_iteration},
+               os.path.join(root, f"saved_{rank}.pt"))
 
 
 def _resume_run(rank: int, root: str) -> None:
@@ -117,7 +136,16 @@ def _resume_run(rank: int, root: str) -> None:
             hooks.remove()
             state = _full_state(model, opt)
             out[f"{kind}/{name}"] = {"state": state, "losses": _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)}
+    # A fresh node: the local folders are gone; every rank resumes from the newest copy on the tier.
+    import nvcomp_checkpoint as nc
+
     _use(acc, "SHARDED_STATE_DICT")
+    hooks = register_nvcomp_hooks(acc, tiers=[nc.Tier(os.path.join(root, "tier"))])
+    path = hooks.resume_path()
+    acc.load_state(path)
+    hooks.remove()
+    out["tier"] = {"path": path, "iteration": acc.save_iteration, "state": _full_state(model, opt)}
+    out["tier"]["losses"] = _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)
     # A stock Accelerator cannot read our shards, and says which reader can.
     try:
         acc.load_state(os.path.join(root, "SHARDED_STATE_DICT", "ours"))
@@ -152,7 +180,10 @@ def _spawn(fn: Any, *args: Any) -> None:
 @pytest.mark.slow
 def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
     _spawn(_save_run, str(tmp_path))
+    reports = [torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)["reports"] for rank in range(2)]
     for kind in KINDS:
+        _check_reports(tmp_path / kind / "ours", kind, *reports[0][kind])
+        assert reports[1][kind] == (None, {}), reports[1][kind]  # rank 1 commits nothing
         ours = tmp_path / kind / "ours"
         manifest = json.loads((ours / "nvcomp_checkpoint.json").read_text())
         assert manifest["fsdp"] == {"version": 2, "state_dict_type": kind}
@@ -175,6 +206,16 @@ def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
         listed = json.loads((shared / "nvcomp_checkpoint.json").read_text())["files"]
         assert kept == sorted([*listed, "nvcomp_checkpoint.json", "notes.txt"]), kept
 
+    # The tier holds both sharded saves, copied whole by rank 0; the local folders go, as on a fresh node.
+    tier_steps = sorted(p.name for p in (tmp_path / "tier").iterdir() if p.is_dir())
+    assert len(tier_steps) == 2, tier_steps
+    for step in tier_steps:
+        copied = sorted(p.relative_to(tmp_path / "tier" / step).as_posix() for p in (tmp_path / "tier" / step).rglob("*") if p.is_file())
+        for d in ("pytorch_model_fsdp_0", "optimizer_0"):
+            assert len([n for n in copied if n.startswith(f"{d}/__") and n.endswith(".nvcdcp")]) == 2, copied
+            assert f"{d}/.metadata" in copied, copied
+    shutil.rmtree(tmp_path / "local")
+
     _spawn(_resume_run, str(tmp_path))
     for rank in range(2):
         saved = torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)
@@ -189,6 +230,35 @@ def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
                 assert_tree_equal(_tuples_as_lists(saved["state"]), _tuples_as_lists(got["state"]), f"{kind}/{name}/rank{rank}")
                 assert got["losses"] == saved["losses"], (kind, name, rank)
         assert "NvcompReader" in resumed["stock"], resumed["stock"]
+        # From the tier copy: the newest save (not the older copy), bit for bit, and the same next losses.
+        tier = resumed["tier"]
+        assert Path(tier["path"]).parent == tmp_path / "tier" and Path(tier["path"]).name == tier_steps[-1], tier["path"]
+        assert_tree_equal(saved["state"], tier["state"], f"tier/rank{rank}")
+        assert tier["losses"] == saved["losses"], rank
+        assert tier["iteration"] == saved["iteration"], (tier["iteration"], saved["iteration"])
+
+
+def _check_reports(ours: Path, kind: str, report: Any, per_file: dict[str, Any]) -> None:
+    """The committing process's report: per file or DCP directory, what the files hold, summed over the ranks."""
+    from test_dcp_report import assert_report_matches_files
+
+    if kind == "SHARDED_STATE_DICT":
+        assert sorted(per_file) == ["optimizer_0", "pytorch_model_fsdp_0"], per_file
+        for name, r in per_file.items():
+            assert_report_matches_files(r, ours / name)
+        assert set(per_file["pytorch_model_fsdp_0"].components) == {"weights"}
+        assert {"exp_avg", "exp_avg_sq"} <= set(per_file["optimizer_0"].components)
+    else:
+        assert sorted(per_file) == ["optimizer.nvc", "pytorch_model_fsdp.nvc"], per_file
+        for name, r in per_file.items():
+            assert r.stored_bytes == (ours / name).stat().st_size
+    assert report.stored_bytes == sum(r.stored_bytes for r in per_file.values())
+    assert report.raw_bytes == sum(r.raw_bytes for r in per_file.values())
+    # The full model and its Adam moments: every parameter once, whichever ranks held its shards.
+    params = 24 * 48 + 48 + 48 * 40 + 40 + 40 * 2 + 2
+    model, optimizer = sorted(per_file, key=lambda n: not n.startswith("pytorch_model"))
+    assert per_file[model].raw_bytes == per_file[model].components["weights"].raw_bytes == params * 4
+    assert per_file[optimizer].components["exp_avg"].raw_bytes == params * 4
 
 
 def _tuples_as_lists(tree: Any) -> Any:
