@@ -119,6 +119,9 @@ def _save_run(rank: int, root: str) -> None:
     losses = _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)
     torch.save({"state": state, "losses": losses, "reports": reports, "iteration": acc.save_iteration},
                os.path.join(root, f"saved_{rank}.pt"))
+    # The HF Trainer in the same processes (last: it sets up Accelerate's shared state its own way).
+    _trainer_fit(root, "reference", max_steps=TRAINER_STEPS[1])  # uninterrupted, nothing saved
+    _trainer_fit(root, "saved", max_steps=TRAINER_STEPS[0], save=True)
 
 
 def _resume_run(rank: int, root: str) -> None:
@@ -153,6 +156,52 @@ def _resume_run(rank: int, root: str) -> None:
     except CheckpointException as exc:  # DCP's (a BaseException) holds each rank's error
         out["stock"] = repr(exc)
     torch.save(out, os.path.join(root, f"resumed_{rank}.pt"))
+    _trainer_fit(root, "resumed", max_steps=TRAINER_STEPS[1], resume=True)
+
+
+# -- the HF Trainer with FSDP2 (NvcompTrainer, the callback with a tier) ----------------------------
+TRAINER_STEPS = (4, 6)  # saved at steps 2 and 4, copied to the tier; then resumed from the copy of 4
+
+
+def _trainer_fit(root: str, name: str, max_steps: int, save: bool = False, resume: bool = False) -> dict[str, Any]:
+    """NvcompTrainer on a GPT-2 without tied weights, FSDP2 set by hand as for the Accelerator above
+    (the Trainer enables FSDP only with an accelerator device); writes ``trainer_<name>_<rank>.json``."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.transformers import NvcompTrainer, NvcompTrainerCallback
+
+    class CpuFsdpTrainer(NvcompTrainer):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+            self.accelerator.state.distributed_type = DistributedType.FSDP
+            self.is_fsdp_enabled = True
+
+    class FsdpAgain(TrainerCallback):  # accelerator.prepare puts MULTI_CPU back
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            trainer.accelerator.state.distributed_type = DistributedType.FSDP
+
+    torch.manual_seed(0 if not resume else 1)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, tie_word_embeddings=False))
+    tokens = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(3))
+    args = TrainingArguments(
+        output_dir=os.path.join(root, "trainer"), max_steps=max_steps, save_steps=2, save_strategy="steps" if save or resume else "no",
+        per_device_train_batch_size=4, logging_steps=1, lr_scheduler_type="constant", report_to=[], seed=0, data_seed=0,
+        disable_tqdm=True, use_cpu=True,
+    )
+    callback = NvcompTrainerCallback(tiers=[nc.Tier(os.path.join(root, "trainer_tier"))])
+    trainer = CpuFsdpTrainer(model=model, args=args, train_dataset=[{"input_ids": t, "labels": t} for t in tokens], callbacks=[callback, FsdpAgain()])
+    resume_from = callback.resume_path() if resume else None  # every rank: the newest copy on the tier
+    trainer.train(resume_from_checkpoint=resume_from)
+    report = callback.last_report
+    out = {
+        "losses": [[h["step"], h["loss"]] for h in trainer.state.log_history if "loss" in h], "resumed_from": resume_from,
+        "report": None if report is None else report.to_dict(), "wrapped": type(trainer.model_wrapped).__name__,
+    }
+    Path(root, f"trainer_{name}_{trainer.args.process_index}.json").write_text(json.dumps(out))
+    return out
 
 
 def _rank_main(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...]) -> None:
@@ -215,8 +264,11 @@ def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
             assert len([n for n in copied if n.startswith(f"{d}/__") and n.endswith(".nvcdcp")]) == 2, copied
             assert f"{d}/.metadata" in copied, copied
     shutil.rmtree(tmp_path / "local")
+    _check_trainer_save(tmp_path)
+    shutil.rmtree(tmp_path / "trainer")  # the Trainer's local checkpoints too
 
     _spawn(_resume_run, str(tmp_path))
+    _check_trainer_resume(tmp_path)
     for rank in range(2):
         saved = torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)
         resumed = torch.load(tmp_path / f"resumed_{rank}.pt", weights_only=False)
@@ -236,6 +288,45 @@ def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
         assert_tree_equal(saved["state"], tier["state"], f"tier/rank{rank}")
         assert tier["losses"] == saved["losses"], rank
         assert tier["iteration"] == saved["iteration"], (tier["iteration"], saved["iteration"])
+
+
+def _trainer_run(root: Path, name: str, rank: int) -> dict[str, Any]:
+    return json.loads((root / f"trainer_{name}_{rank}.json").read_text())
+
+
+def _check_trainer_save(root: Path) -> None:
+    """The Trainer's FSDP2 state: compressed, reported on rank 0 (every rank's files), copied whole to the tier."""
+    from nvcomp_checkpoint.dcp import read_dcp_files
+
+    reference = _trainer_run(root, "reference", 0)
+    saved = [_trainer_run(root, "saved", rank) for rank in range(2)]
+    assert saved[0]["wrapped"].startswith("FSDP"), saved[0]["wrapped"]  # really FSDP2
+    assert saved[0]["losses"] == reference["losses"][: TRAINER_STEPS[0]]
+    assert saved[1]["report"] is None  # rank 1 does not save the checkpoint
+    last = root / "trainer" / f"checkpoint-{TRAINER_STEPS[0]}"
+    dcp_dirs = [last / "pytorch_model_fsdp_0", last / "optimizer_0"]
+    files = [read_dcp_files(str(d)) for d in dcp_dirs]
+    report = saved[0]["report"]
+    assert report["stored_bytes"] == sum(p.stat().st_size for d in dcp_dirs for p in d.iterdir())
+    assert report["raw_bytes"] == sum(f.raw_bytes for f in files)
+    assert {"weights", "exp_avg", "exp_avg_sq"} <= set(report["components"])
+    tier = root / "trainer_tier"
+    assert sorted(p.name for p in tier.iterdir() if p.is_dir()) == ["step-0000000002", "step-0000000004"]
+    copied = sorted(p.relative_to(tier / "step-0000000004").as_posix() for p in (tier / "step-0000000004").rglob("*") if p.is_file())
+    # Every rank's files: its shards and its RNG state (written after the FSDP state: the copy waits for every rank).
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "pytorch_model_fsdp_0/.metadata"} <= set(copied), copied
+    assert len([n for n in copied if n.endswith(".nvcdcp")]) == 4, copied
+
+
+def _check_trainer_resume(root: Path) -> None:
+    reference = _trainer_run(root, "reference", 0)["losses"]
+    for rank in range(2):
+        resumed = _trainer_run(root, "resumed", rank)
+        assert resumed["resumed_from"] == str(root / "trainer_tier" / "step-0000000004"), resumed["resumed_from"]
+    # The steps after the copy's: the uninterrupted run's losses (rank 0 logs them).
+    resumed = _trainer_run(root, "resumed", 0)["losses"]
+    tail = [s for s in resumed if s[0] > TRAINER_STEPS[0]]
+    assert len(tail) == TRAINER_STEPS[1] - TRAINER_STEPS[0] and tail == reference[TRAINER_STEPS[0]:], (tail, reference)
 
 
 def _check_reports(ours: Path, kind: str, report: Any, per_file: dict[str, Any]) -> None:
