@@ -89,6 +89,27 @@ def _tier_save(acc: Any, root: str, name: str) -> None:
     hooks.remove()  # waits for the copy
 
 
+def _save_on_each_node_of_two_nodes(acc: Any, root: str) -> str | None:
+    """save_on_each_node, as if each rank were a node of its own: refused on every rank, naming the setting."""
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+
+    _use(acc, "SHARDED_STATE_DICT")
+    before = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    acc.project_configuration.save_on_each_node = True
+    hooks = register_nvcomp_hooks(acc)
+    try:
+        acc.save_state(os.path.join(root, "each_node"))
+        return None
+    except nc.CheckpointError as exc:
+        return str(exc)
+    finally:
+        hooks.remove()
+        acc.project_configuration.save_on_each_node = False
+        os.environ["LOCAL_WORLD_SIZE"] = before or ""
+
+
 def _save_run(rank: int, root: str) -> None:
     from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
 
@@ -114,10 +135,11 @@ def _save_run(rank: int, root: str) -> None:
         acc.save_state(os.path.join(out, "shared"))
         hooks.remove()
         acc.save_state(os.path.join(out, "plain"))  # Accelerate's own FSDP files, for the hooks to load
+    refused = _save_on_each_node_of_two_nodes(acc, root)
     _tier_save(acc, root, "second")
     state = _full_state(model, opt)
     losses = _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)
-    torch.save({"state": state, "losses": losses, "reports": reports, "iteration": acc.save_iteration},
+    torch.save({"state": state, "losses": losses, "reports": reports, "iteration": acc.save_iteration, "refused": refused},
                os.path.join(root, f"saved_{rank}.pt"))
     # The HF Trainer in the same processes (last: it sets up Accelerate's shared state its own way).
     _trainer_fit(root, "reference", max_steps=TRAINER_STEPS[1])  # uninterrupted, nothing saved
@@ -230,6 +252,11 @@ def _spawn(fn: Any, *args: Any) -> None:
 def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
     _spawn(_save_run, str(tmp_path))
     reports = [torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)["reports"] for rank in range(2)]
+    for rank in range(2):
+        refused = torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)["refused"]
+        assert refused is not None and "save_on_each_node=True with FSDP SHARDED_STATE_DICT on 2 nodes" in refused, refused
+        assert "Set ProjectConfiguration(save_on_each_node=...) to False" in refused, refused
+    assert not (tmp_path / "each_node").exists()
     for kind in KINDS:
         _check_reports(tmp_path / kind / "ours", kind, *reports[0][kind])
         assert reports[1][kind] == (None, {}), reports[1][kind]  # rank 1 commits nothing
@@ -358,6 +385,19 @@ def _tuples_as_lists(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return [_tuples_as_lists(v) for v in tree]
     return tree
+
+
+def test_sharded_state_has_one_committer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.integrations.accelerate_fsdp import check_one_committer
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    check_one_committer(True, 8, "ckpt", "X")  # one node: its main process is the only committer
+    check_one_committer(False, 16, "ckpt", "X")
+    with pytest.raises(nc.CheckpointError, match=r"ckpt: save_on_each_node=True .* on 2 nodes.*Set X to False"):
+        check_one_committer(True, 16, "ckpt", "X")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    check_one_committer(True, 16, "ckpt", "X")  # no launcher said how many processes a node runs: one node
 
 
 def test_fsdp_names_are_state_files() -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "fsdp_manifest_fields",
     "check_loadable",
     "check_fsdp_hooks",
+    "check_one_committer",
     "replaced_files",
     "FSDP_FUNCTION_NAMES",
 ]
@@ -127,8 +128,10 @@ def save_fsdp_model(
         CheckpointError: ``LOCAL_STATE_DICT`` or ``use_dcp=False`` (per-rank ``torch.save`` files).
     """
     _check_supported(fsdp_plugin, use_dcp, output_dir)
-    LOCAL.makedirs(os.fspath(output_dir))
     full = _is_full(fsdp_plugin)
+    if not full:
+        _check_accelerator_committer(accelerator, output_dir)
+    LOCAL.makedirs(os.fspath(output_dir))
     if full:
         _set_full_config(fsdp_plugin, accelerator)  # as Accelerate: offload and rank 0 only when distributed
     with _state_dict_context(fsdp_plugin, model):
@@ -195,6 +198,8 @@ def save_fsdp_optimizer(
     """``accelerate.utils.save_fsdp_optimizer`` with compressed files: ``optimizer_<i>/`` (sharded)
     or ``optimizer.nvc`` (full, written by the main process); ``on_saved`` as for :func:`save_fsdp_model`."""
     _check_supported(fsdp_plugin, use_dcp, output_dir)
+    if not _is_full(fsdp_plugin):
+        _check_accelerator_committer(accelerator, output_dir)
     LOCAL.makedirs(os.fspath(output_dir))
     with _state_dict_context(fsdp_plugin, model):
         state = _optimizer_state(fsdp_plugin, model, optimizer)
@@ -272,6 +277,35 @@ def _check_supported(fsdp_plugin: Any, use_dcp: bool, where: str | os.PathLike[s
             f"{where}: use_dcp=False writes one torch.save file per rank, which nvcomp-checkpoint does not "
             "compress. Leave use_dcp=True (the default), or save without nvcomp-checkpoint's hooks."
         )
+
+
+def check_one_committer(save_on_each_node: bool, num_processes: int, where: str | os.PathLike[str], setting: str) -> None:
+    """Sharded state needs one committing process: refuse ``save_on_each_node`` on several nodes.
+
+    Every rank writes its shards into one directory, which DCP's coordinator commits; with
+    ``save_on_each_node`` each node's main process would also stage, commit and copy to the tiers
+    that same directory (on shared storage, racing the others; on node-local disks, each node's
+    folder would hold only its own ranks' shards). The nodes are counted from ``LOCAL_WORLD_SIZE``
+    (set by ``torchrun`` and ``accelerate launch``); without it the job is taken for one node.
+
+    Raises:
+        CheckpointError: ``save_on_each_node`` on more than one node, naming ``setting`` to change.
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes) or num_processes)
+    if save_on_each_node and num_processes > local:
+        raise CheckpointError(
+            f"{where}: save_on_each_node=True with FSDP SHARDED_STATE_DICT on {-(-num_processes // local)} nodes: every rank "
+            "writes its shards into one checkpoint directory, on storage all nodes share, committed (and copied to the "
+            f"tiers) by one process; each node's main process would commit it too. Set {setting} to False."
+        )
+
+
+def _check_accelerator_committer(accelerator: Any, where: str | os.PathLike[str]) -> None:
+    config = getattr(accelerator, "project_configuration", None)
+    check_one_committer(
+        bool(getattr(config, "save_on_each_node", False)), accelerator.num_processes, where,
+        "ProjectConfiguration(save_on_each_node=...)",
+    )
 
 
 def _check_state_dict_type(fsdp_plugin: Any, directory: Path, stem: str, index: int) -> None:

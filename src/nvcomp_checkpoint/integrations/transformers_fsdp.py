@@ -20,7 +20,7 @@ import transformers.trainer
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.integrations.accelerate_fsdp import load_fsdp_optimizer, nvcomp_fsdp_functions
+from nvcomp_checkpoint.integrations.accelerate_fsdp import check_one_committer, load_fsdp_optimizer, nvcomp_fsdp_functions
 from nvcomp_checkpoint.report import merge_reports
 
 __all__ = [
@@ -62,6 +62,8 @@ def save_fsdp_state(trainer: Any, save: Callable[[str], None], output_dir: str) 
     if callback is None:
         save(output_dir)
         return
+    if "SHARDED" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type):
+        check_one_committer(trainer.args.save_on_each_node, trainer.args.world_size, output_dir, "TrainingArguments(save_on_each_node=...)")
     saved: dict[str, nc.SaveReport] = {}
     on_saved = saved.__setitem__ if trainer.args.should_save else None
     with nvcomp_fsdp_functions(transformers.trainer, callback.policy, workers=callback.workers, on_saved=on_saved):
