@@ -117,23 +117,22 @@ _SCRIPT = textwrap.dedent(
 
     mode, root = sys.argv[1], Path(sys.argv[2])
     kwargs = dict(data_parallel_size=2, tensor_parallel_size=1)
-    tier = Tier(str(root / "tier"))
     if mode == "first":
         fit(ModelParallelStrategy(**kwargs), root / "plain", 1)
-        # The plugin gets each sharded save's report and copies each checkpoint directory to the tier.
+        # The plugin gets each sharded save's report and copies checkpoint directories to the tier
+        # (every 4 steps: step 3's, not step 6's).
         durable = []
-        plugin = NvcompCheckpointIO(tiers=[tier], on_saved=lambda r: durable.append(r.path))
+        plugin = NvcompCheckpointIO(tiers=[Tier(str(root / "tier"), every_steps=4)], on_saved=lambda r: durable.append(r.path))
         strategy = NvcompModelParallelStrategy(**kwargs)
         rank = fit(strategy, root / "ours", 2, losses_name=root / "full.json", plugins=[plugin])
         reports = {"strategy": strategy.last_report, "plugin": plugin.last_report}
         reports = {k: None if r is None else r.to_dict() for k, r in reports.items()}
         (root / f"reports_{rank}.json").write_text(json.dumps(dict(reports, on_saved=durable)))
     else:
-        # The local checkpoints are gone: resume from the tier's copies (step 3 by its path, then the newest).
-        fit(NvcompModelParallelStrategy(**kwargs), root / "resumed", 3, root / "tier" / "step-0000000003", root / "resume_ours.json")
-        plugin = NvcompCheckpointIO(tiers=[tier])
+        # The local checkpoints are gone: every rank resumes from the newest copy on the tier.
+        plugin = NvcompCheckpointIO(tiers=[Tier(str(root / "tier"))])
         newest = plugin.resume_path()
-        rank = fit(NvcompModelParallelStrategy(**kwargs), root / "resumed_tier", 3, newest, root / "resume_tier.json", plugins=[plugin])
+        rank = fit(NvcompModelParallelStrategy(**kwargs), root / "resumed", 2, newest, root / "resume_ours.json", plugins=[plugin])
         (root / f"newest_{rank}.json").write_text(json.dumps(newest))
         first = "epoch=0-step=3.ckpt"
         fit(NvcompModelParallelStrategy(**kwargs), root / "resumed_plain", 2, root / "plain" / first, root / "resume_plain.json")
@@ -164,24 +163,23 @@ def test_fit_then_resume_in_fresh_processes_gives_the_same_losses(tmp_path: Path
     assert main(["verify", "-q", str(ours)]) == 0
     assert main(["verify", "-q", str(plain)]) == 0
     _check_reports(tmp_path)
-    assert _tier_steps(tmp_path) == [3, 6]
+    assert _tier_steps(tmp_path) == [3]
     shutil.rmtree(tmp_path / "ours")  # the local checkpoints, as on a fresh node
 
     _run(script, "resume", tmp_path)
     full = json.loads((tmp_path / "full.json").read_text())
     assert [s for s, _ in full] == list(range(6))
-    resumed = json.loads((tmp_path / "resume_ours.json").read_text())
-    assert [s for s, _ in resumed] == list(range(3, 9)) and resumed[:3] == full[3:]
-    assert json.loads((tmp_path / "resume_plain.json").read_text()) == full[3:]
-    # plugin.resume_path() is the newest copy, on every rank; it resumes with the next losses.
-    assert {json.loads((tmp_path / f"newest_{r}.json").read_text()) for r in range(2)} == {str(tmp_path / "tier" / "step-0000000006")}
-    assert json.loads((tmp_path / "resume_tier.json").read_text()) == resumed[3:]
-    assert _tier_steps(tmp_path) == [3, 6, 9]  # the resumed run's save is copied too
-    # The callback's tensors come back bit-identical from our meta.pt and from a plain one.
-    for run, loaded_by, step in (("ours", "resumed", 3), ("plain", "resumed_plain", 3), ("ours", "resumed_tier", 6)):
-        saved = torch.load(tmp_path / f"{run}_ema_saved_{step}.pt", weights_only=True)
-        loaded = torch.load(tmp_path / f"{loaded_by}_ema_loaded.pt", weights_only=True)
-        assert saved["steps"] == loaded["steps"] == step, run
+    # plugin.resume_path(), on every rank, is the tier's copy; it resumes with the uninterrupted run's losses.
+    assert {json.loads((tmp_path / f"newest_{r}.json").read_text()) for r in range(2)} == {str(tmp_path / "tier" / "step-0000000003")}
+    for name in ("resume_ours.json", "resume_plain.json"):
+        resumed = json.loads((tmp_path / name).read_text())
+        assert resumed == full[3:], name
+    assert _tier_steps(tmp_path) == [3, 6]  # the resumed run's save is copied too
+    # The callback's tensors come back bit-identical from our meta.pt (the tier's copy) and from a plain one.
+    for run in ("ours", "plain"):
+        saved = torch.load(tmp_path / f"{run}_ema_saved_3.pt", weights_only=True)
+        loaded = torch.load(tmp_path / f"resumed{'' if run == 'ours' else '_plain'}_ema_loaded.pt", weights_only=True)
+        assert saved["steps"] == loaded["steps"] == 3, run
         for key, tensor in saved["ema"].items():
             assert tensor.dtype == loaded["ema"][key].dtype and torch.equal(tensor.view(torch.uint8), loaded["ema"][key].view(torch.uint8)), (run, key)
     # The resumed run saved compressed checkpoints too.
