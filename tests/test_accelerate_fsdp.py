@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import warnings
 from pathlib import Path
@@ -77,16 +78,53 @@ def _full_state(model: Any, opt: Any) -> dict[str, Any]:
     return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, {"model": msd, "optim": osd})
 
 
+def _tier_save(acc: Any, root: str, name: str) -> None:
+    """A sharded save_state with a copy to a local folder tier (made by rank 0, once committed)."""
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+
+    _use(acc, "SHARDED_STATE_DICT")
+    hooks = register_nvcomp_hooks(acc, tiers=[nc.Tier(os.path.join(root, "tier"))])
+    acc.save_state(os.path.join(root, "local", name))
+    hooks.remove()  # waits for the copy
+
+
+def _save_on_each_node_of_two_nodes(acc: Any, root: str) -> str | None:
+    """save_on_each_node, as if each rank were a node of its own: refused on every rank, naming the setting."""
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+
+    _use(acc, "SHARDED_STATE_DICT")
+    before = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    acc.project_configuration.save_on_each_node = True
+    hooks = register_nvcomp_hooks(acc)
+    try:
+        acc.save_state(os.path.join(root, "each_node"))
+        return None
+    except nc.CheckpointError as exc:
+        return str(exc)
+    finally:
+        hooks.remove()
+        acc.project_configuration.save_on_each_node = False
+        os.environ["LOCAL_WORLD_SIZE"] = before or ""
+
+
 def _save_run(rank: int, root: str) -> None:
     from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
 
     acc, model, opt = _prepared(seed=0)
-    _train(acc, model, opt, SAVE_STEPS, first=0)
+    _train(acc, model, opt, SAVE_STEPS - 1, first=0)
+    _tier_save(acc, root, "first")  # an older copy, which the resume must pass over
+    _train(acc, model, opt, 1, first=SAVE_STEPS - 1)
+    reports = {}
     for kind in KINDS:
         _use(acc, kind)
         out = os.path.join(root, kind)
         hooks = register_nvcomp_hooks(acc)
         acc.save_state(os.path.join(out, "ours"))
+        # The process that commits reports the save: every rank's files; the others have none.
+        reports[kind] = (hooks.last_report, hooks.last_reports)
         # A folder that also holds your own files is updated in place, twice: the first save's
         # rank files must not stay behind.
         if rank == 0:
@@ -97,9 +135,15 @@ def _save_run(rank: int, root: str) -> None:
         acc.save_state(os.path.join(out, "shared"))
         hooks.remove()
         acc.save_state(os.path.join(out, "plain"))  # Accelerate's own FSDP files, for the hooks to load
+    refused = _save_on_each_node_of_two_nodes(acc, root)
+    _tier_save(acc, root, "second")
     state = _full_state(model, opt)
     losses = _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)
-    torch.save({"state": state, "losses": losses}, os.path.join(root, f"saved_{rank}.pt"))
+    torch.save({"state": state, "losses": losses, "reports": reports, "iteration": acc.save_iteration, "refused": refused},
+               os.path.join(root, f"saved_{rank}.pt"))
+    # The HF Trainer in the same processes (last: it sets up Accelerate's shared state its own way).
+    _trainer_fit(root, "reference", max_steps=TRAINER_STEPS[1])  # uninterrupted, nothing saved
+    _trainer_fit(root, "saved", max_steps=TRAINER_STEPS[0], save=True)
 
 
 def _resume_run(rank: int, root: str) -> None:
@@ -117,7 +161,16 @@ def _resume_run(rank: int, root: str) -> None:
             hooks.remove()
             state = _full_state(model, opt)
             out[f"{kind}/{name}"] = {"state": state, "losses": _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)}
+    # A fresh node: the local folders are gone; every rank resumes from the newest copy on the tier.
+    import nvcomp_checkpoint as nc
+
     _use(acc, "SHARDED_STATE_DICT")
+    hooks = register_nvcomp_hooks(acc, tiers=[nc.Tier(os.path.join(root, "tier"))])
+    path = hooks.resume_path()
+    acc.load_state(path)
+    hooks.remove()
+    out["tier"] = {"path": path, "iteration": acc.save_iteration, "state": _full_state(model, opt)}
+    out["tier"]["losses"] = _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)
     # A stock Accelerator cannot read our shards, and says which reader can.
     try:
         acc.load_state(os.path.join(root, "SHARDED_STATE_DICT", "ours"))
@@ -125,6 +178,52 @@ def _resume_run(rank: int, root: str) -> None:
     except CheckpointException as exc:  # DCP's (a BaseException) holds each rank's error
         out["stock"] = repr(exc)
     torch.save(out, os.path.join(root, f"resumed_{rank}.pt"))
+    _trainer_fit(root, "resumed", max_steps=TRAINER_STEPS[1], resume=True)
+
+
+# -- the HF Trainer with FSDP2 (NvcompTrainer, the callback with a tier) ----------------------------
+TRAINER_STEPS = (4, 6)  # saved at steps 2 and 4, copied to the tier; then resumed from the copy of 4
+
+
+def _trainer_fit(root: str, name: str, max_steps: int, save: bool = False, resume: bool = False) -> dict[str, Any]:
+    """NvcompTrainer on a GPT-2 without tied weights, FSDP2 set by hand as for the Accelerator above
+    (the Trainer enables FSDP only with an accelerator device); writes ``trainer_<name>_<rank>.json``."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.transformers import NvcompTrainer, NvcompTrainerCallback
+
+    class CpuFsdpTrainer(NvcompTrainer):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+            self.accelerator.state.distributed_type = DistributedType.FSDP
+            self.is_fsdp_enabled = True
+
+    class FsdpAgain(TrainerCallback):  # accelerator.prepare puts MULTI_CPU back
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            trainer.accelerator.state.distributed_type = DistributedType.FSDP
+
+    torch.manual_seed(0 if not resume else 1)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, tie_word_embeddings=False))
+    tokens = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(3))
+    args = TrainingArguments(
+        output_dir=os.path.join(root, "trainer"), max_steps=max_steps, save_steps=2, save_strategy="steps" if save or resume else "no",
+        per_device_train_batch_size=4, logging_steps=1, lr_scheduler_type="constant", report_to=[], seed=0, data_seed=0,
+        disable_tqdm=True, use_cpu=True,
+    )
+    callback = NvcompTrainerCallback(tiers=[nc.Tier(os.path.join(root, "trainer_tier"))])
+    trainer = CpuFsdpTrainer(model=model, args=args, train_dataset=[{"input_ids": t, "labels": t} for t in tokens], callbacks=[callback, FsdpAgain()])
+    resume_from = callback.resume_path() if resume else None  # every rank: the newest copy on the tier
+    trainer.train(resume_from_checkpoint=resume_from)
+    report = callback.last_report
+    out = {
+        "losses": [[h["step"], h["loss"]] for h in trainer.state.log_history if "loss" in h], "resumed_from": resume_from,
+        "report": None if report is None else report.to_dict(), "wrapped": type(trainer.model_wrapped).__name__,
+    }
+    Path(root, f"trainer_{name}_{trainer.args.process_index}.json").write_text(json.dumps(out))
+    return out
 
 
 def _rank_main(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...]) -> None:
@@ -152,7 +251,15 @@ def _spawn(fn: Any, *args: Any) -> None:
 @pytest.mark.slow
 def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
     _spawn(_save_run, str(tmp_path))
+    reports = [torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)["reports"] for rank in range(2)]
+    for rank in range(2):
+        refused = torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)["refused"]
+        assert refused is not None and "save_on_each_node=True with FSDP SHARDED_STATE_DICT on 2 nodes" in refused, refused
+        assert "Set ProjectConfiguration(save_on_each_node=...) to False" in refused, refused
+    assert not (tmp_path / "each_node").exists()
     for kind in KINDS:
+        _check_reports(tmp_path / kind / "ours", kind, *reports[0][kind])
+        assert reports[1][kind] == (None, {}), reports[1][kind]  # rank 1 commits nothing
         ours = tmp_path / kind / "ours"
         manifest = json.loads((ours / "nvcomp_checkpoint.json").read_text())
         assert manifest["fsdp"] == {"version": 2, "state_dict_type": kind}
@@ -175,7 +282,20 @@ def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
         listed = json.loads((shared / "nvcomp_checkpoint.json").read_text())["files"]
         assert kept == sorted([*listed, "nvcomp_checkpoint.json", "notes.txt"]), kept
 
+    # The tier holds both sharded saves, copied whole by rank 0; the local folders go, as on a fresh node.
+    tier_steps = sorted(p.name for p in (tmp_path / "tier").iterdir() if p.is_dir())
+    assert len(tier_steps) == 2, tier_steps
+    for step in tier_steps:
+        copied = sorted(p.relative_to(tmp_path / "tier" / step).as_posix() for p in (tmp_path / "tier" / step).rglob("*") if p.is_file())
+        for d in ("pytorch_model_fsdp_0", "optimizer_0"):
+            assert len([n for n in copied if n.startswith(f"{d}/__") and n.endswith(".nvcdcp")]) == 2, copied
+            assert f"{d}/.metadata" in copied, copied
+    shutil.rmtree(tmp_path / "local")
+    _check_trainer_save(tmp_path)
+    shutil.rmtree(tmp_path / "trainer")  # the Trainer's local checkpoints too
+
     _spawn(_resume_run, str(tmp_path))
+    _check_trainer_resume(tmp_path)
     for rank in range(2):
         saved = torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)
         resumed = torch.load(tmp_path / f"resumed_{rank}.pt", weights_only=False)
@@ -189,6 +309,74 @@ def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
                 assert_tree_equal(_tuples_as_lists(saved["state"]), _tuples_as_lists(got["state"]), f"{kind}/{name}/rank{rank}")
                 assert got["losses"] == saved["losses"], (kind, name, rank)
         assert "NvcompReader" in resumed["stock"], resumed["stock"]
+        # From the tier copy: the newest save (not the older copy), bit for bit, and the same next losses.
+        tier = resumed["tier"]
+        assert Path(tier["path"]).parent == tmp_path / "tier" and Path(tier["path"]).name == tier_steps[-1], tier["path"]
+        assert_tree_equal(saved["state"], tier["state"], f"tier/rank{rank}")
+        assert tier["losses"] == saved["losses"], rank
+        assert tier["iteration"] == saved["iteration"], (tier["iteration"], saved["iteration"])
+
+
+def _trainer_run(root: Path, name: str, rank: int) -> dict[str, Any]:
+    return json.loads((root / f"trainer_{name}_{rank}.json").read_text())
+
+
+def _check_trainer_save(root: Path) -> None:
+    """The Trainer's FSDP2 state: compressed, reported on rank 0 (every rank's files), copied whole to the tier."""
+    from nvcomp_checkpoint.dcp import read_dcp_files
+
+    reference = _trainer_run(root, "reference", 0)
+    saved = [_trainer_run(root, "saved", rank) for rank in range(2)]
+    assert saved[0]["wrapped"].startswith("FSDP"), saved[0]["wrapped"]  # really FSDP2
+    assert saved[0]["losses"] == reference["losses"][: TRAINER_STEPS[0]]
+    assert saved[1]["report"] is None  # rank 1 does not save the checkpoint
+    last = root / "trainer" / f"checkpoint-{TRAINER_STEPS[0]}"
+    dcp_dirs = [last / "pytorch_model_fsdp_0", last / "optimizer_0"]
+    files = [read_dcp_files(str(d)) for d in dcp_dirs]
+    report = saved[0]["report"]
+    assert report["stored_bytes"] == sum(p.stat().st_size for d in dcp_dirs for p in d.iterdir())
+    assert report["raw_bytes"] == sum(f.raw_bytes for f in files)
+    assert {"weights", "exp_avg", "exp_avg_sq"} <= set(report["components"])
+    tier = root / "trainer_tier"
+    assert sorted(p.name for p in tier.iterdir() if p.is_dir()) == ["step-0000000002", "step-0000000004"]
+    copied = sorted(p.relative_to(tier / "step-0000000004").as_posix() for p in (tier / "step-0000000004").rglob("*") if p.is_file())
+    # Every rank's files: its shards and its RNG state (written after the FSDP state: the copy waits for every rank).
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "pytorch_model_fsdp_0/.metadata"} <= set(copied), copied
+    assert len([n for n in copied if n.endswith(".nvcdcp")]) == 4, copied
+
+
+def _check_trainer_resume(root: Path) -> None:
+    reference = _trainer_run(root, "reference", 0)["losses"]
+    for rank in range(2):
+        resumed = _trainer_run(root, "resumed", rank)
+        assert resumed["resumed_from"] == str(root / "trainer_tier" / "step-0000000004"), resumed["resumed_from"]
+    # The steps after the copy's: the uninterrupted run's losses (rank 0 logs them).
+    resumed = _trainer_run(root, "resumed", 0)["losses"]
+    tail = [s for s in resumed if s[0] > TRAINER_STEPS[0]]
+    assert len(tail) == TRAINER_STEPS[1] - TRAINER_STEPS[0] and tail == reference[TRAINER_STEPS[0]:], (tail, reference)
+
+
+def _check_reports(ours: Path, kind: str, report: Any, per_file: dict[str, Any]) -> None:
+    """The committing process's report: per file or DCP directory, what the files hold, summed over the ranks."""
+    from test_dcp_report import assert_report_matches_files
+
+    if kind == "SHARDED_STATE_DICT":
+        assert sorted(per_file) == ["optimizer_0", "pytorch_model_fsdp_0"], per_file
+        for name, r in per_file.items():
+            assert_report_matches_files(r, ours / name)
+        assert set(per_file["pytorch_model_fsdp_0"].components) == {"weights"}
+        assert {"exp_avg", "exp_avg_sq"} <= set(per_file["optimizer_0"].components)
+    else:
+        assert sorted(per_file) == ["optimizer.nvc", "pytorch_model_fsdp.nvc"], per_file
+        for name, r in per_file.items():
+            assert r.stored_bytes == (ours / name).stat().st_size
+    assert report.stored_bytes == sum(r.stored_bytes for r in per_file.values())
+    assert report.raw_bytes == sum(r.raw_bytes for r in per_file.values())
+    # The full model and its Adam moments: every parameter once, whichever ranks held its shards.
+    params = 24 * 48 + 48 + 48 * 40 + 40 + 40 * 2 + 2
+    model, optimizer = sorted(per_file, key=lambda n: not n.startswith("pytorch_model"))
+    assert per_file[model].raw_bytes == per_file[model].components["weights"].raw_bytes == params * 4
+    assert per_file[optimizer].components["exp_avg"].raw_bytes == params * 4
 
 
 def _tuples_as_lists(tree: Any) -> Any:
@@ -197,6 +385,19 @@ def _tuples_as_lists(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return [_tuples_as_lists(v) for v in tree]
     return tree
+
+
+def test_sharded_state_has_one_committer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.integrations.accelerate_fsdp import check_one_committer
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    check_one_committer(True, 8, "ckpt", "X")  # one node: its main process is the only committer
+    check_one_committer(False, 16, "ckpt", "X")
+    with pytest.raises(nc.CheckpointError, match=r"ckpt: save_on_each_node=True .* on 2 nodes.*Set X to False"):
+        check_one_committer(True, 16, "ckpt", "X")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    check_one_committer(True, 16, "ckpt", "X")  # no launcher said how many processes a node runs: one node
 
 
 def test_fsdp_names_are_state_files() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -42,7 +43,8 @@ _SCRIPT = textwrap.dedent(
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
-    from nvcomp_checkpoint.lightning import NvcompModelParallelStrategy
+    from nvcomp_checkpoint import Tier
+    from nvcomp_checkpoint.lightning import NvcompCheckpointIO, NvcompModelParallelStrategy
 
     torch.set_num_threads(1)
 
@@ -100,26 +102,39 @@ _SCRIPT = textwrap.dedent(
                 torch.save(state, self.out.parent / f"{self.out.name}_ema_loaded.pt")
 
 
-    def fit(strategy, out, epochs, ckpt_path=None, losses_name=None):
+    def fit(strategy, out, epochs, ckpt_path=None, losses_name=None, plugins=()):
         model = Net()
         trainer = L.Trainer(
-            accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
+            accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False, plugins=list(plugins),
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
             callbacks=[ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1), Ema(out)],
         )
         trainer.fit(model, ckpt_path=ckpt_path)
         if losses_name and trainer.global_rank == 0:
             Path(losses_name).write_text(json.dumps(model.losses))
+        return trainer.global_rank
 
 
     mode, root = sys.argv[1], Path(sys.argv[2])
     kwargs = dict(data_parallel_size=2, tensor_parallel_size=1)
     if mode == "first":
         fit(ModelParallelStrategy(**kwargs), root / "plain", 1)
-        fit(NvcompModelParallelStrategy(**kwargs), root / "ours", 2, losses_name=root / "full.json")
+        # The plugin gets each sharded save's report and copies checkpoint directories to the tier
+        # (every 4 steps: step 3's, not step 6's).
+        durable = []
+        plugin = NvcompCheckpointIO(tiers=[Tier(str(root / "tier"), every_steps=4)], on_saved=lambda r: durable.append(r.path))
+        strategy = NvcompModelParallelStrategy(**kwargs)
+        rank = fit(strategy, root / "ours", 2, losses_name=root / "full.json", plugins=[plugin])
+        reports = {"strategy": strategy.last_report, "plugin": plugin.last_report}
+        reports = {k: None if r is None else r.to_dict() for k, r in reports.items()}
+        (root / f"reports_{rank}.json").write_text(json.dumps(dict(reports, on_saved=durable)))
     else:
+        # The local checkpoints are gone: every rank resumes from the newest copy on the tier.
+        plugin = NvcompCheckpointIO(tiers=[Tier(str(root / "tier"))])
+        newest = plugin.resume_path()
+        rank = fit(NvcompModelParallelStrategy(**kwargs), root / "resumed", 2, newest, root / "resume_ours.json", plugins=[plugin])
+        (root / f"newest_{rank}.json").write_text(json.dumps(newest))
         first = "epoch=0-step=3.ckpt"
-        fit(NvcompModelParallelStrategy(**kwargs), root / "resumed", 2, root / "ours" / first, root / "resume_ours.json")
         fit(NvcompModelParallelStrategy(**kwargs), root / "resumed_plain", 2, root / "plain" / first, root / "resume_plain.json")
     '''
 )
@@ -147,14 +162,20 @@ def test_fit_then_resume_in_fresh_processes_gives_the_same_losses(tmp_path: Path
     assert nc.is_nvcomp_checkpoint(ours / "meta.pt") and not nc.is_nvcomp_checkpoint(plain / "meta.pt")
     assert main(["verify", "-q", str(ours)]) == 0
     assert main(["verify", "-q", str(plain)]) == 0
+    _check_reports(tmp_path)
+    assert _tier_steps(tmp_path) == [3]
+    shutil.rmtree(tmp_path / "ours")  # the local checkpoints, as on a fresh node
 
     _run(script, "resume", tmp_path)
     full = json.loads((tmp_path / "full.json").read_text())
     assert [s for s, _ in full] == list(range(6))
+    # plugin.resume_path(), on every rank, is the tier's copy; it resumes with the uninterrupted run's losses.
+    assert {json.loads((tmp_path / f"newest_{r}.json").read_text()) for r in range(2)} == {str(tmp_path / "tier" / "step-0000000003")}
     for name in ("resume_ours.json", "resume_plain.json"):
         resumed = json.loads((tmp_path / name).read_text())
         assert resumed == full[3:], name
-    # The callback's tensors come back bit-identical from our meta.pt and from a plain one.
+    assert _tier_steps(tmp_path) == [3, 6]  # the resumed run's save is copied too
+    # The callback's tensors come back bit-identical from our meta.pt (the tier's copy) and from a plain one.
     for run in ("ours", "plain"):
         saved = torch.load(tmp_path / f"{run}_ema_saved_3.pt", weights_only=True)
         loaded = torch.load(tmp_path / f"resumed{'' if run == 'ours' else '_plain'}_ema_loaded.pt", weights_only=True)
@@ -163,6 +184,34 @@ def test_fit_then_resume_in_fresh_processes_gives_the_same_losses(tmp_path: Path
             assert tensor.dtype == loaded["ema"][key].dtype and torch.equal(tensor.view(torch.uint8), loaded["ema"][key].view(torch.uint8)), (run, key)
     # The resumed run saved compressed checkpoints too.
     assert is_compressed_dcp_checkpoint(tmp_path / "resumed" / "epoch=1-step=6.ckpt")
+
+
+def _tier_steps(root: Path) -> list[int]:
+    tier = root / "tier"
+    steps = sorted(int(p.name.split("-")[1]) for p in tier.iterdir() if p.is_dir())
+    for step in steps:  # each copy is the whole directory: both ranks' files, .metadata, meta.pt
+        copy = tier / f"step-{step:010d}"
+        assert len(list(copy.glob("*.nvcdcp"))) == 2 and (copy / ".metadata").is_file() and (copy / "meta.pt").is_file(), step
+    return steps
+
+
+def _check_reports(root: Path) -> None:
+    """Rank 0's report of each sharded save (strategy and plugin alike) is what the directory holds; rank 1 has none."""
+    from nvcomp_checkpoint.dcp import read_dcp_files
+
+    first, last = (root / "ours" / name for name in ("epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"))
+    got = [json.loads((root / f"reports_{rank}.json").read_text()) for rank in range(2)]
+    assert got[1] == {"strategy": None, "plugin": None, "on_saved": []}, got[1]
+    assert got[0]["on_saved"] == [str(first), str(last)]
+    report = got[0]["strategy"]
+    assert report == got[0]["plugin"] and report["path"] == str(last)
+    with nc.open(last / "meta.pt") as meta:
+        meta_raw = meta.raw_bytes
+    assert report["stored_bytes"] == sum(p.stat().st_size for p in last.iterdir())
+    assert report["raw_bytes"] == read_dcp_files(str(last)).raw_bytes + meta_raw
+    weights = 24 * 48 + 48 + 48 * 8 + 8  # every parameter once, whichever rank held its shard
+    assert report["components"]["weights"]["raw_bytes"] >= weights * 4
+    assert report["components"]["exp_avg"]["raw_bytes"] == report["components"]["exp_avg_sq"]["raw_bytes"] == weights * 4
 
 
 def test_stock_sharded_strategy_with_nvcomp_plugin_is_refused() -> None:
@@ -177,6 +226,28 @@ def test_stock_sharded_strategy_with_nvcomp_plugin_is_refused() -> None:
     full = ModelParallelStrategy(save_distributed_checkpoint=False)
     full.checkpoint_io = NvcompCheckpointIO()
     check_sharded_checkpoint_io(full)
+
+
+def test_plugin_options_a_sharded_save_cannot_honour_are_refused(tmp_path: Path) -> None:
+    from nvcomp_checkpoint import Tier
+
+    for plugin, match in (
+        (NvcompCheckpointIO(incremental=True), r"incremental=True\) with NvcompModelParallelStrategy.*Drop incremental=True"),
+        (NvcompCheckpointIO(async_save=True), r"async_save=True\) with NvcompModelParallelStrategy.*Drop async_save=True"),
+    ):
+        strategy = NvcompModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        strategy.checkpoint_io = plugin
+        with pytest.raises(CheckpointError, match=match):
+            check_sharded_checkpoint_io(strategy)
+        # One-file checkpoints go through the plugin, which honours them.
+        full = NvcompModelParallelStrategy(save_distributed_checkpoint=False)
+        full.checkpoint_io = plugin
+        check_sharded_checkpoint_io(full)
+        plugin.teardown()
+    # Tiers are honoured: each sharded checkpoint directory is copied (test_fit_then_resume_...).
+    strategy = NvcompModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    strategy.checkpoint_io = NvcompCheckpointIO(tiers=[Tier(str(tmp_path / "tier"))])
+    check_sharded_checkpoint_io(strategy)
 
 
 def test_stock_fsdp_sharded_with_nvcomp_plugin_is_refused() -> None:

@@ -10,23 +10,22 @@ from __future__ import annotations
 import io
 import math
 import os
-import re
 from typing import Any
 
 import torch
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dcp import StoredItem, fqn_component, read_stored_metadata
+from nvcomp_checkpoint.dcp import StoredItem, fqn_component, read_dcp_files, read_stored_metadata
+from nvcomp_checkpoint.dcp.report import rank_file_records
 from nvcomp_checkpoint.errors import CheckpointError
 
-from .sources import NVCOMP, TensorInfo, open_source, sniff
+from .sources import TensorInfo
 
 __all__ = ["DCP_OURS", "DCP_PLAIN", "is_dcp_dir", "dcp_kind", "describe_dcp", "verify_plain_dcp"]
 
 #: ``format`` values of a DCP directory in inspect's and verify's output.
 DCP_OURS = "dcp-nvcomp"
 DCP_PLAIN = "dcp"
-_RANK_METADATA = re.compile(r"__\d+\.metadata")
 
 
 def is_dcp_dir(path: str) -> bool:
@@ -34,22 +33,11 @@ def is_dcp_dir(path: str) -> bool:
     return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, n)) for n in (".metadata", "__0.metadata"))
 
 
-def _metadata_files(path: str) -> list[str]:
-    """The metadata files of a DCP directory: ``.metadata``, or one ``__<rank>.metadata`` per rank."""
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        return [".metadata"]
-    return sorted((n for n in os.listdir(path) if _RANK_METADATA.fullmatch(n)), key=lambda n: int(n[2:-9]))
-
-
 def _records(path: str) -> tuple[Any, dict[str, list[tuple[Any, Any]]]]:
     metadata = read_stored_metadata(path)
     if metadata is None:  # pragma: no cover - is_dcp_dir checked it exists
         raise CheckpointError(f"{path}: no .metadata")
-    files: dict[str, list[tuple[Any, Any]]] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        name = info.file if isinstance(info, StoredItem) else info.relative_path
-        files.setdefault(name, []).append((index, info))
-    return metadata, dict(sorted(files.items()))
+    return metadata, rank_file_records(metadata)
 
 
 def dcp_kind(path: str) -> str:
@@ -73,31 +61,35 @@ def _plain_info(metadata: Any, index: Any, info: Any) -> TensorInfo:
     return TensorInfo(key, component, str(dtype).removeprefix("torch."), tuple(chunk.sizes), raw, info.length, codec)
 
 
+def _our_info(t: Any) -> TensorInfo:
+    """One entry of a rank file's index, as inspect lists it."""
+    return TensorInfo(t.key, t.component, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.nbytes, t.stored_bytes, t.codec.label, t.filter)
+
+
 def describe_dcp(path: str, trust: bool = False) -> dict[str, Any]:
-    """Per rank file (sizes, items, raw bytes) and every stored item as :class:`TensorInfo`."""
-    metadata, files = _records(path)
-    kind = dcp_kind(path)
+    """Per rank file (sizes, items, raw bytes) and every stored item as :class:`TensorInfo`.
+
+    The rank files, their sizes and (ours) their indexes come from
+    :func:`nvcomp_checkpoint.dcp.report.read_dcp_files`, as a sharded save's report does; ``trust``
+    is unused (only indexes are read).
+    """
+    files = read_dcp_files(path)
+    kind = DCP_OURS if files.compressed else DCP_PLAIN
     rows: list[dict[str, Any]] = []
     infos: list[TensorInfo] = []
-    for rank, (name, items) in enumerate(files.items()):
-        full = os.path.join(path, name)
-        size = os.path.getsize(full) if os.path.exists(full) else None
-        if kind == DCP_OURS:
-            if size is None or sniff(full) != NVCOMP:
-                file_infos: list[TensorInfo] = []
-            else:
-                with open_source(full, trust=trust) as source:
-                    file_infos = source.tensors()
+    for rank, f in enumerate(files.rank_files):
+        if files.compressed:
+            file_infos = [_our_info(t) for t in f.tensors]
         else:
-            file_infos = [_plain_info(metadata, index, info) for index, info in items]
+            file_infos = [_plain_info(files.metadata, index, info) for index, info in files.records[f.name]]
         infos.extend(file_infos)
-        rows.append({"file": name, "rank_file": rank, "format": kind, "file_bytes": size or 0, "items": len(items),
+        note = "missing" if f.file_bytes is None else (f"unreadable: {f.error}" if f.error else None)
+        rows.append({"file": f.name, "rank_file": rank, "format": kind, "file_bytes": f.file_bytes or 0, "items": f.items,
                      "tensors": len(file_infos), "raw_bytes": sum(t.raw_bytes for t in file_infos),
                      "stored_bytes": sum(t.stored_bytes for t in file_infos),
-                     **({} if size is not None else {"note": "missing"})})
-    names = _metadata_files(path)
-    meta_bytes = sum(os.path.getsize(os.path.join(path, n)) for n in names)
-    return {"path": path, "format": kind, "files": rows, "metadata_files": names, "metadata_bytes": meta_bytes, "_infos": infos}
+                     **({} if note is None else {"note": note})})
+    return {"path": path, "format": kind, "files": rows, "metadata_files": list(files.metadata_files),
+            "metadata_bytes": files.metadata_bytes, "_infos": infos}
 
 
 def verify_plain_dcp(path: str) -> list[dict[str, Any]]:

@@ -212,8 +212,9 @@ class NvcompStateHooks(SaveEntryPoint):
     Attributes:
         accelerator: The accelerator whose ``save_state``/``load_state`` are wrapped.
         last_report: Per-component totals of the last committed save's ``.nvc`` files (``None``
-            before the first save and on processes that write nothing).
-        last_reports: The same, per file name.
+            before the first save and on processes that write nothing). With FSDP, its DCP
+            directories too, each summed over every rank's file, on the process that commits.
+        last_reports: The same, per file (or FSDP directory) name.
     """
 
     def __init__(
@@ -422,7 +423,9 @@ class NvcompStateHooks(SaveEntryPoint):
         config.automatic_checkpoint_naming = False
         self._saving = None if fsdp else call
         try:
-            with accelerate_fsdp.nvcomp_fsdp_functions(accelerate.accelerator, self.policy, workers=self.workers) if fsdp else contextlib.nullcontext():
+            # The committing process's group gets each FSDP file's or DCP directory's report (all ranks' files).
+            on_saved = call.group.add_report if call.group is not None else None
+            with accelerate_fsdp.nvcomp_fsdp_functions(accelerate.accelerator, self.policy, workers=self.workers, on_saved=on_saved) if fsdp else contextlib.nullcontext():
                 self._inner_save(str(call.staging), safe_serialization=safe_serialization, **kwargs)
         finally:
             self._saving = None

@@ -14,6 +14,7 @@ import functools
 import os
 import re
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator
@@ -23,7 +24,7 @@ from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from accelerate.utils import fsdp_utils as _accelerate_fsdp
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
+from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, dcp_report
 from nvcomp_checkpoint.errors import CheckpointError, FormatError
 from nvcomp_checkpoint.storage import LOCAL
 
@@ -37,6 +38,7 @@ __all__ = [
     "fsdp_manifest_fields",
     "check_loadable",
     "check_fsdp_hooks",
+    "check_one_committer",
     "replaced_files",
     "FSDP_FUNCTION_NAMES",
 ]
@@ -44,6 +46,8 @@ __all__ = [
 #: The names under which Accelerate's ``save_state``/``load_state`` and the Trainer call them.
 FSDP_FUNCTION_NAMES = ("save_fsdp_model", "save_fsdp_optimizer", "load_fsdp_model", "load_fsdp_optimizer")
 _SWAP = threading.RLock()  # held while the FSDP functions are swapped (nvcomp_fsdp_functions)
+#: ``fn(name, report)``: a file or DCP directory (``name`` inside the save's folder) is durable.
+ReportFn = Callable[[str, nc.SaveReport], Any]
 
 # What these functions write: the DCP directories keep Accelerate's names (pytorch_model_fsdp_0/,
 # optimizer_0/: Accelerate and the Trainer find checkpoints by them), the full state dicts take
@@ -66,17 +70,18 @@ def fsdp_manifest_fields(accelerator: Any) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def nvcomp_fsdp_functions(
-    namespace: ModuleType, policy: nc.CodecPolicy | None = None, *, workers: int | None = None
+    namespace: ModuleType, policy: nc.CodecPolicy | None = None, *, workers: int | None = None, on_saved: ReportFn | None = None
 ) -> Iterator[None]:
     """Let ``namespace`` (``accelerate.accelerator``, ``transformers.trainer``) call this module's
     four FSDP functions in place of Accelerate's while the block runs.
 
     Both modules call the functions by the names they imported, so the names are what is swapped;
-    the previous ones come back when the block ends, also on error.
+    the previous ones come back when the block ends, also on error. ``on_saved`` gets the report
+    of each file or DCP directory saved (see :func:`save_fsdp_model`).
     """
     ours: dict[str, Callable[..., Any]] = {
-        "save_fsdp_model": functools.partial(save_fsdp_model, policy=policy, workers=workers),
-        "save_fsdp_optimizer": functools.partial(save_fsdp_optimizer, policy=policy, workers=workers),
+        "save_fsdp_model": functools.partial(save_fsdp_model, policy=policy, workers=workers, on_saved=on_saved),
+        "save_fsdp_optimizer": functools.partial(save_fsdp_optimizer, policy=policy, workers=workers, on_saved=on_saved),
         "load_fsdp_model": load_fsdp_model,
         "load_fsdp_optimizer": load_fsdp_optimizer,
     }
@@ -106,6 +111,7 @@ def nvcomp_fsdp_functions(
 def save_fsdp_model(
     fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, output_dir: str | os.PathLike[str], model_index: int = 0,
     adapter_only: bool = False, use_dcp: bool = True, *, policy: nc.CodecPolicy | None = None, workers: int | None = None,
+    on_saved: ReportFn | None = None,
 ) -> None:
     """``accelerate.utils.save_fsdp_model`` with compressed files.
 
@@ -113,12 +119,19 @@ def save_fsdp_model(
     :class:`~nvcomp_checkpoint.dcp.NvcompWriter`. ``FULL_STATE_DICT``: the main process writes
     ``pytorch_model_fsdp.nvc`` (``_<i>`` for later models) with :func:`nvcomp_checkpoint.save`.
 
+    ``on_saved(name, report)``, on a process that passes it, once ``name`` (the directory or file
+    name in ``output_dir``) is durable: a sharded save's report sums every rank's file
+    (:func:`~nvcomp_checkpoint.dcp.dcp_report`, read after DCP's ``.metadata`` commit); a full
+    one's is the main process's (other processes save nothing and get no call).
+
     Raises:
         CheckpointError: ``LOCAL_STATE_DICT`` or ``use_dcp=False`` (per-rank ``torch.save`` files).
     """
     _check_supported(fsdp_plugin, use_dcp, output_dir)
-    LOCAL.makedirs(os.fspath(output_dir))
     full = _is_full(fsdp_plugin)
+    if not full:
+        _check_accelerator_committer(accelerator, output_dir)
+    LOCAL.makedirs(os.fspath(output_dir))
     if full:
         _set_full_config(fsdp_plugin, accelerator)  # as Accelerate: offload and rank 0 only when distributed
     with _state_dict_context(fsdp_plugin, model):
@@ -127,9 +140,11 @@ def save_fsdp_model(
         )
         if full:
             if accelerator.process_index == 0:
-                nc.save(state_dict, Path(output_dir) / _full_name(FSDP_MODEL_NAME, model_index), policy, workers=workers)
+                name = _full_name(FSDP_MODEL_NAME, model_index)
+                _report(on_saved, name, nc.save(state_dict, Path(output_dir) / name, policy, workers=workers))
         else:
-            _dcp_save({"model": state_dict}, Path(output_dir) / f"{FSDP_MODEL_NAME}_{model_index}", policy, workers)
+            name = f"{FSDP_MODEL_NAME}_{model_index}"
+            _dcp_save({"model": state_dict}, Path(output_dir) / name, policy, workers, on_saved)
 
 
 def load_fsdp_model(
@@ -178,19 +193,22 @@ def load_fsdp_model(
 def save_fsdp_optimizer(
     fsdp_plugin: Any, accelerator: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
     output_dir: str | os.PathLike[str], optimizer_index: int = 0, use_dcp: bool = True, *,
-    policy: nc.CodecPolicy | None = None, workers: int | None = None,
+    policy: nc.CodecPolicy | None = None, workers: int | None = None, on_saved: ReportFn | None = None,
 ) -> None:
     """``accelerate.utils.save_fsdp_optimizer`` with compressed files: ``optimizer_<i>/`` (sharded)
-    or ``optimizer.nvc`` (full, written by the main process)."""
+    or ``optimizer.nvc`` (full, written by the main process); ``on_saved`` as for :func:`save_fsdp_model`."""
     _check_supported(fsdp_plugin, use_dcp, output_dir)
+    if not _is_full(fsdp_plugin):
+        _check_accelerator_committer(accelerator, output_dir)
     LOCAL.makedirs(os.fspath(output_dir))
     with _state_dict_context(fsdp_plugin, model):
         state = _optimizer_state(fsdp_plugin, model, optimizer)
         if _is_full(fsdp_plugin):
             if accelerator.process_index == 0:
-                nc.save(state, Path(output_dir) / _full_name(OPTIMIZER_NAME, optimizer_index), policy, workers=workers)
+                name = _full_name(OPTIMIZER_NAME, optimizer_index)
+                _report(on_saved, name, nc.save(state, Path(output_dir) / name, policy, workers=workers))
         else:
-            _dcp_save({"optimizer": state}, Path(output_dir) / f"{OPTIMIZER_NAME}_{optimizer_index}", policy, workers)
+            _dcp_save({"optimizer": state}, Path(output_dir) / f"{OPTIMIZER_NAME}_{optimizer_index}", policy, workers, on_saved)
 
 
 def load_fsdp_optimizer(
@@ -261,6 +279,35 @@ def _check_supported(fsdp_plugin: Any, use_dcp: bool, where: str | os.PathLike[s
         )
 
 
+def check_one_committer(save_on_each_node: bool, num_processes: int, where: str | os.PathLike[str], setting: str) -> None:
+    """Sharded state needs one committing process: refuse ``save_on_each_node`` on several nodes.
+
+    Every rank writes its shards into one directory, which DCP's coordinator commits; with
+    ``save_on_each_node`` each node's main process would also stage, commit and copy to the tiers
+    that same directory (on shared storage, racing the others; on node-local disks, each node's
+    folder would hold only its own ranks' shards). The nodes are counted from ``LOCAL_WORLD_SIZE``
+    (set by ``torchrun`` and ``accelerate launch``); without it the job is taken for one node.
+
+    Raises:
+        CheckpointError: ``save_on_each_node`` on more than one node, naming ``setting`` to change.
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes) or num_processes)
+    if save_on_each_node and num_processes > local:
+        raise CheckpointError(
+            f"{where}: save_on_each_node=True with FSDP SHARDED_STATE_DICT on {-(-num_processes // local)} nodes: every rank "
+            "writes its shards into one checkpoint directory, on storage all nodes share, committed (and copied to the "
+            f"tiers) by one process; each node's main process would commit it too. Set {setting} to False."
+        )
+
+
+def _check_accelerator_committer(accelerator: Any, where: str | os.PathLike[str]) -> None:
+    config = getattr(accelerator, "project_configuration", None)
+    check_one_committer(
+        bool(getattr(config, "save_on_each_node", False)), accelerator.num_processes, where,
+        "ProjectConfiguration(save_on_each_node=...)",
+    )
+
+
 def _check_state_dict_type(fsdp_plugin: Any, directory: Path, stem: str, index: int) -> None:
     """A directory saved with the other state dict type: say so, instead of 'No such file'."""
     sharded = directory / f"{stem}_{index}"
@@ -310,12 +357,22 @@ def _optimizer_state(fsdp_plugin: Any, model: torch.nn.Module, optimizer: torch.
     return FSDP.optim_state_dict(model, optimizer)
 
 
-def _dcp_save(state: dict[str, Any], directory: Path, policy: nc.CodecPolicy | None, workers: int | None) -> None:
+def _report(on_saved: ReportFn | None, name: str, report: nc.SaveReport) -> None:
+    if on_saved is not None:
+        on_saved(name, report)
+
+
+def _dcp_save(state: dict[str, Any], directory: Path, policy: nc.CodecPolicy | None, workers: int | None, on_saved: ReportFn | None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     LOCAL.makedirs(os.fspath(directory))
+    started = time.perf_counter()
     dcp.save(state, storage_writer=NvcompWriter(directory, policy, workers=workers), planner=DefaultSavePlanner())
+    if on_saved is not None:
+        # dcp.save returns on every rank once the coordinator has committed .metadata, which it
+        # does after every rank's file is durable: the directory is whole here.
+        _report(on_saved, directory.name, dcp_report(os.fspath(directory), seconds=time.perf_counter() - started))
 
 
 def _dcp_load(state: dict[str, Any], directory: Path) -> None:

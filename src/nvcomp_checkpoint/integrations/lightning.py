@@ -207,6 +207,13 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             self._save_failed(path)
             raise
 
+    def saved_by_strategy(self, report: SaveReport, checkpoint: Mapping[str, Any], path: Any) -> None:
+        """A checkpoint a sharded strategy wrote itself (``NvcompModelParallelStrategy``'s directory) is
+        durable: as for a save of this plugin, ``report`` becomes :attr:`last_report`, ``on_saved`` and
+        ``NvcompCheckpointMetrics`` get it, and the tiers a copy of ``path`` named by its ``global_step``."""
+        info = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
+        self._saved(report, self._after_durable(info.get("global_step"), path, lambda r: self._tell_listeners(r, info)))
+
     def _save_failed(self, path: Any) -> None:
         if self.incremental is not None:
             self.incremental.failed(path=os.fspath(path))  # the next save is a full one

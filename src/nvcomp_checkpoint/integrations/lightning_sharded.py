@@ -2,11 +2,14 @@
 
 Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy`` save sharded state with
 ``torch.distributed.checkpoint`` themselves and never call the ``CheckpointIO``; these drop-ins
-take the same arguments and write (and read) that state compressed.
+take the same arguments and write (and read) that state compressed. An ``NvcompCheckpointIO``
+passed as a plugin gives them its policy, gets each sharded save's report (``on_saved``,
+``last_report``, ``NvcompCheckpointMetrics``) and copies each checkpoint directory to its ``tiers``.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -14,10 +17,11 @@ import torch
 from typing_extensions import override
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint import CodecPolicy
-from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
+from nvcomp_checkpoint import CodecPolicy, SaveReport
+from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, dcp_report
 from nvcomp_checkpoint.entrypoint import as_policy, torch_weights_only
 from nvcomp_checkpoint.errors import CheckpointError
+from nvcomp_checkpoint.report import merge_reports
 from nvcomp_checkpoint.storage import storage_for, write_errors
 
 try:
@@ -44,6 +48,45 @@ def _policy_of(policy: CodecPolicy | Mapping[str, Any] | None, strategy: Any) ->
     return None
 
 
+def _nvcomp_plugin(strategy: Any) -> Any:
+    """The strategy's ``NvcompCheckpointIO`` (found by the method it offers sharded strategies,
+    inside wrappers), or None."""
+    io = strategy._checkpoint_io
+    for _ in range(8):
+        if io is None or callable(getattr(io, "saved_by_strategy", None)):
+            return io
+        io = getattr(io, "checkpoint_io", None)
+    return None
+
+
+def _check_plugin_options(strategy: Any) -> None:
+    """What an ``NvcompCheckpointIO`` offers for one-file saves and a sharded save cannot do."""
+    plugin = _nvcomp_plugin(strategy)
+    if plugin is None:
+        return
+    name = type(strategy).__name__
+    if getattr(plugin, "incremental", None) is not None:
+        raise CheckpointError(
+            f"NvcompCheckpointIO(incremental=True) with {name}: its sharded checkpoints are directories of rank files "
+            "written through torch.distributed.checkpoint, which are saved in full, never as deltas. Drop "
+            "incremental=True (tiers=... still copies each checkpoint), or save one-file checkpoints "
+            "(save_distributed_checkpoint=False / state_dict_type='full')."
+        )
+    if getattr(plugin, "async_save", False):
+        raise CheckpointError(
+            f"NvcompCheckpointIO(async_save=True) with {name}: every rank writes its shards inside save_checkpoint, "
+            "and the checkpoint is durable when it returns; nothing is left to write in the background. Drop async_save=True."
+        )
+
+
+def _teardown_checkpoint_io(strategy: Any) -> None:
+    """What Lightning's ``ModelParallelStrategy.teardown`` and ``FSDPStrategy.teardown`` leave out (the
+    base ``Strategy.teardown`` does it): the ``CheckpointIO``'s teardown, where an ``NvcompCheckpointIO``
+    waits for its copies to the tiers and pending saves, and raises their failures."""
+    if strategy._checkpoint_io is not None:
+        strategy._checkpoint_io.teardown()
+
+
 def _is_sharded_dir(path: Path) -> bool:
     """Lightning's test for a sharded checkpoint: a directory with its ``meta.pt``."""
     return path.is_dir() and (path / _METADATA_FILENAME).is_file()
@@ -63,7 +106,10 @@ def _refuse_compressed_full_file(path: Path, strategy: str) -> None:
             )
 
 
-def _save_sharded(strategy: Any, converted: dict[str, Any], checkpoint: dict[str, Any], path: Path, policy: CodecPolicy | None, workers: int | None) -> None:
+def _save_sharded(
+    strategy: Any, converted: dict[str, Any], checkpoint: dict[str, Any], path: Path, policy: CodecPolicy | None,
+    workers: int | None, stream_wrapper: Any = None,
+) -> SaveReport | None:
     """The sharded state through NvcompWriter, then Lightning's ``meta.pt`` (loops, callbacks ...).
 
     ``meta.pt`` is what makes the directory a checkpoint to Lightning: rank 0 removes a previous
@@ -72,9 +118,14 @@ def _save_sharded(strategy: Any, converted: dict[str, Any], checkpoint: dict[str
     :func:`nvcomp_checkpoint.save` (compressed, checksummed; callbacks such as an EMA can hold a
     full copy of the weights there) under Lightning's name, which its ``_is_sharded_checkpoint``
     tests for.
+
+    Returns:
+        On global rank 0, the save's report: every rank's file and ``meta.pt``, read from their
+        indexes once ``meta.pt`` is committed; ``None`` on the other ranks.
     """
     import torch.distributed.checkpoint as dcp
 
+    started = time.perf_counter()
     storage, _ = storage_for(str(path))
     meta = str(path / _METADATA_FILENAME)
     if strategy.global_rank == 0:
@@ -84,10 +135,14 @@ def _save_sharded(strategy: Any, converted: dict[str, Any], checkpoint: dict[str
             storage.makedirs(str(path))
             storage.remove(meta)
     strategy.barrier("nvckpt_sharded_save_start")
-    dcp.save(converted, storage_writer=NvcompWriter(path, policy, workers=workers))
+    dcp.save(converted, storage_writer=NvcompWriter(path, policy, workers=workers, stream_wrapper=stream_wrapper))
+    report = None
     if strategy.global_rank == 0:
-        nc.save(checkpoint, meta, policy, workers=workers)  # fsync + rename: the directory's commit
+        # fsync + rename: the directory's commit
+        written = nc.save(checkpoint, meta, policy, workers=workers, stream_wrapper=stream_wrapper)
+        report = merge_reports(str(path), [dcp_report(str(path)), written], time.perf_counter() - started)
     strategy.barrier("nvckpt_sharded_save_end")
+    return report
 
 
 def _load_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
@@ -106,10 +161,19 @@ def _save_lightning_checkpoint(
             f"`{type(strategy).__name__}.save_checkpoint(..., storage_options=...)` is not supported for sharded "
             f"checkpoints; set the codec policy with {type(strategy).__name__}(policy=...)"
         )
+    _check_plugin_options(strategy)
+    plugin = _nvcomp_plugin(strategy)
     path = Path(strategy.broadcast(filepath))
     converted = {model_key: checkpoint.pop("state_dict")}
     converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-    _save_sharded(strategy, converted, checkpoint, path, strategy.policy, strategy.workers)
+    workers = strategy.workers if strategy.workers is not None or plugin is None else plugin.workers
+    report = _save_sharded(
+        strategy, converted, checkpoint, path, strategy.policy, workers, None if plugin is None else plugin.stream_wrapper
+    )
+    if report is not None:  # global rank 0, once every rank's part and meta.pt are committed
+        strategy.last_report = report
+        if plugin is not None:
+            plugin.saved_by_strategy(report, checkpoint, path)
 
 
 class NvcompModelParallelStrategy(ModelParallelStrategy):
@@ -128,6 +192,14 @@ class NvcompModelParallelStrategy(ModelParallelStrategy):
     written by Lightning's ``ModelParallelStrategy``, on any number of ranks. With ``False`` the
     full checkpoint is one file written by the ``CheckpointIO``, as in Lightning.
 
+    Attributes:
+        last_report: On global rank 0, the :class:`~nvcomp_checkpoint.SaveReport` of the last
+            sharded save (every rank's file and ``meta.pt``); ``None`` before one and on the other
+            ranks. An ``NvcompCheckpointIO`` plugin gets it too (its ``last_report``, ``on_saved``,
+            ``NvcompCheckpointMetrics``), and copies each checkpoint directory to its ``tiers``
+            (``trainer.fit(ckpt_path=plugin.resume_path())`` resumes from the newest copy). The
+            plugin's ``incremental`` and ``async_save`` are refused for sharded saves.
+
     Example:
         >>> strategy = NvcompModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         >>> Trainer(strategy=strategy, devices=2).fit(model)
@@ -137,10 +209,21 @@ class NvcompModelParallelStrategy(ModelParallelStrategy):
         super().__init__(*args, **kwargs)
         self._nvckpt_policy = policy
         self.workers = workers
+        self.last_report: SaveReport | None = None
 
     @property
     def policy(self) -> CodecPolicy | None:
         return _policy_of(self._nvckpt_policy, self)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        check_sharded_checkpoint_io(self)  # before the first step, not at the first save
+        super().setup(trainer)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        _teardown_checkpoint_io(self)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -177,8 +260,8 @@ class NvcompModelParallelStrategy(ModelParallelStrategy):
 class NvcompFSDPStrategy(FSDPStrategy):
     """Lightning's ``FSDPStrategy`` (FSDP1) with compressed sharded checkpoints (``state_dict_type="sharded"``).
 
-    Takes FSDPStrategy's arguments, plus ``policy`` and ``workers`` as
-    :class:`NvcompModelParallelStrategy`. FSDP1 runs on CUDA GPUs here: without CUDA the
+    Takes FSDPStrategy's arguments, plus ``policy`` and ``workers``, and reports and copies to the
+    plugin's tiers as :class:`NvcompModelParallelStrategy`. FSDP1 runs on CUDA GPUs here: without CUDA the
     strategy refuses at construction; on the CPU use :class:`NvcompModelParallelStrategy` (FSDP2).
 
     Raises:
@@ -195,10 +278,21 @@ class NvcompFSDPStrategy(FSDPStrategy):
         super().__init__(*args, **kwargs)
         self._nvckpt_policy = policy
         self.workers = workers
+        self.last_report: SaveReport | None = None
 
     @property
     def policy(self) -> CodecPolicy | None:
         return _policy_of(self._nvckpt_policy, self)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        check_sharded_checkpoint_io(self)
+        super().setup(trainer)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        _teardown_checkpoint_io(self)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -238,12 +332,18 @@ def check_sharded_checkpoint_io(strategy: Any) -> None:
 
     Lightning's ``ModelParallelStrategy`` (with ``save_distributed_checkpoint=True``) and
     ``FSDPStrategy`` (with ``state_dict_type="sharded"``) never call the ``CheckpointIO`` for
-    their sharded saves.
+    their sharded saves. Ours with sharded saves: refuse the plugin options they cannot honour.
 
     Raises:
-        CheckpointError: naming the strategy to use instead.
+        CheckpointError: naming the strategy to use instead, or the plugin option to drop.
     """
-    if isinstance(strategy, (NvcompModelParallelStrategy, NvcompFSDPStrategy)):
+    if isinstance(strategy, NvcompModelParallelStrategy):
+        if strategy._save_distributed_checkpoint:
+            _check_plugin_options(strategy)
+        return
+    if isinstance(strategy, NvcompFSDPStrategy):
+        if strategy._state_dict_type == "sharded":
+            _check_plugin_options(strategy)
         return
     io = getattr(strategy, "_checkpoint_io", None)
     for _ in range(8):

@@ -363,10 +363,10 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         if directory is None:
             logger.warning("NvcompTrainerCallback: no checkpoint-%d directory under %s", state.global_step, args.output_dir)
             return
-        convert = lambda: compress_checkpoint(  # noqa: E731
+        convert = lambda: transformers_fsdp.with_fsdp_reports(self, directory, compress_checkpoint(  # noqa: E731
             directory, self.policy, verify=self.verify, workers=self.workers, stream_wrapper=self.stream_wrapper,
             weights=self._weights,
-        )
+        ))
         # Copies to the tiers start once the converted directory is durable (the group's completion).
         after = self._after_durable(state.global_step, directory)
         if not self.async_save:
@@ -531,7 +531,8 @@ class NvcompTrainerMixin:
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         # The Trainer rotates old checkpoints inside this call: none may still be converting.
         _wait_for_conversions()
-        return super()._save_checkpoint(*args, **kwargs)  # type: ignore[misc]
+        super()._save_checkpoint(*args, **kwargs)  # type: ignore[misc]
+        transformers_fsdp.wait_for_every_rank(self)  # on_save follows: the directory must be whole
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not transformers_fsdp.fsdp_enabled(self):

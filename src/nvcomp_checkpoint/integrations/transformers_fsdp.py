@@ -9,7 +9,9 @@ place (the reason this module imports the Accelerate integration).
 from __future__ import annotations
 
 import os
+import threading
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,9 +20,13 @@ import transformers.trainer
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.integrations.accelerate_fsdp import load_fsdp_optimizer, nvcomp_fsdp_functions
+from nvcomp_checkpoint.integrations.accelerate_fsdp import check_one_committer, load_fsdp_optimizer, nvcomp_fsdp_functions
+from nvcomp_checkpoint.report import merge_reports
 
-__all__ = ["fsdp_enabled", "save_fsdp_state", "loading_fsdp_state", "load_fsdp_optimizer_and_scheduler", "check_fsdp_callback"]
+__all__ = [
+    "fsdp_enabled", "save_fsdp_state", "loading_fsdp_state", "load_fsdp_optimizer_and_scheduler", "check_fsdp_callback",
+    "with_fsdp_reports", "wait_for_every_rank",
+]
 
 _SCHEDULER = "scheduler.pt"
 _FULL_OPTIMIZER = "optimizer.nvc"  # accelerate_fsdp's name for a full optimizer state (index 0)
@@ -38,18 +44,53 @@ def _callback(trainer: Any) -> Any:
     return None
 
 
+# Per callback, per checkpoint directory: the reports of the FSDP state saved into it, until the
+# callback's on_save merges them into that checkpoint's report (with_fsdp_reports).
+_REPORTS: "weakref.WeakKeyDictionary[Any, dict[str, dict[str, nc.SaveReport]]]" = weakref.WeakKeyDictionary()
+_REPORTS_LOCK = threading.Lock()
+
+
 def save_fsdp_state(trainer: Any, save: Callable[[str], None], output_dir: str) -> None:
     """Run the Trainer's ``_save_optimizer_and_scheduler`` with the FSDP state compressed.
 
     Compressed only when the trainer has an ``NvcompTrainerCallback`` (its ``policy`` and
-    ``workers`` apply); without one the Trainer's own files are written.
+    ``workers`` apply); without one the Trainer's own files are written. On the processes that
+    save (``args.should_save``), the report of each DCP directory (every rank's files) or full
+    ``.nvc`` file is kept for the callback's report of this checkpoint.
     """
     callback = _callback(trainer)
     if callback is None:
         save(output_dir)
         return
-    with nvcomp_fsdp_functions(transformers.trainer, callback.policy, workers=callback.workers):
+    if "SHARDED" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type):
+        check_one_committer(trainer.args.save_on_each_node, trainer.args.world_size, output_dir, "TrainingArguments(save_on_each_node=...)")
+    saved: dict[str, nc.SaveReport] = {}
+    on_saved = saved.__setitem__ if trainer.args.should_save else None
+    with nvcomp_fsdp_functions(transformers.trainer, callback.policy, workers=callback.workers, on_saved=on_saved):
         save(output_dir)
+    if saved:
+        with _REPORTS_LOCK:
+            _REPORTS.setdefault(callback, {})[os.path.abspath(output_dir)] = saved
+
+
+def with_fsdp_reports(callback: Any, directory: str | os.PathLike[str], converted: nc.SaveReport) -> nc.SaveReport:
+    """The report of one checkpoint: the callback's conversion of ``directory`` with the FSDP state
+    :func:`save_fsdp_state` wrote there merged in (``converted`` alone without FSDP)."""
+    with _REPORTS_LOCK:
+        saved = _REPORTS.get(callback, {}).pop(os.path.abspath(directory), None)
+    if not saved:
+        return converted
+    parts = [converted, *saved.values()]
+    seconds = sum(r.seconds for r in parts)
+    return merge_reports(converted.path, parts, seconds, seconds)
+
+
+def wait_for_every_rank(trainer: Any) -> None:
+    """After ``Trainer._save_checkpoint``: every rank has written its files (its RNG state, its FSDP
+    shards) before the main process's ``on_save`` converts the directory and copies it to the tiers;
+    the Trainer itself has no barrier there."""
+    if trainer.args.world_size > 1:
+        trainer.accelerator.wait_for_everyone()
 
 
 def loading_fsdp_state() -> Any:
