@@ -206,7 +206,7 @@ def _trainer_fit(root: str, name: str, max_steps: int, save: bool = False, resum
             trainer.accelerator.state.distributed_type = DistributedType.FSDP
 
     torch.manual_seed(0 if not resume else 1)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, tie_word_embeddings=False))
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))  # tied lm_head/wte: two names, one tensor
     tokens = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(3))
     args = TrainingArguments(
         output_dir=os.path.join(root, "trainer"), max_steps=max_steps, save_steps=2, save_strategy="steps" if save or resume else "no",
