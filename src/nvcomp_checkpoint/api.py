@@ -121,7 +121,7 @@ def write_checkpoint(
         if source is not None:
             source.close()
     seconds = time.perf_counter() - start
-    return SaveReport(where, raw, stored, seconds, stats, seconds)
+    return SaveReport(where, raw, stored, seconds, stats, seconds, base=None if base is None else os.fspath(base))
 
 
 def log_report(report: SaveReport, what: str = "saved") -> None:
