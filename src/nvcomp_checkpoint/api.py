@@ -63,8 +63,12 @@ def save(
             integer difference from it, whichever is smallest. Loading the delta needs the base
             at the same relative path.
         base_state: With ``base``: the state that was saved to ``base``, kept by the caller, so
-            that the base's values need not be decoded (about 2x faster; the reader checks each
-            value the delta uses against a digest, so a wrong copy fails loudly on load).
+            that the base's values need not be decoded (about 2x faster). Keep a copy
+            (``copy.deepcopy(state)`` when the base is saved): ``state_dict()`` tensors are the
+            live ones, which training changes. A wrong copy cannot be caught here (the base's
+            index holds checksums of its compressed frames, not of its values): the reader checks
+            each value the delta uses against a digest, so it fails loudly on load, and that
+            delta cannot be read. When in doubt, omit it.
 
     Returns:
         A :class:`SaveReport` with raw and stored bytes, time and a per-component table.
