@@ -107,6 +107,15 @@ def main() -> None:
     print("  resumed:      ", [round(v, 6) for v in resumed])
     if not same:
         raise SystemExit("resume mismatch")
+    saved = sorted(n for n in os.listdir(out) if n.endswith(".nvc"))
+    size = sum(os.path.getsize(os.path.join(out, n)) for n in saved)
+    print()
+    kept = "--out DIR chooses where" if args.out else "a temporary directory; --out DIR chooses where, delete it when done"
+    print(f"checkpoints kept in {out}: {len(saved)} file{'s' if len(saved) != 1 else ''}, {format_bytes(size)} ({kept})")
+    print("next:")
+    print(f"  nvckpt inspect {last}    # what is in a checkpoint, per component")
+    print(f"  nvckpt verify {out}    # check every checksum, as a load would")
+    print('  README.md, "Use": save, load and open in your own training loop')
 
 
 if __name__ == "__main__":

@@ -786,3 +786,21 @@ def test_async_save_pending_at_exit_is_committed_before_the_process_ends(script:
     saved = _load_pt(tmp_path / "at_save.pt")
     for key in ("model", "optimizer", "scheduler", "tracker"):
         assert_tree_equal(saved[key], fresh[key])
+
+
+def test_import_without_accelerate_names_the_extra_to_install() -> None:
+    # ``None`` in sys.modules makes ``import accelerate`` fail as on a machine without it.
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["accelerate"] = None
+        try:
+            from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+        except ImportError as exc:
+            print(type(exc).__name__, exc.name, exc)
+        else:
+            sys.exit("imported without Accelerate")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("ImportError accelerate nvcomp_checkpoint.accelerate needs Accelerate: "
+                                  "pip install 'nvcomp-checkpoint[accelerate]'"), proc.stdout

@@ -425,9 +425,15 @@ def test_verify_names_the_corrupt_tensor(capsys: pytest.CaptureFixture[str], wor
     failed = [ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")]
     assert any(key in ln and "checksum" in ln for ln in failed), proc.stdout
     assert sum(key in ln for ln in failed) == 1  # only the damaged tensor
+    with nc.open(src) as r:
+        n = len(r.keys())
+    assert failed[-1] == f"FAILED {bad}: 1 problem in {n} tensors", failed
 
     truncated = work / "truncated.nvc"
     truncated.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    proc = run_cli("verify", truncated)
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines()[-1] == f"FAILED {truncated}: the file is unreadable (its index cannot be read), so no tensor was checked"
     code, out, _ = call(capsys, "verify", truncated, "--json")
     assert code == 1
     result = json.loads(out)

@@ -128,6 +128,8 @@ def test_inspect_shows_rank_files_and_component_ratios(plain_dir: Path, tmp_path
         assert comps["weights"]["raw_bytes"] == 64 * 48 * 2 + 64 * 4
         code, out = _nvckpt(capsys, "inspect", str(path))
         assert code == 0 and "rank file" in out and "exp_avg_sq" in out and "__1_" in out, out
+        # Whole files (indexes, .metadata) in one total, the tensors' frames in the other: named apart.
+        assert "total (files)" in out and "total (tensors)" in out and "total (file)" not in out, out
     ours = json.loads(_nvckpt(capsys, "inspect", str(tmp_path / "ours"), "--json")[1])
     plain = json.loads(_nvckpt(capsys, "inspect", str(plain_dir), "--json")[1])
     # bf16 weights have compressible exponents: ours stores them in fewer bytes than the plain files.

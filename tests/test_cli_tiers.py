@@ -101,14 +101,23 @@ def test_estimate_storage_cost_per_tier(capsys):
         "--tier", "local:0:2:0", "--tier", "shared:30:4:0.30", "--tier", "object:60:24:0.023",
     ]
     assert main(args) == 0
-    tiers = {t["name"]: t for t in _json(capsys)["tiers"]}
+    result = _json(capsys)
+    tiers = {t["name"]: t for t in result["tiers"]}
     assert tiers["local"]["copies_month"] == pytest.approx(8640)
     assert tiers["shared"]["copies_month"] == pytest.approx(1440)
     assert tiers["shared"]["stored_gb_without"] == pytest.approx(4 * 782)
     assert tiers["object"]["stored_gb_with"] == pytest.approx(24 * 782 / 1.27, rel=1e-3)
     assert tiers["object"]["usd_month_with"] == pytest.approx(24 * 782 / 1.27 * 0.023, rel=1e-3)
+    # The grand total: the first table's (GPU idle + tier 0) plus every tier's storage.
+    doc = json.loads(json.dumps(result))
+    for k in ("without", "with"):
+        expected = doc[k]["total_usd_month"] + sum(t[f"usd_month_{k}"] for t in tiers.values())
+        assert doc["all_in_usd_month"][k] == pytest.approx(expected, abs=0.05)  # each rounded to cents
     assert main(args[:1] + args[2:]) == 0
-    assert "storage per tier" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "storage per tier" in out and "total per month (GPU idle + tier 0)" in out and "total (tiers)" in out, out
+    a = doc["all_in_usd_month"]
+    assert f"all in, per month (GPU idle + tier 0 + the tiers): ${a['without']:,.0f} without, ${a['with']:,.0f} with compression" in out, out
 
 
 def test_estimate_bad_tier_is_a_usage_error():

@@ -7,9 +7,11 @@ Cases found by the fuzzers below are kept as explicit regression tests at the en
 from __future__ import annotations
 
 import copy
+import errno
 import io
 import json
 import os
+import pickle
 import signal
 import struct
 import subprocess
@@ -31,7 +33,7 @@ from hypothesis import strategies as st
 import forged_files as forged
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
-from nvcomp_checkpoint.errors import CheckpointError, ChecksumError, FormatError, UnsafeCheckpointError
+from nvcomp_checkpoint.errors import CheckpointError, CheckpointNotFoundError, ChecksumError, FormatError, UnsafeCheckpointError
 
 FOOTER = struct.Struct("<QQQ8s")
 
@@ -220,13 +222,22 @@ def test_foreign_file(tmp_path, kind):
 
 
 def test_missing_file_and_directory(tmp_path):
-    with pytest.raises(FormatError, match="no such checkpoint"):
-        nc.load(tmp_path / "missing.nvc")
-    with pytest.raises(FormatError, match="directory"):
+    for call in (nc.load, nc.open):
+        # A FormatError as before, and a FileNotFoundError as torch.load's: both except clauses work.
+        with pytest.raises(FormatError, match="missing.nvc: no such checkpoint file") as info:
+            call(tmp_path / "missing.nvc")
+        assert isinstance(info.value, FileNotFoundError) and info.value.errno == errno.ENOENT
+        assert type(info.value) is CheckpointNotFoundError
+        with pytest.raises(FileNotFoundError, match="no such checkpoint file"):  # a parent missing too
+            call(tmp_path / "fresh" / "missing.nvc")
+    with pytest.raises(FormatError, match="directory") as info:
         nc.load(tmp_path)
-    with pytest.raises(FormatError, match="no such checkpoint"):
-        nc.open(tmp_path / "missing.nvc")
+    assert not isinstance(info.value, FileNotFoundError)
     assert not nc.is_nvcomp_checkpoint(tmp_path / "missing.nvc")
+    err = pickle.loads(pickle.dumps(info.value))  # crosses processes (DCP gathers rank errors)
+    assert str(err) == str(info.value)
+    missing = pickle.loads(pickle.dumps(CheckpointNotFoundError("x.nvc: no such checkpoint file")))
+    assert str(missing) == "x.nvc: no such checkpoint file" and missing.errno == errno.ENOENT
 
 
 # -- forged indexes (checksums recomputed, so the parser itself is what is tested) ---------------

@@ -455,11 +455,25 @@ def test_fqn_classification() -> None:
     assert fqn_component("state_dict.layer.weight").value == "weights"
 
 
-def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: None, "ckpt: does not exist; check the path"),
+        (lambda p: nc.save({"w": torch.ones(3)}, p), "ckpt: a single-file checkpoint of nvcomp-checkpoint, not a DCP directory: use nvcomp_checkpoint.load(path)"),
+        (lambda p: torch.save({"w": torch.ones(3)}, p), "ckpt: a torch.save file, not a DCP directory: use nvcomp_checkpoint.load(path) or torch.load(path)"),
+        (lambda p: p.mkdir(), "ckpt: an empty directory: no checkpoint was saved here"),
+        (lambda p: (p.mkdir(), (p / "__0_0.distcp").write_bytes(b"x")), "ckpt: a directory without .metadata (nor __0.metadata): not a DCP checkpoint, or a save that never completed"),
+    ],
+    ids=["absent", "single-file", "torch-save-file", "empty-directory", "uncommitted-directory"],
+)
+def test_reader_says_what_is_at_a_path_that_holds_no_dcp_checkpoint(tmp_path: Path, make: Any, message: str) -> None:
+    make(tmp_path / "ckpt")
     model, opt = _plain()
     with pytest.raises(CheckpointException) as info:
-        _load_into(model, opt, NvcompReader(tmp_path / "absent"))
-    assert "not a DCP checkpoint" in str(info.value)
+        _load_into(model, opt, NvcompReader(tmp_path / "ckpt"))
+    assert message in str(info.value), str(info.value)[-600:]
+    # "Load an earlier checkpoint" only where a save may have been cut short.
+    assert ("earlier checkpoint" in str(info.value)) == message.endswith("never completed")
 
 
 @pytest.mark.gpu

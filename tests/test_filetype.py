@@ -1,15 +1,21 @@
-"""Tests of filetype: one sniffer for ``nc.load`` and ``nvckpt``, by content, never by name."""
+"""Tests of filetype: one sniffer for ``nc.load`` and ``nvckpt``, by content, never by name; checkpoint directories by the names in them."""
 
 from __future__ import annotations
 
+import os
+import re
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.cli.sources import sniff
-from nvcomp_checkpoint.filetype import HEAD_BYTES, NVCOMP, OTHER, SAFETENSORS, TORCH, kind_of
+from nvcomp_checkpoint.filetype import (
+    ACCELERATE_DIR, DCP_DIR, HEAD_BYTES, HF_TRAINER_DIR, LIGHTNING_SHARDED_DIR, NVCOMP, OTHER, SAFETENSORS, TORCH, directory_kind, kind_of,
+)
 
 
 def _kind(path: Path) -> str:
@@ -48,3 +54,55 @@ def test_loading_a_safetensors_file_says_what_it_is_and_what_to_call(tmp_path: P
     st.save_file({"w": torch.ones(3)}, str(tmp_path / "model.ckpt"))
     with pytest.raises(nc.errors.FormatError, match=r"model\.ckpt: a safetensors file.*safetensors\.torch\.load_file"):
         nc.load(tmp_path / "model.ckpt")
+
+
+def _dcp_save(path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from nvcomp_checkpoint.dcp import NvcompWriter
+
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": torch.nn.Linear(8, 8).state_dict()}, storage_writer=NvcompWriter(str(path)))
+
+
+def test_checkpoint_directories_are_told_apart_by_their_names(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+    from transformers import TrainerState
+
+    _dcp_save(tmp_path / "dcp")
+    # Lightning's sharded strategies write DCP's files and meta.pt into one directory.
+    _dcp_save(tmp_path / "lightning")
+    nc.save({"global_step": 2}, tmp_path / "lightning" / "meta.pt")
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(4, 4))
+    accelerator.save_state(str(tmp_path / "accelerate"))
+    (tmp_path / "trainer").mkdir()
+    TrainerState(global_step=2).save_to_json(str(tmp_path / "trainer" / "trainer_state.json"))
+    nc.save({"w": torch.ones(3)}, tmp_path / "trainer" / "optimizer.pt.nvc")
+    (tmp_path / "other").mkdir()
+    nc.save({"w": torch.ones(3)}, tmp_path / "other" / "step-1.nvc")
+    expected = {"dcp": DCP_DIR, "lightning": LIGHTNING_SHARDED_DIR, "accelerate": ACCELERATE_DIR, "trainer": HF_TRAINER_DIR, "other": None}
+    for name, kind in expected.items():
+        assert directory_kind(os.listdir(tmp_path / name)) == kind, (name, os.listdir(tmp_path / name))
+    # nc.load of the two framework folders names the framework's call (DCP ones: the test below).
+    for name, call in {"accelerate": "accelerator.load_state(", "trainer": "trainer.train(resume_from_checkpoint="}.items():
+        with pytest.raises(nc.errors.FormatError, match=re.escape(call)):
+            nc.load(tmp_path / name)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: _dcp_save(p), r"a torch\.distributed\.checkpoint \(DCP\) directory: load it with .*NvcompReader\('.*ckpt'\)"),
+        (lambda p: (_dcp_save(p), nc.save({"step": 1}, p / "meta.pt")), r"a Lightning sharded checkpoint .*ckpt_path=.*NvcompModelParallelStrategy"),
+        (lambda p: p.mkdir(), r"ckpt: is an empty directory, not a checkpoint file"),
+        (lambda p: (p.mkdir(), nc.save({"w": torch.ones(3)}, p / "step-1.nvc")), r"ckpt: is a directory, not a checkpoint file; it holds step-1\.nvc: pass one of them"),
+    ],
+    ids=["dcp", "lightning-sharded", "empty", "folder-of-files"],
+)
+def test_load_and_open_of_a_directory_name_the_call_that_reads_it(tmp_path: Path, make: Any, message: str) -> None:
+    make(tmp_path / "ckpt")
+    for call in (nc.load, nc.open):
+        with pytest.raises(nc.errors.FormatError, match=message) as info:
+            call(tmp_path / "ckpt")
+        assert not isinstance(info.value, FileNotFoundError)

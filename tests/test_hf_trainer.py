@@ -651,3 +651,23 @@ def test_a_stock_trainer_asked_to_resume_from_compressed_weights_is_refused_when
     with caplog.at_level("WARNING", logger="nvcomp_checkpoint.integrations.transformers"):
         mod.run(str(tmp_path / "out"), 6, 6, stock=True)
     assert any("cannot read its compressed weights" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("missing", ["safetensors", "transformers", "accelerate"])
+def test_import_without_a_framework_package_names_the_extra_to_install(missing: str) -> None:
+    # ``None`` in sys.modules makes ``import <missing>`` fail as on a machine without it.
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules[{missing!r}] = None
+        try:
+            from nvcomp_checkpoint.transformers import NvcompTrainerCallback
+        except ImportError as exc:
+            print(type(exc).__name__, exc)
+        else:
+            sys.exit("imported without {missing}")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("ImportError nvcomp_checkpoint.transformers needs transformers, accelerate and safetensors: "
+                                  "pip install 'nvcomp-checkpoint[transformers]'"), proc.stdout
+    assert missing in proc.stdout, proc.stdout

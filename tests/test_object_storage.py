@@ -153,8 +153,9 @@ def test_s3_failed_multipart_save_is_aborted(s3):
 
 
 def test_s3_missing_object(s3):
-    with pytest.raises(FormatError, match="no such checkpoint"):
+    with pytest.raises(FormatError, match="no such checkpoint") as info:
         nc.load(f"s3://{BUCKET}/run/missing.nvc", storage_options=s3["options"])
+    assert isinstance(info.value, FileNotFoundError)  # as a local missing file
     assert not nc.is_nvcomp_checkpoint(f"s3://{BUCKET}/run/missing.nvc", storage_options=s3["options"])
 
 

@@ -217,12 +217,17 @@ def train_step(step):
     opt.step()
 """
 
-# A run directory and the state of the run; ``kept`` is the caller's copy of what step-1040 saved.
+# A run directory, the state of the run (``state.pt``: what step-1040 saved) and a training step
+# that changes the model and optimizer in place.
 _INCREMENTAL = _TINY_MODEL + """
 import os
 os.makedirs("run", exist_ok=True)
 torch.save(state, "state.pt")
-kept = state
+
+def train_step():
+    opt.zero_grad()
+    model(torch.randn(4, 32)).square().mean().backward()
+    opt.step()
 """
 
 _TIERS_DCP = _TINY_MODEL + """
@@ -298,6 +303,8 @@ EPILOGUES["tiers_loop"] = EPILOGUES["tiers"]
 EPILOGUES["incremental"] = f"""
 import json
 torch.save(state, "loaded.pt")
+torch.save({{"model": model.state_dict(), "optimizer": opt.state_dict()}}, "live.pt")
+torch.save(nc.load("run/step-1040.nvc"), "loaded-1040.pt")
 def _base(p):
     with nc.open(p) as r:
         b = r.index.base
@@ -532,7 +539,11 @@ def check_incremental(s: Snippet, tmp_path: Path) -> None:
     result = _result(_ok(run_snippet(s, tmp_path), s))
     # A full file, then a chain of two deltas, each recording its base relative to itself.
     assert result == {"step-1000.nvc": None, "step-1040.nvc": ["step-1000.nvc", 1], "step-1080.nvc": ["step-1040.nvc", 2]}, result
-    assert_tree_equal(torch.load(tmp_path / "loaded.pt"), torch.load(tmp_path / "state.pt"))
+    # Step 1080 is the state after training went on; step 1040, read through the deepcopy kept as
+    # base_state, is still what was saved then (a kept state_dict() alone would have moved on).
+    assert_tree_equal(torch.load(tmp_path / "loaded.pt"), torch.load(tmp_path / "live.pt"))
+    assert_tree_equal(torch.load(tmp_path / "loaded-1040.pt"), torch.load(tmp_path / "state.pt"))
+    assert not torch.equal(torch.load(tmp_path / "live.pt")["model"]["0.weight"], torch.load(tmp_path / "state.pt")["model"]["0.weight"])
 
 
 def check_bare(s: Snippet, tmp_path: Path) -> None:

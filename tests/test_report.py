@@ -60,3 +60,12 @@ def test_no_note_when_nothing_is_stored_raw(tmp_path: Path) -> None:
     report = nc.save({"w": torch.randn(4096)}, tmp_path / "w.nvc")
     assert report.components["weights"].codecs == ("zstd:1",)
     assert "stored raw" not in report.table()
+
+
+def test_a_delta_save_report_names_its_base(tmp_path: Path) -> None:
+    state = _trained_state()
+    full = nc.save(state, tmp_path / "step-1000.nvc")
+    delta = nc.save(state, tmp_path / "step-1040.nvc", base=tmp_path / "step-1000.nvc")
+    assert full.base is None and "(delta of" not in str(full)
+    assert str(delta).startswith(f"{tmp_path / 'step-1040.nvc'} (delta of {tmp_path / 'step-1000.nvc'}): "), str(delta)
+    assert delta.to_dict()["base"] == str(tmp_path / "step-1000.nvc") and full.to_dict()["base"] is None

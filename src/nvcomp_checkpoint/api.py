@@ -13,13 +13,15 @@ import torch
 from .delta import BaseSource
 from .errors import CheckpointError, FormatError, SizeLimitError, UnsafeCheckpointError
 from .format.layout import FOOTER_MAGIC, MAGIC
-from .filetype import HEAD_BYTES, NVCOMP, SAFETENSORS, TORCH, ZIP_HEAD, kind_of
+from .filetype import (
+    ACCELERATE_DIR, DCP_DIR, HEAD_BYTES, HF_TRAINER_DIR, LIGHTNING_SHARDED_DIR, NVCOMP, SAFETENSORS, TORCH, ZIP_HEAD, directory_kind, kind_of,
+)
 from .format.skeleton import check_torch_archive, weights_only_detail
 from .pending import wait_for_path
 from .policy import CodecPolicy
 from .reader import CheckpointReader, MapLocation
 from .report import SaveReport
-from .storage import LocalStorage, open_checkpoint_stream, stale_temp_files, storage_for, write_errors
+from .storage import LocalStorage, list_names, open_checkpoint_stream, stale_temp_files, storage_for, write_errors
 from .writer import CheckpointWriter, TreePlan
 
 __all__ = ["save", "load", "open", "verify", "is_nvcomp_checkpoint", "VerifyResult", "VerifyProblem", "write_checkpoint", "log_report"]
@@ -61,8 +63,12 @@ def save(
             integer difference from it, whichever is smallest. Loading the delta needs the base
             at the same relative path.
         base_state: With ``base``: the state that was saved to ``base``, kept by the caller, so
-            that the base's values need not be decoded (about 2x faster; the reader checks each
-            value the delta uses against a digest, so a wrong copy fails loudly on load).
+            that the base's values need not be decoded (about 2x faster). Keep a copy
+            (``copy.deepcopy(state)`` when the base is saved): ``state_dict()`` tensors are the
+            live ones, which training changes. A wrong copy cannot be caught here (the base's
+            index holds checksums of its compressed frames, not of its values): the reader checks
+            each value the delta uses against a digest, so it fails loudly on load, and that
+            delta cannot be read. When in doubt, omit it.
 
     Returns:
         A :class:`SaveReport` with raw and stored bytes, time and a per-component table.
@@ -119,7 +125,7 @@ def write_checkpoint(
         if source is not None:
             source.close()
     seconds = time.perf_counter() - start
-    return SaveReport(where, raw, stored, seconds, stats, seconds)
+    return SaveReport(where, raw, stored, seconds, stats, seconds, base=None if base is None else os.fspath(base))
 
 
 def log_report(report: SaveReport, what: str = "saved") -> None:
@@ -179,8 +185,14 @@ def load(
     wait_for_path(path)
     where = os.fspath(path)
     storage, spath = storage_for(path, storage_options)
-    with open_checkpoint_stream(storage, spath, where) as f:
-        head = f.read(HEAD_BYTES)
+    try:
+        with open_checkpoint_stream(storage, spath, where) as f:
+            head = f.read(HEAD_BYTES)
+    except FormatError as exc:
+        directory = _directory_error(where, storage, spath)
+        if directory is not None:
+            raise directory from exc
+        raise
     if kind_of(head, storage.size(spath)) == NVCOMP:
         with CheckpointReader(path, storage_options=storage_options, max_bytes=max_bytes) as reader:
             return reader.load(map_location, weights_only=weights_only)
@@ -274,7 +286,61 @@ def open(  # noqa: A001
         ...     reader.keys(); reader.read("model/weight"); reader.summary()
     """
     wait_for_path(path)
-    return CheckpointReader(path, storage_options=storage_options, max_bytes=max_bytes)
+    try:
+        return CheckpointReader(path, storage_options=storage_options, max_bytes=max_bytes)
+    except FormatError as exc:
+        directory = _directory_error(os.fspath(path), *storage_for(path, storage_options))
+        if directory is not None:
+            raise directory from exc
+        raise
+
+
+def _directory_loaders(where: str) -> dict[str, str]:
+    """For each kind of checkpoint directory (:func:`filetype.directory_kind`), what it is and the call that loads it."""
+    return {
+        DCP_DIR: (
+            "a torch.distributed.checkpoint (DCP) directory: load it with torch.distributed.checkpoint.load(state, "
+            f"storage_reader=nvcomp_checkpoint.dcp.NvcompReader({where!r})) (NvcompReader reads ours and plain ones)"
+        ),
+        LIGHTNING_SHARDED_DIR: (
+            "a Lightning sharded checkpoint (DCP shards and meta.pt): resume with trainer.fit(model, "
+            f"ckpt_path={where!r}) under nvcomp_checkpoint.lightning.NvcompModelParallelStrategy or NvcompFSDPStrategy "
+            "(they read ours and plain ones)"
+        ),
+        ACCELERATE_DIR: (
+            f"an Accelerate save_state directory: load it with accelerator.load_state({where!r}), after "
+            "nvcomp_checkpoint.accelerate.register_nvcomp_hooks(accelerator) if it holds .nvc files; "
+            "nvcomp_checkpoint.load reads one .nvc file of it"
+        ),
+        HF_TRAINER_DIR: (
+            f"a Hugging Face Trainer checkpoint: resume with trainer.train(resume_from_checkpoint={where!r}) "
+            "and nvcomp_checkpoint.transformers.NvcompTrainerCallback (or NvcompTrainer); "
+            "nvcomp_checkpoint.load reads one .nvc file of it"
+        ),
+    }
+
+
+#: Names of files that a directory passed to ``load`` by mistake may hold, to suggest one of them.
+_CHECKPOINT_SUFFIXES = (".nvc", ".ckpt", ".pt", ".pth", ".bin", ".safetensors")
+
+
+def _directory_error(where: str, storage: Any, spath: str) -> FormatError | None:
+    """If ``spath`` is a directory (or an object-store prefix), an error naming the call that loads
+    it; None otherwise (``load`` / ``open`` then raise their own error)."""
+    try:
+        names = list_names(storage, spath)
+        if not names and not (isinstance(storage, LocalStorage) and storage.isdir(spath)):
+            return None
+    except Exception:  # noqa: BLE001 - a failed listing must not hide the original error
+        return None
+    kind = directory_kind(names)
+    if kind is not None:
+        return FormatError(f"{where}: is {_directory_loaders(where)[kind]}; nvcomp_checkpoint.load / open read one checkpoint file")
+    if not names:
+        return FormatError(f"{where}: is an empty directory, not a checkpoint file")
+    files = sorted(n for n, is_dir in names.items() if not is_dir and not n.startswith(".") and n.endswith(_CHECKPOINT_SUFFIXES))
+    hint = f"; it holds {', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: pass one of them" if files else ""
+    return FormatError(f"{where}: is a directory, not a checkpoint file{hint}")
 
 
 @dataclass(frozen=True)

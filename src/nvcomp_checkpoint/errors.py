@@ -6,9 +6,12 @@ the user can do about it.
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "CheckpointError",
     "FormatError",
+    "CheckpointNotFoundError",
     "ChecksumError",
     "CodecUnavailableError",
     "GpuCodecError",
@@ -27,6 +30,18 @@ class CheckpointError(Exception):
 
 class FormatError(CheckpointError):
     """The file is not a checkpoint, is truncated, or its index is inconsistent."""
+
+
+class CheckpointNotFoundError(FormatError, FileNotFoundError):
+    """No file at the checkpoint's path (local or object storage).
+
+    A :class:`FormatError`, as before it existed, and a ``FileNotFoundError`` (``errno`` ENOENT),
+    so that ``except FileNotFoundError:`` around ``load`` works as it does around ``torch.load``.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOENT
 
 
 class ChecksumError(FormatError):

@@ -1,16 +1,22 @@
 """What kind of file a checkpoint is, from its first bytes: ours, ``torch.save``, safetensors, or other.
 
 The one sniffer behind ``nc.load`` (which refuses what it cannot read before unpickling it) and
-the ``nvckpt`` commands; a file's kind never comes from its name.
+the ``nvckpt`` commands; a file's kind never comes from its name. A checkpoint *directory*
+(DCP, Lightning sharded, Accelerate, HF Trainer) is told by the names of the files in it.
 """
 
 from __future__ import annotations
 
+import re
 import struct
+from typing import Collection
 
 from .format.layout import MAGIC
 
-__all__ = ["NVCOMP", "TORCH", "SAFETENSORS", "OTHER", "HEAD_BYTES", "ZIP_HEAD", "kind_of"]
+__all__ = [
+    "NVCOMP", "TORCH", "SAFETENSORS", "OTHER", "HEAD_BYTES", "ZIP_HEAD", "kind_of",
+    "DCP_DIR", "LIGHTNING_SHARDED_DIR", "ACCELERATE_DIR", "HF_TRAINER_DIR", "directory_kind",
+]
 
 NVCOMP = "nvcomp-checkpoint"
 TORCH = "torch.save"
@@ -40,3 +46,29 @@ def kind_of(head: bytes, size: int) -> str:
         if n <= _MAX_SAFETENSORS_HEADER and 8 + n <= size:
             return SAFETENSORS
     return OTHER
+
+
+DCP_DIR = "torch.distributed.checkpoint"
+LIGHTNING_SHARDED_DIR = "Lightning sharded"
+ACCELERATE_DIR = "Accelerate save_state"
+HF_TRAINER_DIR = "Hugging Face Trainer"
+
+#: The names that mark each kind of directory: DCP commits ``.metadata`` (``__0.metadata`` ... for a
+#: save without collectives); Lightning's sharded strategies add ``meta.pt``; the Trainer writes
+#: ``trainer_state.json``; Accelerate's ``save_state`` writes ``random_states_<rank>.pkl``, and with
+#: our hooks ``model.nvc`` / ``optimizer.nvc``.
+_DCP_METADATA = (".metadata", "__0.metadata")
+_LIGHTNING_META = "meta.pt"
+_TRAINER_STATE = "trainer_state.json"
+_ACCELERATE_FILE = re.compile(r"random_states_\d+\.pkl|(model|optimizer)(_\d+)?\.nvc")
+
+
+def directory_kind(names: Collection[str]) -> str | None:
+    """The kind of checkpoint directory whose entries are ``names`` (file and folder names), or None."""
+    if any(n in names for n in _DCP_METADATA):
+        return LIGHTNING_SHARDED_DIR if _LIGHTNING_META in names else DCP_DIR
+    if _TRAINER_STATE in names:
+        return HF_TRAINER_DIR
+    if any(_ACCELERATE_FILE.fullmatch(n) for n in names):
+        return ACCELERATE_DIR
+    return None

@@ -68,6 +68,8 @@ class SaveReport:
         seconds: Wall time of the whole save, fsync and rename included.
         seconds_blocked: Time the caller was blocked (equal to ``seconds`` for a sync save).
         components: Per-component totals.
+        base: For a delta (``save(..., base=...)``): the base checkpoint it was written against,
+            as passed; None for a full checkpoint.
     """
 
     path: str
@@ -76,6 +78,7 @@ class SaveReport:
     seconds: float
     components: Mapping[str, ComponentStats] = field(default_factory=dict)
     seconds_blocked: float | None = None
+    base: str | None = None
 
     @property
     def ratio(self) -> float:
@@ -95,6 +98,7 @@ class SaveReport:
             "seconds_blocked": round(self.seconds if self.seconds_blocked is None else self.seconds_blocked, 4),
             "throughput_mb_s": round(self.throughput_mb_s, 1),
             "components": {k: v.to_dict() for k, v in self.components.items()},
+            "base": self.base,
         }
 
     def table(self) -> str:
@@ -102,8 +106,9 @@ class SaveReport:
         return component_table(self.components, self.raw_bytes, self.stored_bytes)
 
     def __str__(self) -> str:
+        delta = f" (delta of {self.base})" if self.base is not None else ""
         return (
-            f"{self.path}: {format_bytes(self.raw_bytes)} -> {format_bytes(self.stored_bytes)} "
+            f"{self.path}{delta}: {format_bytes(self.raw_bytes)} -> {format_bytes(self.stored_bytes)} "
             f"({self.ratio:.3f}x) in {self.seconds:.2f} s"
         )
 
@@ -164,7 +169,11 @@ def component_table(components: Mapping[str, ComponentStats], raw_total: int, st
     return "\n".join(lines)
 
 
-def component_rows(components: Mapping[str, ComponentStats], raw_total: int, stored_total: int) -> list[list[str]]:
+def component_rows(
+    components: Mapping[str, ComponentStats], raw_total: int, stored_total: int, total_label: str = "total (file)"
+) -> list[list[str]]:
+    """One row per component, then the total: ``total_label`` says what ``stored_total`` counts
+    (a whole file, or only the tensors' frames of several files, as in a DCP directory)."""
     rows = []
     for name, stats in components.items():
         rows.append([
@@ -173,7 +182,7 @@ def component_rows(components: Mapping[str, ComponentStats], raw_total: int, sto
         ])
     total = sum(s.tensors for s in components.values())
     ratio = raw_total / stored_total if stored_total else 1.0
-    rows.append(["total (file)", str(total), format_bytes(raw_total), format_bytes(stored_total), f"{ratio:.3f}x", "", ""])
+    rows.append([total_label, str(total), format_bytes(raw_total), format_bytes(stored_total), f"{ratio:.3f}x", "", ""])
     return rows
 
 

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
-from .errors import CheckpointError, CheckpointWriteError, FormatError
+from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, FormatError
 
 __all__ = [
     "Storage", "LocalStorage", "FsspecStorage", "LOCAL", "storage_for", "open_checkpoint_stream", "write_errors", "is_url",
@@ -384,7 +384,7 @@ def open_checkpoint_stream(storage: Storage, path: str, where: str) -> IO[bytes]
     try:
         return storage.open_read(path)
     except FileNotFoundError as exc:
-        raise FormatError(f"{where}: no such checkpoint file") from exc
+        raise CheckpointNotFoundError(f"{where}: no such checkpoint file") from exc
     except IsADirectoryError as exc:
         raise FormatError(f"{where}: is a directory, not a checkpoint file") from exc
     except NotADirectoryError as exc:

@@ -249,6 +249,9 @@ def run_estimate(args: argparse.Namespace) -> int:
     result["ratio_source"] = source
     if args.tiers:
         result["tiers"] = tier_costs(inp, args.tiers)
+        # The first table's total (GPU idle, tier-0 storage) plus every tier's storage.
+        all_in = {k: result[k]["total_usd_month"] + sum(t[f"usd_month_{k}"] for t in result["tiers"]) for k in ("without", "with")}
+        result["all_in_usd_month"] = dict(all_in, saving=all_in["without"] - all_in["with"])
     if "policy" in measured:
         result["policy_choices"] = measured["policy"]
     if args.json:
@@ -262,7 +265,8 @@ def run_estimate(args: argparse.Namespace) -> int:
         ["GPU idle cost per month", _money(w["idle_usd_month"]), _money(c["idle_usd_month"]), _money(s["idle_usd_month"])],
         [f"storage ({inp.retain} kept)", f"{w['stored_gb']:,.0f} GB", f"{c['stored_gb']:,.0f} GB", f"{s['stored_gb']:,.0f} GB"],
         ["storage cost per month", _money(w["storage_usd_month"]), _money(c["storage_usd_month"]), _money(s["storage_usd_month"])],
-        ["total per month", _money(w["total_usd_month"]), _money(c["total_usd_month"]), _money(s["total_usd_month"])],
+        ["total per month" + (" (GPU idle + tier 0)" if args.tiers else ""),
+         _money(w["total_usd_month"]), _money(c["total_usd_month"]), _money(s["total_usd_month"])],
     ]
     console = stdout_console()
     title = (f"{inp.checkpoint_gb:g} GB every {inp.interval_min:g} min ({result['checkpoints_per_month']:,.0f}/month, "
@@ -287,12 +291,15 @@ def run_estimate(args: argparse.Namespace) -> int:
             for t in result["tiers"]
         ]
         total = [sum(t[k] for t in result["tiers"]) for k in ("usd_month_without", "usd_month_with")]
-        trows.append(["total", "", "", "", "", "", _money(total[0]), _money(total[1]), _money(total[0] - total[1])])
+        trows.append(["total (tiers)", "", "", "", "", "", _money(total[0]), _money(total[1]), _money(total[0] - total[1])])
         console.print(make_table(
             "storage per tier (copies kept x checkpoint size x price)",
             ["tier", "every", "kept", "moved/month (with)", "stored without", "stored with", "cost without", "cost with", "saving"],
             trows,
         ))
+        a = result["all_in_usd_month"]
+        console.print(f"all in, per month (GPU idle + tier 0 + the tiers): {_money(a['without'])} without, {_money(a['with'])} with "
+                      f"compression, {_money(a['saving'])} saved", markup=False, highlight=False)
     for n in notes:
         console.print(n, markup=False, highlight=False)
     return EXIT_OK

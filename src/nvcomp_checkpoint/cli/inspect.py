@@ -238,10 +238,11 @@ def _run_inspect_dcp(args: argparse.Namespace) -> int:
     else:  # a save without collectives: each rank committed its own part
         names = d["metadata_files"]
         rows.append([f"{names[0]} .. {names[-1]}", "", "", "", format_bytes(d["metadata_bytes"]), "", "one per rank: each rank's commit"])
-    rows.append(["total", "", len(infos), format_bytes(raw), format_bytes(on_disk), f"{raw / on_disk:.3f}x" if on_disk else "-", ""])
+    rows.append(["total (files)", "", len(infos), format_bytes(raw), format_bytes(on_disk), f"{raw / on_disk:.3f}x" if on_disk else "-", ""])
     console.print(make_table(f"{args.path} (DCP checkpoint, {what})", ["file", "rank file", "items", "raw", "on disk", "ratio", "note"],
                              rows, numeric_from=1))
-    console.print(make_table("items by component, every rank", COMPONENT_COLUMNS, component_rows(stats, raw, stored)))
+    # The frames of the tensors only; the table above counts whole files (indexes, .metadata).
+    console.print(make_table("items by component, every rank", COMPONENT_COLUMNS, component_rows(stats, raw, stored, "total (tensors)")))
     _print_codec_notes(console, stats)
     return EXIT_OK
 
@@ -266,7 +267,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                          "left by a killed save; the next save into this directory removes it"])
         console.print(make_table(f"{args.path} (directory)", ["file", "format", "tensors", "raw", "on disk", "note"], rows, numeric_from=2))
         stored = sum(s.stored_bytes for s in d["_stats"].values())
-        console.print(make_table("tensor files by component", COMPONENT_COLUMNS, component_rows(d["_stats"], d["raw_bytes"], stored)))
+        console.print(make_table("tensor files by component", COMPONENT_COLUMNS, component_rows(d["_stats"], d["raw_bytes"], stored, "total (tensors)")))
         _print_codec_notes(console, d["_stats"])
         return EXIT_OK
 

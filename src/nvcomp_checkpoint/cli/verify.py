@@ -48,7 +48,10 @@ def _one_line(exc: BaseException) -> str:
 
 
 def verify_file(path: str, reporter: Reporter) -> dict[str, Any]:
-    """Verify one file; returns ``{file, tensors, raw_bytes, failures: [{tensor, error}]}``."""
+    """Verify one file; returns ``{file, tensors, raw_bytes, unreadable, failures: [{tensor, error}]}``.
+
+    ``unreadable``: its index could not be read (truncated, not ours), so no tensor was checked.
+    """
     try:
         with nc.open(path) as reader:  # the index only: the size of the bar
             total: int | None = reader.raw_bytes
@@ -66,7 +69,7 @@ def verify_file(path: str, reporter: Reporter) -> dict[str, Any]:
         if isinstance(problem.error, CodecUnavailableError):
             message = f"cannot be decoded on this machine: {message}"
         failures.append({"tensor": problem.tensor, "error": message})
-    return {"file": path, "tensors": checked.tensors, "raw_bytes": checked.raw_bytes, "failures": failures}
+    return {"file": path, "tensors": checked.tensors, "raw_bytes": checked.raw_bytes, "unreadable": total is None, "failures": failures}
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -127,16 +130,29 @@ def run_verify(args: argparse.Namespace) -> int:
             named = f["file"] in f["error"] and (f["tensor"] is None or repr(f["tensor"]) in f["error"])
             where = "" if named else f"{f['file']}: " + (f"tensor {f['tensor']!r}: " if f["tensor"] is not None else "")
             console.print(f"FAILED {where}{f['error']}", markup=False, highlight=False)
-        files = f"{len(results)} files, " if kind == DIRECTORY else ""
+        files = f"{_count(len(results), 'file')}, " if kind == DIRECTORY else ""
         if dcp_kind == _dcp.DCP_PLAIN:
             files = f"plain DCP (no checksums: structure and decoding checked), {files}"
         if ok:
             if not args.quiet:
-                console.print(f"OK {args.path}: {files}{tensors} tensor{'s' if tensors != 1 else ''} ({format_bytes(raw)}) verified", markup=False, highlight=False)
+                console.print(f"OK {args.path}: {files}{_count(tensors, 'tensor')} ({format_bytes(raw)}) verified", markup=False, highlight=False)
         else:
             bad = len({(f["file"], f["tensor"]) for f in failures})
-            console.print(f"FAILED {args.path}: {bad} problem(s) in {files}{tensors} tensors", markup=False, highlight=False)
+            unreadable = [r["file"] for r in results if r.get("unreadable")]
+            if kind == NVCOMP and links[0]["error"]:  # the file itself could not be opened to follow its chain
+                unreadable.append(args.path)
+            if unreadable == [args.path]:
+                summary = "the file is unreadable (its index cannot be read), so no tensor was checked"
+            else:
+                summary = f"{_count(bad, 'problem')} in {files}{_count(tensors, 'tensor')}"
+                if unreadable:
+                    summary += f"; unreadable: {', '.join(unreadable)}"
+            console.print(f"FAILED {args.path}: {summary}", markup=False, highlight=False)
     return EXIT_OK if ok else EXIT_FAILED
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _size(path: str) -> int:

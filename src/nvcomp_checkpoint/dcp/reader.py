@@ -21,8 +21,9 @@ from torch.futures import Future
 
 from ..codecs import gpu_available
 from ..errors import CheckpointError, FormatError
+from ..filetype import HEAD_BYTES, NVCOMP, TORCH, kind_of
 from ..reader import CheckpointReader
-from ..storage import open_checkpoint_stream, storage_for
+from ..storage import list_names, open_checkpoint_stream, storage_for
 from .layout import (
     METADATA_NAME,
     MAX_METADATA_BYTES,
@@ -229,12 +230,7 @@ class NvcompReader(StorageReader):
             raise CheckpointError("NvcompReader has no directory: pass NvcompReader(path) or dcp.load(..., checkpoint_id=path)")
         metadata = read_stored_metadata(self.path, self.storage_options)
         if metadata is None:
-            storage, spath = storage_for(self.path, self.storage_options)
-            what = "an empty directory or no directory" if not storage.exists(spath) else "a directory without .metadata (nor __0.metadata)"
-            raise CheckpointError(
-                f"{self.path}: {what}: not a DCP checkpoint, or a save that never completed (the metadata is written "
-                "last, once every rank's file is durable). Load an earlier checkpoint."
-            )
+            raise CheckpointError(_no_checkpoint(self.path, self.storage_options))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -304,6 +300,29 @@ class NvcompReader(StorageReader):
     def checkpoint_id(self) -> str:
         return self.path
 
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return True
+
+
+def _no_checkpoint(path: str, storage_options: dict[str, Any] | None) -> str:
+    """Why ``path``, which has no DCP metadata, does not load: what is there, and what to do."""
+    storage, spath = storage_for(path, storage_options)
+    if not storage.exists(spath):
+        return f"{path}: does not exist; check the path (NvcompReader takes the directory that dcp.save wrote)"
+    if not list_names(storage, spath):  # a file, or an empty directory
+        try:
+            with open_checkpoint_stream(storage, spath, path) as f:
+                kind = kind_of(f.read(HEAD_BYTES), storage.size(spath))
+        except CheckpointError:  # a directory cannot be opened as a file
+            return f"{path}: an empty directory: no checkpoint was saved here (or a save was killed before it wrote a file)"
+        if kind == NVCOMP:
+            return f"{path}: a single-file checkpoint of nvcomp-checkpoint, not a DCP directory: use nvcomp_checkpoint.load(path)"
+        if kind == TORCH:
+            return f"{path}: a torch.save file, not a DCP directory: use nvcomp_checkpoint.load(path) or torch.load(path)"
+        return f"{path}: a file, not a DCP checkpoint directory (NvcompReader takes the directory that dcp.save wrote)"
+    return (
+        f"{path}: a directory without .metadata (nor __0.metadata): not a DCP checkpoint, or a save that never "
+        "completed (the metadata is written last, once every rank's file is durable). Load an earlier checkpoint."
+    )

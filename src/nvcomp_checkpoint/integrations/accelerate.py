@@ -20,19 +20,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
-import accelerate
 import torch
-from accelerate import Accelerator
-from accelerate.utils import (
-    MODEL_NAME,
-    OPTIMIZER_NAME,
-    RNG_STATE_NAME,
-    SAFE_MODEL_NAME,
-    SAMPLER_NAME,
-    SCALER_NAME,
-    SCHEDULER_NAME,
-    DistributedType,
-)
+
+try:
+    import accelerate
+    from accelerate import Accelerator
+    from accelerate.utils import (
+        MODEL_NAME,
+        OPTIMIZER_NAME,
+        RNG_STATE_NAME,
+        SAFE_MODEL_NAME,
+        SAMPLER_NAME,
+        SCALER_NAME,
+        SCHEDULER_NAME,
+        DistributedType,
+    )
+except ImportError as exc:
+    raise ImportError(f"nvcomp_checkpoint.accelerate needs Accelerate: pip install 'nvcomp-checkpoint[accelerate]' ({exc})", name=exc.name) from exc
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate

@@ -16,18 +16,26 @@ import weakref
 from pathlib import Path
 from typing import IO, Any, Callable
 
-import safetensors
-import safetensors.torch
 import torch
-from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirconvert import SUFFIX, PlainFile, compress_in_place, compressed_copy, decompress_in_place
 from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint, load_tree
 from nvcomp_checkpoint.tiers import Tier
-from nvcomp_checkpoint.integrations import transformers_fsdp
+
+try:  # transformers_fsdp imports Accelerate's FSDP helpers (the Trainer saves FSDP state with them)
+    import safetensors
+    import safetensors.torch
+    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_pt_utils import reissue_pt_warnings
+
+    from nvcomp_checkpoint.integrations import transformers_fsdp
+except ImportError as exc:
+    raise ImportError(
+        f"nvcomp_checkpoint.transformers needs transformers, accelerate and safetensors: pip install 'nvcomp-checkpoint[transformers]' ({exc})",
+        name=exc.name,
+    ) from exc
 
 __all__ = [
     "NvcompTrainerCallback",
