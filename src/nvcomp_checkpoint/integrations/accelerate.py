@@ -225,7 +225,7 @@ class NvcompStateHooks(SaveEntryPoint):
         delta_base: str = "previous",
     ) -> None:
         # Checked first: a wrong argument must not leave the accelerator half wrapped.
-        self.incremental = incremental_files("register_nvcomp_hooks", incremental, full_every, delta_base, tiers, named_by="iteration")
+        self.incremental = incremental_files("register_nvcomp_hooks", incremental, full_every, delta_base)
         super().__init__(
             "register_nvcomp_hooks", policy, workers=workers, async_save=async_save, on_saved=on_saved,
             stream_wrapper=stream_wrapper, tiers=tiers, log_as="save_state",

@@ -133,8 +133,7 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
     ) -> None:
         CheckpointIO.__init__(self)
         self.incremental = incremental_files(
-            "NvcompCheckpointIO", incremental, full_every, delta_base, tiers, named_by="step",
-            hint=", or nc.CheckpointManager(tiers, incremental=True)", storage_options=fsspec_options or None, can_be_base=_not_last,
+            "NvcompCheckpointIO", incremental, full_every, delta_base, storage_options=fsspec_options or None, can_be_base=_not_last,
         )
         _register_with_standalone_packages()
         SaveEntryPoint.__init__(
@@ -260,13 +259,16 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         self._remove_now(path)
 
     def _remove_now(self, path: Any) -> None:
+        delete = self._delete if self.tiers is None else self._delete_after_copies
         if self.incremental is not None:  # a file a kept delta needs waits for that delta's removal
-            self.incremental.remove(os.fspath(path), self._delete)
+            self.incremental.remove(os.fspath(path), delete)
             return
-        if self.tiers is not None:  # a file whose copies to the tiers are pending goes once they are done
-            self.tiers.remove_after_copies(path, lambda: self._delete(os.fspath(path)))
-            return
-        self._delete(os.fspath(path))
+        delete(os.fspath(path))
+
+    def _delete_after_copies(self, path: str) -> None:
+        # A file whose copies to the tiers (or those of a delta needing it) are pending goes once they are done.
+        assert self.tiers is not None
+        self.tiers.remove_after_copies(path, lambda: self._delete(path))
 
     def _delete(self, path: str) -> None:
         storage, spath = storage_for(path, self.fsspec_options or None)
