@@ -735,7 +735,7 @@ class CheckpointManager:
         if incremental and self.tier0_external:
             raise ValueError(
                 "CheckpointManager(incremental=True, tier0_external=True): the framework writes tier 0 itself; give "
-                "the framework's integration incremental=True instead (its files are then deltas), without tiers="
+                "the framework's integration incremental=True instead (its files are then deltas, adopted with their base)"
             )
         self.incremental = bool(incremental)
         self.chain_policy: ChainPolicy | None = ChainPolicy(full_every or 10, delta_base) if incremental else None

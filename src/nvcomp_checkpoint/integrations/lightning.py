@@ -103,6 +103,8 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         incremental: Save each checkpoint as a delta against the previous one this process saved
             (a full one every ``full_every``; ``last.ckpt``, rewritten in place, is never a base).
             :meth:`remove_checkpoint` keeps a file that a kept delta needs until that delta is removed.
+            With ``tiers``, a delta reaches a tier after its chain and ``resume_path(local_dir)`` lays it
+            out there with its chain.
         full_every, delta_base: As for :class:`~nvcomp_checkpoint.ChainPolicy` (``full_every``
             default 10, ``delta_base`` ``"previous"`` or ``"full"``).
 
