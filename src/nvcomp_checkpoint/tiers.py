@@ -431,11 +431,23 @@ def verify_unit(store: TierStore, manifest: UnitManifest, *, full: bool = True) 
         if not full:
             return None
         if manifest.base is not None:
-            _check_chain(store, manifest, store.manifests(), full=True)
+            _check_chain(store, manifest, _chain_manifests(store, manifest), full=True)
             return None
         return _decode_errors([store.file_path(manifest, e) for e in manifest.files if e.index_xxh3 is not None], store.tier.storage_options)
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         return f"{type(exc).__name__}: {exc}"
+
+
+def _chain_manifests(store: TierStore, manifest: UnitManifest) -> dict[int, UnitManifest]:
+    """The manifests of the bases of ``manifest`` committed on ``store`` (read one by one, not the whole listing)."""
+    out: dict[int, UnitManifest] = {}
+    step = manifest.base
+    while step is not None and step not in out and step != manifest.step:
+        m = store.manifest(step)
+        if m is None:
+            break
+        out[step], step = m, m.base
+    return out
 
 
 def _decode_errors(paths: list[str], storage_options: dict[str, Any] | None) -> str | None:
@@ -1306,7 +1318,7 @@ class CheckpointManager:
         if manifest.base is None:
             layout = [(manifest, posixpath.basename(src.unit_path(step, manifest.directory)))]
         else:
-            layout = chain_layout(src, manifest, src.manifests())
+            layout = chain_layout(src, manifest, _chain_manifests(src, manifest))
         local = TierStore(Tier(os.path.abspath(os.fspath(local_dir)), name="fetched"), "fetched")
         os.makedirs(local.root, exist_ok=True)
         in_place = _in_place(src, layout)
