@@ -79,11 +79,11 @@ def test_load_as_torch_refuses_objects_weights_only_with_the_frameworks_hint(tmp
     assert load_as_torch(tmp_path / "c.nvc", None, False, hint="")["obj"] == Path("x")
 
 
-def test_the_incremental_option_is_refused_with_tiers_before_anything_is_set_up() -> None:
-    assert incremental_files("X", False, None, "previous", None, named_by="step") is None
-    assert incremental_files("X", True, 3, "full", None, named_by="step") is not None
-    with pytest.raises(ValueError, match=r"X\(incremental=True, tiers=\.\.\.\): copies to tiers are renamed by step"):
-        incremental_files("X", True, None, "previous", [], named_by="step")
+def test_the_incremental_option_is_checked_before_anything_is_set_up() -> None:
+    assert incremental_files("X", False, None, "previous") is None
+    assert incremental_files("X", True, 3, "full") is not None
+    with pytest.raises(ValueError, match=r"X\(incremental=True, full_every=\.\.\.\)"):
+        incremental_files("X", True, 0, "previous")
 
 
 def test_a_background_failure_is_raised_once_naming_who_reports_it(tmp_path: Path) -> None:

@@ -123,3 +123,66 @@ def test_tier_copies_take_a_list_of_tiers(tmp_path: Path) -> None:
         TierCopies(["fsx/run1"], "Owner")
     with pytest.raises(TypeError, match=r"wrap it in \[...\]"):
         TierCopies(nc.Tier(tmp_path), "Owner")  # type: ignore[arg-type]
+
+
+def _deltas(fw: Path, steps: tuple[int, ...]) -> list[Path]:
+    """Files as a framework's incremental saves write them: the first full, each next a delta of the one before."""
+    paths = []
+    for step in steps:
+        path = fw / f"epoch-{step}.ckpt"
+        nc.save({"w": torch.arange(1000, dtype=torch.float32) + step * 1e-3}, path, base=paths[-1] if paths else None)
+        paths.append(path)
+    return paths
+
+
+def test_an_adopted_delta_is_not_committed_where_its_base_copy_failed(tmp_path: Path, caplog) -> None:
+    fw = tmp_path / "framework"
+    fw.mkdir()
+    mgr = nc.CheckpointManager(
+        [nc.Tier(fw, name="fw"), nc.Tier(tmp_path / "shared", name="shared", retries=0, backoff_s=0, max_queued=8)],
+        tier0_external=True,
+    )
+    blocker = tmp_path / "shared" / "step-0000000010.nvc"  # a folder where step 10's copy goes
+    blocker.mkdir(parents=True)
+    (blocker / "x").write_bytes(b"x")
+    caplog.set_level(logging.ERROR, logger="nvcomp_checkpoint")
+    a, b = _deltas(fw, (10, 20))
+    mgr.adopt(10, a)
+    with pytest.raises(CheckpointError, match="copying step 10 failed"):
+        mgr.wait()
+    assert mgr.adopt(20, b, base=a).base == 10
+    with pytest.raises(CheckpointError, match="step 20 is not copied: it is a delta against step 10, whose copy there failed"):
+        mgr.wait()
+    assert "step 20 is not copied" in caplog.text and mgr.steps(1) == []
+    # A delta against a file the manager never adopted: not copied, said at the next wait.
+    (c,) = _deltas(fw, (30,))
+    (d,) = [fw / "epoch-40.ckpt"]
+    nc.save({"w": torch.zeros(1000)}, d, base=c)
+    assert mgr.adopt(40, d, base=c) is None
+    with pytest.raises(CheckpointError, match="which was not handed to the tiers"):
+        mgr.wait()
+    mgr.close()
+
+
+def test_the_framework_removing_a_base_waits_for_the_copies_that_need_it(tmp_path: Path) -> None:
+    fw = tmp_path / "framework"
+    fw.mkdir()
+    gate = threading.Event()
+
+    def slow(tier: str, step: int, nbytes: int) -> None:
+        if step == 20:
+            gate.wait(10)
+
+    copies = TierCopies([nc.Tier(tmp_path / "shared", name="shared", max_queued=8)], "test", on_copy_progress=slow)
+    a, b = _deltas(fw, (10, 20))
+    copies.adopt(10, a)
+    copies.wait()  # step 10 is copied
+    copies.adopt(20, b, base=a)
+    # Step 20's copy (held) needs step 10 on tier 0 should the tier lack it: removing 10 waits for it.
+    assert copies.remove_after_copies(a, lambda: os.remove(a)) is True
+    assert a.exists()
+    gate.set()
+    copies.wait()
+    assert not a.exists()
+    mgr = copies.manager()
+    assert {s: mgr.manifest(s, 1).base for s in mgr.steps(1)} == {10: None, 20: 10}

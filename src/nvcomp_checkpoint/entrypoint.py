@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .api import load
 from .broadcast import load_broadcast
 from .errors import UnsafeCheckpointError
-from .incremental import IncrementalFiles
+from .incremental import IncrementalFiles, unit_base_of
 from .policy import CodecPolicy
 from .report import SaveReport
 from .savegroup import SavedCallback, SaveGroup, SaveSequence
@@ -128,23 +128,17 @@ def leader_load_applies() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def incremental_files(
-    label: str, incremental: bool, full_every: int | None, delta_base: str, tiers: Any, *, named_by: str, hint: str = "",
-    **options: Any,
-) -> IncrementalFiles | None:
+def incremental_files(label: str, incremental: bool, full_every: int | None, delta_base: str, **options: Any) -> IncrementalFiles | None:
     """An integration's ``incremental=True`` option (``None`` without it); checked before anything is set up.
 
+    With ``tiers=`` too, each delta is adopted with its base (:meth:`SaveEntryPoint._after_durable`):
+    a tier gets a delta after its chain, and ``resume_path()`` lays a delta out with its chain.
+
     Raises:
-        ValueError: With ``tiers``: copies to tiers are renamed by ``named_by``, which breaks the
-            relative base names of delta files (``hint``: another way to have both).
+        ValueError: ``full_every`` or ``delta_base`` is invalid.
     """
     if not incremental:
         return None
-    if tiers is not None:
-        raise ValueError(
-            f"{label}(incremental=True, tiers=...): copies to tiers are renamed by {named_by}, which breaks the relative "
-            f"base names of delta files; use one of them{hint}"
-        )
     return IncrementalFiles(label, full_every, delta_base, **options)
 
 
@@ -191,13 +185,18 @@ class SaveEntryPoint:
             system, an object store), each on its own schedule and with its own retention. Where the
             framework writes its checkpoints is tier 0, rotated by the framework; copies run in the
             background, named by the checkpoint's step, and :meth:`resume_path` is the newest that checks.
+            With the integration's ``incremental=True``, a delta is copied after the part of its chain a
+            tier lacks, and tier retention keeps the bases of the deltas it keeps.
         max_pending: With ``async_save``, saves that may be in flight at once; the next waits for a slot.
 
     Attributes:
         last_report: The :class:`~nvcomp_checkpoint.SaveReport` of the most recent durable save
             (``None`` before one); ``seconds_blocked`` is the time the save held training,
             ``seconds`` the time until it was durable. ``last_report.table()`` prints it.
+        incremental: The integration's ``incremental=True`` bookkeeping (:func:`incremental_files`), or None.
     """
+
+    incremental: IncrementalFiles | None = None
 
     def __init__(
         self,
@@ -248,10 +247,11 @@ class SaveEntryPoint:
     def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
         """The newest checkpoint copy on ``tiers`` that checks (every file), or ``None`` (a fresh start).
 
-        Resumes on a fresh node, where tier 0 is gone; damaged or incomplete newer copies are
-        skipped (logged), falling back to the next tier, then to older steps. A copy on an object
-        store is downloaded, checked, into ``local_dir`` first (default ``.nvckpt-restore`` in the
-        working directory).
+        Resumes on a fresh node, where tier 0 is gone; damaged or incomplete newer copies, and
+        deltas whose chain is broken on a tier, are skipped (logged), falling back to the next
+        tier, then to older steps. A copy on an object store, and a delta (``incremental=True``)
+        with its chain, are downloaded or laid out, checked, into ``local_dir`` first (default
+        ``.nvckpt-restore`` in the working directory).
 
         Raises:
             ValueError: No ``tiers`` were given.
@@ -293,8 +293,14 @@ class SaveEntryPoint:
         """What runs once a save of ``step`` at ``path`` is durable: ``more``, then the copy to the tiers."""
         if self.tiers is None or step is None:
             return list(more)
-        tiers = self.tiers
-        return [*more, lambda report: tiers.adopt(step, path)]
+        tiers, incremental = self.tiers, self.incremental
+
+        def adopt(report: SaveReport) -> None:
+            # A delta is adopted with its base (read from the file): the tiers copy its chain first.
+            base = None if incremental is None else unit_base_of(os.fspath(path), incremental.storage_options)
+            tiers.adopt(step, path, base)
+
+        return [*more, adopt]
 
     def _saved(self, report: SaveReport, after: list[SavedCallback]) -> None:
         """A synchronous save is durable: record it and run its callbacks."""

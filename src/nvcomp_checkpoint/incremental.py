@@ -32,6 +32,14 @@ def _dirname(path: str) -> str:
     return posixpath.dirname(path) if is_url(path) else os.path.dirname(os.path.abspath(path))
 
 
+def _child(folder: str, name: str) -> str:
+    return posixpath.join(folder, name) if is_url(folder) else os.path.join(folder, name)
+
+
+def _basename(path: str) -> str:
+    return posixpath.basename(path) if is_url(path) else os.path.basename(path)
+
+
 def _norm(path: str | os.PathLike[str]) -> str:
     path = os.fspath(path)
     return path if is_url(path) else os.path.abspath(path)
@@ -177,7 +185,7 @@ class IncrementalFiles:
                 names = list_names(storage, root)
             except (FileNotFoundError, OSError):
                 continue
-            found.update(posixpath.join(folder, n) if is_url(folder) else os.path.join(folder, n) for n, d in names.items() if not d and not n.startswith("."))
+            found.update(_child(folder, n) for n, d in names.items() if not d and not n.startswith("."))
         return sorted(found - self._doomed)
 
     def _chain(self, path: str) -> list[str]:
@@ -199,30 +207,30 @@ class IncrementalFiles:
             current = base
 
     # The deferred set outlives the process: a resumed run deletes what the previous one had to keep.
+    # One small JSON list per folder, written whole (a rename locally, a single PUT on an object store).
     def _load_deferred(self, folder: str) -> None:
-        if folder in self._loaded_dirs or is_url(folder):
+        if folder in self._loaded_dirs:
             return
         self._loaded_dirs.add(folder)
+        storage, _ = storage_for(folder, self.storage_options)
         try:
-            with open(os.path.join(folder, DEFERRED_NAME), "rb") as f:
+            with storage.open_read(_child(folder, DEFERRED_NAME)) as f:
                 names = json.loads(f.read())
         except (FileNotFoundError, ValueError):
             return
-        self._doomed.update(os.path.join(folder, n) for n in names if isinstance(n, str) and os.path.exists(os.path.join(folder, n)))
+        if isinstance(names, list):
+            paths = [_child(folder, n) for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")]
+            self._doomed.update(p for p in paths if storage.exists(p))
 
     def _store_deferred(self, folder: str) -> None:
-        if is_url(folder):
-            return
-        names = sorted(os.path.basename(p) for p in self._doomed if _dirname(p) == folder)
-        target = os.path.join(folder, DEFERRED_NAME)
+        storage, _ = storage_for(folder, self.storage_options)
+        names = sorted(_basename(p) for p in self._doomed if _dirname(p) == folder)
+        target = _child(folder, DEFERRED_NAME)
         if not names:
-            if os.path.exists(target):
-                os.remove(target)
+            storage.remove(target)
             return
-        tmp = target + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(names, f)
-        os.replace(tmp, target)
+        with storage.open_write(target) as f:
+            f.write(json.dumps(names).encode())
 
 
 def unit_base_of(path: str, storage_options: dict[str, Any] | None = None) -> str | None:

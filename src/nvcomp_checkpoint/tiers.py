@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 import queue
 import re
 import threading
@@ -22,7 +23,7 @@ from . import metrics
 from .api import load as _load
 from .api import save as _save_sync
 from .async_save import save_async as _save_async
-from .delta import ChainPolicy, chain_of, retained
+from .delta import ChainPolicy, retained
 from .errors import CheckpointError, CheckpointWriteError, FormatError
 from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
 from .policy import CodecPolicy, Component, classify
@@ -37,6 +38,7 @@ __all__ = [
     "UnitManifest",
     "FileEntry",
     "TierStore",
+    "chain_layout",
     "copy_unit",
     "light_tree",
     "retained_steps",
@@ -301,10 +303,13 @@ class TierStore:
             entries.append(FileEntry(rel, size, digest, whole))
         return UnitManifest(step, directory, light, tuple(entries), time.time(), base=base, source=source)
 
-    def check(self, manifest: UnitManifest, *, full: bool = False) -> None:
-        """Raise :class:`FormatError` unless every file has its size and digest (``full``: every byte)."""
+    def check(self, manifest: UnitManifest, *, full: bool = False, at: str | None = None) -> None:
+        """Raise :class:`FormatError` unless every file has its size and digest (``full``: every byte).
+
+        ``at``: the unit is there (a restore folder) instead of at its own path on this tier.
+        """
         for entry in manifest.files:
-            path = self.file_path(manifest, entry)
+            path = self.file_path(manifest, entry) if at is None else _at(at, entry)
             try:
                 size = self.storage.size(path)
             except FileNotFoundError as exc:
@@ -317,28 +322,106 @@ class TierStore:
                 raise FormatError(f"{path}: checksum mismatch against the manifest (damaged copy)")
 
 
-def _check_chain(store: TierStore, manifest: UnitManifest, manifests: dict[int, UnitManifest], *, full: bool) -> None:
-    """Raise :class:`FormatError` unless every base of the delta ``manifest`` is committed on ``store`` and checks."""
-    base, seen = manifest.base, {manifest.step}
-    while base is not None:
-        m = manifests.get(base)
-        if m is None or base in seen:
-            raise FormatError(
-                f"{store.unit_path(manifest.step, manifest.directory)}: a delta whose base step {base} is not on {store.label} "
-                "(a broken chain)"
-            )
-        seen.add(base)
+#: How many folders up (``../``) the base names of a chain laid out for a restore may reach.
+_LAYOUT_DEPTH = 16
+
+
+def chain_layout(store: TierStore, manifest: UnitManifest, manifests: dict[int, UnitManifest]) -> list[tuple[UnitManifest, str]]:
+    """Each unit of the chain of ``manifest``, head first, with where it goes in a restore folder
+    (a ``/``-separated relative path) so that every delta file finds its base by the name it records.
+
+    A delta records its base relative to itself. The manager's own saves are named by step on every
+    tier, so their chains lie in place (each unit at its tier name). A framework's checkpoints copied
+    by the integrations (``tiers=``) keep the framework's base names (``epoch=0-step=4.ckpt``,
+    ``../checkpoint_3/model.nvc``) while the tier names each unit by step: laid out like this, the
+    head at its tier name and each base where its delta looks for it, the chain loads.
+
+    Each delta file's base record (size and index digest) must be a file of the base unit that the
+    manifest names: the chain is checked without a name on the tier having to match.
+
+    Raises:
+        FormatError: A broken chain: a base step not listed on the tier, a delta file whose base is
+            not a file of that step, a base at an absolute path, or base names that disagree.
+    """
+    top = "/" + "/".join(["_"] * _LAYOUT_DEPTH)
+    head = store.unit_path(manifest.step, manifest.directory)
+    where = {manifest.step: posixpath.join(top, posixpath.basename(head))}
+    chain, m = [manifest], manifest
+    while m.base is not None:
+        base = manifests.get(m.base)
+        if base is None or m.base in where:
+            raise FormatError(f"{head}: a delta whose base step {m.base} is not on {store.label} (a broken chain)")
+        at = None
+        for entry in m.files:
+            path = store.file_path(m, entry)
+            ref = _base_ref(store, path) if entry.index_xxh3 is not None else None
+            if ref is None:
+                continue
+            if is_url(ref.path) or ref.path.startswith("/"):
+                raise FormatError(f"{path}: records its base at an absolute place ({ref.path}), which a copy on a tier cannot follow")
+            target = posixpath.normpath(posixpath.join(posixpath.dirname(_at(where[m.step], entry)), ref.path))
+            found = next((
+                target[: len(target) - len(e.path) - 1] if e.path else target
+                for e in base.files
+                if (e.size, e.index_xxh3) == (ref.size, ref.index_xxh3) and (not e.path or target.endswith("/" + e.path))
+            ), None)
+            if found is None:
+                raise FormatError(
+                    f"{path}: its base ({ref.path}: {ref.size} bytes, index digest {ref.index_xxh3:016x}) is not a file of "
+                    f"step {m.base} on {store.label} (a broken chain)"
+                )
+            if at not in (None, found):
+                raise FormatError(f"{path}: the files of step {m.step} name their bases in different places ({at}, {found})")
+            at = found
+        if at is None:
+            raise FormatError(f"{store.unit_path(m.step, m.directory)}: the manifest names base step {m.base}, but no file of it is a delta")
+        if at in where.values():
+            raise FormatError(f"{head}: two units of its chain would lie at {at}")
+        where[base.step] = at
+        chain.append(base)
+        m = base
+    up = max(posixpath.relpath(p, top).split("/").count("..") for p in where.values())
+    if up >= _LAYOUT_DEPTH - 1:
+        raise FormatError(f"{head}: its chain names bases {up} folders up; at most {_LAYOUT_DEPTH - 2} are followed")
+    root = top
+    for _ in range(up):
+        root = posixpath.dirname(root)
+    return [(u, posixpath.relpath(where[u.step], root)) for u in chain]
+
+
+def _in_place(store: TierStore, layout: list[tuple[UnitManifest, str]]) -> bool:
+    """Whether each unit of a chain lies at its own name on the tier (the chain loads there)."""
+    return all(rel == posixpath.basename(store.unit_path(m.step, m.directory)) for m, rel in layout)
+
+
+def _at(unit: str, entry: FileEntry) -> str:
+    return _join(unit, entry.path) if entry.path else unit
+
+
+def _base_ref(store: TierStore, path: str) -> Any:
+    """The base record of the nvcomp-checkpoint file at ``path`` (None for a full file)."""
+    try:
+        with CheckpointReader(path, storage_options=store.tier.storage_options) as reader:
+            return reader.index.base
+    except (CheckpointError, OSError) as exc:
+        raise FormatError(f"{path}: its index cannot be read ({exc})") from exc
+
+
+def _check_chain(store: TierStore, manifest: UnitManifest, manifests: dict[int, UnitManifest], *, full: bool) -> list[tuple[UnitManifest, str]]:
+    """Raise :class:`FormatError` unless every base of the delta ``manifest`` is committed on ``store``,
+    checks and is the file its delta was written against; return the chain's :func:`chain_layout`.
+
+    ``full``: also every byte of each base and, where the chain lies in place, every frame of the delta
+    and of each base tensor it needs decodes (a laid-out chain is decoded once it is laid out, by :meth:`CheckpointManager.fetch`).
+    """
+    layout = chain_layout(store, manifest, manifests)
+    for m, _ in layout[1:]:
         store.check(m, full=full)
-        base = m.base
-    if not manifest.directory:  # each base file is the one its delta was written against (index reads only)
-        try:
-            chain_of(store.unit_path(manifest.step, False), CheckpointReader, store.tier.storage_options)
-        except CheckpointError as exc:
-            raise FormatError(str(exc)) from exc
-    if full:  # every frame of the delta and of each base tensor it needs decodes
-        why = verify_unit(store, manifest, full=True)
+    if full and _in_place(store, layout):
+        why = _decode_errors([store.file_path(manifest, e) for e in manifest.files if e.index_xxh3 is not None], store.tier.storage_options)
         if why is not None:
             raise FormatError(why)
+    return layout
 
 
 def verify_unit(store: TierStore, manifest: UnitManifest, *, full: bool = True) -> str | None:
@@ -347,15 +430,33 @@ def verify_unit(store: TierStore, manifest: UnitManifest, *, full: bool = True) 
         store.check(manifest, full=full)
         if not full:
             return None
-        for entry in manifest.files:
-            if entry.index_xxh3 is None:
-                continue
-            with CheckpointReader(store.file_path(manifest, entry), storage_options=store.tier.storage_options) as reader:
-                for tensor, err in reader.verify():
-                    if err is not None:
-                        return f"tensor {tensor.key!r}: {err}"
+        if manifest.base is not None:
+            _check_chain(store, manifest, _chain_manifests(store, manifest), full=True)
+            return None
+        return _decode_errors([store.file_path(manifest, e) for e in manifest.files if e.index_xxh3 is not None], store.tier.storage_options)
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         return f"{type(exc).__name__}: {exc}"
+
+
+def _chain_manifests(store: TierStore, manifest: UnitManifest) -> dict[int, UnitManifest]:
+    """The manifests of the bases of ``manifest`` committed on ``store`` (read one by one, not the whole listing)."""
+    out: dict[int, UnitManifest] = {}
+    step = manifest.base
+    while step is not None and step not in out and step != manifest.step:
+        m = store.manifest(step)
+        if m is None:
+            break
+        out[step], step = m, m.base
+    return out
+
+
+def _decode_errors(paths: list[str], storage_options: dict[str, Any] | None) -> str | None:
+    """Why one of the nvcomp-checkpoint files at ``paths`` does not decode in full (None: they all do)."""
+    for path in paths:
+        with CheckpointReader(path, storage_options=storage_options) as reader:
+            for tensor, err in reader.verify():
+                if err is not None:
+                    return f"tensor {tensor.key!r}: {err}"
     return None
 
 
@@ -408,23 +509,32 @@ def _file_xxh3(storage: Storage, path: str) -> int:
 ProgressFn = Callable[[int], None]
 
 
-def copy_unit(src: TierStore, dst: TierStore, manifest: UnitManifest, progress: ProgressFn | None = None) -> UnitManifest:
+def copy_unit(
+    src: TierStore, dst: TierStore, manifest: UnitManifest, progress: ProgressFn | None = None, *, to: str | None = None,
+) -> UnitManifest:
     """Copy one unit's files byte for byte, check them on ``dst``, then commit its manifest there.
 
     Streams :data:`COPY_CHUNK_BYTES` at a time (object stores upload in ``part_size`` parts).
     A failure removes what this copy wrote; ``dst``'s other units are untouched.
+
+    ``to``: put the unit at this path of ``dst`` (a chain laid out for a restore, :func:`chain_layout`)
+    instead of its step name, checked, and commit no manifest (the folder is not a tier).
 
     Returns:
         The manifest committed on ``dst`` (with the whole-file checksums read on the way).
     """
     entries = []
     written: list[str] = []  # files this copy put in place (an atomic write that failed left none)
-    # A copy of this step already there (a resumed run saving the step again) is unlisted first:
-    # its manifest would not describe the new bytes.
-    dst.storage.remove(dst.manifest_path(manifest.step))
+    if to is None:
+        # A copy of this step already there (a resumed run saving the step again) is unlisted first:
+        # its manifest would not describe the new bytes.
+        dst.storage.remove(dst.manifest_path(manifest.step))
+    else:
+        dst.storage.remove(to)  # what an earlier restore left there
     try:
         for entry in manifest.files:
-            s_path, d_path = src.source_path(manifest, entry), dst.file_path(manifest, entry)
+            s_path = src.source_path(manifest, entry)
+            d_path = dst.file_path(manifest, entry) if to is None else _at(to, entry)
             if isinstance(src.storage, LocalStorage) and _upload_local(src, dst, manifest, entry, s_path, d_path, written, progress, entries):
                 continue
             h = xxhash.xxh3_64()
@@ -441,8 +551,9 @@ def copy_unit(src: TierStore, dst: TierStore, manifest: UnitManifest, progress: 
             written.append(d_path)
             entries.append(replace(entry, xxh3=h.intdigest()))
         committed = replace(manifest, files=tuple(entries), created=time.time(), source=None)
-        dst.check(committed)
-        dst.write_manifest(committed)
+        dst.check(committed, at=to)
+        if to is None:
+            dst.write_manifest(committed)
         return committed
     except BaseException:
         for path in written:
@@ -450,9 +561,9 @@ def copy_unit(src: TierStore, dst: TierStore, manifest: UnitManifest, progress: 
                 dst.storage.remove(path)
             except Exception:  # noqa: BLE001 - the endpoint may be down; the next manager cleans up
                 _LOG.debug("could not remove the partial copy %s", path, exc_info=True)
-        if manifest.directory:
+        if manifest.directory or to is not None:
             try:
-                dst.storage.remove(dst.unit_path(manifest.step, True))
+                dst.storage.remove(dst.unit_path(manifest.step, True) if to is None else to)
             except Exception:  # noqa: BLE001
                 pass
         raise
@@ -545,7 +656,8 @@ class _CopyQueue:
         self.manager = manager
         self.index = index
         tier = manager.tiers[index]
-        self.queue: queue.Queue[UnitManifest | None] = queue.Queue(maxsize=tier.max_queued)
+        # (unit, the tier-0 steps pinned for its copy: the unit and, for an adopted delta, its chain)
+        self.queue: queue.Queue[tuple[UnitManifest, list[int]] | None] = queue.Queue(maxsize=tier.max_queued)
         self.thread = threading.Thread(target=self._run, name=f"nvckpt-copy-{manager._stores[index].label}", daemon=True)
         self.thread.start()
 
@@ -560,7 +672,7 @@ class _CopyQueue:
             try:
                 if item is None:
                     return
-                self.manager._copy(self.index, item)
+                self.manager._copy(self.index, *item)
             finally:
                 self.queue.task_done()
 
@@ -635,7 +747,7 @@ class CheckpointManager:
         if incremental and self.tier0_external:
             raise ValueError(
                 "CheckpointManager(incremental=True, tier0_external=True): the framework writes tier 0 itself; give "
-                "the framework's integration incremental=True instead (its files are then deltas), without tiers="
+                "the framework's integration incremental=True instead (its files are then deltas, adopted with their base)"
             )
         self.incremental = bool(incremental)
         self.chain_policy: ChainPolicy | None = ChainPolicy(full_every or 10, delta_base) if incremental else None
@@ -650,6 +762,7 @@ class CheckpointManager:
         self._pending_saves: list[Any] = []
         self._pinned: dict[int, int] = {}  # tier-0 step -> copies queued or running from it
         self._adopted: dict[str, int] = {}  # tier-0 path an adopted unit was read from -> its step
+        self._adopted_units: dict[int, UnitManifest] = {}  # step -> its adopted unit, while it is on tier 0
         self._removals: dict[int, list[Callable[[], None]]] = {}  # step -> deletions waiting for its copies
         self._errors: list[BaseException] = []
         self._saves = 0
@@ -772,8 +885,7 @@ class CheckpointManager:
                 self._pinned.pop(step, None)
             removals = [] if left else self._removals.pop(step, [])
             if removals:  # the unit goes: forget where it was adopted from
-                for gone in [p for p, s in self._adopted.items() if s == step]:
-                    del self._adopted[gone]
+                self._forget_adopted(step)
         _run_removals(step, removals)
 
     def remove_after_copies(self, path: str | os.PathLike[str], delete: Callable[[], None]) -> bool:
@@ -786,17 +898,27 @@ class CheckpointManager:
         Returns:
             ``True`` if the deletion was deferred; ``False`` if it ran now.
         """
-        _, spath = storage_for(os.fspath(path), self.tiers[0].storage_options)
-        if isinstance(self._stores[0].storage, LocalStorage):
-            spath = os.path.abspath(spath)
+        spath = self._tier0_path(path)
         with self._lock:
             step = self._adopted.get(spath)
             if step is not None and self._pinned.get(step):
                 self._removals.setdefault(step, []).append(delete)
                 return True
-            self._adopted.pop(spath, None)
+            if step is not None:
+                self._forget_adopted(step)
         delete()
         return False
+
+    def _tier0_path(self, path: str | os.PathLike[str]) -> str:
+        """``path`` as tier 0's storage names it (absolute for a local folder)."""
+        _, spath = storage_for(os.fspath(path), self.tiers[0].storage_options)
+        return os.path.abspath(spath) if isinstance(self._stores[0].storage, LocalStorage) else spath
+
+    def _forget_adopted(self, step: int) -> None:
+        with self._lock:
+            for gone in [p for p, s in self._adopted.items() if s == step]:
+                del self._adopted[gone]
+            self._adopted_units.pop(step, None)
 
     def commit(self, step: int, *, light: bool = False, directory: bool | None = None) -> UnitManifest:
         """Register a unit written to :meth:`unit_path` by someone else (a sharded save), and copy it on.
@@ -818,7 +940,9 @@ class CheckpointManager:
                 "(tier0_external=True); hand each checkpoint it wrote to adopt(step, path) instead."
             )
 
-    def adopt(self, step: int, path: str | os.PathLike[str], *, light: bool = False) -> UnitManifest | None:
+    def adopt(
+        self, step: int, path: str | os.PathLike[str], *, light: bool = False, base: str | os.PathLike[str] | None = None,
+    ) -> UnitManifest | None:
         """Copy a file or folder someone else wrote and made durable (a framework's checkpoint) as ``step``.
 
         The unit stays where it is, owned and rotated by whoever wrote it; its size and digests
@@ -833,15 +957,18 @@ class CheckpointManager:
         A failed copy is logged at once and raised by :meth:`wait` / :meth:`close` (never here:
         adopt runs where the framework's save completes, often a background thread).
 
+        ``base``: the unit is a delta (an integration's ``incremental=True``) against the unit adopted
+        from this path; the manifest records that step, a copy brings the part of the chain a tier
+        lacks first, and the framework's removal of a base waits for the copies that need it. A
+        delta whose base this manager did not adopt is not copied (the error is raised by :meth:`wait`).
+
         Raises:
             CheckpointError: Nothing is at ``path`` (or an empty folder).
         """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         store = self._stores[0]
-        _, spath = storage_for(os.fspath(path), self.tiers[0].storage_options)
-        if isinstance(store.storage, LocalStorage):
-            spath = os.path.abspath(spath)  # the copy runs later, maybe after a chdir
+        spath = self._tier0_path(path)  # absolute: the copy runs later, maybe after a chdir
         if not store.storage.exists(spath):
             raise CheckpointError(f"{spath}: nothing to adopt as step {step} (the checkpoint is not there)")
         if self._last_adopted == (step, spath):
@@ -849,11 +976,27 @@ class CheckpointManager:
         if self._last_adopted is not None and self._last_adopted[0] == step:
             _LOG.debug("step %d already adopted from %s; %s is not copied again", step, self._last_adopted[1], spath)
             return None
+        base_step = None
+        if base is not None:
+            bpath = self._tier0_path(base)
+            with self._lock:
+                base_step = self._adopted.get(bpath)
+            if base_step is None or base_step >= step:
+                error = CheckpointWriteError(
+                    f"{spath}: step {step} is a delta against {bpath}, which was not handed to the tiers as an earlier step "
+                    "(saved without a step, by another process, or already removed); it is not copied to the tiers. "
+                    "The next full save is."
+                )
+                _LOG.error("%s", error)
+                with self._lock:
+                    self._errors.append(error)
+                return None
         directory = _is_dir(store.storage, spath)
-        manifest = store.describe(step, directory, light, source=spath)
+        manifest = store.describe(step, directory, light, source=spath, base=base_step)
         self._last_adopted = (step, spath)
         with self._lock:
             self._adopted[spath] = step
+            self._adopted_units[step] = manifest
         metrics.record_last_step(store.label, step)
         self._schedule_copies(manifest)
         return manifest
@@ -921,6 +1064,8 @@ class CheckpointManager:
         with self._lock:
             if self._closed:
                 return
+            # An adopted delta's copy may bring its chain: the framework's removal of a base waits for it too.
+            pins = [manifest.step, *(m.step for m in self._adopted_chain(manifest))]
             for i in range(1, len(self.tiers)):
                 if not self._due(i, manifest.step, now):
                     continue
@@ -928,7 +1073,7 @@ class CheckpointManager:
                 if q is None:
                     q = self._queues[i] = _CopyQueue(self, i)
                 try:
-                    q.queue.put_nowait(manifest)
+                    q.queue.put_nowait((manifest, pins))
                 except queue.Full:
                     metrics.record_copy_skipped(self.names[i])
                     _LOG.warning(
@@ -937,10 +1082,26 @@ class CheckpointManager:
                         self.names[i], manifest.step, self.tiers[i].max_queued,
                     )
                     continue
-                self._pinned[manifest.step] = self._pinned.get(manifest.step, 0) + 1
+                for step in pins:
+                    self._pinned[step] = self._pinned.get(step, 0) + 1
                 self._last_copy[i] = (manifest.step, now)
 
-    def _copy(self, i: int, manifest: UnitManifest) -> None:
+    def _adopted_chain(self, manifest: UnitManifest) -> list[UnitManifest]:
+        """The bases of an adopted delta that tier 0 still holds, nearest first (empty for the manager's own saves)."""
+        chain, base = [], manifest.base
+        while self.tier0_external and base is not None and base in self._adopted_units and len(chain) < len(self._adopted_units):
+            chain.append(self._adopted_units[base])
+            base = chain[-1].base
+        return chain
+
+    def _tier0_manifest(self, step: int) -> UnitManifest | None:
+        """Step ``step`` on tier 0: its committed manifest, or the unit adopted there."""
+        if self.tier0_external:
+            with self._lock:
+                return self._adopted_units.get(step)
+        return self._stores[0].manifest(step)
+
+    def _copy(self, i: int, manifest: UnitManifest, pins: list[int]) -> None:
         src, dst = self._stores[0], self._stores[i]
         tier = self.tiers[i]
         progress = None
@@ -985,7 +1146,8 @@ class CheckpointManager:
             with self._lock:
                 self._errors.append(exc)
         finally:
-            self._unpin(manifest.step)
+            for step in pins:
+                self._unpin(step)
             try:
                 self._apply_retention(0)
             except Exception as exc:  # noqa: BLE001
@@ -1001,7 +1163,7 @@ class CheckpointManager:
         chain: list[UnitManifest] = []
         base = manifest.base
         while base is not None:
-            m = src.manifest(base)
+            m = self._tier0_manifest(base)
             if m is None:
                 raise CheckpointWriteError(
                     f"{dst.label} ({dst.root}): step {manifest.step} is not copied: its base step {base} is no longer on "
@@ -1137,29 +1299,37 @@ class CheckpointManager:
 
     # -- restoring ----------------------------------------------------------------------------
     def fetch(self, step: int, tier: int, local_dir: str | os.PathLike[str]) -> str:
-        """Copy ``step`` from ``tier`` into the folder ``local_dir`` (checked, with its manifest); its local path.
+        """Copy ``step`` from ``tier`` into the folder ``local_dir`` (checked, with its chain); its local path.
 
         For a framework that loads only local paths (a ``save_state`` folder, a ``checkpoint-N``)
-        from a copy on an object store.
+        from a copy on an object store, or a delta whose chain keeps its framework's names. The
+        chain is laid out by :func:`chain_layout`, bases first: in place (each unit at its tier name,
+        with its manifest) for the manager's own saves; else each base where its delta looks for it,
+        and the delta then decoded in full, following its chain.
 
         Raises:
-            CheckpointError: ``tier`` does not hold ``step``.
+            CheckpointError: ``tier`` does not hold ``step``, its chain is broken there, or the
+                laid-out delta does not decode.
         """
         src = self._stores[tier]
         manifest = src.manifest(step)
         if manifest is None:
             raise CheckpointError(f"{src.label} ({src.root}): holds no step {step}")
-        chain = [manifest]
-        while chain[-1].base is not None:  # a delta comes with its chain, bases first
-            base = src.manifest(chain[-1].base)
-            if base is None:
-                raise CheckpointError(f"{src.label} ({src.root}): step {chain[-1].step} is a delta against step {chain[-1].base}, which is not there")
-            chain.append(base)
+        if manifest.base is None:
+            layout = [(manifest, posixpath.basename(src.unit_path(step, manifest.directory)))]
+        else:
+            layout = chain_layout(src, manifest, _chain_manifests(src, manifest))
         local = TierStore(Tier(os.path.abspath(os.fspath(local_dir)), name="fetched"), "fetched")
         os.makedirs(local.root, exist_ok=True)
-        for m in reversed(chain):
-            copy_unit(src, local, m)
-        return local.unit_path(step, manifest.directory)
+        in_place = _in_place(src, layout)
+        for m, rel in reversed(layout):
+            copy_unit(src, local, m, to=None if in_place else _join(local.root, rel))
+        path = _join(local.root, layout[0][1])
+        if not in_place:
+            why = _decode_errors([_at(path, e) for e in manifest.files if e.index_xxh3 is not None], None)
+            if why is not None:
+                raise FormatError(f"{path}: step {step} from {src.label}, laid out with its chain, does not decode: {why}")
+        return path
 
     def locate(self, step: int | None = None, *, allow_light: bool = False) -> Restored | None:
         """The newest copy that checks (size, digests and every byte against its manifest), without loading it.
@@ -1172,6 +1342,24 @@ class CheckpointManager:
 
         return self.restore(step, allow_light=allow_light, loader=check_only, _every_byte=True)
 
+    def resume_path(self, local_dir: str | os.PathLike[str], *, allow_light: bool = False) -> Restored | None:
+        """:meth:`locate`, for a framework that loads a local path: ``r.path`` is loadable as it is.
+
+        A copy on an object store, and a delta whose chain keeps its framework's names (the
+        integrations' ``tiers=`` with ``incremental=True``), are first :meth:`fetch` ed into
+        ``local_dir`` (a delta's whole chain, decoded once laid out); a candidate whose fetch or
+        decode fails is skipped like any damaged copy, falling back to the next tier or older step.
+        """
+        def open_unit(i: int, m: UnitManifest, layout: list[tuple[UnitManifest, str]] | None) -> str:
+            store = self._stores[i]
+            if not is_url(store.root) and (layout is None or _in_place(store, layout)):
+                return store.unit_path(m.step, m.directory)
+            path = self.fetch(m.step, i, local_dir)
+            _LOG.info("step %d fetched from %s to %s", m.step, store.label, path)
+            return path
+
+        return self.restore(allow_light=allow_light, _every_byte=True, _open_unit=open_unit)
+
     def restore(
         self,
         step: int | None = None,
@@ -1181,6 +1369,7 @@ class CheckpointManager:
         weights_only: bool = True,
         loader: Callable[[str, dict[str, Any] | None], Any] | None = None,
         _every_byte: bool = False,
+        _open_unit: Callable[[int, UnitManifest, list[tuple[UnitManifest, str]] | None], str] | None = None,
     ) -> Restored | None:
         """Load the newest step whose copy checks and loads, fastest tier first.
 
@@ -1237,9 +1426,16 @@ class CheckpointManager:
                 try:
                     store.check(m, full=m.directory or _every_byte)
                     opts = self.tiers[i].storage_options
-                    if m.base is not None:
-                        _check_chain(store, m, listed[i], full=_every_byte)
-                    if m.directory:
+                    layout = None if m.base is None else _check_chain(store, m, listed[i], full=_every_byte)
+                    if _open_unit is not None:  # resume_path: a path to load, nothing loaded
+                        where = _open_unit(i, m, layout)
+                        state = None
+                    elif loader is None and layout is not None and not _in_place(store, layout):
+                        raise FormatError(
+                            f"{where}: a delta whose chain keeps the names its framework gave it (copied by an integration's "
+                            "tiers=); it loads laid out with its chain: use the integration's resume_path() or fetch()"
+                        )
+                    elif m.directory:
                         state = loader(where, opts) if loader is not None else None
                     elif loader is not None:
                         state = loader(where, opts)
@@ -1326,9 +1522,9 @@ class TierCopies:
                 )
             return self._manager
 
-    def adopt(self, step: int, path: str | os.PathLike[str]) -> None:
-        """``path`` (a durable checkpoint file or folder of ``step``) is copied to the tiers due."""
-        self.manager(path).adopt(step, path)
+    def adopt(self, step: int, path: str | os.PathLike[str], base: str | os.PathLike[str] | None = None) -> None:
+        """``path`` (a durable checkpoint file or folder of ``step``; a delta against ``base``) is copied to the tiers due."""
+        self.manager(path).adopt(step, path, base=base)
 
     def wait(self) -> None:
         """Wait for the copies started so far; raise the first failure (once)."""
@@ -1350,15 +1546,14 @@ class TierCopies:
     def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
         """Where the newest restorable copy is (``None``: no tier holds one, a fresh start).
 
-        A copy on an object store is first downloaded, checked, into ``local_dir`` (default
-        ``.nvckpt-restore`` in the working directory), since frameworks load local paths.
+        A copy on an object store, and a delta (``incremental=True``: its chain keeps the
+        framework's file names), are first downloaded or laid out with their chain, checked, into
+        ``local_dir`` (default ``.nvckpt-restore`` in the working directory), since frameworks
+        load local paths (see :meth:`CheckpointManager.resume_path`).
         """
-        found = self.locate()
+        target = local_dir if local_dir is not None else os.path.join(os.getcwd(), ".nvckpt-restore")
+        found = self.manager().resume_path(target)
         if found is None:
             return None
-        if not is_url(found.path):
-            return found.path
-        target = local_dir if local_dir is not None else os.path.join(os.getcwd(), ".nvckpt-restore")
-        path = self.manager().fetch(found.step, found.tier, target)
-        _LOG.info("%s: step %d downloaded from %s to %s", self.owner, found.step, found.tier_name, path)
-        return path
+        _LOG.info("%s: resume from step %d on %s (%s)", self.owner, found.step, found.tier_name, found.path)
+        return found.path

@@ -126,7 +126,8 @@ def register_nvcomp_hooks(
         incremental: Each ``.nvc`` file of a ``save_state`` folder is a delta against the same
             file of the previous folder these hooks saved (a full folder every ``full_every``,
             and the first save of a process); ``total_limit`` rotation keeps every folder a kept
-            one needs. A folder updated in place is saved in full.
+            one needs. A folder updated in place is saved in full. With ``tiers``, a delta folder
+            reaches a tier after its chain and ``resume_path(local_dir)`` lays it out there with its chain.
         full_every, delta_base: As for :class:`~nvcomp_checkpoint.ChainPolicy` (``full_every``
             default 10, ``delta_base`` ``"previous"`` or ``"full"``).
         leader_load: In ``load_state`` of replicated (DDP) state, one process per node reads each
@@ -237,7 +238,7 @@ class NvcompStateHooks(SaveEntryPoint):
         leader_load: bool = False,
     ) -> None:
         # Checked first: a wrong argument must not leave the accelerator half wrapped.
-        self.incremental = incremental_files("register_nvcomp_hooks", incremental, full_every, delta_base, tiers, named_by="iteration")
+        self.incremental = incremental_files("register_nvcomp_hooks", incremental, full_every, delta_base)
         super().__init__(
             "register_nvcomp_hooks", policy, workers=workers, async_save=async_save, on_saved=on_saved,
             stream_wrapper=stream_wrapper, tiers=tiers, log_as="save_state",

@@ -103,6 +103,8 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         incremental: Save each checkpoint as a delta against the previous one this process saved
             (a full one every ``full_every``; ``last.ckpt``, rewritten in place, is never a base).
             :meth:`remove_checkpoint` keeps a file that a kept delta needs until that delta is removed.
+            With ``tiers``, a delta reaches a tier after its chain and ``resume_path(local_dir)`` lays it
+            out there with its chain.
         full_every, delta_base: As for :class:`~nvcomp_checkpoint.ChainPolicy` (``full_every``
             default 10, ``delta_base`` ``"previous"`` or ``"full"``).
         leader_load: On resume of replicated (DDP) state, one rank per node reads the checkpoint
@@ -141,8 +143,7 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         CheckpointIO.__init__(self)
         self.leader_load = leader_load
         self.incremental = incremental_files(
-            "NvcompCheckpointIO", incremental, full_every, delta_base, tiers, named_by="step",
-            hint=", or nc.CheckpointManager(tiers, incremental=True)", storage_options=fsspec_options or None, can_be_base=_not_last,
+            "NvcompCheckpointIO", incremental, full_every, delta_base, storage_options=fsspec_options or None, can_be_base=_not_last,
         )
         _register_with_standalone_packages()
         SaveEntryPoint.__init__(
@@ -278,13 +279,16 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         self._remove_now(path)
 
     def _remove_now(self, path: Any) -> None:
+        delete = self._delete if self.tiers is None else self._delete_after_copies
         if self.incremental is not None:  # a file a kept delta needs waits for that delta's removal
-            self.incremental.remove(os.fspath(path), self._delete)
+            self.incremental.remove(os.fspath(path), delete)
             return
-        if self.tiers is not None:  # a file whose copies to the tiers are pending goes once they are done
-            self.tiers.remove_after_copies(path, lambda: self._delete(os.fspath(path)))
-            return
-        self._delete(os.fspath(path))
+        delete(os.fspath(path))
+
+    def _delete_after_copies(self, path: str) -> None:
+        # A file whose copies to the tiers (or those of a delta needing it) are pending goes once they are done.
+        assert self.tiers is not None
+        self.tiers.remove_after_copies(path, lambda: self._delete(path))
 
     def _delete(self, path: str) -> None:
         storage, spath = storage_for(path, self.fsspec_options or None)
