@@ -128,7 +128,7 @@ def test_fresh_start_restores_nothing(tmp_path):
         mgr.restore(step=5)
 
 
-def test_light_saves(tmp_path):
+def test_light_saves(tmp_path, caplog):
     tiers = [nc.Tier(tmp_path / "local", keep=2), nc.Tier(tmp_path / "shared", keep=1)]
     states = {}
     with nc.CheckpointManager(tiers, full_every=3) as mgr:
@@ -144,10 +144,13 @@ def test_light_saves(tmp_path):
         assert set(reader.summary()) == {"weights"}
         assert reader.metadata["nvckpt_light"] is True and "optimizer" in reader.metadata["nvckpt_dropped"]
     mgr = nc.CheckpointManager(tiers)
-    r = mgr.restore()
+    with caplog.at_level("WARNING", logger="nvcomp_checkpoint"):
+        r = mgr.restore()
     assert (r.step, r.light) == (4, False)
     assert_tree_equal(states[4], r.state)
     assert any("light" in reason for _, _, reason in r.skipped)
+    # The log says what was skipped and why, not only how many.
+    assert "after skipping step 5 on tier0: light (weights only); pass allow_light=True to use it" in caplog.text
     r = mgr.restore(allow_light=True)
     assert (r.step, r.light) == (5, True)
     assert_tree_equal({"model": states[5]["model"], "step": 5}, r.state)

@@ -1447,7 +1447,10 @@ class CheckpointManager:
                     skipped.append((s, store.label, reason))
                     continue
                 if skipped:
-                    _LOG.warning("restore: restored step %d from %s after skipping %d copies", s, store.label, len(skipped))
+                    _LOG.warning(
+                        "restore: restored step %d from %s after skipping %s", s, store.label,
+                        "; ".join(f"step {x} on {t}: {r}" if x >= 0 else f"{t}: {r}" for x, t, r in skipped),
+                    )
                 else:
                     _LOG.info("restore: step %d from %s (%s)", s, store.label, where)
                 return Restored(s, state, i, store.label, where, m.light, tuple(skipped))
