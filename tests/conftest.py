@@ -44,3 +44,16 @@ def assert_tree_equal(a: Any, b: Any, path: str = "") -> None:
 @pytest.fixture
 def tree_equal():
     return assert_tree_equal
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Puts back the number of CPU threads torch computes with, if a test changed it.
+
+    Some tests compare an in-process run with a subprocess bit for bit: the thread count sets the
+    float reduction order, so one test's ``torch.set_num_threads(1)`` must not reach a later module.
+    """
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
