@@ -55,7 +55,7 @@ def _save_plain(rank: int, world: int, port: int, out: str) -> None:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
         mesh = init_device_mesh("cpu", (world,))
         dcp.save(_sharded(_full_state(), mesh), storage_writer=dcp.FileSystemWriter(out))

@@ -121,7 +121,7 @@ def _spawn(fn: Any, world: int, *args: Any) -> None:
 def _rank_main(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...]) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
         fn(rank, world, *args)
     finally:

@@ -70,7 +70,7 @@ def _tree() -> dict[str, Any]:
 def _rank(rank: int, world: int, port: int, root: str) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     out = Path(root)
     url = "countfile://" + str(out / "ckpt.nvc")
     counts: dict[str, int] = {}
