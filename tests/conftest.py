@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -44,3 +50,66 @@ def assert_tree_equal(a: Any, b: Any, path: str = "") -> None:
 @pytest.fixture
 def tree_equal():
     return assert_tree_equal
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Puts back the number of CPU threads torch computes with, if a test changed it.
+
+    Some tests compare an in-process run with a subprocess bit for bit: the thread count sets the
+    float reduction order, so one test's ``torch.set_num_threads(1)`` must not reach a later module.
+    """
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def spawn_ranks(fn: Callable[..., None], world: int, *args: Any) -> None:
+    """Runs ``fn(rank, world, port, *args)`` in ``world`` spawned processes; raises as ``mp.start_processes``.
+
+    The ranks rendezvous (``tcp://127.0.0.1:<port>`` or ``env://`` with ``MASTER_PORT=<port>``) at a
+    TCPStore this process hosts on a port the kernel picked: a port probed free and bound later
+    by rank 0 could be taken in between by another process (a parallel test run).
+    """
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    try:
+        mp.start_processes(_rank_entry, args=(world, store.port, fn, args), nprocs=world, start_method="spawn", join=True)
+    finally:
+        del store
+
+
+def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank is a client of the parent's store
+    fn(rank, world, port, *args)
+    # Ends the rank without interpreter finalization: a gloo worker thread may still hold the last
+    # reference to a finished collective's tensors (torch's ProcessGroupGloo::runLoop), and
+    # dropping it needs the GIL, which a finalizing interpreter answers with SIGABRT
+    # ("terminate called without an active exception"; seen on a loaded machine).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def start_moto_server(env: dict[str, str], log: Path, port: int = 0) -> tuple[subprocess.Popen[bytes], int]:
+    """moto's standalone S3 server as a child process; returns it and its port, once it listens.
+
+    ``port=0``: the server binds a port the kernel picks. Either way the port is read from the
+    server's own "Running on" line, which it prints once bound: a port probed free here could be
+    taken by another process before the server binds it, and a readiness request would then be
+    answered by that process instead.
+    """
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=out, env=env)
+    deadline = time.monotonic() + 60
+    while (found := re.search(rb"Running on http://127\.0\.0\.1:(\d+)", log.read_bytes())) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"moto_server did not start: {log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.1)
+    return proc, int(found.group(1))

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ N_STEPS, M_STEPS = 4, 3
 SCRIPT = textwrap.dedent(
     '''
     """Train / save / resume a tiny model with Accelerate (written by tests/test_accelerate.py)."""
-    import copy, errno, json, os, random, resource, signal, sys, time
+    import copy, errno, json, os, random, resource, signal, sys, threading, time
     import numpy as np
     import torch
     from accelerate import Accelerator
@@ -54,14 +55,17 @@ SCRIPT = textwrap.dedent(
 
 
     class Slow:
-        """Stream wrapper: holds the first write of each file for `delay` seconds (a slow store)."""
+        """Stream wrapper: holds the first write of each file until `gate` (a threading.Event), if
+        any, is set, then for `delay` seconds: a slow store, as slow as the test needs."""
 
-        def __init__(self, inner, delay):
-            self.inner, self.delay, self.first = inner, delay, True
+        def __init__(self, inner, delay, gate=None):
+            self.inner, self.delay, self.first, self.gate = inner, delay, True, gate
 
         def write(self, data):
             if self.first:
                 self.first = False
+                if self.gate is not None:
+                    assert self.gate.wait(60), "the test never released the write"
                 time.sleep(self.delay)
             return self.inner.write(data)
 
@@ -149,23 +153,28 @@ SCRIPT = textwrap.dedent(
             losses = train(objs, int(args[1]))
             torch.save({"at_n": at_n, "losses": losses, "final": snapshot(objs), "report": report.to_dict()}, os.path.join(out, "run.pt"))
         elif mode == "run-async":  # N steps, an async save, M more steps while it is written
-            objs = build(async_save=True, stream_wrapper=lambda s: Slow(s, float(args[2])))
+            gate = threading.Event()  # the files are held until save_state has returned and been checked
+            objs = build(async_save=True, stream_wrapper=lambda s: Slow(s, float(args[2]), gate))
             train(objs, int(args[0]))
             at_n = snapshot(objs)
             hooked = os.path.join(out, "hooked")
             objs[0].save_state(hooked)
             in_flight = objs[5].pending() and not os.path.exists(hooked)
+            gate.set()
             losses = train(objs, int(args[1]))  # changes every parameter while the files are written
             objs[5].wait()
             report = objs[5].last_report
             torch.save({"at_n": at_n, "losses": losses, "final": snapshot(objs), "report": report.to_dict(),
                         "in_flight": in_flight}, os.path.join(out, "run-async.pt"))
         elif mode == "exit-pending":  # an async save to a slow store, and the process ends at once
-            objs = build(async_save=True, stream_wrapper=lambda s: Slow(s, 0.3))
+            gate = threading.Event()  # held until checked; then each file still takes 0.3 s, past the exit
+            objs = build(async_save=True, stream_wrapper=lambda s: Slow(s, 0.3, gate))
             train(objs, 2)
             torch.save(snapshot(objs), os.path.join(out, "at_save.pt"))
             objs[0].save_state(os.path.join(out, "ckpt"))
-            print(json.dumps({"pending_at_exit": objs[5].pending()}))
+            pending = objs[5].pending()
+            gate.set()
+            print(json.dumps({"pending_at_exit": pending}))
         elif mode == "resume":  # load a directory, M more steps
             objs = build(async_save=args[2:3] == ("async",))
             objs[0].load_state(args[0])
@@ -692,8 +701,9 @@ def test_async_commit_and_rotation_wait_until_the_files_are_durable(script: Path
     def on_saved(report: nc.SaveReport) -> None:
         committed.append((Path(report.path).name, is_nvcomp_state_dir(report.path)))
 
+    gate = threading.Event()  # closed: the store holds each file until the test has looked
     objs = module.build(project_dir=str(project), total_limit=1, async_save=True,
-                        stream_wrapper=lambda s: module.Slow(s, 0.3), on_saved=on_saved)
+                        stream_wrapper=lambda s: module.Slow(s, 0.3, gate), on_saved=on_saved)
     acc, hooks = objs[0], objs[5]
     checkpoints = project / "checkpoints"
 
@@ -702,9 +712,11 @@ def test_async_commit_and_rotation_wait_until_the_files_are_durable(script: Path
     assert hooks.pending() and not (checkpoints / "checkpoint_0").exists()
     staging = project / ".checkpoint_0.nvckpt-staging"
     assert (staging / "scheduler.bin").is_file() and not (staging / MANIFEST_NAME).exists()  # Accelerate's files: at once
+    gate.set()
     hooks.wait()
     assert os.listdir(checkpoints) == ["checkpoint_0"] and is_nvcomp_state_dir(checkpoints / "checkpoint_0")
 
+    gate.clear()  # nothing is being written: checkpoint_1's files will be held
     module.train(objs, 1)
     acc.save_state()  # checkpoint_1, pending: total_limit=1 must not have removed checkpoint_0 yet
     assert hooks.pending()
@@ -712,6 +724,7 @@ def test_async_commit_and_rotation_wait_until_the_files_are_durable(script: Path
 
     module.train(objs, 1)
     at_save = module.snapshot(objs)
+    gate.set()  # from here on each file is only slow (0.3 s)
     acc.save_state()  # waited for checkpoint_1's commit and rotation first
     assert committed[-1] == ("checkpoint_1", True)
     assert os.listdir(checkpoints) == ["checkpoint_1"] and is_nvcomp_state_dir(checkpoints / "checkpoint_1")

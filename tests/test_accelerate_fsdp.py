@@ -13,16 +13,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from conftest import assert_tree_equal
+from conftest import assert_tree_equal, spawn_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -241,10 +239,7 @@ def _rank_main(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...])
 
 
 def _spawn(fn: Any, *args: Any) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    mp.start_processes(_rank_main, args=(2, port, fn, args), nprocs=2, start_method="spawn", join=True)
+    spawn_ranks(_rank_main, 2, fn, args)
 
 
 # -- the tests ------------------------------------------------------------------------------------

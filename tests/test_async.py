@@ -316,7 +316,7 @@ def test_done_callbacks_fire_after_the_file_is_durable(tmp_path: Path, caplog: p
     with caplog.at_level(logging.ERROR, logger="nvcomp_checkpoint"):
         gate.set()
         handle.result(timeout=30)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # the callbacks run on the save thread, just after result() returns
         while not seen and time.monotonic() < deadline:
             time.sleep(0.01)
     assert seen == [(True, True, True)]

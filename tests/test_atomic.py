@@ -47,7 +47,7 @@ def _leftovers(directory: Path, name: str) -> list[str]:
 
 _SLOW_SAVE = textwrap.dedent(
     """
-    import sys, time, torch
+    import sys, torch
     import nvcomp_checkpoint as nc
 
     g = torch.Generator().manual_seed(0)
@@ -55,7 +55,7 @@ _SLOW_SAVE = textwrap.dedent(
 
     def progress(nbytes):
         print("frame", nbytes, flush=True)
-        time.sleep(0.02)  # keeps the save in flight long enough to be killed in the middle
+        sys.stdin.readline()  # the test says when to go on: the save is in flight until it is killed
 
     print("start", flush=True)
     nc.save(tree, sys.argv[1], workers=1, progress=progress)
@@ -65,12 +65,14 @@ _SLOW_SAVE = textwrap.dedent(
 
 
 def _kill_mid_write(target: Path) -> list[int]:
-    """Runs a slow save to ``target`` and SIGKILLs it while its temporary file grows."""
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_SAVE, str(target)], stdout=subprocess.PIPE, text=True, env=ENV)
+    """Runs a save to ``target``, frame by frame as this test allows, and SIGKILLs it while its temporary file grows."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SAVE, str(target)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV,
+    )
     sizes: list[int] = []
     deadline = time.monotonic() + 120
     try:
-        assert proc.stdout is not None
+        assert proc.stdin is not None and proc.stdout is not None
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             assert line, f"the saving process ended early (rc {proc.poll()})"
@@ -80,6 +82,8 @@ def _kill_mid_write(target: Path) -> list[int]:
                 sizes.append(temps[0].stat().st_size)
             if len(sizes) >= 6 and sizes[-1] > sizes[0] > 0:
                 break
+            proc.stdin.write("\n")  # the next frame
+            proc.stdin.flush()
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:

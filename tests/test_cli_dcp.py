@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -19,13 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.cli.main import main
 from nvcomp_checkpoint.dcp import NvcompReader, is_compressed_dcp_checkpoint
 
-from conftest import assert_tree_equal
+from conftest import assert_tree_equal, spawn_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -57,7 +55,7 @@ def _save_plain(rank: int, world: int, port: int, out: str) -> None:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
         mesh = init_device_mesh("cpu", (world,))
         dcp.save(_sharded(_full_state(), mesh), storage_writer=dcp.FileSystemWriter(out))
@@ -78,10 +76,7 @@ def _load(path: Path, reader: Any = None) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def plain_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cli_dcp") / "plain"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_save_plain, args=(2, port, str(out)), nprocs=2, start_method="spawn", join=True)
+    spawn_ranks(_save_plain, 2, str(out))
     return out
 
 

@@ -11,7 +11,6 @@ import os
 import json
 import shutil
 import signal
-import socket
 import time
 import warnings
 from datetime import timedelta
@@ -30,7 +29,7 @@ import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, fqn_component, is_compressed_dcp_checkpoint
 from nvcomp_checkpoint.errors import ChecksumError, CheckpointError
 
-from conftest import assert_tree_equal
+from conftest import assert_tree_equal, spawn_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -116,20 +115,14 @@ def _full(model: torch.nn.Module, opt: torch.optim.Optimizer, extra: dict[str, A
     return full | {"extra": extra}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _spawn(fn: Any, world: int, *args: Any) -> None:
-    mp.start_processes(_rank_main, args=(world, _free_port(), fn, args), nprocs=world, start_method="spawn", join=True)
+    spawn_ranks(_rank_main, world, fn, args)
 
 
 def _rank_main(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...]) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
         fn(rank, world, *args)
     finally:

@@ -188,7 +188,12 @@ def runs(script: tuple[Path, ModuleType], tmp_path_factory: pytest.TempPathFacto
 
 
 def _python(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, TRANSFORMERS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    # The subprocess computes with as many threads as the in-process reference runs (the thread
+    # count sets the float reduction order, and the tests compare the two bit for bit).
+    env = dict(
+        os.environ, TRANSFORMERS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS=str(torch.get_num_threads()),
+    )
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 

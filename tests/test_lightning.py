@@ -142,20 +142,30 @@ fit_tiny({root!r}, {epochs}, plugins=[NvcompCheckpointIO(async_save={async_save}
 
 
 class SlowStream:
-    """Holds the first write of each file for ``delay`` seconds: a slow disk or object store."""
+    """Holds the first write of each file for ``delay`` seconds: a slow disk or object store.
 
-    def __init__(self, inner: IO[bytes], delay: float) -> None:
-        self.inner, self.delay, self.first = inner, delay, True
+    With ``gate``, the first write also waits (up to 60 s) until that event is set: a store as
+    slow as the test needs, however slow the machine is.
+    """
+
+    def __init__(self, inner: IO[bytes], delay: float, gate: threading.Event | None = None) -> None:
+        self.inner, self.delay, self.first, self.gate = inner, delay, True, gate
 
     def write(self, data: Any) -> int:
         if self.first:
             self.first = False
             time.sleep(self.delay)
+            if self.gate is not None:
+                assert self.gate.wait(60), "the test never released the write"
         return self.inner.write(data)
 
 
 def slow(delay: float) -> Any:
     return lambda stream: SlowStream(stream, delay)
+
+
+def held(gate: threading.Event) -> Any:
+    return lambda stream: SlowStream(stream, 0.0, gate)
 
 
 class FailingSaves:
@@ -755,20 +765,27 @@ def test_async_plugin_with_fabric(tmp_path):
 
 def test_async_max_pending_bounds_the_saves_in_flight(tmp_path):
     # Two snapshots may be in flight; the third save waits for the first file to land.
-    plugin = NvcompCheckpointIO(async_save=True, max_pending=2, stream_wrapper=slow(0.4))
+    gate = threading.Event()  # the store takes every write only once the test says so
+    plugin = NvcompCheckpointIO(async_save=True, max_pending=2, stream_wrapper=held(gate))
     ckpt = _checkpoint()
-    expected, took = [], []
-    for i in range(3):
+    expected, first_landed = [], []
+
+    def save(i: int) -> None:
         ckpt["state_dict"]["weight"].add_(1.0)  # training between saves
         ckpt["global_step"] = i
         expected.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in ckpt["state_dict"].items()})
-        start = time.perf_counter()
         plugin.save_checkpoint(ckpt, tmp_path / f"{i}.ckpt")
-        took.append(time.perf_counter() - start)
-        if i == 1:
-            assert plugin.pending() == 2
-    assert took[0] < 0.3 and took[1] < 0.3 and took[2] >= 0.2, took
-    assert (tmp_path / "0.ckpt").exists()  # landed before the third save was taken
+
+    save(0)
+    save(1)  # both returned while their writes are held: neither waited for the store
+    assert plugin.pending() == 2
+    third = threading.Thread(target=lambda: (save(2), first_landed.append((tmp_path / "0.ckpt").exists())))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive() and first_landed == []  # the third save waits for a free slot ...
+    gate.set()
+    third.join(60)
+    assert first_landed == [True]  # ... which the first file landing frees
     plugin.teardown()
     for i in range(3):
         state = plugin.load_checkpoint(tmp_path / f"{i}.ckpt")

@@ -36,7 +36,7 @@ from nvcomp_checkpoint.lightning import (  # noqa: E402
 
 _SCRIPT = textwrap.dedent(
     '''
-    import json, sys, warnings
+    import json, os, sys, warnings
     from pathlib import Path
     warnings.filterwarnings("ignore")
     import torch
@@ -136,6 +136,12 @@ _SCRIPT = textwrap.dedent(
         (root / f"newest_{rank}.json").write_text(json.dumps(newest))
         first = "epoch=0-step=3.ckpt"
         fit(NvcompModelParallelStrategy(**kwargs), root / "resumed_plain", 2, root / "plain" / first, root / "resume_plain.json")
+    # Each rank (this process and the one Lightning launched) ends without interpreter teardown:
+    # a gloo worker thread still freeing a finished collective then aborts the process (see
+    # tests/conftest.py, _rank_entry). Everything above is written and closed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
     '''
 )
 

@@ -9,7 +9,6 @@ file fails on every rank instead of leaving the receivers waiting.
 from __future__ import annotations
 
 import json
-import socket
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -19,13 +18,12 @@ import fsspec
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import ChecksumError, CheckpointError
 
-from conftest import assert_tree_equal
+from conftest import assert_tree_equal, spawn_ranks
 
 
 class _CountingOpener(LocalFileOpener):
@@ -72,7 +70,7 @@ def _tree() -> dict[str, Any]:
 def _rank(rank: int, world: int, port: int, root: str) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     out = Path(root)
     url = "countfile://" + str(out / "ckpt.nvc")
     counts: dict[str, int] = {}
@@ -114,10 +112,7 @@ def test_four_ranks_read_the_checkpoint_once(tmp_path: Path) -> None:
     once = CountingFileSystem.bytes_read
     assert once >= (tmp_path / "ckpt.nvc").stat().st_size
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(4, port, str(tmp_path)), nprocs=4, start_method="spawn", join=True)
+    spawn_ranks(_rank, 4, str(tmp_path))
 
     counts = [json.loads((tmp_path / f"counts_{r}.json").read_text()) for r in range(4)]
     assert [c["one_node"] for c in counts] == [once, 0, 0, 0]

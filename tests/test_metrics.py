@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 import pytest
@@ -12,12 +11,6 @@ import nvcomp_checkpoint as nc
 
 pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -30,8 +23,8 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def test_metrics_served_and_counted(tmp_path):
-    port = _free_port()
-    server, thread = nc.serve_metrics(port, addr="127.0.0.1")
+    server, thread = nc.serve_metrics(0, addr="127.0.0.1")  # port 0: the kernel picks a free one, bound at once
+    port = server.server_port
     try:
         before = _scrape(port)
         tiers = [nc.Tier(tmp_path / "a", name="m-local"), nc.Tier(tmp_path / "b", name="m-shared", every_steps=2)]

@@ -24,14 +24,16 @@ def test_batch_waits_until_the_batch_slots_earlier_is_written():
     assert seqs == [0, 1, 2, 3]
     started: list[int] = []
     threads = [_start(ring, s, started) for s in seqs]
-    time.sleep(0.2)
+    for t in threads[:2]:
+        t.join(60)  # batches 0 and 1 have slots: they start at once, however loaded the machine
+    time.sleep(0.2)  # a chance for 2 and 3 to start, which they must not take
     assert sorted(started) == [0, 1]  # 2 and 3 wait for their slots
     ring.written()  # batch 0 is on the stream
-    threads[2].join(5)
+    threads[2].join(60)
     time.sleep(0.05)
     assert sorted(started) == [0, 1, 2]
     ring.written()
-    threads[3].join(5)
+    threads[3].join(60)
     assert sorted(started) == [0, 1, 2, 3]
 
 
@@ -40,9 +42,10 @@ def test_abort_releases_every_waiting_batch():
     seqs = [ring.ticket() for _ in range(5)]
     started: list[int] = []
     threads = [_start(ring, s, started) for s in seqs]
-    time.sleep(0.2)
+    threads[0].join(60)
+    time.sleep(0.2)  # a chance for the others to start, which they must not take
     assert started == [0]
     ring.abort()
     for t in threads:
-        t.join(5)
+        t.join(60)
     assert sorted(started) == seqs

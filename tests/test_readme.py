@@ -18,12 +18,10 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
-import time
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +31,7 @@ import pytest
 import torch
 
 import nvcomp_checkpoint as nc
-from conftest import assert_tree_equal
+from conftest import assert_tree_equal, start_moto_server
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -362,31 +360,20 @@ def s3_endpoint(bucket: str = "bucket") -> Iterator[tuple[dict[str, str], Any]]:
     boto3 = pytest.importorskip("boto3")
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(**env))
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(endpoint, timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start on port {port}") from None
-                time.sleep(0.1)
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                              aws_access_key_id="testing", aws_secret_access_key="testing")
-        client.create_bucket(Bucket=bucket)
-        yield env, client
-    finally:
-        proc.kill()
-        proc.wait()
+    dummies = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+    with tempfile.TemporaryDirectory() as logs:  # not in the snippet's folder, which checks look at
+        proc, port = start_moto_server(_env(**dummies), Path(logs) / "moto_server.log")
+        endpoint = f"http://127.0.0.1:{port}"
+        env = {**dummies, "AWS_ENDPOINT_URL": endpoint}
+        try:
+            client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                                  aws_access_key_id="testing", aws_secret_access_key="testing")
+            client.create_bucket(Bucket=bucket)
+            yield env, client
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 def _keys(client: Any, bucket: str, prefix: str) -> list[str]:

@@ -38,6 +38,27 @@ class Slow:
         return Wrapped()
 
 
+class Held:
+    """Stream wrapper: holds each file's first write until ``gate`` is set (a store as slow as the test needs)."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate = gate
+
+    def __call__(self, stream: IO[bytes]) -> Any:
+        gate = self.gate
+
+        class Wrapped:
+            first = True
+
+            def write(self, data: Any) -> int:
+                if self.first:
+                    self.first = False
+                    assert gate.wait(60), "the test never released the write"
+                return stream.write(data)
+
+        return Wrapped()
+
+
 class Full:
     """Stream wrapper: the disk is full."""
 
@@ -92,11 +113,13 @@ def test_actions_wait_for_durability_and_are_skipped_after_a_failure(tmp_path: P
     old = tmp_path / "old.nvc"
     nc.save(_tree(0), old)
     ran: list[bool] = []
+    gate = threading.Event()
     group = seq.begin(tmp_path / "new.nvc")
-    seq.save(group, "new", _tree(1), tmp_path / "new.nvc", stream_wrapper=Slow(0.3))
+    seq.save(group, "new", _tree(1), tmp_path / "new.nvc", stream_wrapper=Held(gate))
     seq.seal(group)
     assert seq.after_pending(lambda: ran.append((tmp_path / "new.nvc").exists()), str(old))
     assert ran == []  # queued behind the pending save
+    gate.set()
     seq.wait()
     assert ran == [True]
     # A removal queued behind a save that fails is skipped, and said so with the failure.
@@ -143,12 +166,18 @@ def test_the_callers_own_group_raises_to_the_caller_only(tmp_path: Path) -> None
 
 def test_max_pending_bounds_the_groups_in_flight(tmp_path: Path) -> None:
     seq = SaveSequence("test", max_pending=1)
+    gate = threading.Event()
     first = seq.begin(tmp_path / "a.nvc")
-    seq.save(first, "a", _tree(1), tmp_path / "a.nvc", stream_wrapper=Slow(0.3))
+    seq.save(first, "a", _tree(1), tmp_path / "a.nvc", stream_wrapper=Held(gate))
     seq.seal(first)
-    start = time.perf_counter()
-    seq.begin(tmp_path / "b.nvc")  # waits for the first group
-    assert time.perf_counter() - start >= 0.2 and first.done()
+    began: list[bool] = []
+    second = threading.Thread(target=lambda: began.append((seq.begin(tmp_path / "b.nvc"), first.done())[1]))
+    second.start()  # waits for the first group
+    second.join(0.3)
+    assert second.is_alive() and began == []
+    gate.set()
+    second.join(60)
+    assert began == [True]  # it began once the first group was done
     assert seq.pending() == 1
 
 
@@ -167,9 +196,11 @@ def test_an_abandoned_group_commits_nothing_and_runs_nothing_queued_behind_it(tm
     seq = SaveSequence("test")
     commits: list[Any] = []
     ran: list[int] = []
+    gate = threading.Event()
     group = seq.begin(tmp_path / "unit", commit=commits.append)
-    seq.save(group, "a", _tree(1), tmp_path / "a.nvc", stream_wrapper=Slow(0.2))
+    seq.save(group, "a", _tree(1), tmp_path / "a.nvc", stream_wrapper=Held(gate))
     assert seq.after_pending(lambda: ran.append(1), "old.nvc")
+    gate.set()
     seq.abandon(group)  # the caller failed: waits for the file handed over, then gives up
     assert (tmp_path / "a.nvc").exists() and commits == [] and ran == []
     assert group.done() and seq.pending() == 0

@@ -9,20 +9,19 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-import urllib.request
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 import torch
 
 import nvcomp_checkpoint as nc
-from conftest import assert_tree_equal
+from conftest import assert_tree_equal, start_moto_server
 from nvcomp_checkpoint.errors import CheckpointWriteError
 
 boto3 = pytest.importorskip("boto3")
@@ -38,35 +37,20 @@ _AWS_ENV = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MotoServer:
-    """``moto_server -H 127.0.0.1 -p PORT`` as a child process; start, stop, start again on the same port."""
+    """``moto_server -H 127.0.0.1`` as a child process; start, stop, start again on the same port."""
 
-    def __init__(self) -> None:
-        self.port = _free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.port = 0  # the first start binds a port the kernel picks; restarts bind it again
         self.proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
     def start(self) -> None:
-        env = dict(os.environ, **_AWS_ENV)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(self.endpoint, timeout=1).close()
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start on port {self.port}")
-                time.sleep(0.1)
+        self.proc, self.port = start_moto_server(dict(os.environ, **_AWS_ENV), self.log, self.port)
         self.client().create_bucket(Bucket=BUCKET)
 
     def stop(self) -> None:
@@ -95,10 +79,10 @@ class MotoServer:
 
 
 @pytest.fixture
-def moto() -> Iterator[MotoServer]:
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
     saved = {k: os.environ.get(k) for k in _AWS_ENV}
     os.environ.update(_AWS_ENV)  # dummies, so nothing ever reaches real AWS credentials
-    server = MotoServer()
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto_server.log")
     server.start()
     try:
         yield server
@@ -231,7 +215,9 @@ def test_endpoint_stopped_mid_upload_and_restarted(moto, tmp_path, caplog):
     states[3] = _state(3)
     mgr.save(3, states[3]).result()
     assert time.perf_counter() - t < 10
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60  # the copy's first attempt against the stopped endpoint has failed
+    while "copying step 2 failed" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
     moto.start()  # a fresh, empty endpoint on the same port
     mgr.wait()  # retried with back-off until it was back
     assert "copying step 2 failed" in caplog.text and "retrying in" in caplog.text

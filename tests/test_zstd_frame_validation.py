@@ -97,11 +97,14 @@ def test_a_hand_made_frame_of_raw_and_rle_blocks_passes_and_libzstd_agrees() -> 
 def test_the_check_runs_at_gigabytes_per_second() -> None:
     data = _data("weights", 4 * MIB)
     frame = ZstdCpuCodec(1).encode(memoryview(data))
-    start = time.perf_counter()
+    times = []
     for _ in range(5):
+        start = time.perf_counter()
         read_frame(frame, len(data))
-    seconds = (time.perf_counter() - start) / 5
-    # 32 blocks of 128 KiB: about 0.4 ms here; a bound far from it, for a loaded machine.
+        times.append(time.perf_counter() - start)
+    # 32 blocks of 128 KiB: about 0.4 ms here; a bound far from it, for a loaded machine, on the
+    # best of five runs (a slow check is slow every time; a preempted run says nothing).
+    seconds = min(times)
     assert seconds < 0.05, f"{seconds * 1e3:.1f} ms to check one 4 MiB frame"
 
 
@@ -226,10 +229,13 @@ def test_forged_compressed_blocks_are_refused() -> None:
 def test_a_frame_of_many_tiny_blocks_is_refused_quickly() -> None:
     # 200 000 empty raw blocks: a forged file must not keep the host walking for long.
     frame = _frame(0, [_block(False, 0, 0, b"")] * 200_000 + [_block(True, 0, 0, b"")])
-    start = time.perf_counter()
-    with pytest.raises(ZstdFrameError, match="blocks"):
-        read_frame(frame, 0)
-    assert time.perf_counter() - start < 0.5
+    times = []
+    for _ in range(3):  # the best of three: a run preempted on a loaded machine says nothing
+        start = time.perf_counter()
+        with pytest.raises(ZstdFrameError, match="blocks"):
+            read_frame(frame, 0)
+        times.append(time.perf_counter() - start)
+    assert min(times) < 0.5, times
 
 
 # -- property: what the check accepts never decodes to another size --------------------------------------
