@@ -26,6 +26,7 @@ _SCRIPT = textwrap.dedent(
     warnings.filterwarnings("ignore")
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+    import nvcomp_checkpoint as nc
     from nvcomp_checkpoint.transformers import NvcompTrainer, NvcompTrainerCallback
 
     torch.set_num_threads(1)
@@ -52,8 +53,9 @@ _SCRIPT = textwrap.dedent(
         output_dir=os.path.join(root, mode), max_steps=6, save_steps=3, per_device_train_batch_size=4, logging_steps=1,
         learning_rate=1e-3, seed=1, report_to=[], use_cpu=True, disable_tqdm=True,
     )
+    tiers = [nc.Tier(os.path.join(root, "tier"))] if mode == "first" else None
     trainer = NvcompTrainer(
-        model=model, args=args, train_dataset=Tokens(), callbacks=[NvcompTrainerCallback(leader_load=mode == "leader")]
+        model=model, args=args, train_dataset=Tokens(), callbacks=[NvcompTrainerCallback(leader_load=mode == "leader", tiers=tiers)]
     )
     trainer.train(resume_from_checkpoint=None if mode == "first" else os.path.join(root, "first", "checkpoint-3"))
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
@@ -81,6 +83,9 @@ def test_ddp_resume_reads_each_file_on_one_rank_and_continues_the_run(tmp_path: 
     assert sorted(p.name for p in (tmp_path / "first" / "checkpoint-3").glob("*.nvc")) == [
         "model.safetensors.nvc", "optimizer.pt.nvc",
     ]
+    # The tier copies (made by rank 0 once every rank has written its files) hold both ranks' RNG state.
+    copies = sorted(p for p in (tmp_path / "tier").rglob("rng_state_*.pth"))
+    assert [p.name for p in copies] == ["rng_state_0.pth", "rng_state_1.pth"] * 2, copies
     _torchrun(script, "leader", tmp_path)
     full = json.loads((tmp_path / "first_0.json").read_text())["losses"]
     assert sorted(int(s) for s in full) == list(range(1, 7))
