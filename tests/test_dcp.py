@@ -658,3 +658,23 @@ def test_tied_weights_are_stored_once_and_load_under_both_names(tmp_path: Path) 
     assert torch.equal(target["m"]["b"], torch.ones(3))
     rank_file = next(tmp_path.glob("*.nvcdcp"))
     assert rank_file.stat().st_size < 64 * 32 * 4 * 1.5  # the tied tensor's bytes once, not twice
+
+
+def _process_async_save(rank: int, world: int, tmp: str) -> None:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    state = {"m": {"w": torch.randn(256, 64, generator=torch.Generator().manual_seed(rank)), "b": torch.arange(10)}}
+    for staging in ("host", "device"):
+        where = Path(tmp) / staging
+        dcp.async_save(
+            state, storage_writer=NvcompWriter(where, staging=staging), async_checkpointer_type=AsyncCheckpointerType.PROCESS
+        ).result()
+        target = {"m": {"w": torch.zeros(256, 64), "b": torch.zeros(10, dtype=torch.long)}}
+        dcp.load(target, storage_reader=NvcompReader(where))
+        assert_tree_equal(target, state, staging)
+
+
+def test_async_save_in_dcps_background_process(tmp_path: Path) -> None:
+    # AsyncCheckpointerType.PROCESS: the writer and the staged state cross to DCP's own process.
+    _spawn(_process_async_save, 1, str(tmp_path))
+    assert is_compressed_dcp_checkpoint(tmp_path / "host") and is_compressed_dcp_checkpoint(tmp_path / "device")
