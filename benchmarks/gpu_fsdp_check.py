@@ -138,6 +138,12 @@ def phase_dcp_cuda_shards(work: Path, device: str, phase: str) -> None:
                     v.to_local().add_(1)
         pending.result()
         staged[staging] = (blocked, time.perf_counter() - start)
+    # Where the device staging puts the DTensors' local shards: on their GPU within the budget, on
+    # the host past it (budget 0), never moved back to the GPU.
+    placed = {}
+    for budget in (None, 0):
+        copy = NvcompWriter(work / "unused", staging="device", device_budget_bytes=budget).stage({"model": msd})
+        placed[budget] = sorted({t.to_local().device.type for t in copy["model"].values()})
     dist.destroy_process_group()
     # Reread on the CPU, in this process without a process group: the GPU's frames decode anywhere.
     diffs = []
@@ -148,19 +154,20 @@ def phase_dcp_cuda_shards(work: Path, device: str, phase: str) -> None:
     diff = next((d for d in diffs if d is not None), None)
     leaves = torch.utils._pytree.tree_leaves({"model": msd, "optim": osd})
     raw = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-    torch.save({"diff": diff, "devices": devices, "raw": raw, "seconds": seconds, "staged": staged}, work / "result.pt")
+    torch.save({"diff": diff, "devices": devices, "raw": raw, "seconds": seconds, "staged": staged, "placed": placed}, work / "result.pt")
 
 
 def case_dcp_cuda_shards(work: Path, device: str, run: Callable[[str], None]) -> tuple[bool, str]:
     run("run")
     r = torch.load(work / "result.pt", weights_only=False)
     stored = sum(p.stat().st_size for p in (work / "ckpt").glob("*.nvcdcp"))
-    ok = r["diff"] is None and r["devices"] == [device] and stored > 0
+    ok = r["diff"] is None and r["devices"] == [device] and stored > 0 and r["placed"] == {None: [device], 0: ["cpu"]}
     detail = (
         f"shards on {','.join(r['devices'])}, bf16 model + Adam state {r['raw'] / 2**20:.2f} MiB -> rank file "
         f"{stored / 2**20:.2f} MiB, save {r['seconds']:.2f} s; async_save blocked/total: "
         + ", ".join(f"{k}-staged {b:.3f}/{t:.2f} s" for k, (b, t) in r["staged"].items())
         + f"; CPU reread of the weights (sync, device-staged async): {r['diff'] or 'bit-exact'}"
+        + f"; device staging puts shards on {r['placed'][None]} (budget 0: {r['placed'][0]})"
     )
     return ok, detail
 

@@ -6,6 +6,7 @@ frame); the coordinator writes ``.metadata`` last, atomically: that rename is th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import fnmatch
@@ -103,8 +104,9 @@ def _device_copy(obj: Any, on_device: Callable[[torch.Tensor], bool]) -> Any:
         return t.detach().clone() if on_device(t) else t.detach().to("cpu", copy=True)
 
     if isinstance(obj, DTensor):
-        local = clone(obj.to_local())
-        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride())
+        # Built from its spec, as DCP's own transports do: DTensor.from_local would move a host copy
+        # back to the mesh's device (and on the current GPU).
+        return DTensor(clone(obj.to_local()), obj._spec, requires_grad=False)
     if isinstance(obj, ShardedTensor):
         shards = obj.local_shards()
         if shards and all([on_device(shard.tensor) for shard in shards]):
@@ -160,7 +162,9 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
             the host. It needs free GPU memory for the clones: tensors beyond
             ``device_budget_bytes`` per GPU (default: half its free memory) are copied to the
             host instead.
-        device_budget_bytes: GPU memory per device that ``staging="device"`` may use.
+        device_budget_bytes: GPU memory per device that ``staging="device"`` may use for the
+            clones. The background compression needs GPU memory of its own on top (nvCOMP's
+            output and scratch buffers, bounded by the core's ``gpu_chunk_bytes`` batches).
 
     Every rank file and ``.metadata`` are fsynced before they are renamed into place.
 
@@ -208,10 +212,14 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         self.use_collectives = True
         self.staging = staging
         self.device_budget_bytes = device_budget_bytes
+        self._staged_on: int | None = None
 
     # -- AsyncStager -----------------------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The copy of ``state_dict`` that ``dcp.async_save`` writes in the background (see ``staging``)."""
+        # DCP writes in a thread of its own, whose current CUDA device is the first: the write
+        # runs on this (the training thread's) device instead.
+        self._staged_on = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         if self.staging == "host":
             return BlockingAsyncStager.stage(self, state_dict)
         budget: dict[torch.device, int] = {}
@@ -276,7 +284,9 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(self._write_rank_file(plan, planner))
+        device, self._staged_on = self._staged_on, None  # set by stage() for this save only
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            fut.set_result(self._write_rank_file(plan, planner))
         return fut
 
     def _write_rank_file(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
