@@ -27,7 +27,6 @@ from nvcomp_checkpoint.tiers import Tier
 try:  # transformers_fsdp imports Accelerate's FSDP helpers (the Trainer saves FSDP state with them)
     import safetensors
     import safetensors.torch
-    from accelerate import PartialState
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_pt_utils import reissue_pt_warnings
 
@@ -365,10 +364,10 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Convert the checkpoint the Trainer has just written (after its rotation)."""
         entered = time.perf_counter()
-        if self.tiers is not None and args.world_size > 1:
+        if self.tiers is not None and args.world_size > 1 and torch.distributed.is_initialized():
             # The Trainer has no barrier between writing checkpoint-N and on_save: every rank's
             # files (its rng_state_<rank>.pth) must be there before the main process copies it.
-            PartialState().wait_for_everyone()
+            torch.distributed.barrier()
         if not args.should_save:
             return  # other ranks: the main process owns the checkpoint files
         self._wait_for_saves("on_save")  # normally nothing is pending here: see on_step_end
