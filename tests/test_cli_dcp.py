@@ -2,7 +2,8 @@
 
 A plain DCP checkpoint written by 2 real gloo ranks (DTensors sharded on a 2-rank mesh) goes
 through the CLI into ours and back, bit-identical; inspect shows per-rank-file sizes and the
-per-component ratio of both; a damaged rank file fails verify, naming the file and the tensor.
+per-component ratio of both; a damaged or unreadable rank file fails verify, naming the file (and
+the tensor), while the other rank files are still listed and checked.
 """
 
 from __future__ import annotations
@@ -165,3 +166,39 @@ def test_verify_passes_good_directories_and_names_damage(plain_dir: Path, tmp_pa
     d = json.loads(out)
     assert code == 1 and not d["ok"] and all(f["file"].endswith("__1_0.distcp") for f in d["failures"]), d
     assert d["failures"][0]["tensor"] and "truncated" in d["failures"][0]["error"], d
+
+
+@pytest.mark.skipif(not Path("/proc/version").is_file(), reason="needs Linux's /proc, whose files refuse a seek to their end")
+def test_a_rank_file_that_does_not_read_is_named_and_the_others_still_listed(plain_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from nvcomp_checkpoint.dcp import dcp_report, read_dcp_files
+    from nvcomp_checkpoint.errors import FormatError
+
+    ours = tmp_path / "ours"
+    assert main(["compress", str(plain_dir), str(ours), "-q"]) == 0
+    # A rank file whose read fails in the OS (an OSError, not a format error; chmod 000 does not
+    # stop root): a link to a /proc file, which refuses the seek to its end that finds the footer.
+    broken = tmp_path / "broken"
+    shutil.copytree(ours, broken)
+    first = sorted(broken.glob("*.nvcdcp"))[0]
+    first.unlink()
+    first.symlink_to("/proc/version")
+    files = read_dcp_files(str(broken))
+    assert "cannot be read: OSError" in files.rank_files[0].error and first.name in files.rank_files[0].error
+    assert files.rank_files[1].error is None and files.rank_files[1].raw_bytes > 0
+    with pytest.raises(FormatError, match=rf"{first.name}: its index does not read \(.*OSError"):
+        dcp_report(str(broken))
+    code, out = _nvckpt(capsys, "inspect", str(broken), "--json")
+    rows = json.loads(out)["files"]
+    assert code == 0 and "OSError" in rows[0]["note"] and rows[1]["raw_bytes"] > 0 and "note" not in rows[1], rows
+    code, out = _nvckpt(capsys, "verify", str(broken))
+    assert code == 1 and f"FAILED {first}: cannot be read: OSError" in out, out
+    # A rank file whose header is damaged is no longer one of ours by its first bytes; verify
+    # still names it (and checks the other rank file) instead of passing the directory.
+    headless = tmp_path / "headless"
+    shutil.copytree(ours, headless)
+    victim = sorted(headless.glob("*.nvcdcp"))[1]
+    victim.write_bytes(b"\0" * 8 + victim.read_bytes()[8:])
+    code, out = _nvckpt(capsys, "verify", str(headless), "--json")
+    d = json.loads(out)
+    assert code == 1 and d["files"] == 1 and d["tensors"] > 0, d
+    assert [(f["file"], f["tensor"]) for f in d["failures"]] == [(str(victim), None)] and "no NVCKPT magic" in d["failures"][0]["error"], d

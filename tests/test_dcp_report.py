@@ -76,7 +76,7 @@ def test_cli_inspect_shows_the_report_numbers(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_report_refuses_what_it_cannot_describe(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="no .metadata"):
+    with pytest.raises(CheckpointError, match="an empty directory: no checkpoint was saved here"):
         dcp_report(str(tmp_path))
     from torch.distributed.checkpoint import FileSystemWriter
 

@@ -1,4 +1,4 @@
-"""Tests of filetype: one sniffer for ``nc.load`` and ``nvckpt``, by content, never by name; checkpoint directories by the names in them."""
+"""Tests of filetype: one sniffer for ``nc.load`` and ``nvckpt``, by content, never by name; checkpoint directories by the names in them; what is at a path."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.cli.sources import sniff
 from nvcomp_checkpoint.filetype import (
-    ACCELERATE_DIR, DCP_DIR, HEAD_BYTES, HF_TRAINER_DIR, LIGHTNING_SHARDED_DIR, NVCOMP, OTHER, SAFETENSORS, TORCH, directory_kind, kind_of,
+    ACCELERATE_DIR, DCP_DIR, HEAD_BYTES, HF_TRAINER_DIR, LIGHTNING_SHARDED_DIR, NVCOMP, OTHER, SAFETENSORS, TORCH, PathContents,
+    directory_kind, kind_of, path_contents,
 )
 
 
@@ -106,3 +107,27 @@ def test_load_and_open_of_a_directory_name_the_call_that_reads_it(tmp_path: Path
         with pytest.raises(nc.errors.FormatError, match=message) as info:
             call(tmp_path / "ckpt")
         assert not isinstance(info.value, FileNotFoundError)
+
+
+@pytest.mark.parametrize("root", ["local", "memory"])
+def test_path_contents_says_what_is_at_a_path(tmp_path: Path, root: str) -> None:
+    from nvcomp_checkpoint.storage import storage_for
+
+    base = str(tmp_path) if root == "local" else f"memory://filetype-{tmp_path.name}"
+    storage, _ = storage_for(base)
+    storage.makedirs(f"{base}/empty")
+    storage.makedirs(f"{base}/dcp")
+    nc.save({"w": torch.ones(3)}, f"{base}/ours.nvc")
+    nc.save({"w": torch.ones(3)}, f"{base}/dcp/.metadata")
+
+    def contents(name: str) -> Any:
+        return path_contents(*storage_for(f"{base}/{name}"), f"{base}/{name}")
+
+    assert contents("absent") == PathContents(False)
+    assert contents("ours.nvc") == PathContents(True, file_kind=NVCOMP)
+    # An empty folder: a local one, or an fsspec one that only opening tells from a file.
+    assert contents("empty") == PathContents(True, names={}) and contents("empty").directory_kind is None
+    assert contents("dcp").is_dir and contents("dcp").directory_kind == DCP_DIR
+    if root == "memory":  # nc.load of it: named an empty directory, as a local one is
+        with pytest.raises(nc.errors.FormatError, match="is an empty directory, not a checkpoint file"):
+            nc.load(f"{base}/empty")

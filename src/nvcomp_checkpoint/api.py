@@ -14,14 +14,14 @@ from .delta import BaseSource
 from .errors import CheckpointError, FormatError, SizeLimitError, UnsafeCheckpointError
 from .format.layout import FOOTER_MAGIC, MAGIC
 from .filetype import (
-    ACCELERATE_DIR, DCP_DIR, HEAD_BYTES, HF_TRAINER_DIR, LIGHTNING_SHARDED_DIR, NVCOMP, SAFETENSORS, TORCH, ZIP_HEAD, directory_kind, kind_of,
+    ACCELERATE_DIR, DCP_DIR, HEAD_BYTES, HF_TRAINER_DIR, LIGHTNING_SHARDED_DIR, NVCOMP, SAFETENSORS, TORCH, ZIP_HEAD, kind_of, path_contents,
 )
 from .format.skeleton import check_torch_archive, weights_only_detail
 from .pending import wait_for_path
 from .policy import CodecPolicy
 from .reader import CheckpointReader, MapLocation
 from .report import SaveReport
-from .storage import LocalStorage, list_names, open_checkpoint_stream, stale_temp_files, storage_for, write_errors
+from .storage import LocalStorage, open_checkpoint_stream, stale_temp_files, storage_for, write_errors
 from .writer import CheckpointWriter, TreePlan
 
 __all__ = ["save", "load", "open", "verify", "is_nvcomp_checkpoint", "VerifyResult", "VerifyProblem", "write_checkpoint", "log_report"]
@@ -328,17 +328,17 @@ def _directory_error(where: str, storage: Any, spath: str) -> FormatError | None
     """If ``spath`` is a directory (or an object-store prefix), an error naming the call that loads
     it; None otherwise (``load`` / ``open`` then raise their own error)."""
     try:
-        names = list_names(storage, spath)
-        if not names and not (isinstance(storage, LocalStorage) and storage.isdir(spath)):
-            return None
-    except Exception:  # noqa: BLE001 - a failed listing must not hide the original error
+        found = path_contents(storage, spath, where)
+    except Exception:  # noqa: BLE001 - a failed look must not hide the original error
         return None
-    kind = directory_kind(names)
+    if not found.is_dir:
+        return None
+    kind = found.directory_kind
     if kind is not None:
         return FormatError(f"{where}: is {_directory_loaders(where)[kind]}; nvcomp_checkpoint.load / open read one checkpoint file")
-    if not names:
+    if not found.names:
         return FormatError(f"{where}: is an empty directory, not a checkpoint file")
-    files = sorted(n for n, is_dir in names.items() if not is_dir and not n.startswith(".") and n.endswith(_CHECKPOINT_SUFFIXES))
+    files = sorted(n for n, is_dir in found.names.items() if not is_dir and not n.startswith(".") and n.endswith(_CHECKPOINT_SUFFIXES))
     hint = f"; it holds {', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: pass one of them" if files else ""
     return FormatError(f"{where}: is a directory, not a checkpoint file{hint}")
 

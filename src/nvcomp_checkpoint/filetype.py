@@ -2,20 +2,25 @@
 
 The one sniffer behind ``nc.load`` (which refuses what it cannot read before unpickling it) and
 the ``nvckpt`` commands; a file's kind never comes from its name. A checkpoint *directory*
-(DCP, Lightning sharded, Accelerate, HF Trainer) is told by the names of the files in it.
+(DCP, Lightning sharded, Accelerate, HF Trainer) is told by the names of the files in it;
+:func:`path_contents` says which of the two (or nothing) is at a path.
 """
 
 from __future__ import annotations
 
 import re
 import struct
-from typing import Collection
+from dataclasses import dataclass
+from typing import Collection, Mapping
 
+from .errors import FormatError
 from .format.layout import MAGIC
+from .storage import LocalStorage, Storage, list_names, open_checkpoint_stream
 
 __all__ = [
     "NVCOMP", "TORCH", "SAFETENSORS", "OTHER", "HEAD_BYTES", "ZIP_HEAD", "kind_of",
     "DCP_DIR", "LIGHTNING_SHARDED_DIR", "ACCELERATE_DIR", "HF_TRAINER_DIR", "directory_kind",
+    "PathContents", "path_contents",
 ]
 
 NVCOMP = "nvcomp-checkpoint"
@@ -72,3 +77,52 @@ def directory_kind(names: Collection[str]) -> str | None:
     if any(_ACCELERATE_FILE.fullmatch(n) for n in names):
         return ACCELERATE_DIR
     return None
+
+
+@dataclass(frozen=True)
+class PathContents:
+    """What :func:`path_contents` found at a path: nothing, a file, or a directory.
+
+    Attributes:
+        exists: Something is there.
+        file_kind: A file's kind (:func:`kind_of`); ``None`` for a directory or nothing.
+        names: A directory's entries (``{name: is_folder}``, empty for an empty one); ``None`` otherwise.
+    """
+
+    exists: bool
+    file_kind: str | None = None
+    names: Mapping[str, bool] | None = None
+
+    @property
+    def is_dir(self) -> bool:
+        return self.names is not None
+
+    @property
+    def directory_kind(self) -> str | None:
+        """The kind of checkpoint directory (:func:`directory_kind`), or ``None`` (not one, or not a directory)."""
+        return directory_kind(self.names) if self.names else None
+
+
+def path_contents(storage: Storage, spath: str, where: str) -> PathContents:
+    """What is at ``spath`` of ``storage`` (named ``where`` in errors): a file's first bytes are sniffed,
+    a directory's (or object prefix's) entries listed. Callers word their own message from it.
+
+    Raises:
+        CheckpointError: A file that cannot be opened (permission denied, a storage failure).
+        OSError: The listing or the read failed.
+    """
+    names = list_names(storage, spath)
+    if names:
+        return PathContents(True, names=names)
+    if not storage.exists(spath):
+        return PathContents(False)
+    if isinstance(storage, LocalStorage) and storage.isdir(spath):
+        return PathContents(True, names={})
+    try:
+        with open_checkpoint_stream(storage, spath, where) as f:
+            head = f.read(HEAD_BYTES)
+    except FormatError as exc:
+        if isinstance(exc.__cause__, IsADirectoryError):  # an empty folder of an fsspec file system
+            return PathContents(True, names={})
+        raise
+    return PathContents(True, file_kind=kind_of(head, storage.size(spath)))

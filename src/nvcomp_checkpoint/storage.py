@@ -23,7 +23,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteErr
 
 __all__ = [
     "Storage", "LocalStorage", "FsspecStorage", "LOCAL", "storage_for", "open_checkpoint_stream", "write_errors", "is_url",
-    "fsync_path", "exchange_paths", "list_names", "abort_unfinished_uploads", "upload_file", "stale_temp_files",
+    "fsync_path", "exchange_paths", "list_names", "is_storage_error", "abort_unfinished_uploads", "upload_file", "stale_temp_files",
 ]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2"}
@@ -354,6 +354,12 @@ _STORAGE_MODULES = (
 )
 
 
+def is_storage_error(exc: BaseException) -> bool:
+    """True for a failure of the storage itself: an ``OSError``, or an error type of fsspec or one
+    of its back ends (botocore's ``NoCredentialsError`` ...), as opposed to a bug or a caller's error."""
+    return isinstance(exc, OSError) or type(exc).__module__.startswith(_STORAGE_MODULES)
+
+
 @contextlib.contextmanager
 def write_errors(where: str, what: str = "writing the checkpoint") -> Iterator[None]:
     """Turn a failed write into a :class:`CheckpointWriteError` that names ``where``.
@@ -372,7 +378,7 @@ def write_errors(where: str, what: str = "writing the checkpoint") -> Iterator[N
             f"{where}: {what} failed{hint}: {exc.strerror or exc}. Any previous file at this path is untouched."
         ) from exc
     except Exception as exc:  # noqa: BLE001
-        if not type(exc).__module__.startswith(_STORAGE_MODULES):
+        if not is_storage_error(exc):
             raise
         raise CheckpointWriteError(
             f"{where}: {what} failed: {type(exc).__name__}: {exc}. Any previous file at this path is untouched."

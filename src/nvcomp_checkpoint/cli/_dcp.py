@@ -10,18 +10,19 @@ from __future__ import annotations
 import io
 import math
 import os
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dcp import StoredItem, fqn_component, read_dcp_files, read_stored_metadata
-from nvcomp_checkpoint.dcp.report import rank_file_records
+from nvcomp_checkpoint.dcp import fqn_component, read_dcp_files, read_stored_metadata
+from nvcomp_checkpoint.dcp.layout import holds_stored_items
 from nvcomp_checkpoint.errors import CheckpointError
+from nvcomp_checkpoint.filetype import DCP_DIR, LIGHTNING_SHARDED_DIR, directory_kind
 
 from .sources import TensorInfo
 
-__all__ = ["DCP_OURS", "DCP_PLAIN", "is_dcp_dir", "dcp_kind", "describe_dcp", "verify_plain_dcp"]
+__all__ = ["DCP_OURS", "DCP_PLAIN", "is_dcp_dir", "dcp_kind", "describe_dcp", "verify_plain_dcp", "verify_ours_dcp"]
 
 #: ``format`` values of a DCP directory in inspect's and verify's output.
 DCP_OURS = "dcp-nvcomp"
@@ -30,21 +31,13 @@ DCP_PLAIN = "dcp"
 
 def is_dcp_dir(path: str) -> bool:
     """True when ``path`` is a local directory holding DCP's ``.metadata`` or ``__0.metadata`` (ours or plain)."""
-    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, n)) for n in (".metadata", "__0.metadata"))
-
-
-def _records(path: str) -> tuple[Any, dict[str, list[tuple[Any, Any]]]]:
-    metadata = read_stored_metadata(path)
-    if metadata is None:  # pragma: no cover - is_dcp_dir checked it exists
-        raise CheckpointError(f"{path}: no .metadata")
-    return metadata, rank_file_records(metadata)
+    return os.path.isdir(path) and directory_kind(os.listdir(path)) in (DCP_DIR, LIGHTNING_SHARDED_DIR)
 
 
 def dcp_kind(path: str) -> str:
     """:data:`DCP_OURS` or :data:`DCP_PLAIN` for a DCP directory."""
     metadata = read_stored_metadata(path)
-    records = (metadata.storage_data or {}).values() if metadata is not None else ()
-    return DCP_OURS if any(isinstance(v, StoredItem) for v in records) else DCP_PLAIN
+    return DCP_OURS if metadata is not None and holds_stored_items(metadata) else DCP_PLAIN
 
 
 def _plain_info(metadata: Any, index: Any, info: Any) -> TensorInfo:
@@ -66,12 +59,12 @@ def _our_info(t: Any) -> TensorInfo:
     return TensorInfo(t.key, t.component, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.nbytes, t.stored_bytes, t.codec.label, t.filter)
 
 
-def describe_dcp(path: str, trust: bool = False) -> dict[str, Any]:
+def describe_dcp(path: str) -> dict[str, Any]:
     """Per rank file (sizes, items, raw bytes) and every stored item as :class:`TensorInfo`.
 
     The rank files, their sizes and (ours) their indexes come from
-    :func:`nvcomp_checkpoint.dcp.report.read_dcp_files`, as a sharded save's report does; ``trust``
-    is unused (only indexes are read).
+    :func:`nvcomp_checkpoint.dcp.report.read_dcp_files`, as a sharded save's report does: only
+    indexes are read, never a pickled object, so no ``--trust`` is needed.
     """
     files = read_dcp_files(path)
     kind = DCP_OURS if files.compressed else DCP_PLAIN
@@ -83,7 +76,7 @@ def describe_dcp(path: str, trust: bool = False) -> dict[str, Any]:
         else:
             file_infos = [_plain_info(files.metadata, index, info) for index, info in files.records[f.name]]
         infos.extend(file_infos)
-        note = "missing" if f.file_bytes is None else (f"unreadable: {f.error}" if f.error else None)
+        note = f"unreadable: {f.error}" if f.error else ("missing" if f.file_bytes is None else None)
         rows.append({"file": f.name, "rank_file": rank, "format": kind, "file_bytes": f.file_bytes or 0, "items": f.items,
                      "tensors": len(file_infos), "raw_bytes": sum(t.raw_bytes for t in file_infos),
                      "stored_bytes": sum(t.stored_bytes for t in file_infos),
@@ -101,10 +94,11 @@ def verify_plain_dcp(path: str) -> list[dict[str, Any]]:
     """
     from torch.distributed.checkpoint._extension import ExtensionRegistry
 
-    metadata, files = _records(path)
+    files = read_dcp_files(path)
+    metadata = files.metadata
     registry = ExtensionRegistry()
     failures: list[dict[str, Any]] = []
-    for name, items in files.items():
+    for name, items in files.records.items():
         full = os.path.join(path, name)
         if not os.path.isfile(full):
             failures.extend(_missing(full, items))
@@ -142,19 +136,28 @@ def _missing(full: str, items: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
     return [{"file": full, "tensor": index.fqn, "error": f"{full}: missing (named by .metadata)"} for index, _ in items]
 
 
-def verify_ours_dcp(path: str) -> list[dict[str, Any]]:
+def verify_ours_dcp(path: str, verified: Collection[str] = ()) -> list[dict[str, Any]]:
     """Checks of our DCP directory beyond each rank file's own checksums: every record's file
-    exists and holds the record's key."""
-    _, files = _records(path)
+    exists, reads, and holds the record's key.
+
+    A rank file that does not read is reported here unless it is one of ``verified`` (the files
+    verify checks on their own, whose damage it names).
+    """
+    files = read_dcp_files(path)
     failures: list[dict[str, Any]] = []
-    for name, items in files.items():
-        full = os.path.join(path, name)
-        if not os.path.isfile(full):
+    for f in files.rank_files:
+        full = os.path.join(path, f.name)
+        items = files.records[f.name]
+        if f.error is not None:
+            if full not in verified:
+                failures.append({"file": full, "tensor": None, "error": f.error})
+            continue
+        if f.file_bytes is None:
             failures.extend(_missing(full, items))
             continue
         try:
             with nc.open(full) as reader:
-                keys = set(reader.keys())
+                keys = set(reader.keys())  # tied weights' further keys too (from the object tree)
         except CheckpointError:
             continue  # the rank file's own verify names the damage
         failures.extend(

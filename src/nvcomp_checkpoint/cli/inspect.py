@@ -218,7 +218,7 @@ def _print_codec_notes(console: Any, stats: dict[str, nc.ComponentStats]) -> Non
 
 def _run_inspect_dcp(args: argparse.Namespace) -> int:
     # A DCP directory: one row per rank file, components summed over every rank's items.
-    d = _dcp.describe_dcp(args.path, args.trust)
+    d = _dcp.describe_dcp(args.path)
     infos = [_shown_info(t) for t in d.pop("_infos")]
     stats = component_stats(infos)
     raw = sum(t.raw_bytes for t in infos)

@@ -89,11 +89,11 @@ def run_verify(args: argparse.Namespace) -> int:
         paths = []
         extra = _dcp.verify_plain_dcp(args.path)
     elif kind == DIRECTORY:
-        if dcp_kind == _dcp.DCP_OURS:
-            extra = _dcp.verify_ours_dcp(args.path)
-        extra = uncommitted + extra
         stale = [p for d, _, _ in os.walk(args.path) for p in stale_temp_files(d)]
         paths = [os.path.join(args.path, rel) for rel, k in dir_files(args.path) if k == NVCOMP]
+        if dcp_kind == _dcp.DCP_OURS:
+            extra = _dcp.verify_ours_dcp(args.path, verified=paths)
+        extra = uncommitted + extra
         if not paths and not extra:
             raise FormatError(f"{args.path}: holds no nvcomp-checkpoint files to verify (convert it with `nvckpt compress`)")
     elif kind == NVCOMP:

@@ -23,6 +23,7 @@ __all__ = [
     "SHARD_SUFFIX",
     "RECORD_MAGIC",
     "StoredItem",
+    "holds_stored_items",
     "shard_name",
     "rank_metadata_name",
     "WORLD_SIZE_TAG",
@@ -53,6 +54,12 @@ class StoredItem:
 
     file: str
     key: str
+
+
+def holds_stored_items(metadata: Any) -> bool:
+    """True when a DCP ``Metadata``'s records are :class:`StoredItem` (written by ``NvcompWriter``),
+    False for a plain (``FileSystemWriter``) one."""
+    return any(isinstance(v, StoredItem) for v in (metadata.storage_data or {}).values())
 
 
 #: In ``storage_meta.modules`` of a per-rank metadata file (a save without collectives): the

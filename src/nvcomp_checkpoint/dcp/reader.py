@@ -21,9 +21,9 @@ from torch.futures import Future
 
 from ..codecs import gpu_available
 from ..errors import CheckpointError, FormatError
-from ..filetype import HEAD_BYTES, NVCOMP, TORCH, kind_of
+from ..filetype import NVCOMP, TORCH, path_contents
 from ..reader import CheckpointReader
-from ..storage import list_names, open_checkpoint_stream, storage_for
+from ..storage import open_checkpoint_stream, storage_for
 from .layout import (
     METADATA_NAME,
     MAX_METADATA_BYTES,
@@ -37,7 +37,7 @@ from .layout import (
     safe_unpickle,
 )
 
-__all__ = ["NvcompReader", "read_stored_metadata", "merge_rank_metadata", "is_compressed_dcp_checkpoint"]
+__all__ = ["NvcompReader", "read_stored_metadata", "require_stored_metadata", "merge_rank_metadata", "is_compressed_dcp_checkpoint"]
 
 
 def _read_metadata_bytes(path: str, storage_options: dict[str, Any] | None, name: str = METADATA_NAME) -> bytes | None:
@@ -62,6 +62,19 @@ def read_stored_metadata(path: str | os.PathLike[str], storage_options: dict[str
     if data is None:
         return _read_rank_metadata(path, storage_options)
     return _decode(data, join(path, METADATA_NAME))
+
+
+def require_stored_metadata(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Metadata:
+    """:func:`read_stored_metadata`, for a path that must hold a committed DCP checkpoint.
+
+    Raises:
+        CheckpointError: It does not; the message says what is there instead (nothing, a file,
+            an empty directory, a save that never completed) and what to do.
+    """
+    metadata = read_stored_metadata(path, storage_options)
+    if metadata is None:
+        raise CheckpointError(_no_checkpoint(os.fspath(path), storage_options))
+    return metadata
 
 
 def _decode(data: bytes, where: str) -> Metadata:
@@ -228,9 +241,7 @@ class NvcompReader(StorageReader):
         # merges every rank's, and a failure reports only the real reason a load cannot start.
         if not self.path:
             raise CheckpointError("NvcompReader has no directory: pass NvcompReader(path) or dcp.load(..., checkpoint_id=path)")
-        metadata = read_stored_metadata(self.path, self.storage_options)
-        if metadata is None:
-            raise CheckpointError(_no_checkpoint(self.path, self.storage_options))
+        metadata = require_stored_metadata(self.path, self.storage_options)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -300,7 +311,6 @@ class NvcompReader(StorageReader):
     def checkpoint_id(self) -> str:
         return self.path
 
-
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return True
@@ -308,20 +318,17 @@ class NvcompReader(StorageReader):
 
 def _no_checkpoint(path: str, storage_options: dict[str, Any] | None) -> str:
     """Why ``path``, which has no DCP metadata, does not load: what is there, and what to do."""
-    storage, spath = storage_for(path, storage_options)
-    if not storage.exists(spath):
+    found = path_contents(*storage_for(path, storage_options), path)
+    if not found.exists:
         return f"{path}: does not exist; check the path (NvcompReader takes the directory that dcp.save wrote)"
-    if not list_names(storage, spath):  # a file, or an empty directory
-        try:
-            with open_checkpoint_stream(storage, spath, path) as f:
-                kind = kind_of(f.read(HEAD_BYTES), storage.size(spath))
-        except CheckpointError:  # a directory cannot be opened as a file
-            return f"{path}: an empty directory: no checkpoint was saved here (or a save was killed before it wrote a file)"
-        if kind == NVCOMP:
-            return f"{path}: a single-file checkpoint of nvcomp-checkpoint, not a DCP directory: use nvcomp_checkpoint.load(path)"
-        if kind == TORCH:
-            return f"{path}: a torch.save file, not a DCP directory: use nvcomp_checkpoint.load(path) or torch.load(path)"
+    if found.file_kind == NVCOMP:
+        return f"{path}: a single-file checkpoint of nvcomp-checkpoint, not a DCP directory: use nvcomp_checkpoint.load(path)"
+    if found.file_kind == TORCH:
+        return f"{path}: a torch.save file, not a DCP directory: use nvcomp_checkpoint.load(path) or torch.load(path)"
+    if not found.is_dir:
         return f"{path}: a file, not a DCP checkpoint directory (NvcompReader takes the directory that dcp.save wrote)"
+    if not found.names:
+        return f"{path}: an empty directory: no checkpoint was saved here (or a save was killed before it wrote a file)"
     return (
         f"{path}: a directory without .metadata (nor __0.metadata): not a DCP checkpoint, or a save that never "
         "completed (the metadata is written last, once every rank's file is durable). Load an earlier checkpoint."

@@ -14,9 +14,9 @@ from ..errors import CheckpointError, FormatError
 from ..policy import Component
 from ..reader import CheckpointReader
 from ..report import ComponentStats, SaveReport
-from ..storage import list_names, storage_for
-from .layout import METADATA_NAME, StoredItem, join, rank_metadata_name
-from .reader import read_stored_metadata
+from ..storage import is_storage_error, list_names, storage_for
+from .layout import METADATA_NAME, StoredItem, holds_stored_items, join, rank_metadata_name
+from .reader import require_stored_metadata
 
 __all__ = ["RankFile", "DcpFiles", "read_dcp_files", "dcp_report", "metadata_files", "rank_file_records", "component_totals"]
 
@@ -30,10 +30,10 @@ class RankFile:
     Attributes:
         name: The file's name inside the checkpoint directory.
         items: DCP items the metadata places in it.
-        file_bytes: Its size; ``None`` when the file is missing.
+        file_bytes: Its size; ``None`` when the file is missing (or, with ``error``, its size does not read).
         tensors: The entries of its index (ours; each with ``key``, ``component``, ``nbytes``,
             ``stored_bytes``, ``codec``, ``filter``); empty for a plain, missing or unreadable file.
-        error: Why its index could not be read (a damaged or foreign file), else ``None``.
+        error: Why it could not be read (a damaged or foreign file, a storage failure), else ``None``.
     """
 
     name: str
@@ -119,45 +119,50 @@ def read_dcp_files(path: str, storage_options: dict[str, Any] | None = None) -> 
     """The files of the committed DCP checkpoint at ``path``; for ours, every rank file's index is
     read (its footer and index only, never a tensor's frames).
 
-    A rank file the metadata names but that is missing has ``file_bytes=None``; one whose index
-    does not read (damaged, or not ours) has the reason in ``error``.
+    A rank file the metadata names but that is missing has ``file_bytes=None``; one that does not
+    read (damaged, not ours, or the storage failed on it) has the reason in ``error``, and the
+    other files are read all the same.
 
     Raises:
-        CheckpointError: No ``.metadata`` (nor ``__0.metadata``): not a checkpoint, or a save
-            that never committed.
+        CheckpointError: No committed checkpoint at ``path`` (the message says what is there).
     """
-    metadata = read_stored_metadata(path, storage_options)
-    if metadata is None:
-        raise CheckpointError(
-            f"{path}: no .metadata (nor __0.metadata): not a DCP checkpoint, or a save that never committed "
-            "(the metadata is written last, once every rank's file is durable)"
-        )
+    metadata = require_stored_metadata(path, storage_options)
     records = rank_file_records(metadata)
-    compressed = any(isinstance(v, StoredItem) for v in (metadata.storage_data or {}).values())
-    rank_files = []
-    for name, items in records.items():
-        where = join(path, name)
-        storage, spath = storage_for(where, storage_options)
-        if not storage.exists(spath):
-            rank_files.append(RankFile(name, len(items), None))
-            continue
-        if not compressed:
-            rank_files.append(RankFile(name, len(items), storage.size(spath)))
-            continue
-        try:
-            with CheckpointReader(where, storage_options=storage_options) as reader:
-                rank_files.append(RankFile(name, len(items), reader.file_bytes, tuple(reader.index.tensors)))
-        except CheckpointError as exc:  # FormatError, ChecksumError: the file's own damage, named by verify
-            rank_files.append(RankFile(name, len(items), storage.size(spath), error=str(exc)))
+    compressed = holds_stored_items(metadata)
+    rank_files = tuple(_rank_file(path, name, len(items), compressed, storage_options) for name, items in records.items())
     names = metadata_files(path, storage_options)
     meta_bytes = 0
     for n in names:
         storage, spath = storage_for(join(path, n), storage_options)
         meta_bytes += storage.size(spath)
     return DcpFiles(
-        path, compressed, metadata, records, tuple(rank_files), tuple(names), meta_bytes,
+        path, compressed, metadata, records, rank_files, tuple(names), meta_bytes,
         component_totals(t for f in rank_files for t in f.tensors),
     )
+
+
+def _rank_file(path: str, name: str, items: int, compressed: bool, storage_options: dict[str, Any] | None) -> RankFile:
+    """One rank file's size and (ours) index; a failure to read it is its ``error``."""
+    where = join(path, name)
+    storage, spath = storage_for(where, storage_options)
+    try:
+        if not storage.exists(spath):
+            return RankFile(name, items, None)
+        if not compressed:
+            return RankFile(name, items, storage.size(spath))
+        with CheckpointReader(where, storage_options=storage_options) as reader:
+            return RankFile(name, items, reader.file_bytes, tuple(reader.index.tensors))
+    except CheckpointError as exc:  # FormatError, ChecksumError, permission denied: named by the message
+        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - the storage's own failure on this file; a bug passes through
+        if not is_storage_error(exc):
+            raise
+        error = f"{where}: cannot be read: {type(exc).__name__}: {exc}"
+    try:
+        size: int | None = storage.size(spath)
+    except Exception:  # noqa: BLE001 - the error above says why the file does not read
+        size = None
+    return RankFile(name, items, size, error=error)
 
 
 def dcp_report(
@@ -190,7 +195,7 @@ def dcp_report(
             f"{path}: a plain DCP checkpoint (FileSystemWriter's), not one written by nvcomp_checkpoint.dcp.NvcompWriter; "
             "its per-rank sizes and ratios are listed by `nvckpt inspect`"
         )
-    missing = [f.name for f in files.rank_files if f.file_bytes is None]
+    missing = [f.name for f in files.rank_files if f.file_bytes is None and f.error is None]
     if missing:
         raise FormatError(
             f"{path}: rank file(s) {', '.join(missing)} named by the metadata are missing; restore the checkpoint from another copy"
