@@ -672,6 +672,10 @@ def _process_async_save(rank: int, world: int, tmp: str) -> None:
         target = {"m": {"w": torch.zeros(256, 64), "b": torch.zeros(10, dtype=torch.long)}}
         dcp.load(target, storage_reader=NvcompReader(where))
         assert_tree_equal(target, state, staging)
+    # Stop DCP's background process now (its finalizer asks it to end), not at this rank's os._exit.
+    from torch.distributed.checkpoint import _async_process_executor
+
+    _async_process_executor._CHECKPOINT_PROCESS = None
 
 
 def test_async_save_in_dcps_background_process(tmp_path: Path) -> None:
