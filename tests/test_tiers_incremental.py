@@ -232,7 +232,9 @@ def _framework_chain(tmp_path: Path, damage_base: bool = False) -> tuple[Path, d
     return shared, states
 
 
-def _resume_at_once(shared: str, local_dir: str, barrier: Any, out: Any) -> None:
+def _resume_at_once(shared: str, local_dir: str, barrier: Any, out: Any, lock: bool) -> None:
+    if not lock:  # a file system that does not honour flock: only the rename keeps the folder whole
+        nc.tiers._FolderLock.__enter__ = lambda self: self
     mgr = nc.CheckpointManager([nc.Tier(shared + "-fw"), nc.Tier(shared, name="shared")], tier0_external=True, clean=False)
     barrier.wait(30)
     try:
@@ -245,10 +247,10 @@ def _resume_at_once(shared: str, local_dir: str, barrier: Any, out: Any) -> None
 def test_processes_resuming_at_once_into_one_folder_get_the_same_whole_chain(tmp_path):
     shared, _ = _framework_chain(tmp_path)
     ctx = multiprocessing.get_context("fork")
-    local = tmp_path / "restore"
-    for round_ in range(2):  # a fresh folder, then one that already holds the chain
+    # A fresh folder, then one that already holds the chain; then a fresh one without the lock.
+    for local, lock in ((tmp_path / "restore", True), (tmp_path / "restore", True), (tmp_path / "nolock", False)):
         barrier, out = ctx.Barrier(2), ctx.Queue()
-        procs = [ctx.Process(target=_resume_at_once, args=(str(shared), str(local), barrier, out)) for _ in range(2)]
+        procs = [ctx.Process(target=_resume_at_once, args=(str(shared), str(local), barrier, out, lock)) for _ in range(2)]
         for p in procs:
             p.start()
         results = [out.get(timeout=60) for _ in procs]
@@ -261,6 +263,14 @@ def test_processes_resuming_at_once_into_one_folder_get_the_same_whole_chain(tmp
         assert chain.parent == local and sorted(p.name for p in chain.iterdir()) == ["a.ckpt", "b.ckpt", "step-0000000003.nvc"]
         # One folder per chain, nothing half-written left beside it.
         assert [p.name for p in local.iterdir() if not p.name.endswith(".lock")] == [chain.name]
+    # A laid-out chain damaged since is never rewritten (another process may read it): an error naming it.
+    base = chain / "a.ckpt"
+    data = bytearray(base.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    base.write_bytes(bytes(data))
+    mgr = nc.CheckpointManager([nc.Tier(tmp_path / "fw"), nc.Tier(shared, name="shared")], tier0_external=True, clean=False)
+    with pytest.raises(nc.errors.FormatError, match=f"{chain}: step 3, laid out there by an earlier fetch, does not check"):
+        mgr.fetch(3, 1, tmp_path / "nolock")
 
 
 def test_verify_decodes_a_laid_out_delta(tmp_path):
