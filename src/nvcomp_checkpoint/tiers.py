@@ -12,9 +12,9 @@ import os
 import posixpath
 import queue
 import re
-import shutil
 import tempfile
 import threading
+import uuid
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
@@ -30,7 +30,7 @@ from .errors import CheckpointError, CheckpointWriteError, FormatError
 from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
 from .policy import CodecPolicy, Component, classify
 from .reader import CheckpointReader
-from .storage import LocalStorage, Storage, abort_unfinished_uploads, is_url, list_names, storage_for, upload_file, write_errors
+from .storage import LOCAL, LocalStorage, Storage, abort_unfinished_uploads, local_lock, is_url, list_names, storage_for, upload_file, write_errors
 
 __all__ = [
     "Tier",
@@ -443,13 +443,30 @@ def verify_unit(store: TierStore, manifest: UnitManifest, *, full: bool = True) 
             layout = _check_chain(store, manifest, _chain_manifests(store, manifest), full=True)
             if _in_place(store, layout):
                 return None
-            with tempfile.TemporaryDirectory(prefix="nvckpt-verify-") as tmp:
+            tmp = _scratch_folder(tempfile.gettempdir(), "nvckpt-verify")
+            try:
                 head = _lay_out(store, layout, tmp, in_place=False)
                 why = _decode_errors([_at(head, e) for e in manifest.files if e.index_xxh3 is not None], None)
+            finally:
+                _remove_quietly(tmp)
             return None if why is None else f"laid out with its chain, it does not decode: {why}"
         return _decode_errors([store.file_path(manifest, e) for e in manifest.files if e.index_xxh3 is not None], store.tier.storage_options)
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         return f"{type(exc).__name__}: {exc}"
+
+
+def _scratch_folder(parent: str, prefix: str) -> str:
+    """A new folder of this process in ``parent`` (a name no other process uses)."""
+    path = os.path.join(parent, f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    LOCAL.makedirs(path)
+    return path
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        LOCAL.remove(path)
+    except OSError:
+        _LOG.debug("could not remove %s", path, exc_info=True)
 
 
 def _lay_out(src: TierStore, layout: list[tuple[UnitManifest, str]], root: str, *, in_place: bool) -> str:
@@ -479,35 +496,6 @@ def _laid_out_errors(layout: list[tuple[UnitManifest, str]], folder: str, *, dec
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         return f"{type(exc).__name__}: {exc}"
     return None
-
-
-class _FolderLock:
-    """An exclusive ``flock`` on ``path`` (created, never removed: removing a lock file races), where the OS has one.
-
-    Only saves work: processes that fetch the same chain at once copy it once. Correctness does not
-    rest on it (a shared file system may not honour it): each fetch lays out into its own temporary
-    folder and renames it into place.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.fd: int | None = None
-
-    def __enter__(self) -> "_FolderLock":
-        try:
-            import fcntl
-
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except (ImportError, OSError):
-            if self.fd is not None:
-                os.close(self.fd)
-            self.fd = None
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # releases the lock
 
 
 def _chain_manifests(store: TierStore, manifest: UnitManifest) -> dict[int, UnitManifest]:
@@ -1400,13 +1388,14 @@ class CheckpointManager:
             layout = chain_layout(src, manifest, _chain_manifests(src, manifest))
         in_place = _in_place(src, layout)
         root = os.path.abspath(os.fspath(local_dir))
-        os.makedirs(root, exist_ok=True)
+        LOCAL.makedirs(root)
         name = f"step-{step:010d}-{_layout_key(layout)}"
         final = os.path.join(root, name)
         head = os.path.join(final, *layout[0][1].split("/"))
-        with _FolderLock(os.path.join(root, f".{name}.lock")):
-            if not os.path.isdir(final):
-                tmp: str | None = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root)
+        # The lock only saves work (processes at once copy the chain once); the rename keeps it whole.
+        with local_lock(os.path.join(root, f".{name}.lock")):
+            if not LOCAL.isdir(final):
+                tmp: str | None = _scratch_folder(root, f".{name}.tmp")
                 try:
                     laid = _lay_out(src, layout, tmp, in_place=in_place)
                     if not in_place:
@@ -1414,15 +1403,15 @@ class CheckpointManager:
                         if why is not None:
                             raise FormatError(f"{head}: step {step} from {src.label}, laid out with its chain, does not decode: {why}")
                     try:
-                        os.rename(tmp, final)  # atomic; fails if another process put it there first
+                        LOCAL.rename(tmp, final)  # atomic; a folder there (another process's) makes it fail
                         tmp = None
                         return head
                     except OSError:
-                        if not os.path.isdir(final):
+                        if not LOCAL.isdir(final):
                             raise
                 finally:
                     if tmp is not None:
-                        shutil.rmtree(tmp, ignore_errors=True)
+                        _remove_quietly(tmp)
             why = _laid_out_errors(layout, final, decode=not in_place)
             if why is not None:
                 raise FormatError(
