@@ -238,3 +238,78 @@ def test_a_failed_async_save_is_never_the_base_of_the_next(tmp_path: Path) -> No
     with nc.open(tmp_path / "a-3.ckpt") as reader:
         assert reader.chain is None  # full: the save before it failed
     assert torch.equal(nc.load(tmp_path / "a-3.ckpt")["w"], state(3)["w"])
+
+
+def _small_save(book: IncrementalFiles, path: Path, step: int) -> str | None:
+    base = book.base_for(path)
+    nc.save({"w": torch.full((256,), float(step)), "step": torch.tensor(step)}, path, base=base)
+    return base
+
+
+def test_a_deleted_delta_no_longer_keeps_its_base(tmp_path: Path) -> None:
+    # ModelCheckpoint's order (save the new file, then remove the k-th best) with s1 the best for a while.
+    book = IncrementalFiles("test", full_every=3)
+    p = {s: tmp_path / f"s{s}.ckpt" for s in range(1, 7)}
+    names = lambda: sorted(f.name for f in tmp_path.glob("*.ckpt"))  # noqa: E731
+    for s in (1, 2, 3):
+        _small_save(book, p[s], s)
+    book.remove(p[2], os.remove)  # s3 needs s2
+    assert _small_save(book, p[4], 4) is None  # full (full_every=3)
+    assert sorted(Path(q).name for q in book.remove(p[3], os.remove)) == ["s2.ckpt", "s3.ckpt"]
+    assert _small_save(book, p[5], 5) == str(p[4])
+    book.remove(p[4], os.remove)  # s5 needs s4
+    assert _small_save(book, p[6], 6) == str(p[5])
+    # s2 and s3 are gone: nothing needs s1 any more.
+    assert [Path(q).name for q in book.remove(p[1], os.remove)] == ["s1.ckpt"]
+    assert names() == ["s4.ckpt", "s5.ckpt", "s6.ckpt"]
+    assert [Path(q).name for q in book.deferred] == ["s4.ckpt"]
+    assert json.loads((tmp_path / DEFERRED_NAME).read_text()) == ["s4.ckpt"]
+
+
+def test_a_deleted_file_is_never_the_base_of_the_next_save(tmp_path: Path) -> None:
+    book = IncrementalFiles("test", full_every=5)
+    a, b, c = (tmp_path / f"{x}.ckpt" for x in "abc")
+    _small_save(book, a, 1)
+    _small_save(book, b, 2)
+    book.remove(a, os.remove)  # b needs a
+    book.remove(b, os.remove)  # both go
+    assert not a.exists() and not b.exists()
+    assert _small_save(book, c, 3) is None
+    assert nc.load(c)["step"] == 3
+
+
+def test_a_removal_deferred_by_the_tier_copies_stays_listed_until_it_runs(tmp_path: Path) -> None:
+    import threading
+
+    from nvcomp_checkpoint.tiers import Tier, TierCopies
+
+    release, started = threading.Event(), threading.Event()
+
+    def hold(tier: str, step: int, nbytes: int) -> None:  # the copy to the tier is slow
+        started.set()
+        release.wait(30)
+
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    tiers = TierCopies([Tier(tmp_path / "shared")], "test", on_copy_progress=hold)
+    book = IncrementalFiles("test", full_every=1)
+    a, b, c = folder / "a.ckpt", folder / "b.ckpt", folder / "c.ckpt"
+    _small_save(book, a, 1)
+    tiers.adopt(1, a)
+    assert started.wait(30)
+    # The framework removes a while its copy runs: the tier copies defer the real deletion.
+    delete = lambda path: tiers.remove_after_copies(path, lambda: Path(path).unlink(missing_ok=True))  # noqa: E731
+    assert book.remove(a, delete) == [str(a)]
+    assert a.exists()
+    assert json.loads((folder / DEFERRED_NAME).read_text()) == ["a.ckpt"]
+    # The process dies here: the next one finds a listed and deletes it at its first removal.
+    fresh = IncrementalFiles("test", full_every=1)
+    _small_save(fresh, c, 2)
+    assert sorted(Path(q).name for q in fresh.remove(c, os.remove)) == ["a.ckpt", "c.ckpt"]
+    assert not a.exists() and not (folder / DEFERRED_NAME).exists()
+    # Had it lived on: the copy finishes and runs the deletion; the next removal unlists a.
+    release.set()
+    tiers.wait()
+    _small_save(book, b, 3)
+    assert book.remove(b, delete) == [str(b)]
+    assert not (folder / DEFERRED_NAME).exists() and sorted(p.name for p in folder.iterdir()) == []

@@ -3,10 +3,13 @@ copies, restore and fetch following chains, on local folders and a real S3 endpo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
+import multiprocessing
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +18,7 @@ import torch
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
 from nvcomp_checkpoint.errors import CheckpointWriteError
+from nvcomp_checkpoint.tiers import verify_unit
 from test_tiers_s3 import BUCKET, moto  # noqa: F401 - the moto_server fixture
 
 
@@ -185,7 +189,8 @@ def test_chains_on_s3_restore_and_fetch(tmp_path, moto):
     assert (r.step, r.tier_name) == (5, "object")
     assert_tree_equal(states[5], r.state)
     local = fresh.fetch(5, 1, tmp_path / "download")
-    assert sorted(p.name for p in (tmp_path / "download").iterdir() if p.suffix == ".nvc") == ["step-0000000004.nvc", "step-0000000005.nvc"]
+    assert sorted(p.name for p in Path(local).parent.iterdir() if p.suffix == ".nvc") == ["step-0000000004.nvc", "step-0000000005.nvc"]
+    assert Path(local).parent.parent == tmp_path / "download"
     assert_tree_equal(states[5], nc.load(local))
 
 
@@ -205,3 +210,75 @@ def test_nvckpt_sync_brings_and_keeps_the_chain(tmp_path, capsys):
     r = nc.CheckpointManager([nc.Tier(dst)]).restore()
     assert r.step == 5
     assert_tree_equal(states[5], r.state)
+
+
+def _framework_chain(tmp_path: Path, damage_base: bool = False) -> tuple[Path, dict[int, dict[str, torch.Tensor]]]:
+    """Three files a framework named itself (a full, b a delta of a, c a delta of b), adopted as
+    steps 1-3 and copied to the tier ``shared``: the chain lies there under step names, not in place."""
+    fw = tmp_path / "fw"
+    fw.mkdir()
+    big = torch.randn(1 << 18, generator=torch.Generator().manual_seed(0))
+    states = {s: {"big": big, "small": torch.full((64,), float(s))} for s in (1, 2, 3)}
+    paths = {s: fw / f"{n}.ckpt" for s, n in zip((1, 2, 3), "abc")}
+    for s, base in ((1, None), (2, paths[1]), (3, paths[2])):
+        nc.save(states[s], paths[s], base=base)
+    if damage_base:  # a frame of the base damaged on tier 0 already: the copy carries it faithfully
+        data = bytearray(paths[1].read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        paths[1].write_bytes(bytes(data))
+    shared = tmp_path / "shared"
+    with nc.CheckpointManager([nc.Tier(fw), nc.Tier(shared, name="shared", max_queued=8)], tier0_external=True) as mgr:
+        for s, base in ((1, None), (2, paths[1]), (3, paths[2])):
+            mgr.adopt(s, paths[s], base=base)
+    return shared, states
+
+
+def _resume_at_once(shared: str, local_dir: str, barrier: Any, out: Any, lock: bool) -> None:
+    if not lock:  # a file system that does not honour flock: only the rename keeps the folder whole
+        nc.tiers.local_lock = contextlib.nullcontext
+    mgr = nc.CheckpointManager([nc.Tier(shared + "-fw"), nc.Tier(shared, name="shared")], tier0_external=True, clean=False)
+    barrier.wait(30)
+    try:
+        found = mgr.resume_path(local_dir)
+        out.put((found.step, found.path, float(nc.load(found.path)["small"][0]), [s for s, _, _ in found.skipped]))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        out.put(repr(exc))
+
+
+def test_processes_resuming_at_once_into_one_folder_get_the_same_whole_chain(tmp_path):
+    shared, _ = _framework_chain(tmp_path)
+    ctx = multiprocessing.get_context("fork")
+    # A fresh folder, then one that already holds the chain; then a fresh one without the lock.
+    for local, lock in ((tmp_path / "restore", True), (tmp_path / "restore", True), (tmp_path / "nolock", False)):
+        barrier, out = ctx.Barrier(2), ctx.Queue()
+        procs = [ctx.Process(target=_resume_at_once, args=(str(shared), str(local), barrier, out, lock)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(30)
+        assert results[0] == results[1], results
+        step, path, small, skipped = results[0]
+        assert (step, small, skipped) == (3, 3.0, []), results
+        chain = Path(path).parent
+        assert chain.parent == local and sorted(p.name for p in chain.iterdir()) == ["a.ckpt", "b.ckpt", "step-0000000003.nvc"]
+        # One folder per chain, nothing half-written left beside it.
+        assert [p.name for p in local.iterdir() if not p.name.endswith(".lock")] == [chain.name]
+    # A laid-out chain damaged since is never rewritten (another process may read it): an error naming it.
+    base = chain / "a.ckpt"
+    data = bytearray(base.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    base.write_bytes(bytes(data))
+    mgr = nc.CheckpointManager([nc.Tier(tmp_path / "fw"), nc.Tier(shared, name="shared")], tier0_external=True, clean=False)
+    with pytest.raises(nc.errors.FormatError, match=f"{chain}: step 3, laid out there by an earlier fetch, does not check"):
+        mgr.fetch(3, 1, tmp_path / "nolock")
+
+
+def test_verify_decodes_a_laid_out_delta(tmp_path):
+    shared, _ = _framework_chain(tmp_path, damage_base=True)
+    store = nc.tiers.open_tier(str(shared))
+    # Every byte matches the manifests (the damage was copied faithfully): only decoding finds it.
+    assert verify_unit(store, store.manifest(3), full=False) is None
+    problem = verify_unit(store, store.manifest(3), full=True)
+    assert problem is not None and "laid out with its chain, it does not decode" in problem and "'big'" in problem
+    assert verify_unit(store, store.manifest(1), full=True) is not None

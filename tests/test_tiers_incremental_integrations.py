@@ -47,6 +47,13 @@ def bases(root: Path) -> dict[int, int | None]:
     return {s: m.base for s, m in store.manifests().items()}
 
 
+def laid_out(restore: Path, step: int) -> Path:
+    """The folder ``resume_path(restore)`` laid the chain of ``step`` out in (one per chain)."""
+    found = sorted(p for p in restore.iterdir() if p.name.startswith(f"step-{step:010d}-"))
+    assert len(found) == 1 and found[0].is_dir(), found
+    return found[0]
+
+
 RESUME_LIGHTNING = """\
 import sys
 sys.path.insert(0, {tests!r})
@@ -100,8 +107,9 @@ def test_lightning_top_k_deltas_reach_the_tiers_and_a_fresh_process_resumes_from
         epochs=EPOCHS + 2, ckpts=str(tmp_path / "local2"), dump=str(dump), losses=str(losses),
     ))
     # Step 20 (a delta) laid out with its base under the name it records.
-    assert f"RESUMED {tmp_path / 'restore' / 'step-0000000020.nvc'}" in out
-    assert sorted(p.name for p in (tmp_path / "restore").iterdir()) == sorted([name(16), "step-0000000020.nvc"])
+    chain = laid_out(tmp_path / "restore", 20)
+    assert f"RESUMED {chain / 'step-0000000020.nvc'}" in out
+    assert sorted(p.name for p in chain.iterdir()) == sorted([name(16), "step-0000000020.nvc"])
     restored = torch.load(dump, weights_only=False)
     assert_tree_equal(saved["state_dict"], restored["state_dict"], "state_dict")
     assert_tree_equal(saved["optimizer_states"][0], restored["optimizer"], "optimizer")
@@ -125,7 +133,7 @@ def test_lightning_a_chain_broken_on_a_tier_falls_back(tmp_path: Path, monkeypat
     (tmp_path / "shared" / "step-0000000016.nvc").unlink()
     fresh = NvcompCheckpointIO(incremental=True, tiers=lightning_tiers(tmp_path))
     path = fresh.resume_path(restore)
-    assert path == str(restore / "step-0000000020.nvc")
+    assert path == str(laid_out(restore, 20) / "step-0000000020.nvc")
     assert_tree_equal(states[20], nc.load(path, weights_only=False)["state_dict"])
     assert "skipped step 20 on shared" in caplog.text and "base step 16 is not on shared (a broken chain)" in caplog.text
     # The same base is replaced on archive by another file (the full step 16 file of shared is gone too):
@@ -133,8 +141,9 @@ def test_lightning_a_chain_broken_on_a_tier_falls_back(tmp_path: Path, monkeypat
     archived_16 = tmp_path / "archive" / "step-0000000016.nvc"
     archived_16.write_bytes((tmp_path / "archive" / "step-0000000012.nvc").read_bytes())
     path = fresh.resume_path(tmp_path / "restore2")
-    assert path == str(tmp_path / "restore2" / "step-0000000012.nvc")
-    assert sorted(p.name for p in (tmp_path / "restore2").iterdir()) == sorted([name(4), name(8), "step-0000000012.nvc"])
+    chain = laid_out(tmp_path / "restore2", 12)
+    assert path == str(chain / "step-0000000012.nvc")
+    assert sorted(p.name for p in chain.iterdir()) == sorted([name(4), name(8), "step-0000000012.nvc"])
     assert nc.load(path, weights_only=False)["global_step"] == 12
     fresh.teardown()
 
@@ -241,8 +250,9 @@ def test_accelerate_total_limit_deltas_reach_s3_and_a_fresh_process_resumes_from
         restore=str(restore), dump=str(dump), losses=str(losses),
     ))
     # Step 4 laid out with its base where model.nvc names it (../checkpoint_3/model.nvc).
-    assert f"RESUMED {restore / 'step-0000000004'}" in out
-    assert sorted(p.name for p in restore.iterdir()) == ["checkpoint_3", "step-0000000004"]
+    chain = laid_out(restore, 4)
+    assert f"RESUMED {chain / 'step-0000000004'}" in out
+    assert sorted(p.name for p in chain.iterdir()) == ["checkpoint_3", "step-0000000004"]
     assert_tree_equal(torch.load(dump, weights_only=False), at_save)
     assert json.loads(losses.read_text()) == straight
     # Its next save (iteration 5, the first of the process: full) went on to the tiers.

@@ -47,7 +47,7 @@ def test_accelerate_copies_to_s3_and_a_fresh_node_resumes_from_s3_only(script, m
     shutil.rmtree(tmp_path / "node1")  # the node is lost: only S3 is left
     objs2 = build(tmp_path / "node2")
     path = objs2[5].resume_path(tmp_path / "node2" / "restored")
-    assert path == str(tmp_path / "node2" / "restored" / "step-0000000002")
+    assert Path(path).name == "step-0000000002" and Path(path).parent.parent == tmp_path / "node2" / "restored"
     objs2[0].load_state(path)
     assert_tree_equal(m.snapshot(objs2), at_save)
     assert m.train(objs2, 2) == straight

@@ -81,6 +81,8 @@ class IncrementalFiles:
         self._history: dict[str, list[str]] = {}  # slot -> paths saved in its current chain
         self._written: set[str] = set()  # every path saved by this process (a second save rewrites it)
         self._doomed: set[str] = set()
+        # Deleted by a call that deferred the real deletion (tier copies still reading it): listed until it is gone.
+        self._going: set[str] = set()
         self._bases: dict[str, str | None] = {}  # what this process saved (or is saving) each path against
         self._loaded_dirs: set[str] = set()
         self._lock = threading.RLock()
@@ -98,6 +100,7 @@ class IncrementalFiles:
         path = _norm(path)
         with self._lock:
             self._doomed.discard(path)  # saved again: the framework keeps it after all
+            self._going.discard(path)
             history = self._history.setdefault(slot, [])
             rewritten = path in self._written
             self._written.add(path)
@@ -111,8 +114,9 @@ class IncrementalFiles:
                     )
             candidates = [p for p in history if p != path and self.can_be_base(p)]
             base = self.policy.base_for(candidates)
-            if base is not None and (base in self._doomed or path in self._chain(base)):
-                base = None  # a delta cannot replace a file of its own chain, nor keep a removed file alive
+            if base is not None and (base in self._doomed or base not in self._written or path in self._chain(base)):
+                # A delta cannot replace a file of its own chain, keep a removed file alive, or follow a deleted one.
+                base = None
             if base is None:
                 history.clear()
             if self.can_be_base(path) and not rewritten:
@@ -157,6 +161,8 @@ class IncrementalFiles:
             return sorted(self._doomed)
 
     def _collect(self, delete: Callable[[str], None]) -> list[str]:
+        gone = {p for p in self._going if not self._exists(p)}  # deferred deletions that have run since
+        self._going -= gone
         needed: set[str] = set()
         for p in self._live():
             needed.update(self._chain(p))
@@ -167,17 +173,30 @@ class IncrementalFiles:
             except FileNotFoundError:
                 pass
             self._doomed.discard(p)
+            # Deleted: it no longer needs its bases. A path is in _written until then so that a save
+            # that is not durable yet (async) counts as kept.
+            self._written.discard(p)
+            self._bases.pop(p, None)
+            if self._exists(p):  # ``delete`` deferred it (tier copies read it): listed until it is gone
+                self._going.add(p)
             done.append(p)
         kept = sorted(self._doomed & needed)
         if kept:
             _LOG.info("%s: keeping %s until the deltas that need them are removed", self.owner, ", ".join(kept))
-        for folder in {_dirname(p) for p in [*done, *kept]}:
+        for folder in {_dirname(p) for p in [*done, *kept, *gone]}:
             self._store_deferred(folder)
         return done
 
+    def _exists(self, path: str) -> bool:
+        storage, spath = storage_for(path, self.storage_options)
+        try:
+            return storage.exists(spath)
+        except OSError:
+            return True  # unknown: keep it listed; the next process checks again
+
     def _live(self) -> list[str]:
         """Checkpoint files that are kept: this process's and those beside the deferred ones, not deferred."""
-        folders = {_dirname(p) for p in self._doomed | self._written}
+        folders = {_dirname(p) for p in self._doomed | self._written | self._going}
         found = set(self._written)
         for folder in folders:
             storage, root = storage_for(folder, self.storage_options)
@@ -186,7 +205,7 @@ class IncrementalFiles:
             except (FileNotFoundError, OSError):
                 continue
             found.update(_child(folder, n) for n, d in names.items() if not d and not n.startswith("."))
-        return sorted(found - self._doomed)
+        return sorted(found - self._doomed - self._going)
 
     def _chain(self, path: str) -> list[str]:
         """The bases ``path`` needs, nearest first (empty for a full file, a missing one or another kind of file)."""
@@ -220,11 +239,12 @@ class IncrementalFiles:
             return
         if isinstance(names, list):
             paths = [_child(folder, n) for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")]
-            self._doomed.update(p for p in paths if storage.exists(p))
+            # A path this process saved again is its new file, not the one listed.
+            self._doomed.update(p for p in paths if p not in self._written and storage.exists(p))
 
     def _store_deferred(self, folder: str) -> None:
         storage, _ = storage_for(folder, self.storage_options)
-        names = sorted(_basename(p) for p in self._doomed if _dirname(p) == folder)
+        names = sorted(_basename(p) for p in self._doomed | self._going if _dirname(p) == folder)
         target = _child(folder, DEFERRED_NAME)
         if not names:
             storage.remove(target)

@@ -24,6 +24,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteErr
 __all__ = [
     "Storage", "LocalStorage", "FsspecStorage", "LOCAL", "storage_for", "open_checkpoint_stream", "write_errors", "is_url",
     "fsync_path", "exchange_paths", "list_names", "is_storage_error", "abort_unfinished_uploads", "upload_file", "stale_temp_files",
+    "local_lock",
 ]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2"}
@@ -476,3 +477,25 @@ def upload_file(
 
     storage.fs.put_file(local_path, storage._path(path), callback=_Progress(), chunksize=part_size, max_concurrency=max_concurrency)
     return True
+
+
+@contextlib.contextmanager
+def local_lock(path: str | os.PathLike[str]) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on the local file ``path`` (created, never removed: removing a
+    lock file races with its next user). Yields False where the OS or file system has none."""
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            locked = True
+        except OSError:
+            locked = False
+        yield locked
+    finally:
+        os.close(fd)  # releases the lock

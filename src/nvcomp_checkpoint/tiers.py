@@ -12,7 +12,9 @@ import os
 import posixpath
 import queue
 import re
+import tempfile
 import threading
+import uuid
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
@@ -28,7 +30,7 @@ from .errors import CheckpointError, CheckpointWriteError, FormatError
 from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
 from .policy import CodecPolicy, Component, classify
 from .reader import CheckpointReader
-from .storage import LocalStorage, Storage, abort_unfinished_uploads, is_url, list_names, storage_for, upload_file, write_errors
+from .storage import LOCAL, LocalStorage, Storage, abort_unfinished_uploads, local_lock, is_url, list_names, storage_for, upload_file, write_errors
 
 __all__ = [
     "Tier",
@@ -412,7 +414,8 @@ def _check_chain(store: TierStore, manifest: UnitManifest, manifests: dict[int, 
     checks and is the file its delta was written against; return the chain's :func:`chain_layout`.
 
     ``full``: also every byte of each base and, where the chain lies in place, every frame of the delta
-    and of each base tensor it needs decodes (a laid-out chain is decoded once it is laid out, by :meth:`CheckpointManager.fetch`).
+    and of each base tensor it needs decodes. A chain that is not in place is decoded only once laid
+    out: by :meth:`CheckpointManager.fetch`, or by :func:`verify_unit`.
     """
     layout = chain_layout(store, manifest, manifests)
     for m, _ in layout[1:]:
@@ -425,17 +428,74 @@ def _check_chain(store: TierStore, manifest: UnitManifest, manifests: dict[int, 
 
 
 def verify_unit(store: TierStore, manifest: UnitManifest, *, full: bool = True) -> str | None:
-    """``None`` if the unit checks against its manifest (``full``: every frame of every file decodes), else why not."""
+    """``None`` if the unit checks against its manifest, else why not.
+
+    ``full``: every byte of every file (and of each base of a delta) against the manifests, and every
+    frame decodes. A delta whose chain keeps its framework's names (an integration's ``tiers=``) is
+    laid out in a temporary folder first, as :meth:`CheckpointManager.fetch` does, and decoded there,
+    following its chain. Without ``full``: sizes and index digests only.
+    """
     try:
         store.check(manifest, full=full)
         if not full:
             return None
         if manifest.base is not None:
-            _check_chain(store, manifest, _chain_manifests(store, manifest), full=True)
-            return None
+            layout = _check_chain(store, manifest, _chain_manifests(store, manifest), full=True)
+            if _in_place(store, layout):
+                return None
+            tmp = _scratch_folder(tempfile.gettempdir(), "nvckpt-verify")
+            try:
+                head = _lay_out(store, layout, tmp, in_place=False)
+                why = _decode_errors([_at(head, e) for e in manifest.files if e.index_xxh3 is not None], None)
+            finally:
+                _remove_quietly(tmp)
+            return None if why is None else f"laid out with its chain, it does not decode: {why}"
         return _decode_errors([store.file_path(manifest, e) for e in manifest.files if e.index_xxh3 is not None], store.tier.storage_options)
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         return f"{type(exc).__name__}: {exc}"
+
+
+def _scratch_folder(parent: str, prefix: str) -> str:
+    """A new folder of this process in ``parent`` (a name no other process uses)."""
+    path = os.path.join(parent, f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    LOCAL.makedirs(path)
+    return path
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        LOCAL.remove(path)
+    except OSError:
+        _LOG.debug("could not remove %s", path, exc_info=True)
+
+
+def _lay_out(src: TierStore, layout: list[tuple[UnitManifest, str]], root: str, *, in_place: bool) -> str:
+    """Copy the chain ``layout`` (:func:`chain_layout`) from ``src`` into the local folder ``root``, bases
+    first, each file checked; in place, each unit with its manifest. Returns the head's path."""
+    local = TierStore(Tier(root, name="fetched"), "fetched")
+    for m, rel in reversed(layout):
+        copy_unit(src, local, m, to=None if in_place else _join(local.root, rel))
+    return _join(local.root, layout[0][1])
+
+
+def _layout_key(layout: list[tuple[UnitManifest, str]]) -> str:
+    """A name for a laid-out chain that differs whenever a file or a place in it does."""
+    doc = [[m.step, rel, [[e.path, e.size, e.index_xxh3, e.xxh3] for e in m.files]] for m, rel in layout]
+    return xxhash.xxh3_64_hexdigest(json.dumps(doc).encode())
+
+
+def _laid_out_errors(layout: list[tuple[UnitManifest, str]], folder: str, *, decode: bool) -> str | None:
+    """Why the chain laid out in ``folder`` by an earlier fetch does not check (None: it does)."""
+    local = TierStore(Tier(folder, name="fetched"), "fetched")
+    try:
+        for m, rel in layout:
+            local.check(m, full=True, at=_join(local.root, rel))
+        head = _join(local.root, layout[0][1])
+        if decode or any(e.xxh3 is None for m, _ in layout for e in m.files):
+            return _decode_errors([_at(head, e) for e in layout[0][0].files if e.index_xxh3 is not None], None)
+    except Exception as exc:  # noqa: BLE001 - any failure is the answer
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _chain_manifests(store: TierStore, manifest: UnitManifest) -> dict[int, UnitManifest]:
@@ -1307,9 +1367,16 @@ class CheckpointManager:
         with its manifest) for the manager's own saves; else each base where its delta looks for it,
         and the delta then decoded in full, following its chain.
 
+        The chain goes into a folder of its own, ``local_dir/step-NNNNNNNNNN-<digest>`` (the digest of
+        its manifests): laid out in a temporary folder beside it, checked, then renamed into place.
+        Several processes may fetch into one ``local_dir`` at once (every rank of a node): one lays
+        the chain out while the others wait for it, and each gets the same checked folder. A folder
+        already there is checked again and reused, never rewritten or removed (another process may be
+        reading it): a damaged one is an error naming it.
+
         Raises:
-            CheckpointError: ``tier`` does not hold ``step``, its chain is broken there, or the
-                laid-out delta does not decode.
+            CheckpointError: ``tier`` does not hold ``step``, its chain is broken there, the laid-out
+                delta does not decode, or an earlier fetch of the same chain in ``local_dir`` is damaged.
         """
         src = self._stores[tier]
         manifest = src.manifest(step)
@@ -1319,17 +1386,39 @@ class CheckpointManager:
             layout = [(manifest, posixpath.basename(src.unit_path(step, manifest.directory)))]
         else:
             layout = chain_layout(src, manifest, _chain_manifests(src, manifest))
-        local = TierStore(Tier(os.path.abspath(os.fspath(local_dir)), name="fetched"), "fetched")
-        os.makedirs(local.root, exist_ok=True)
         in_place = _in_place(src, layout)
-        for m, rel in reversed(layout):
-            copy_unit(src, local, m, to=None if in_place else _join(local.root, rel))
-        path = _join(local.root, layout[0][1])
-        if not in_place:
-            why = _decode_errors([_at(path, e) for e in manifest.files if e.index_xxh3 is not None], None)
+        root = os.path.abspath(os.fspath(local_dir))
+        LOCAL.makedirs(root)
+        name = f"step-{step:010d}-{_layout_key(layout)}"
+        final = os.path.join(root, name)
+        head = os.path.join(final, *layout[0][1].split("/"))
+        # The lock only saves work (processes at once copy the chain once); the rename keeps it whole.
+        with local_lock(os.path.join(root, f".{name}.lock")):
+            if not LOCAL.isdir(final):
+                tmp: str | None = _scratch_folder(root, f".{name}.tmp")
+                try:
+                    laid = _lay_out(src, layout, tmp, in_place=in_place)
+                    if not in_place:
+                        why = _decode_errors([_at(laid, e) for e in manifest.files if e.index_xxh3 is not None], None)
+                        if why is not None:
+                            raise FormatError(f"{head}: step {step} from {src.label}, laid out with its chain, does not decode: {why}")
+                    try:
+                        LOCAL.rename(tmp, final)  # atomic; a folder there (another process's) makes it fail
+                        tmp = None
+                        return head
+                    except OSError:
+                        if not LOCAL.isdir(final):
+                            raise
+                finally:
+                    if tmp is not None:
+                        _remove_quietly(tmp)
+            why = _laid_out_errors(layout, final, decode=not in_place)
             if why is not None:
-                raise FormatError(f"{path}: step {step} from {src.label}, laid out with its chain, does not decode: {why}")
-        return path
+                raise FormatError(
+                    f"{final}: step {step}, laid out there by an earlier fetch, does not check ({why}); remove that "
+                    "folder once no process reads it, or fetch into another local_dir"
+                )
+            return head
 
     def locate(self, step: int | None = None, *, allow_light: bool = False) -> Restored | None:
         """The newest copy that checks (size, digests and every byte against its manifest), without loading it.
