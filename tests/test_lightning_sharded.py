@@ -214,7 +214,7 @@ def test_fit_then_resume_in_fresh_processes_gives_the_same_losses(tmp_path: Path
     got = [json.loads((tmp_path / f"unreported_{r}.json").read_text()) for r in range(2)]
     assert got[1] == {"warned": [], "report": None}, got[1]
     assert [w for w in got[0]["warned"] if "report could not be built" in w] == [
-        f"{unreported}: the checkpoint is committed, but its save report could not be built "
+        f"{unreported}: committed, but its save report could not be built "
         f"(OSError: {unreported}: unreadable (test)); the report covers the other files only"
     ], got[0]["warned"]
     with nc.open(unreported / "meta.pt") as meta:

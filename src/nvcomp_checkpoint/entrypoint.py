@@ -202,7 +202,7 @@ def checkpoint_report(
         return merge_reports(os.fspath(path), parts, seconds, seconds_blocked) if parts else None
     except Exception as exc:  # noqa: BLE001 - the checkpoint is committed; only its numbers are missing
         _LOG.warning(
-            "%s: the checkpoint is committed, but its save report could not be built (%s: %s); %s",
+            "%s: committed, but its save report could not be built (%s: %s); %s",
             os.fspath(path), type(exc).__name__, exc,
             "the report covers the other files only" if given else "no report for this save",
         )
