@@ -27,7 +27,6 @@ from nvcomp_checkpoint.tiers import Tier
 try:  # transformers_fsdp imports Accelerate's FSDP helpers (the Trainer saves FSDP state with them)
     import safetensors
     import safetensors.torch
-    from accelerate import PartialState
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_pt_utils import reissue_pt_warnings
 
@@ -372,7 +371,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         if self.tiers is not None and args.world_size > 1:
             # The Trainer has no barrier between writing checkpoint-N and on_save: every rank's
             # files (its rng_state_<rank>.pth) must be there before the main process copies it.
-            PartialState().wait_for_everyone()
+            _every_rank_waits(args.world_size)
         if not args.should_save:
             return  # other ranks: the main process owns the checkpoint files
         self._wait_for_saves("on_save")  # normally nothing is pending here: see on_step_end
@@ -445,9 +444,14 @@ def _settled(world_size: int, leader_load: bool, decide: Callable[[], _T], where
     (:func:`~nvcomp_checkpoint.entrypoint.checked_on_every_rank`).
     """
     _wait_for_conversions()
-    if world_size > 1:
-        PartialState().wait_for_everyone()
+    _every_rank_waits(world_size)
     return checked_on_every_rank(decide, where, leader_load)
+
+
+def _every_rank_waits(world_size: int) -> None:
+    """A barrier of the Trainer's processes (what Accelerate's ``wait_for_everyone`` does for DDP and FSDP)."""
+    if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def _compressed_optimizer(checkpoint: str | os.PathLike[str]) -> tuple[bool, bool]:
