@@ -71,6 +71,11 @@ _SCRIPT = textwrap.dedent(
         out["best_weights"] = {k: v.sum().item() for k, v in trainer.model.state_dict().items() if k.endswith("c_attn.weight")}
     with open(os.path.join(root, f"{mode}_{trainer.args.process_index}.json"), "w") as f:
         json.dump(out, f)
+    # Each rank ends without interpreter teardown: a gloo worker thread still freeing a finished
+    # collective then aborts the process (see tests/conftest.py, _rank_entry). Everything above is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
     '''
 )
 
