@@ -236,7 +236,16 @@ SCRIPT = textwrap.dedent(
             objs[0].load_state()
             rank = objs[0].process_index
             nvc = sorted({os.path.basename(p) for p in opened if str(p).endswith(".nvc")})
-            torch.save({"saved": saved, "loaded": snapshot(objs), "nvc_opened": nvc}, os.path.join(out, f"rank{rank}.pt"))
+            result = {"saved": saved, "loaded": snapshot(objs), "nvc_opened": nvc}
+            if args[0:1] == ("leader",):
+                # Rank 1 finds another directory (a node-local disk): every rank raises before the collective.
+                theirs = os.path.join(out, "checkpoints", "checkpoint_0") if rank == 0 else os.path.join(out, "elsewhere")
+                try:
+                    objs[0].load_state(theirs)
+                    result["differ"] = "loaded"
+                except Exception as exc:
+                    result["differ"] = f"{type(exc).__name__}: {exc}"
+            torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 
     if __name__ == "__main__":
@@ -689,6 +698,8 @@ def test_two_processes_share_one_directory(script: Path, tmp_path: Path, mode: s
         assert_tree_equal(result["saved"], result["loaded"])
         read_by_this_rank = mode != "leader" or rank == 0
         assert result["nvc_opened"] == (["model.nvc", "optimizer.nvc"] if read_by_this_rank else []), (rank, result["nvc_opened"])
+        if mode == "leader":
+            assert result["differ"].startswith("CheckpointError: load_state: the ranks see different checkpoint files"), result["differ"]
 
 
 def test_async_commit_and_rotation_wait_until_the_files_are_durable(script: Path, tmp_path: Path) -> None:

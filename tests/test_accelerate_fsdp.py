@@ -108,6 +108,33 @@ def _save_on_each_node_of_two_nodes(acc: Any, root: str) -> str | None:
         os.environ["LOCAL_WORLD_SIZE"] = before or ""
 
 
+def _save_without_report(acc: Any, root: str) -> list[str]:
+    """A sharded save whose report cannot be built (a rank file unreadable right after DCP's commit):
+    it still commits on every rank, and the committing process warns; returns this rank's warnings."""
+    import logging
+
+    import nvcomp_checkpoint.dcp
+    from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+
+    def unreadable(path: str, **kwargs: Any) -> Any:
+        raise OSError(f"{path}: unreadable (test)")
+
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("nvcomp_checkpoint").addHandler(handler)
+    kept, nvcomp_checkpoint.dcp.dcp_report = nvcomp_checkpoint.dcp.dcp_report, unreadable
+    _use(acc, "SHARDED_STATE_DICT")
+    hooks = register_nvcomp_hooks(acc)
+    try:
+        acc.save_state(os.path.join(root, "unreported"))
+    finally:
+        hooks.remove()
+        nvcomp_checkpoint.dcp.dcp_report = kept
+        logging.getLogger("nvcomp_checkpoint").removeHandler(handler)
+    return [w for w in warned if "report could not be built" in w]
+
+
 def _save_run(rank: int, root: str) -> None:
     from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
 
@@ -134,11 +161,12 @@ def _save_run(rank: int, root: str) -> None:
         hooks.remove()
         acc.save_state(os.path.join(out, "plain"))  # Accelerate's own FSDP files, for the hooks to load
     refused = _save_on_each_node_of_two_nodes(acc, root)
+    unreported = _save_without_report(acc, root)
     _tier_save(acc, root, "second")
     state = _full_state(model, opt)
     losses = _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)
-    torch.save({"state": state, "losses": losses, "reports": reports, "iteration": acc.save_iteration, "refused": refused},
-               os.path.join(root, f"saved_{rank}.pt"))
+    torch.save({"state": state, "losses": losses, "reports": reports, "iteration": acc.save_iteration, "refused": refused,
+                "unreported": unreported}, os.path.join(root, f"saved_{rank}.pt"))
     # The HF Trainer in the same processes (last: it sets up Accelerate's shared state its own way).
     _trainer_fit(root, "reference", max_steps=TRAINER_STEPS[1])  # uninterrupted, nothing saved
     _trainer_fit(root, "saved", max_steps=TRAINER_STEPS[0], save=True)
@@ -252,6 +280,15 @@ def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
         assert refused is not None and "save_on_each_node=True with FSDP SHARDED_STATE_DICT on 2 nodes" in refused, refused
         assert "Set ProjectConfiguration(save_on_each_node=...) to False" in refused, refused
     assert not (tmp_path / "each_node").exists()
+    # A report that cannot be built fails no committed save: rank 0 warned for each DCP directory.
+    unreported = [torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)["unreported"] for rank in range(2)]
+    assert unreported[1] == [] and len(unreported[0]) == 2, unreported
+    for name, warning in zip(("pytorch_model_fsdp_0", "optimizer_0"), unreported[0]):
+        # Named in the save's staging folder, where DCP committed it before save_state's own commit.
+        assert f"{os.sep}{name}: committed, but its save report could not be built (OSError: " in warning, warning
+        assert warning.endswith("unreadable (test)); no report for this save"), warning
+        assert (tmp_path / "unreported" / name / ".metadata").is_file()
+    assert (tmp_path / "unreported" / "nvcomp_checkpoint.json").is_file()
     for kind in KINDS:
         _check_reports(tmp_path / kind / "ours", kind, *reports[0][kind])
         assert reports[1][kind] == (None, {}), reports[1][kind]  # rank 1 commits nothing

@@ -14,7 +14,8 @@ import torch
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.entrypoint import (
-    SaveEntryPoint, as_policy, incremental_files, load_as_torch, policy_and_metadata, report_metrics, torch_weights_only,
+    SaveEntryPoint, as_policy, checked_on_every_rank, checkpoint_report, incremental_files, load_as_torch, policy_and_metadata,
+    report_metrics, torch_weights_only,
 )
 from nvcomp_checkpoint.errors import CheckpointWriteError
 
@@ -128,3 +129,27 @@ def test_saves_report_and_copy_to_tiers_once_durable(tmp_path: Path) -> None:
 def test_resume_path_without_tiers_names_the_fix() -> None:
     with pytest.raises(ValueError, match=r"Saver.resume_path\(\): no tiers; pass Saver\(tiers=\[nc.Tier\(...\)\]\)"):
         Saver("Saver").resume_path()
+
+
+def test_a_save_report_that_cannot_be_built_is_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    written = nc.save({"w": torch.randn(32, 16)}, tmp_path / "meta.pt")
+    missing = tmp_path / "not_a_dcp_dir"  # as a rank file unreadable right after the commit
+    with caplog.at_level(logging.WARNING, logger="nvcomp_checkpoint"):
+        report = checkpoint_report(tmp_path, 1.5, reports=[written], dcp_dirs=[missing])
+        assert checkpoint_report(missing, 1.0, dcp_dirs=[missing]) is None
+    assert report is not None and report.raw_bytes == written.raw_bytes and report.seconds == 1.5
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and all("committed, but its save report could not be built" in m for m in messages), messages
+    assert messages[0].endswith("the report covers the other files only") and messages[1].endswith("no report for this save")
+    merged = checkpoint_report(tmp_path, 2.0, reports=[written, written])
+    assert merged is not None and merged.raw_bytes == 2 * written.raw_bytes
+
+
+def test_checks_before_a_collective_load_without_a_process_group_are_the_checks_alone() -> None:
+    assert checked_on_every_rank(lambda: 7, "where", leader_load=True) == 7
+
+    def fails() -> None:
+        raise FileNotFoundError("Checkpoint file not found: x.ckpt")
+
+    with pytest.raises(FileNotFoundError, match="x.ckpt"):
+        checked_on_every_rank(fails, "where", leader_load=True)

@@ -3,7 +3,8 @@
 A real ``Trainer`` on 2 CPU processes (DDP, gloo) saves compressed checkpoints; a fresh pair of
 processes resumes from one through an fsspec file system that counts the bytes each process reads:
 rank 0 reads the file, rank 1 reads nothing and receives the state over the process group, and
-the resumed run has the uninterrupted run's next losses.
+the resumed run has the uninterrupted run's next losses. A file missing on one rank only makes
+every rank raise before the collective (the subprocess timeout fails a hang).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _SCRIPT = textwrap.dedent(
     import lightning as L
     from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from nvcomp_checkpoint.entrypoint import checked_on_every_rank
     from nvcomp_checkpoint.lightning import NvcompCheckpointIO
 
     torch.set_num_threads(1)
@@ -84,14 +86,28 @@ _SCRIPT = textwrap.dedent(
     mode, root = sys.argv[1], Path(sys.argv[2])
     leader = mode == "resume"
     model = Net()
+    plugin = NvcompCheckpointIO(leader_load=leader)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, plugins=[NvcompCheckpointIO(leader_load=leader)],
+        enable_model_summary=False, num_sanity_val_steps=0, plugins=[plugin],
         callbacks=[ModelCheckpoint(dirpath=root / mode, save_top_k=-1, every_n_epochs=1)],
     )
     ckpt = "countfile://" + str(root / "first" / "epoch=0-step=3.ckpt") if leader else None
     trainer.fit(model, ckpt_path=ckpt)
     out = {"losses": model.losses, "bytes_read": CountingFileSystem.bytes_read}
+    if leader:
+        # The file is missing on rank 1 only (a node-local disk): every rank raises, none waits in the collective.
+        here = root / "first" / "epoch=0-step=3.ckpt" if trainer.global_rank == 0 else root / "absent.ckpt"
+        try:
+            plugin.load_checkpoint(here)
+            out["missing_on_one_rank"] = "loaded"
+        except Exception as exc:
+            out["missing_on_one_rank"] = f"{type(exc).__name__}: {exc}"
+        # Ranks whose checks find different things (here: their rank) refuse the collective together.
+        try:
+            checked_on_every_rank(lambda: trainer.global_rank, "probe", leader_load=True)
+        except Exception as exc:
+            out["differ"] = f"{type(exc).__name__}: {exc}"
     (root / f"{mode}_{trainer.global_rank}.json").write_text(json.dumps(out))
     '''
 )
@@ -120,6 +136,12 @@ def test_ddp_resume_reads_the_checkpoint_on_one_rank_and_continues_the_run(tmp_p
     # Rank 0 read the file (once, plus at most a header's worth); rank 1 read none of it.
     assert size <= resumed[0]["bytes_read"] < 2 * size, (resumed[0]["bytes_read"], size)
     assert resumed[1]["bytes_read"] == 0
+    assert resumed[1]["missing_on_one_rank"].startswith("FileNotFoundError: "), resumed[1]
+    assert resumed[0]["missing_on_one_rank"].startswith("CheckpointError: "), resumed[0]
+    assert "rank 1 failed before the collective load" in resumed[0]["missing_on_one_rank"]
+    assert "absent.ckpt" in resumed[0]["missing_on_one_rank"]
+    for rank in (0, 1):
+        assert resumed[rank]["differ"].startswith("CheckpointError: probe: the ranks see different checkpoint files"), resumed[rank]
     for rank in (0, 1):
         full = first[rank]["losses"]
         assert [s for s, _ in full] == list(range(6))

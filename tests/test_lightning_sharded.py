@@ -135,7 +135,24 @@ _SCRIPT = textwrap.dedent(
         rank = fit(NvcompModelParallelStrategy(**kwargs), root / "resumed", 2, newest, root / "resume_ours.json", plugins=[plugin])
         (root / f"newest_{rank}.json").write_text(json.dumps(newest))
         first = "epoch=0-step=3.ckpt"
-        fit(NvcompModelParallelStrategy(**kwargs), root / "resumed_plain", 2, root / "plain" / first, root / "resume_plain.json")
+        # Building the report of a committed save fails (a rank file unreadable right after the
+        # commit): the save still counts, with a warning, and no rank waits at the barrier.
+        import logging
+        import nvcomp_checkpoint.dcp
+
+        warned = []
+        handler = logging.Handler()
+        handler.emit = lambda record: warned.append(record.getMessage())
+        logging.getLogger("nvcomp_checkpoint").addHandler(handler)
+
+        def unreadable(path, **kwargs):
+            raise OSError(f"{path}: unreadable (test)")
+
+        nvcomp_checkpoint.dcp.dcp_report = unreadable
+        strategy = NvcompModelParallelStrategy(**kwargs)
+        fit(strategy, root / "resumed_plain", 2, root / "plain" / first, root / "resume_plain.json")
+        report = None if strategy.last_report is None else strategy.last_report.to_dict()
+        (root / f"unreported_{rank}.json").write_text(json.dumps({"warned": warned, "report": report}))
     # Each rank (this process and the one Lightning launched) ends without interpreter teardown:
     # a gloo worker thread still freeing a finished collective then aborts the process (see
     # tests/conftest.py, _rank_entry). Everything above is written and closed.
@@ -190,6 +207,18 @@ def test_fit_then_resume_in_fresh_processes_gives_the_same_losses(tmp_path: Path
             assert tensor.dtype == loaded["ema"][key].dtype and torch.equal(tensor.view(torch.uint8), loaded["ema"][key].view(torch.uint8)), (run, key)
     # The resumed run saved compressed checkpoints too.
     assert is_compressed_dcp_checkpoint(tmp_path / "resumed" / "epoch=1-step=6.ckpt")
+    # A report that could not be built: the checkpoint is committed and loads, rank 0 warned, and its
+    # report covers meta.pt alone.
+    unreported = tmp_path / "resumed_plain" / "epoch=1-step=6.ckpt"
+    assert is_compressed_dcp_checkpoint(unreported) and main(["verify", "-q", str(unreported)]) == 0
+    got = [json.loads((tmp_path / f"unreported_{r}.json").read_text()) for r in range(2)]
+    assert got[1] == {"warned": [], "report": None}, got[1]
+    assert [w for w in got[0]["warned"] if "report could not be built" in w] == [
+        f"{unreported}: committed, but its save report could not be built "
+        f"(OSError: {unreported}: unreadable (test)); the report covers the other files only"
+    ], got[0]["warned"]
+    with nc.open(unreported / "meta.pt") as meta:
+        assert got[0]["report"]["raw_bytes"] == meta.raw_bytes
 
 
 def _tier_steps(root: Path) -> list[int]:

@@ -11,27 +11,28 @@ import logging
 import os
 import sys
 import time
-from typing import IO, Any, Callable, Mapping
+from typing import IO, Any, Callable, Iterable, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from .api import load
+from .api import is_nvcomp_checkpoint, load
 from .broadcast import load_broadcast
-from .errors import UnsafeCheckpointError
+from .errors import CheckpointError, UnsafeCheckpointError
 from .incremental import IncrementalFiles, unit_base_of
 from .policy import CodecPolicy
-from .report import SaveReport
+from .report import SaveReport, merge_reports
 from .savegroup import SavedCallback, SaveGroup, SaveSequence
 from .tiers import Tier, TierCopies
 
 __all__ = [
     "SaveEntryPoint", "as_policy", "policy_and_metadata", "POLICY_OPTION_KEYS", "torch_weights_only", "load_as_torch",
-    "load_tree", "leader_load_applies",
+    "load_tree", "leader_load_applies", "checked_on_every_rank", "checkpoint_report",
     "report_metrics", "incremental_files",
 ]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
+_T = TypeVar("_T")
 
 _POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(CodecPolicy))
 #: Keys of a per-save options dict: a whole ``policy``, any :class:`CodecPolicy` field (``exp_avg``,
@@ -99,33 +100,113 @@ def torch_weights_only(weights_only: bool | None) -> bool:
 
 def load_as_torch(
     path: Any, map_location: Any, weights_only: bool | None, *, hint: str, storage_options: dict[str, Any] | None = None,
-    leader_load: bool = False,
+    leader_load: bool = False, plain_map_location: Any = None,
 ) -> Any:
     """:func:`load_tree` with ``torch.load``'s ``weights_only`` rules (:func:`torch_weights_only`),
     as a framework's loader passes them; a file a weights-only load refuses is named in an
     ``UnsafeCheckpointError`` that ends with ``hint`` (how to pass ``weights_only=False`` there)."""
     try:
-        return load_tree(path, map_location, weights_only=torch_weights_only(weights_only), storage_options=storage_options, leader_load=leader_load)
+        return load_tree(
+            path, map_location, weights_only=torch_weights_only(weights_only), storage_options=storage_options,
+            leader_load=leader_load, plain_map_location=plain_map_location,
+        )
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"{exc}{hint}") from exc
 
 
 def load_tree(
     path: Any, map_location: Any = None, *, weights_only: bool = True, storage_options: dict[str, Any] | None = None,
-    leader_load: bool = False,
+    leader_load: bool = False, plain_map_location: Any = None,
 ) -> Any:
     """:func:`nvcomp_checkpoint.load`, or with ``leader_load`` where :func:`leader_load_applies`,
     :func:`nvcomp_checkpoint.load_broadcast`: a collective in which one rank per node reads ``path``
-    and the node's other ranks receive the tree (on the CPU, unless ``map_location`` is a device)."""
+    and the node's other ranks receive the tree (on the CPU, unless ``map_location`` is a device).
+
+    ``plain_map_location``: the ``map_location`` for a plain ``torch.save`` file when ``map_location``
+    is ``None`` (a framework's own default for its plain files); the collective loads those on the CPU."""
     if leader_load and leader_load_applies():
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         return load_broadcast(path, device, weights_only=weights_only, storage_options=storage_options)
+    if map_location is None and plain_map_location is not None and not is_nvcomp_checkpoint(path, storage_options=storage_options):
+        map_location = plain_map_location
     return load(path, map_location, weights_only=weights_only, storage_options=storage_options)
 
 
 def leader_load_applies() -> bool:
     """Whether a ``leader_load`` option makes a load collective: a process group of more than one rank."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def checked_on_every_rank(check: Callable[[], _T], where: str, leader_load: bool) -> _T:
+    """Run this rank's ``check`` before a collective load, with an outcome every rank agrees on.
+
+    A rank's own checks (a failed background save, a file missing on its node, the choice between a
+    plain and a compressed file) can differ between ranks; a rank that raises while the others
+    enter a ``leader_load`` collective would leave them waiting until the backend's timeout. With
+    ``leader_load`` where :func:`leader_load_applies`, this is a collective (``all_gather_object``
+    on the default group, gloo or NCCL) that every rank must call: if ``check`` raised on any rank,
+    every rank raises (its own error, or a ``CheckpointError`` naming the failing rank and its
+    message); if the ranks' results differ, every rank raises a ``CheckpointError`` naming them.
+    Otherwise it is ``check()``.
+
+    Returns:
+        ``check()``'s result (picklable, compared with ``==`` across ranks).
+    """
+    if not (leader_load and leader_load_applies()):
+        return check()
+    error: Exception | None = None
+    result: Any = None
+    try:
+        result = check()
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it before the collective
+        error = exc
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, ("error", f"{type(error).__name__}: {error}") if error is not None else ("ok", result))
+    if error is not None:
+        raise error
+    failed = [(rank, message) for rank, (kind, message) in enumerate(outcomes) if kind == "error"]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(f"{where}: rank {rank} failed before the collective load (leader_load), so no rank loads: {message}")
+    mine = dist.get_rank()
+    differ = [rank for rank, (_, value) in enumerate(outcomes) if value != result]
+    if differ:
+        rank = differ[0]
+        raise CheckpointError(
+            f"{where}: the ranks see different checkpoint files before the collective load (leader_load): rank {mine} "
+            f"found {result!r}, rank {rank} found {outcomes[rank][1]!r}. Give every rank the same files (a shared "
+            "file system) or drop leader_load."
+        )
+    return result
+
+
+def checkpoint_report(
+    path: str | os.PathLike[str], seconds: float, *, reports: Iterable[SaveReport] = (),
+    dcp_dirs: Iterable[str | os.PathLike[str]] = (), seconds_blocked: float | None = None,
+) -> SaveReport | None:
+    """The report of one committed checkpoint: ``reports`` in hand, merged with the report of each
+    committed DCP directory in ``dcp_dirs`` (:func:`~nvcomp_checkpoint.dcp.dcp_report`: every rank
+    file's index), as one save of ``seconds``.
+
+    A report never fails a committed save, nor keeps a rank from the collective that follows: if
+    one cannot be built (a rank file unreadable on a shared file system), a warning names the
+    checkpoint and the cause, and the report covers ``reports`` alone (``None`` without them).
+    """
+    given = list(reports)
+    parts = list(given)
+    try:
+        if dcp_dirs:
+            from .dcp import dcp_report  # torch.distributed.checkpoint: only for the integrations that write DCP
+
+            parts += [dcp_report(os.fspath(d)) for d in dcp_dirs]
+        return merge_reports(os.fspath(path), parts, seconds, seconds_blocked) if parts else None
+    except Exception as exc:  # noqa: BLE001 - the checkpoint is committed; only its numbers are missing
+        _LOG.warning(
+            "%s: committed, but its save report could not be built (%s: %s); %s",
+            os.fspath(path), type(exc).__name__, exc,
+            "the report covers the other files only" if given else "no report for this save",
+        )
+        return merge_reports(os.fspath(path), given, seconds, seconds_blocked) if given else None
 
 
 def incremental_files(label: str, incremental: bool, full_every: int | None, delta_base: str, **options: Any) -> IncrementalFiles | None:

@@ -41,7 +41,7 @@ except ImportError as exc:
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
-from nvcomp_checkpoint.entrypoint import SaveEntryPoint, incremental_files, load_tree
+from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, incremental_files, load_tree
 from nvcomp_checkpoint.incremental import keep_with_bases
 from nvcomp_checkpoint.savegroup import SaveGroup
 from nvcomp_checkpoint.integrations import accelerate_fsdp
@@ -486,16 +486,25 @@ class NvcompStateHooks(SaveEntryPoint):
             self._saves.wait()
             if acc.num_processes > 1:
                 acc.wait_for_everyone()  # the other ranks wait for the main process's commit
-            self._raise_errors("load_state")
-        if input_dir is not None:
-            path = Path(os.path.expanduser(os.fspath(input_dir)))
-            _STORE.recover(path)
-        elif acc.project_configuration.automatic_checkpoint_naming:
-            path = _latest(Path(acc.project_dir) / "checkpoints")
-        else:
+        if input_dir is None and not acc.project_configuration.automatic_checkpoint_naming:
+            if self.async_save:
+                self._raise_errors("load_state")
             self._inner_load(None, load_kwargs, **load_model_func_kwargs)  # Accelerate's own error
             return
-        manifest = _STORE.checked_manifest(path, lists=("models", "optimizers"))
+
+        def locate() -> tuple[Path, dict[str, Any] | None]:
+            if self.async_save:
+                self._raise_errors("load_state")
+            if input_dir is not None:
+                found = Path(os.path.expanduser(os.fspath(input_dir)))
+                _STORE.recover(found)
+            else:
+                found = _latest(Path(acc.project_dir) / "checkpoints")
+            return found, _STORE.checked_manifest(found, lists=("models", "optimizers"))
+
+        # With leader_load the loads below are collectives: a failed background save (the main
+        # process's) or a directory that differs on one node makes every rank raise, not wait.
+        path, manifest = checked_on_every_rank(locate, "load_state", self.leader_load)
         if manifest is None:  # saved without these hooks
             self._inner_load(os.fspath(path), load_kwargs, **load_model_func_kwargs)
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import re
 import threading
@@ -24,7 +25,8 @@ from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from accelerate.utils import fsdp_utils as _accelerate_fsdp
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, dcp_report
+from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
+from nvcomp_checkpoint.entrypoint import checkpoint_report
 from nvcomp_checkpoint.errors import CheckpointError, FormatError
 from nvcomp_checkpoint.storage import LOCAL
 
@@ -39,11 +41,13 @@ __all__ = [
     "check_loadable",
     "check_fsdp_hooks",
     "check_one_committer",
+    "is_sharded",
     "replaced_files",
     "FSDP_FUNCTION_NAMES",
 ]
 
 #: The names under which Accelerate's ``save_state``/``load_state`` and the Trainer call them.
+_LOG = logging.getLogger("nvcomp_checkpoint")
 FSDP_FUNCTION_NAMES = ("save_fsdp_model", "save_fsdp_optimizer", "load_fsdp_model", "load_fsdp_optimizer")
 _SWAP = threading.RLock()  # held while the FSDP functions are swapped (nvcomp_fsdp_functions)
 #: ``fn(name, report)``: a file or DCP directory (``name`` inside the save's folder) is durable.
@@ -260,6 +264,11 @@ def _is_full(fsdp_plugin: Any) -> bool:
     return _type_name(fsdp_plugin) == "FULL_STATE_DICT"
 
 
+def is_sharded(fsdp_plugin: Any) -> bool:
+    """Whether ``fsdp_plugin`` saves ``SHARDED_STATE_DICT`` (every rank writes its part of one DCP directory)."""
+    return _type_name(fsdp_plugin) == "SHARDED_STATE_DICT"
+
+
 def _full_name(stem: str, index: int) -> str:
     return f"{stem}.nvc" if index == 0 else f"{stem}_{index}.nvc"
 
@@ -357,9 +366,15 @@ def _optimizer_state(fsdp_plugin: Any, model: torch.nn.Module, optimizer: torch.
     return FSDP.optim_state_dict(model, optimizer)
 
 
-def _report(on_saved: ReportFn | None, name: str, report: nc.SaveReport) -> None:
-    if on_saved is not None:
+def _report(on_saved: ReportFn | None, name: str, report: nc.SaveReport | None) -> None:
+    # The state is committed: a failing report callback is logged, never a failed save (the other
+    # ranks are already on their way to the next collective).
+    if on_saved is None or report is None:
+        return
+    try:
         on_saved(name, report)
+    except Exception as exc:  # noqa: BLE001
+        _LOG.warning("%s: committed, but its save report could not be recorded (%s: %s)", report.path, type(exc).__name__, exc)
 
 
 def _dcp_save(state: dict[str, Any], directory: Path, policy: nc.CodecPolicy | None, workers: int | None, on_saved: ReportFn | None) -> None:
@@ -372,7 +387,7 @@ def _dcp_save(state: dict[str, Any], directory: Path, policy: nc.CodecPolicy | N
     if on_saved is not None:
         # dcp.save returns on every rank once the coordinator has committed .metadata, which it
         # does after every rank's file is durable: the directory is whole here.
-        _report(on_saved, directory.name, dcp_report(os.fspath(directory), seconds=time.perf_counter() - started))
+        _report(on_saved, directory.name, checkpoint_report(directory, time.perf_counter() - started, dcp_dirs=[directory]))
 
 
 def _dcp_load(state: dict[str, Any], directory: Path) -> None:

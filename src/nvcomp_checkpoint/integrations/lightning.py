@@ -23,7 +23,7 @@ from typing_extensions import override
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
 from nvcomp_checkpoint.entrypoint import (
-    POLICY_OPTION_KEYS, SaveEntryPoint, incremental_files, leader_load_applies, load_as_torch, policy_and_metadata, report_metrics,
+    POLICY_OPTION_KEYS, SaveEntryPoint, checked_on_every_rank, incremental_files, load_as_torch, policy_and_metadata, report_metrics,
 )
 from nvcomp_checkpoint.savegroup import SavedCallback
 from nvcomp_checkpoint.storage import storage_for
@@ -112,7 +112,9 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             (:func:`nvcomp_checkpoint.load_broadcast`), instead of every rank fetching the same
             bytes from object storage or a shared file system. Every rank must load together, as
             ``trainer.fit/validate/test(ckpt_path=...)`` and ``fabric.load`` do; tensors arrive on
-            the CPU unless ``map_location`` names a device. Sharded strategies read their own shards.
+            the CPU unless ``map_location`` names a device. Before that collective the ranks agree on
+            their own checks: if one fails (a background save that failed, the file missing on one
+            node), every rank raises instead of waiting. Sharded strategies read their own shards.
 
     Attributes:
         last_report: The :class:`SaveReport` of the most recent completed save (``None`` before one);
@@ -244,19 +246,24 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             nvcomp_checkpoint.errors.UnsafeCheckpointError: the file holds Python objects that
                 a weights-only load refuses.
         """
-        if self.async_save:
-            # A checkpoint still being written must not be read as missing, or as the older one.
-            self._wait_for_saves(f"load_checkpoint({os.fspath(path)!r})", "Nothing was loaded; fix the cause and save again.")
         options = self.fsspec_options or None
-        storage, spath = storage_for(path, options)
-        if not storage.exists(spath):
-            raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        if self.leader_load and leader_load_applies():
-            # A collective: only the reading rank of each node opens the file (onto the CPU).
-            return load_as_torch(path, map_location, weights_only, hint=_LIGHTNING_HINT, storage_options=options, leader_load=True)
-        if map_location is None and not nc.is_nvcomp_checkpoint(path, storage_options=options):
-            map_location = _storage_as_loaded
-        return load_as_torch(path, map_location, weights_only, hint=_LIGHTNING_HINT, storage_options=options)
+        where = f"load_checkpoint({os.fspath(path)!r})"
+
+        def check() -> None:
+            if self.async_save:
+                # A checkpoint still being written must not be read as missing, or as the older one.
+                self._wait_for_saves(where, "Nothing was loaded; fix the cause and save again.")
+            storage, spath = storage_for(path, options)
+            if not storage.exists(spath):
+                raise FileNotFoundError(f"Checkpoint file not found: {path}")
+
+        # With leader_load the load is a collective: every rank learns of a failed check (a background
+        # save that failed on rank 0, a file missing on one node) before it, instead of waiting in it.
+        checked_on_every_rank(check, where, self.leader_load)
+        return load_as_torch(
+            path, map_location, weights_only, hint=_LIGHTNING_HINT, storage_options=options, leader_load=self.leader_load,
+            plain_map_location=_storage_as_loaded,
+        )
 
     @override
     def remove_checkpoint(self, path: Any) -> None:

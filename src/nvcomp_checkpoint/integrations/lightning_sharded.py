@@ -18,10 +18,9 @@ from typing_extensions import override
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
-from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, dcp_report
-from nvcomp_checkpoint.entrypoint import as_policy, torch_weights_only
+from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
+from nvcomp_checkpoint.entrypoint import as_policy, checkpoint_report, torch_weights_only
 from nvcomp_checkpoint.errors import CheckpointError
-from nvcomp_checkpoint.report import merge_reports
 from nvcomp_checkpoint.storage import storage_for, write_errors
 
 try:
@@ -136,13 +135,15 @@ def _save_sharded(
             storage.remove(meta)
     strategy.barrier("nvckpt_sharded_save_start")
     dcp.save(converted, storage_writer=NvcompWriter(path, policy, workers=workers, stream_wrapper=stream_wrapper))
-    report = None
+    written = None
     if strategy.global_rank == 0:
         # fsync + rename: the directory's commit
         written = nc.save(checkpoint, meta, policy, workers=workers, stream_wrapper=stream_wrapper)
-        report = merge_reports(str(path), [dcp_report(str(path)), written], time.perf_counter() - started)
     strategy.barrier("nvckpt_sharded_save_end")
-    return report
+    if written is None:
+        return None
+    # After the barrier, and never raising: reading the rank files' indexes cannot fail a committed save.
+    return checkpoint_report(path, time.perf_counter() - started, reports=[written], dcp_dirs=[path])
 
 
 def _load_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
@@ -161,8 +162,7 @@ def _save_lightning_checkpoint(
             f"`{type(strategy).__name__}.save_checkpoint(..., storage_options=...)` is not supported for sharded "
             f"checkpoints; set the codec policy with {type(strategy).__name__}(policy=...)"
         )
-    _check_plugin_options(strategy)
-    plugin = _nvcomp_plugin(strategy)
+    plugin = _nvcomp_plugin(strategy)  # its options were checked at setup (check_sharded_checkpoint_io)
     path = Path(strategy.broadcast(filepath))
     converted = {model_key: checkpoint.pop("state_dict")}
     converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})

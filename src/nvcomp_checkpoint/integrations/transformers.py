@@ -14,14 +14,14 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, TypeVar
 
 import torch
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirconvert import SUFFIX, PlainFile, compress_in_place, compressed_copy, decompress_in_place
 from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
-from nvcomp_checkpoint.entrypoint import SaveEntryPoint, load_tree
+from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, load_tree
 from nvcomp_checkpoint.tiers import Tier
 
 try:  # transformers_fsdp imports Accelerate's FSDP helpers (the Trainer saves FSDP state with them)
@@ -260,7 +260,11 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         leader_load: On resume of replicated (DDP) state, one process per node reads each
             compressed file and sends it to the node's other processes over the process group
             (:func:`nvcomp_checkpoint.load_broadcast`), instead of every process reading the same
-            bytes from a shared file system. The Trainer resumes on every process, as this needs.
+            bytes from a shared file system. Each load is a collective: the Trainer resumes, and loads
+            the best model at the end (``load_best_model_at_end``), on every process, with
+            :class:`NvcompTrainerMixin`, which first waits for the main process's conversions and
+            for every rank, and agrees on which files to read; with a stock Trainer only the
+            optimizer state of a resume is read this way.
 
     Attributes:
         last_report: The :class:`~nvcomp_checkpoint.SaveReport` of the latest conversion.
@@ -356,18 +360,18 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         checkpoint = _resumed_checkpoint(args, state)
         if checkpoint is None:
             return
-        _wait_for_conversions()
+        found = _settled(args.world_size, self.leader_load, lambda: _compressed_optimizer(checkpoint), f"resuming from {checkpoint}")
         optimizer = kwargs.get("optimizer")
-        if compressed_copy(checkpoint, (_OPTIMIZER,)) is not None and optimizer is not None:  # else the Trainer loaded it itself
+        if all(found) and optimizer is not None:  # else the Trainer loaded it itself, or nothing is to load
             _load_optimizer_and_scheduler(checkpoint, args, optimizer, kwargs.get("lr_scheduler"), self.leader_load)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Convert the checkpoint the Trainer has just written (after its rotation)."""
         entered = time.perf_counter()
-        if self.tiers is not None and args.world_size > 1 and torch.distributed.is_initialized():
+        if self.tiers is not None:
             # The Trainer has no barrier between writing checkpoint-N and on_save: every rank's
             # files (its rng_state_<rank>.pth) must be there before the main process copies it.
-            torch.distributed.barrier()
+            _every_rank_waits(args.world_size)
         if not args.should_save:
             return  # other ranks: the main process owns the checkpoint files
         self._wait_for_saves("on_save")  # normally nothing is pending here: see on_step_end
@@ -424,6 +428,38 @@ def _wait_for_conversions() -> None:
             callback._saves.wait()
 
 
+_T = TypeVar("_T")
+
+
+def _settled(world_size: int, leader_load: bool, decide: Callable[[], _T], where: str) -> _T:
+    """``decide`` (which of a checkpoint's files to read, plain or compressed) once the checkpoint is
+    settled on every rank, with the same outcome on every rank.
+
+    Only the main process converts a checkpoint (in ``on_save``, in the background with
+    ``async_save``); another rank that looked meanwhile would see the plain file, read it while it is
+    being removed, and with ``leader_load`` skip the collective load the main process enters. So this
+    process's conversions finish first, then every rank waits for the others (a collective when
+    ``world_size > 1``: every rank of the job calls it, as the Trainer's loads run on every rank),
+    then each decides; with ``leader_load`` the decisions are agreed before the collective
+    (:func:`~nvcomp_checkpoint.entrypoint.checked_on_every_rank`).
+    """
+    _wait_for_conversions()
+    _every_rank_waits(world_size)
+    return checked_on_every_rank(decide, where, leader_load)
+
+
+def _every_rank_waits(world_size: int) -> None:
+    """A barrier of the Trainer's processes (what Accelerate's ``wait_for_everyone`` does for DDP and FSDP)."""
+    if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _compressed_optimizer(checkpoint: str | os.PathLike[str]) -> tuple[bool, bool]:
+    """Whether ``checkpoint`` holds a compressed optimizer state, and the scheduler.pt the Trainer
+    loads with it: both or nothing (an optimizer state without its scheduler is not from the same save)."""
+    return compressed_copy(checkpoint, (_OPTIMIZER,)) is not None, (Path(checkpoint) / _SCHEDULER).is_file()
+
+
 def _trainer_locals(needs: str = "self") -> dict[str, Any] | None:
     """The local variables of the innermost ``Trainer`` method on the stack that has ``needs``
     (callbacks are not handed the Trainer itself)."""
@@ -461,11 +497,8 @@ def _resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path | 
 def _load_optimizer_and_scheduler(
     checkpoint: Path, args: TrainingArguments, optimizer: Any, scheduler: Any, leader_load: bool = False
 ) -> None:
-    """What ``Trainer._load_optimizer_and_scheduler`` does, from the compressed optimizer state."""
-    if not (checkpoint / _SCHEDULER).is_file():
-        # The Trainer loads the optimizer and the scheduler together or not at all: an
-        # optimizer state without its scheduler is not from the same save.
-        return
+    """What ``Trainer._load_optimizer_and_scheduler`` does, from the compressed optimizer state
+    (there, with its scheduler.pt: :func:`_compressed_optimizer`)."""
     logger.info("Loading the compressed optimizer state from %s.", checkpoint / (_OPTIMIZER + COMPRESSED_SUFFIX))
     # As the Trainer does: the CPU for one process, each rank's own device when distributed.
     map_location = args.device if args.world_size > 1 and args.device.type != "cpu" else "cpu"
@@ -501,12 +534,19 @@ class NvcompTrainerMixin:
     Put it first in the bases of your Trainer class: ``class MyTrainer(NvcompTrainerMixin,
     SFTTrainer)``. Plain checkpoints still load through the Trainer's own code; for each file that
     exists only compressed, the compressed copy is read instead (``docs/transformers.md``).
+
+    Collectives it adds with several processes (the Trainer calls these methods on every rank):
+    each load (resume, best model at the end) first waits for this process's conversions and then
+    for every rank, since the main process may still be converting the directory the others would
+    read; under FSDP, each save ends with a barrier before the callback's ``on_save``.
     """
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
-        _wait_for_conversions()  # a directory is read only once its async conversion is done
-        weights = compressed_copy(resume_from_checkpoint, _WEIGHTS)
-        if transformers_fsdp.fsdp_enabled(self):
+        fsdp = transformers_fsdp.fsdp_enabled(self)
+        weights = self._nvcomp_settled(
+            lambda: None if fsdp else compressed_copy(resume_from_checkpoint, _WEIGHTS), f"resuming from {resume_from_checkpoint}"
+        )
+        if fsdp:
             with transformers_fsdp.loading_fsdp_state():
                 return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         if weights is None or self._nvcomp_delegates():
@@ -516,23 +556,29 @@ class NvcompTrainerMixin:
         self._nvcomp_load_weights(model, weights)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        _wait_for_conversions()
-        if transformers_fsdp.fsdp_enabled(self) and checkpoint is not None:
+        if checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        fsdp = transformers_fsdp.fsdp_enabled(self)
+        compressed, with_scheduler = self._nvcomp_settled(
+            lambda: (False, False) if fsdp else _compressed_optimizer(checkpoint), f"resuming from {checkpoint}"
+        )
+        if fsdp:
             if transformers_fsdp.load_fsdp_optimizer_and_scheduler(self, checkpoint):
                 return None
             with transformers_fsdp.loading_fsdp_state():
                 return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
-        if compressed_copy(checkpoint, (_OPTIMIZER,)) is None or self._nvcomp_delegates():
+        if not compressed or self._nvcomp_delegates():
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
-        _load_optimizer_and_scheduler(
-            Path(checkpoint), self.args, self.optimizer, self.lr_scheduler, self._nvcomp_leader_load()  # type: ignore[attr-defined]
-        )
+        if with_scheduler:
+            _load_optimizer_and_scheduler(
+                Path(checkpoint), self.args, self.optimizer, self.lr_scheduler, self._nvcomp_leader_load()  # type: ignore[attr-defined]
+            )
 
     def _load_best_model(self) -> None:
-        _wait_for_conversions()
         best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
-        weights = compressed_copy(best, _WEIGHTS) if best else None
-        if transformers_fsdp.fsdp_enabled(self):
+        fsdp = transformers_fsdp.fsdp_enabled(self)
+        weights = self._nvcomp_settled(lambda: compressed_copy(best, _WEIGHTS) if best and not fsdp else None, f"loading the best model from {best}")
+        if fsdp:
             with transformers_fsdp.loading_fsdp_state():
                 return super()._load_best_model()  # type: ignore[misc]
         if weights is None or self._nvcomp_delegates():
@@ -544,7 +590,10 @@ class NvcompTrainerMixin:
         # The Trainer rotates old checkpoints inside this call: none may still be converting.
         _wait_for_conversions()
         super()._save_checkpoint(*args, **kwargs)  # type: ignore[misc]
-        transformers_fsdp.wait_for_every_rank(self)  # on_save follows: the directory must be whole
+        if transformers_fsdp.fsdp_enabled(self):
+            # A collective, under FSDP only (whose saves are collectives already): every rank's FSDP
+            # files are written before the main process's on_save converts and reports the directory.
+            transformers_fsdp.wait_for_every_rank(self)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not transformers_fsdp.fsdp_enabled(self):
@@ -564,6 +613,9 @@ class NvcompTrainerMixin:
         # The option lives on the callback, which holds the integration's settings.
         callbacks = self.callback_handler.callbacks  # type: ignore[attr-defined]
         return any(isinstance(cb, NvcompTrainerCallback) and cb.leader_load for cb in callbacks)
+
+    def _nvcomp_settled(self, decide: Callable[[], _T], where: str) -> _T:
+        return _settled(self.args.world_size, self._nvcomp_leader_load(), decide, where)  # type: ignore[attr-defined]
 
     def _nvcomp_delegates(self) -> bool:
         # DeepSpeed loads checkpoints its own way (the callback refuses it); FSDP goes through

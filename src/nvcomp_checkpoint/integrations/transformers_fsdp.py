@@ -20,8 +20,8 @@ import transformers.trainer
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.integrations.accelerate_fsdp import check_one_committer, load_fsdp_optimizer, nvcomp_fsdp_functions
-from nvcomp_checkpoint.report import merge_reports
+from nvcomp_checkpoint.entrypoint import checkpoint_report
+from nvcomp_checkpoint.integrations.accelerate_fsdp import check_one_committer, is_sharded, load_fsdp_optimizer, nvcomp_fsdp_functions
 
 __all__ = [
     "fsdp_enabled", "save_fsdp_state", "loading_fsdp_state", "load_fsdp_optimizer_and_scheduler", "check_fsdp_callback",
@@ -62,7 +62,7 @@ def save_fsdp_state(trainer: Any, save: Callable[[str], None], output_dir: str) 
     if callback is None:
         save(output_dir)
         return
-    if "SHARDED" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type):
+    if is_sharded(trainer.accelerator.state.fsdp_plugin):
         check_one_committer(trainer.args.save_on_each_node, trainer.args.world_size, output_dir, "TrainingArguments(save_on_each_node=...)")
     saved: dict[str, nc.SaveReport] = {}
     on_saved = saved.__setitem__ if trainer.args.should_save else None
@@ -82,13 +82,14 @@ def with_fsdp_reports(callback: Any, directory: str | os.PathLike[str], converte
         return converted
     parts = [converted, *saved.values()]
     seconds = sum(r.seconds for r in parts)
-    return merge_reports(converted.path, parts, seconds, seconds)
+    return checkpoint_report(converted.path, seconds, reports=parts, seconds_blocked=seconds) or converted
 
 
 def wait_for_every_rank(trainer: Any) -> None:
-    """After ``Trainer._save_checkpoint``: every rank has written its files (its RNG state, its FSDP
-    shards) before the main process's ``on_save`` converts the directory and copies it to the tiers;
-    the Trainer itself has no barrier there."""
+    """After ``Trainer._save_checkpoint`` under FSDP: every rank has written its files (its RNG state,
+    its FSDP state) before the main process's ``on_save`` converts and reports the directory; the
+    Trainer itself has no barrier there. A collective: every rank must reach it (FSDP saves are
+    collectives already, so a rank that fails its save leaves the others waiting there as well)."""
     if trainer.args.world_size > 1:
         trainer.accelerator.wait_for_everyone()
 
