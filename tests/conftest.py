@@ -113,3 +113,13 @@ def start_moto_server(env: dict[str, str], log: Path, port: int = 0) -> tuple[su
             raise RuntimeError(f"moto_server did not start: {log.read_text(errors='replace')[-2000:]}")
         time.sleep(0.1)
     return proc, int(found.group(1))
+
+
+def run_python(*args: str, cwd: Path, timeout: float = 300, **env: str) -> None:
+    """Run ``python ARGS`` in a fresh process (a training script, ``-m torch.distributed.run ...``);
+    fail with the tail of its output unless it exits 0. ``env``: extra environment variables."""
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=dict(os.environ, PYTHONWARNINGS="ignore", **env),
+        capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -10,13 +10,11 @@ the best model at the end in one collective.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -81,12 +79,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def _torchrun(script: Path, mode: str, root: Path) -> None:
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), mode, str(root)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), mode, str(root), cwd=root, OMP_NUM_THREADS="1")
 
 
 @pytest.mark.slow

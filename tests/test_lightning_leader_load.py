@@ -10,9 +10,6 @@ every rank raise before the collective (the subprocess timeout fails a hang).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -21,6 +18,7 @@ import pytest
 pytest.importorskip("lightning")
 
 import nvcomp_checkpoint as nc  # noqa: E402
+from conftest import run_python  # noqa: E402
 
 _SCRIPT = textwrap.dedent(
     '''
@@ -114,11 +112,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def _run(script: Path, mode: str, root: Path) -> None:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, str(script), mode, str(root)], cwd=root, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_python(str(script), mode, str(root), cwd=root)
 
 
 @pytest.mark.slow

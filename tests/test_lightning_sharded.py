@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import run_python
 
 pytest.importorskip("lightning")
 
@@ -164,11 +165,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def _run(script: Path, mode: str, root: Path) -> None:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, str(script), mode, str(root)], cwd=root, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_python(str(script), mode, str(root), cwd=root)
 
 
 @pytest.mark.slow
