@@ -193,7 +193,13 @@ def test_form_chosen_from_a_sample_loads_exactly_and_stores_about_as_small(tmp_p
     sampled = nc.save(_state(40), tmp_path / "sampled.nvc", base=base)
     assert_tree_equal(_state(40), nc.load(tmp_path / "sampled.nvc"))
     assert "sub" in _ops(tmp_path / "sampled.nvc")["optimizer/state/0/exp_avg_sq"]
-    assert whole.stored_bytes <= sampled.stored_bytes < 1.03 * whole.stored_bytes
+    # Frames only: the index also holds the save's time, whose printed length varies by a byte or so.
+    frames = {}
+    for name in ("whole", "sampled"):
+        with nc.open(tmp_path / f"{name}.nvc") as reader:
+            frames[name] = sum(t.stored_bytes for t in reader.index.tensors)
+    assert frames["whole"] <= frames["sampled"] < 1.03 * frames["whole"]
+    assert sampled.stored_bytes < 1.03 * whole.stored_bytes
 
 
 def test_rebase_of_a_sub_delta_stands_alone(tmp_path):
