@@ -65,19 +65,32 @@ def _torch_threads_restored():
         torch.set_num_threads(threads)
 
 
-def spawn_ranks(fn: Callable[..., None], world: int, *args: Any) -> None:
+def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, timeout: float = 600.0) -> None:
     """Runs ``fn(rank, world, port, *args)`` in ``world`` spawned processes; raises as ``mp.start_processes``.
 
     The ranks rendezvous (``tcp://127.0.0.1:<port>`` or ``env://`` with ``MASTER_PORT=<port>``) at a
     TCPStore this process hosts on a port the kernel picked: a port probed free and bound later
-    by rank 0 could be taken in between by another process (a parallel test run).
+    by rank 0 could be taken in between by another process (a parallel test run). Ranks still
+    running after ``timeout`` seconds are killed and the test fails: a hang (a collective that some
+    rank never reached) fails fast instead of holding CI until its limit.
     """
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     try:
-        mp.start_processes(_rank_entry, args=(world, store.port, fn, args), nprocs=world, start_method="spawn", join=True)
+        ctx = mp.start_processes(_rank_entry, args=(world, store.port, fn, args), nprocs=world, start_method="spawn", join=False)
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                hung = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise AssertionError(
+                    f"{fn.__name__}: ranks {hung} of {world} still running after {timeout:.0f} s (a hang: a collective "
+                    "some rank never reached?); killed"
+                )
     finally:
         del store
 
