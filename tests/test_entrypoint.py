@@ -49,8 +49,11 @@ def _tree() -> dict[str, torch.Tensor]:
 def test_policy_takes_a_policy_a_dict_or_nothing() -> None:
     assert as_policy(None, "X") == nc.CodecPolicy()
     assert as_policy({"other": "none"}, "X") == nc.CodecPolicy(other="none")
-    with pytest.raises(TypeError, match=r"X\(policy=...\) must be a CodecPolicy or a dict, got int"):
+    assert as_policy("zstd:3", "X") == nc.CodecPolicy.uniform(nc.CodecSpec(level=3))
+    with pytest.raises(TypeError, match=r"X\(policy=...\): expected a CodecPolicy, a dict .* got int 3"):
         SaveEntryPoint("X", 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"X\(policy=...\): codec spec 'zstd:fast'"):
+        SaveEntryPoint("X", "zstd:fast")
 
 
 def test_per_save_options_give_a_policy_and_metadata() -> None:
@@ -60,8 +63,10 @@ def test_per_save_options_give_a_policy_and_metadata() -> None:
     assert policy_and_metadata(None, base, "X") == (base, None)
     with pytest.raises(ValueError, match=r"unknown storage_options key\(s\) \['nope'\]"):
         policy_and_metadata({"nope": 1}, base, "X")
-    with pytest.raises(TypeError, match=r"storage_options\['policy'\] must be a CodecPolicy or a dict, got str"):
-        policy_and_metadata({"policy": "zstd"}, base, "X")
+    policy, _ = policy_and_metadata({"policy": "zstd:3"}, base, "X")
+    assert policy == nc.CodecPolicy.uniform("zstd:3")
+    with pytest.raises(TypeError, match=r"storage_options\['policy'\]: expected a CodecPolicy, .* got int 1"):
+        policy_and_metadata({"policy": 1}, base, "X")
 
 
 def test_weights_only_follows_torch_load(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Mapping
 
 import torch
 
@@ -32,7 +32,7 @@ _LOG = logging.getLogger("nvcomp_checkpoint")
 def save(
     obj: Any,
     path: str | os.PathLike[str],
-    policy: CodecPolicy | None = None,
+    policy: CodecPolicy | Mapping[str, Any] | str | None = None,
     *,
     metadata: dict[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -50,7 +50,8 @@ def save(
     Args:
         obj: Any tree of dicts, lists and tuples holding tensors and plain values.
         path: Local path, or an fsspec URL such as ``s3://bucket/ckpt.nvc``.
-        policy: Codec settings per component; defaults to :class:`CodecPolicy()`.
+        policy: Codec settings per component: a :class:`CodecPolicy`, a dict of its fields, or a
+            codec shorthand for every component (``"zstd:3"``); defaults to :class:`CodecPolicy()`.
         metadata: JSON-safe values stored in the index (read back with ``open(path).metadata``).
         storage_options: Passed to fsspec for URLs (credentials, endpoint ...).
         workers: Compression threads (default: every core).
@@ -84,7 +85,7 @@ def save(
 def write_checkpoint(
     obj: Any,
     path: str | os.PathLike[str],
-    policy: CodecPolicy | None,
+    policy: CodecPolicy | Mapping[str, Any] | str | None,
     metadata: dict[str, Any] | None,
     storage_options: dict[str, Any] | None,
     workers: int | None,
@@ -99,7 +100,7 @@ def write_checkpoint(
 
     ``plan``: ``obj`` already flattened and planned (an async snapshot's), not done again.
     """
-    policy = policy or CodecPolicy()
+    policy = CodecPolicy.of(policy, "save(policy=...)")
     where = os.fspath(path)
     storage, spath = storage_for(path, storage_options)
     start = time.perf_counter()

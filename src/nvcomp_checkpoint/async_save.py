@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import replace
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Mapping
 
 from . import pending
 from .api import log_report, write_checkpoint
@@ -223,7 +223,7 @@ class AsyncSaver:
         self,
         obj: Any,
         path: str | os.PathLike[str],
-        policy: CodecPolicy | None = None,
+        policy: CodecPolicy | Mapping[str, Any] | str | None = None,
         *,
         metadata: dict[str, Any] | None = None,
         storage_options: dict[str, Any] | None = None,
@@ -254,7 +254,7 @@ class AsyncSaver:
         """
         started = time.perf_counter()
         where = os.fspath(path)
-        policy = policy or CodecPolicy()
+        policy = CodecPolicy.of(policy, "save_async(policy=...)")
         # Checked and copied now: the caller may change its dict while the save runs.
         metadata = checked_metadata(metadata, where)
         if _EXITING:
@@ -513,7 +513,7 @@ def default_saver() -> AsyncSaver:
 def save_async(
     obj: Any,
     path: str | os.PathLike[str],
-    policy: CodecPolicy | None = None,
+    policy: CodecPolicy | Mapping[str, Any] | str | None = None,
     *,
     metadata: dict[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,

@@ -40,15 +40,9 @@ _POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(CodecPolicy))
 POLICY_OPTION_KEYS = ("policy", "metadata", *_POLICY_FIELDS)
 
 
-def as_policy(policy: CodecPolicy | Mapping[str, Any] | None, where: str) -> CodecPolicy:
-    """``policy`` as a :class:`CodecPolicy` (``None``: the default; a dict: its ``to_dict()`` form)."""
-    if policy is None:
-        return CodecPolicy()
-    if isinstance(policy, Mapping):
-        return CodecPolicy.from_dict(policy)
-    if not isinstance(policy, CodecPolicy):
-        raise TypeError(f"{where} must be a CodecPolicy or a dict, got {type(policy).__name__}")
-    return policy
+def as_policy(policy: CodecPolicy | Mapping[str, Any] | str | None, where: str) -> CodecPolicy:
+    """``policy`` as a :class:`CodecPolicy` (see :meth:`CodecPolicy.of`)."""
+    return CodecPolicy.of(policy, where)
 
 
 def policy_and_metadata(options: Any, default: CodecPolicy, label: str, name: str = "storage_options") -> tuple[CodecPolicy, dict[str, Any] | None]:

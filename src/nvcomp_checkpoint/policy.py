@@ -9,7 +9,8 @@ from __future__ import annotations
 import fnmatch
 import numbers
 import re
-from dataclasses import asdict, dataclass, field, replace
+import warnings
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 from typing import Any, Mapping, Sequence
 
@@ -134,12 +135,41 @@ class CodecSpec:
             )
 
     @classmethod
+    def parse(cls, text: str) -> "CodecSpec":
+        """A spec from its shorthand ``CODEC[:LEVEL][:FILTER]``: ``zstd``, ``zstd:3``, ``zstd:3:none``, ``ans``, ``none``.
+
+        Raises:
+            ValueError: an unknown codec or filter, or a part that is neither a level nor a filter.
+        """
+        parts = [p.strip() for p in text.strip().split(":")]
+        codec, level, filt = parts[0].lower(), None, "byteplane"
+        for part in parts[1:]:
+            if part.lstrip("-").isdigit():
+                level = int(part)
+            elif part.lower() in FILTER_IDS:
+                filt = part.lower()
+            else:
+                raise ValueError(
+                    f"codec spec {text!r}: {part!r} is neither a level nor a filter ({', '.join(FILTER_IDS)}); "
+                    "write CODEC[:LEVEL][:FILTER], e.g. 'zstd:3'"
+                )
+        if codec == "none":
+            filt, level = "none", None
+        elif level is None and codec == "zstd":
+            level = 1
+        try:
+            return cls(codec=codec, level=level, filter=filt)
+        except ValueError as exc:
+            raise ValueError(f"codec spec {text!r}: {exc}") from exc
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "CodecSpec" | str) -> "CodecSpec":
-        """A spec from a dict (``{"codec": "zstd", "level": 3}``), a codec id, or a spec."""
+        """A spec from a dict (``{"codec": "zstd", "level": 3}``), a shorthand (``"zstd:3"``, see
+        :meth:`parse`), or a spec."""
         if isinstance(data, CodecSpec):
             return data
         if isinstance(data, str):
-            return cls(codec=data, level=1 if data == "zstd" else None)
+            return cls.parse(data)
         unknown = set(data) - {"codec", "level", "filter", "chunk_bytes"}
         if unknown:
             raise ValueError(f"unknown codec spec keys {sorted(unknown)}")
@@ -181,8 +211,8 @@ def _spec_field(name: str, value: Any) -> CodecSpec:
                     raise ValueError(f"{name}: {key} must be {expected}, got {_described(v)}")
     elif not isinstance(value, (CodecSpec, str)):
         raise ValueError(
-            f"{name}: expected a CodecSpec, a dict such as {{'codec': 'zstd', 'level': 3}} or a codec id "
-            f"such as 'zstd', got {_described(value)}"
+            f"{name}: expected a CodecSpec, a dict such as {{'codec': 'zstd', 'level': 3}} or a codec shorthand "
+            f"such as 'zstd:3', got {_described(value)}"
         )
     try:
         return CodecSpec.from_dict(value)
@@ -258,14 +288,55 @@ class CodecPolicy:
 
     @classmethod
     def uniform(cls, spec: CodecSpec | Mapping[str, Any] | str, **kwargs: Any) -> "CodecPolicy":
-        """The same spec for every component."""
-        spec = CodecSpec.from_dict(spec)
+        """The same spec for every component (a spec, its dict, or a shorthand such as ``"zstd:3"``)."""
+        spec = _spec_field("policy", spec)
         return cls(**{c.value: spec for c in Component}, **kwargs)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CodecPolicy":
-        """A policy from its :meth:`to_dict` form (e.g. a JSON file given to ``nvckpt``)."""
+        """A policy from its :meth:`to_dict` form (e.g. a JSON file given to ``nvckpt``); missing
+        keys keep their defaults, component values may be shorthands (``{"weights": "zstd:3"}``).
+
+        Raises:
+            ValueError: a key is not a policy field, or a value is invalid (the field is named).
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a policy dict must be a dict of CodecPolicy fields, got {_described(data)}")
+        unknown = sorted(set(map(str, data)) - set(_POLICY_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown policy key(s) {unknown}; the fields are: {', '.join(_POLICY_FIELDS)}")
         return cls(**dict(data))
+
+    @classmethod
+    def of(cls, policy: "CodecPolicy | Mapping[str, Any] | str | CodecSpec | None", where: str = "policy") -> "CodecPolicy":
+        """The one conversion of every ``policy=`` argument (``save``, ``save_async``, the manager,
+        the DCP writer, the integrations).
+
+        Args:
+            policy: ``None`` (the defaults), a :class:`CodecPolicy`, a dict of its fields
+                (``{"weights": "zstd:3", "exp_avg": {"codec": "zstd", "level": 5}}``), or a codec
+                shorthand or :class:`CodecSpec` for every component (``"zstd:3"``).
+            where: Names the argument in errors (``"CheckpointManager(policy=...)"``).
+
+        Raises:
+            TypeError: ``policy`` is none of these forms (the message names ``where`` and the forms).
+            ValueError: a value is invalid; the message names ``where``, the field and the accepted forms.
+        """
+        if policy is None:
+            return cls()
+        if isinstance(policy, CodecPolicy):
+            return policy
+        try:
+            if isinstance(policy, (str, CodecSpec)):
+                return cls.uniform(CodecSpec.from_dict(policy))
+            if isinstance(policy, Mapping):
+                return cls.from_dict(policy)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+        raise TypeError(
+            f"{where}: expected a CodecPolicy, a dict of its fields such as {{'weights': 'zstd:3'}}, or a codec "
+            f"shorthand such as 'zstd:3' for every component, got {_described(policy)}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {c.value: getattr(self, c.value).to_dict() for c in Component}
@@ -286,6 +357,10 @@ class CodecPolicy:
                 return comp
         return classify(path)
 
+    def unmatched_overrides(self, keys: Sequence[str]) -> list[str]:
+        """The :attr:`overrides` globs that match none of ``keys`` (a typo, or a model renamed)."""
+        return [g for g in self.overrides if not any(fnmatch.fnmatchcase(k, g) for k in keys)]
+
     def spec_for(self, key: str, component: Component, nbytes: int) -> CodecSpec:
         """The spec used for one tensor."""
         for pattern, spec in self.overrides.items():
@@ -294,3 +369,19 @@ class CodecPolicy:
         if nbytes < self.min_compress_bytes:
             return _RAW
         return getattr(self, component.value)
+
+
+_POLICY_FIELDS = tuple(f.name for f in fields(CodecPolicy))
+_WARNED_GLOBS: set[str] = set()
+
+
+def warn_unmatched_overrides(policy: CodecPolicy, keys: Sequence[str], where: str) -> None:
+    """Warn (once per glob in a process) about override globs that matched no tensor of a save."""
+    for glob in policy.unmatched_overrides(keys):
+        if glob not in _WARNED_GLOBS:
+            _WARNED_GLOBS.add(glob)
+            warnings.warn(
+                f"{where}: the policy override {glob!r} matches no tensor key, so it changes nothing "
+                "(keys look like 'state_dict/layer.weight'; `nvckpt inspect FILE` lists them)",
+                UserWarning, stacklevel=3,
+            )

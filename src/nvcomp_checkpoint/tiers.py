@@ -800,7 +800,7 @@ class CheckpointManager:
         self.tiers = list(tiers)
         self.async_save = async_save
         self.full_every = full_every
-        self.policy = policy
+        self.policy = CodecPolicy.of(policy, "CheckpointManager(policy=...)")
         self.workers = workers
         self.on_copy_progress = on_copy_progress
         self.tier0_external = bool(tier0_external)

@@ -28,7 +28,7 @@ from .filters.sub import sub_bytes_torch
 from .format.chain import DELTA_FORMAT_VERSION, SUB, SUB_FORMAT_VERSION, XOR, TensorDelta
 from .format.layout import DELTA_MAGIC, MAGIC, SAVE_METADATA_KEYS, SUB_MAGIC, MAX_INDEX_BYTES, QUANTIZED_DTYPES, Frame, Index, TensorEntry, pack_footer
 from .format.skeleton import encode_skeleton, flatten
-from .policy import CodecPolicy, CodecSpec, Component, key_string
+from .policy import CodecPolicy, CodecSpec, Component, key_string, warn_unmatched_overrides
 from .report import ComponentStats
 from .tensors import SOURCE_DEVICE_ATTR, flat_bytes, unique_key
 from .version import __version__
@@ -128,6 +128,8 @@ def plan_tensors(
         key = unique_key(key, used)
         device, chunk = _placement(key, t, spec, policy, where)
         planned.append(PlannedTensor(key, t, component, spec, plane_width(t.dtype), chunk, device))
+    if policy.overrides:
+        warn_unmatched_overrides(policy, [p.key for p in planned], where)
     return planned
 
 

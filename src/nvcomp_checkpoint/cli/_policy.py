@@ -15,41 +15,18 @@ from nvcomp_checkpoint.errors import CheckpointError, CodecUnavailableError
 
 __all__ = ["parse_spec", "parse_policy", "check_policy_runs_here"]
 
-_FILTERS = ("byteplane", "none")
-_SPEC_KEYS = {"codec", "level", "filter", "chunk_bytes"}
 
 
 def parse_spec(text: str) -> nc.CodecSpec:
-    """``CODEC[:LEVEL][:FILTER]``: ``zstd``, ``zstd:3``, ``zstd:3:none``, ``ans``, ``none``.
+    """``CODEC[:LEVEL][:FILTER]`` (see :meth:`~nvcomp_checkpoint.CodecSpec.parse`).
 
     Raises:
         CheckpointError: an unknown codec or filter, or a malformed level.
     """
-    parts = [p.strip() for p in text.strip().split(":")]
-    codec, level, filt = parts[0].lower(), None, "byteplane"
-    for part in parts[1:]:
-        if part.lstrip("-").isdigit():
-            level = int(part)
-        elif part.lower() in _FILTERS:
-            filt = part.lower()
-        else:
-            raise CheckpointError(
-                f"codec spec {text!r}: {part!r} is neither a level nor a filter ({', '.join(_FILTERS)}); "
-                "write CODEC[:LEVEL][:FILTER], e.g. zstd:3"
-            )
-    if codec == "none":
-        filt, level = "none", None
-    elif level is None and codec == "zstd":
-        level = 1
     try:
-        return nc.CodecSpec(codec=codec, level=level, filter=filt)
+        return nc.CodecSpec.parse(text)
     except ValueError as exc:
-        raise CheckpointError(f"codec spec {text!r}: {exc}") from exc
-
-
-def _expand(value: Any) -> Any:
-    # Component values in a JSON policy may use the shorthand too: {"weights": "zstd:3"}.
-    return parse_spec(value).to_dict() if isinstance(value, str) else value
+        raise CheckpointError(str(exc)) from exc
 
 
 def parse_policy(text: str | None) -> nc.CodecPolicy:
@@ -89,11 +66,6 @@ def parse_policy(text: str | None) -> nc.CodecPolicy:
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise CheckpointError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; policy keys are: {', '.join(known)}")
-    for comp in nc.Component:
-        if comp.value in data:
-            data[comp.value] = _expand(data[comp.value])
-    if isinstance(data.get("overrides"), dict):
-        data["overrides"] = {k: _expand(v) for k, v in data["overrides"].items()}
     try:
         return nc.CodecPolicy.from_dict(data)
     except (TypeError, ValueError) as exc:

@@ -200,7 +200,7 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.path = os.fspath(path) if path is not None else ""
-        self.policy = FqnPolicy.of(policy or CodecPolicy())
+        self.policy = FqnPolicy.of(CodecPolicy.of(policy, "NvcompWriter(policy=...)"))
         self.workers = workers
         self.storage_options = storage_options
         self.stream_wrapper = stream_wrapper
