@@ -6,11 +6,12 @@ Results go to stdout, progress and errors to stderr, so ``nvckpt ... --json | jq
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 from typing import Any, Iterable, Sequence
 
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -56,9 +57,13 @@ PROGRESS_DELAY_S = 1.0
 
 
 def stdout_console() -> Console:
-    """The console results are printed on; wide when piped so tables are not squeezed."""
+    """The console results are printed on; wide when piped so tables are not squeezed (unless
+    ``COLUMNS`` says how wide)."""
     probe = Console()
-    return probe if probe.is_terminal else Console(width=200, highlight=False, soft_wrap=True)
+    if probe.is_terminal:
+        return probe
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else 200, highlight=False, soft_wrap=True)
 
 
 def stderr_console() -> Console:
@@ -71,14 +76,67 @@ def print_json(data: Any) -> None:
     sys.stdout.flush()
 
 
-def make_table(title: str | None, header: Sequence[str], rows: Iterable[Sequence[Any]], *, numeric_from: int = 1) -> Table:
-    """A rich table whose columns from ``numeric_from`` on are right-aligned."""
-    table = Table(title=title, title_justify="left", show_lines=False)
-    for i, h in enumerate(header):
-        table.add_column(h, justify="right" if i >= numeric_from else "left", no_wrap=True)
-    for row in rows:
-        table.add_row(*(Text(str(c)) for c in row))
-    return table
+def make_table(
+    title: str | None, header: Sequence[str], rows: Iterable[Sequence[Any]], *, numeric_from: int = 1
+) -> "FittedTable":
+    """A table whose columns from ``numeric_from`` on are right-aligned figures.
+
+    At any console width every figure is printed whole: text columns (names, paths) and headers
+    wrap, and when even that does not fit, figure columns are left out from the right, the
+    caption naming them.
+    """
+    return FittedTable(title, [str(h) for h in header], [[str(c) for c in row] for row in rows], numeric_from)
+
+
+class FittedTable:
+    """The renderable :func:`make_table` returns: the table is laid out for the width it is printed at."""
+
+    #: Narrowest a text column is squeezed to before figure columns are left out.
+    TEXT_MIN = 10
+
+    def __init__(self, title: str | None, header: list[str], rows: list[list[str]], numeric_from: int) -> None:
+        self.title = title
+        self.header = header
+        self.rows = rows
+        self.numeric_from = max(0, numeric_from)
+
+    def _figure_width(self, i: int, wrap_header: bool) -> int:
+        cells = [len(r[i]) for r in self.rows if i < len(r)]
+        header = max([len(w) for w in self.header[i].split()] or [1]) if wrap_header else len(self.header[i])
+        return max([*cells, header, 1])
+
+    def table(self, width: int) -> Table:
+        """The rich table laid out for ``width`` columns of text."""
+        shown = list(range(len(self.header)))
+        figures = [i for i in shown if i >= self.numeric_from]
+
+        def needed(cols: list[int], wrap_header: bool) -> int:
+            inner = sum(self._figure_width(i, wrap_header) if i >= self.numeric_from else self.TEXT_MIN for i in cols)
+            return inner + 3 * len(cols) + 1  # padding of 1 either side, one border per column and one more
+
+        # Headers wrap only when whole ones do not fit; figure columns are dropped only when that is not enough.
+        wrap_header = needed(shown, False) > width
+        dropped: list[int] = []
+        while figures and len(shown) > 1 and needed(shown, True) > width:
+            dropped.insert(0, figures.pop())
+            shown.remove(dropped[0])
+        caption = None
+        if dropped:
+            names = ", ".join(self.header[i] or f"column {i + 1}" for i in dropped)
+            caption = f"not shown at this width: {names} (a wider terminal shows them)"
+        table = Table(title=self.title, title_justify="left", show_lines=False, caption=caption, caption_justify="left")
+        for i in shown:
+            if i >= self.numeric_from:
+                table.add_column(self.header[i], justify="right", width=self._figure_width(i, wrap_header), overflow="fold")
+            else:
+                table.add_column(self.header[i], justify="left", overflow="fold", min_width=min(self.TEXT_MIN, max(
+                    [len(self.header[i]), *(len(r[i]) for r in self.rows if i < len(r))], default=1)))
+        for row in self.rows:
+            table.add_row(*(Text(row[i]) if i < len(row) else Text("") for i in shown))
+        return table
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield self.table(options.max_width)
 
 
 def gbps(value: float | None) -> str:

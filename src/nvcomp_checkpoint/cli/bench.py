@@ -19,7 +19,7 @@ import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
 
 from . import _policy
-from ._ui import EXIT_OK, Reporter, check_workers, gbps, make_table, print_json, stdout_console
+from ._ui import EXIT_OK, Reporter, check_workers, gbps, make_table, print_json, stderr_console, stdout_console
 from .sources import DIRECTORY, NVCOMP, OTHER, SAFETENSORS, TORCH, Source, TensorInfo, dir_files, open_source, sniff
 
 __all__ = ["add_parser", "run_bench", "recommend", "why_none", "write_seconds", "default_candidates", "plot_figure"]
@@ -393,6 +393,9 @@ def run_bench(args: argparse.Namespace) -> int:
             json.dump(policy.to_dict(), f, indent=2)
     if args.plot:
         _plot(args.plot, components, args.storage_gbps)
+        result["plot"] = os.path.abspath(args.plot)
+        if not args.quiet:  # on stderr: stdout stays the result (--json | jq)
+            stderr_console().print(f"plot written to {result['plot']}", markup=False, highlight=False, soft_wrap=True)
     if args.json:
         print_json(result)
         return EXIT_OK

@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 success, 1 verify found a problem, 2 error (bad input or option), 3 internal error.",
     )
     parser.add_argument("--version", action="version", version=f"nvckpt (nvcomp-checkpoint) {__version__}")
+    # The common options are accepted before the command too (`nvckpt -q compress ...`), under other
+    # names: a subparser's defaults would overwrite the same names (argparse sets them after).
+    parser.add_argument("-q", "--quiet", dest="global_quiet", action="store_true", help="as the command's --quiet")
+    parser.add_argument("--debug", dest="global_debug", action="store_true", help="as the command's --debug")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     inspect.add_parser(sub, common)
     convert.add_parsers(sub, common)
@@ -56,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``nvckpt`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.quiet = bool(getattr(args, "quiet", False) or args.global_quiet)
+    args.debug = bool(getattr(args, "debug", False) or args.global_debug)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
