@@ -131,3 +131,18 @@ def test_path_contents_says_what_is_at_a_path(tmp_path: Path, root: str) -> None
     if root == "memory":  # nc.load of it: named an empty directory, as a local one is
         with pytest.raises(nc.errors.FormatError, match="is an empty directory, not a checkpoint file"):
             nc.load(f"{base}/empty")
+
+
+def test_open_says_what_a_file_that_is_not_ours_is_and_what_reads_it(tmp_path: Path) -> None:
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.errors import FormatError
+
+    torch.save({"w": torch.ones(4)}, tmp_path / "plain.pt")
+    torch.save({"w": torch.ones(4)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    (tmp_path / "junk.bin").write_bytes(b"hello, not a checkpoint at all" * 8)
+    for name in ("plain.pt", "legacy.pt"):
+        with pytest.raises(FormatError, match=r"a torch\.save file, not an nvcomp-checkpoint file: nc\.load\(path\) reads it"):
+            nc.open(tmp_path / name)
+        assert torch.equal(nc.load(tmp_path / name)["w"], torch.ones(4))
+    with pytest.raises(FormatError, match=r"not an nvcomp-checkpoint file \(it does not start with the NVCKPT magic\)"):
+        nc.open(tmp_path / "junk.bin")

@@ -21,6 +21,7 @@ from .errors import CheckpointError, ChecksumError, CodecUnavailableError, Forma
 from .filters import ByteplaneFilter
 from .delta import BaseChain
 from .format.layout import FOOTER, MAGIC, READ_VERSIONS, Frame, Index, TensorEntry, unpack_footer
+from .filetype import HEAD_BYTES, SAFETENSORS, TORCH, kind_of
 from .format.skeleton import check_skeleton, decode_skeleton, tensor_paths, unflatten
 from .policy import Component
 from .report import ComponentStats, ComponentSummary
@@ -136,9 +137,9 @@ class CheckpointReader:
         size = self._size
         if size < len(MAGIC) + FOOTER.size:
             raise FormatError(f"{self.path}: {size} bytes is too small to be a checkpoint (truncated?)")
-        head = self._read_at(0, len(MAGIC))
+        head = self._read_at(0, min(size, HEAD_BYTES))
         if head[:6] != MAGIC[:6]:
-            raise FormatError(f"{self.path}: not an nvcomp-checkpoint file (no NVCKPT magic)")
+            raise FormatError(f"{self.path}: {_not_ours(kind_of(head, size))}")
         if head[6] > READ_VERSIONS[-1]:
             raise FormatError(f"{self.path}: format version {head[6]}; this nvcomp-checkpoint reads versions up to {READ_VERSIONS[-1]}. Upgrade to read it.")
         if head[6] not in READ_VERSIONS or head[7] != MAGIC[7]:
@@ -497,6 +498,17 @@ class CheckpointReader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _not_ours(kind: str) -> str:
+    """What a file that is not ours is, and what reads it."""
+    if kind == TORCH:
+        return ("a torch.save file, not an nvcomp-checkpoint file: nc.load(path) reads it (nc.open reads only "
+                "compressed files; `nvckpt compress` converts it)")
+    if kind == SAFETENSORS:
+        return ("a safetensors file, not an nvcomp-checkpoint file: read it with safetensors.torch.load_file "
+                "(`nvckpt compress` converts it)")
+    return "not an nvcomp-checkpoint file (it does not start with the NVCKPT magic); `nvckpt inspect` says what it is"
 
 
 def _allocate(entry: TensorEntry, where: str) -> np.ndarray:
