@@ -69,3 +69,13 @@ def test_a_delta_save_report_names_its_base(tmp_path: Path) -> None:
     assert full.base is None and "(delta of" not in str(full)
     assert str(delta).startswith(f"{tmp_path / 'step-1040.nvc'} (delta of {tmp_path / 'step-1000.nvc'}): "), str(delta)
     assert delta.to_dict()["base"] == str(tmp_path / "step-1000.nvc") and full.to_dict()["base"] is None
+
+
+def test_the_table_notes_when_the_index_outweighs_the_data(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    tiny = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 8))  # ~2K parameters
+    report = nc.save({"model": tiny.state_dict()}, tmp_path / "tiny.nvc")
+    assert report.stored_bytes > report.raw_bytes
+    assert "the index and headers" in report.table() and "larger than its raw tensors" in report.table()
+    big = nc.save({"w": torch.randn(256, 256).bfloat16()}, tmp_path / "big.nvc")
+    assert big.stored_bytes < big.raw_bytes and "the index and headers" not in big.table()

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Mapping
 
 __all__ = [
     "ComponentStats", "ComponentSummary", "SaveReport", "merge_reports", "format_bytes", "format_table",
-    "component_rows", "component_table", "codec_notes", "COMPONENT_COLUMNS",
+    "component_rows", "component_table", "codec_notes", "overhead_note", "COMPONENT_COLUMNS",
 ]
 
 #: The columns of every per-component table (``SaveReport.table()``, ``summary()``, ``nvckpt``).
@@ -162,10 +162,26 @@ def codec_notes(components: Mapping[str, ComponentStats]) -> list[str]:
     return [note for codec, note in _CODEC_NOTES.items() if codec in used]
 
 
+def overhead_note(components: Mapping[str, ComponentStats], raw_total: int, file_bytes: int) -> str | None:
+    """A line when the file's index and headers outweigh what compression saved (a tiny model), else None."""
+    frames = sum(s.stored_bytes for s in components.values())
+    overhead = file_bytes - frames
+    if file_bytes <= raw_total or overhead <= 0:
+        return None
+    return (
+        f"note: the index and headers ({format_bytes(overhead)}) outweigh what compression saved "
+        f"({format_bytes(max(0, raw_total - frames))}), so the file is larger than its raw tensors; "
+        "this happens with tiny models only"
+    )
+
+
 def component_table(components: Mapping[str, ComponentStats], raw_total: int, stored_total: int) -> str:
     """The per-component table with its notes, as plain text."""
     lines = [format_table(COMPONENT_COLUMNS, component_rows(components, raw_total, stored_total))]
     lines.extend(codec_notes(components))
+    note = overhead_note(components, raw_total, stored_total)
+    if note:
+        lines.append(note)
     return "\n".join(lines)
 
 

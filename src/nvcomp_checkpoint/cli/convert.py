@@ -17,7 +17,7 @@ import torch
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
 from nvcomp_checkpoint.dirstore import DirectoryStore, sync_tree
-from nvcomp_checkpoint.report import component_rows, format_bytes
+from nvcomp_checkpoint.report import component_rows, format_bytes, overhead_note
 from nvcomp_checkpoint.storage import LOCAL, is_url, storage_for, write_errors
 from nvcomp_checkpoint.format.layout import SAVE_METADATA_KEYS
 
@@ -427,6 +427,9 @@ def run_compress(args: argparse.Namespace) -> int:
         console.print(str(report), markup=False, highlight=False)
         console.print(make_table(None, ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"],
                                  component_rows(report.components, report.raw_bytes, report.stored_bytes)))
+        note = overhead_note(report.components, report.raw_bytes, report.stored_bytes)
+        if note:
+            console.print(note, markup=False, highlight=False)
     return EXIT_OK
 
 

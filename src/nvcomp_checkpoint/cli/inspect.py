@@ -17,7 +17,7 @@ from rich.tree import Tree
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import UnsafeCheckpointError
-from nvcomp_checkpoint.report import COMPONENT_COLUMNS, codec_notes, component_rows, format_bytes
+from nvcomp_checkpoint.report import COMPONENT_COLUMNS, codec_notes, component_rows, format_bytes, overhead_note
 from nvcomp_checkpoint.storage import stale_temp_files
 
 from . import _dcp
@@ -285,6 +285,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         console.print(build_tree(title, d["_infos"], args.depth, compressed))
     console.print(make_table(None, COMPONENT_COLUMNS, component_rows(d["_stats"], d["raw_bytes"], d["file_bytes"])))
     _print_codec_notes(console, d["_stats"])
+    note = overhead_note(d["_stats"], d["raw_bytes"], d["file_bytes"]) if compressed else None
+    if note:
+        console.print(note, markup=False, highlight=False)
     if compressed:
         if d["portable"]:
             console.print("loads anywhere: every codec has a CPU decoder", markup=False, highlight=False)
