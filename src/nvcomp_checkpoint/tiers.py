@@ -1357,10 +1357,10 @@ class CheckpointManager:
 
     def _enqueue(self, i: int, manifest: UnitManifest, pins: list[int], *, block: bool, timeout: float | None = None) -> None:
         """Queue the copy of ``manifest`` to tier ``i`` (raises ``queue.Full``); the lock is held unless ``block``."""
-        q = self._queues.get(i)
-        if q is None:
-            q = self._queues[i] = _CopyQueue(self, i)
         with self._lock:  # counted before the copy thread can end it
+            q = self._queues.get(i)
+            if q is None:
+                q = self._queues[i] = _CopyQueue(self, i)
             for step in pins:
                 self._pinned[step] = self._pinned.get(step, 0) + 1
             self._outstanding.setdefault(i, []).append(manifest)
