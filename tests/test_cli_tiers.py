@@ -16,7 +16,7 @@ from nvcomp_checkpoint.cli.main import main
 
 @pytest.fixture
 def tiers(tmp_path):
-    """A local tier with steps 1-4 (4 light) and a shared tier with steps 1 and 3."""
+    """A local tier with steps 1-4 (4 light) and a shared tier with steps 2 and 4 (the multiples of 2)."""
     ts = [nc.Tier(tmp_path / "local"), nc.Tier(tmp_path / "shared", every_steps=2)]
     with nc.CheckpointManager(ts) as mgr:
         for step in range(1, 5):
@@ -39,14 +39,14 @@ def test_ls_lists_steps_sizes_and_light(tiers, capsys):
     local = doc[str(tiers / "local")]
     assert [(r["step"], r["light"], r["verifies"]) for r in local] == [(1, False, True), (2, False, True), (3, False, True), (4, True, True)]
     assert local[0]["bytes"] == (tiers / "local" / "step-0000000001.nvc").stat().st_size
-    assert [r["step"] for r in doc[str(tiers / "shared")]] == [1, 3]
+    assert [r["step"] for r in doc[str(tiers / "shared")]] == [2, 4]
     assert main(["ls", str(tiers / "local")]) == 0
     out = capsys.readouterr().out
     assert "4 step(s)" in out and "light" in out and "full" in out
 
 
 def test_ls_finds_a_damaged_copy(tiers, capsys):
-    f = tiers / "shared" / "step-0000000003.nvc"
+    f = tiers / "shared" / "step-0000000004.nvc"
     data = bytearray(f.read_bytes())
     data[len(data) // 3] ^= 0x40  # in the tensor data, not the index
     f.write_bytes(bytes(data))

@@ -121,9 +121,9 @@ _SCRIPT = textwrap.dedent(
     if mode == "first":
         fit(ModelParallelStrategy(**kwargs), root / "plain", 1)
         # The plugin gets each sharded save's report and copies checkpoint directories to the tier
-        # (every 4 steps: step 3's, not step 6's).
+        # (every 60 minutes: step 3's, the first, not step 6's).
         durable = []
-        plugin = NvcompCheckpointIO(tiers=[Tier(str(root / "tier"), every_steps=4)], on_saved=lambda r: durable.append(r.path))
+        plugin = NvcompCheckpointIO(tiers=[Tier(str(root / "tier"), every_minutes=60)], on_saved=lambda r: durable.append(r.path))
         strategy = NvcompModelParallelStrategy(**kwargs)
         rank = fit(strategy, root / "ours", 2, losses_name=root / "full.json", plugins=[plugin])
         reports = {"strategy": strategy.last_report, "plugin": plugin.last_report}

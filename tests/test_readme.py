@@ -193,7 +193,8 @@ opt.step()
 """
 
 # What a run of the Storage tiers snippet leaves after steps 100, 200 and 300: the newest two on
-# nvme/run1, all three on fsx/run1, and 100 and 300 on S3 (the endpoint comes from AWS_ENDPOINT_URL).
+# nvme/run1, all three on fsx/run1, and 200 (a multiple of every_steps) and 300 (the newest, copied at
+# close) on S3 (the endpoint comes from AWS_ENDPOINT_URL).
 _TIERS_CLI = _TINY_MODEL + """
 tiers = [nc.Tier("nvme/run1", keep=2, name="local"), nc.Tier("fsx/run1", name="shared"),
          nc.Tier("s3://bucket/run1", every_steps=200, name="object")]
@@ -203,7 +204,7 @@ with nc.CheckpointManager(tiers) as mgr:
         opt.step()
         mgr.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})
         mgr.wait()
-    assert [mgr.steps(i) for i in range(3)] == [[200, 300], [100, 200, 300], [100, 300]], [mgr.steps(i) for i in range(3)]
+assert [mgr.steps(i) for i in range(3)] == [[200, 300], [100, 200, 300], [200, 300]], [mgr.steps(i) for i in range(3)]
 """
 
 _TIERS_LOOP = _TIERS + """
@@ -494,16 +495,18 @@ def check_tiers(s: Snippet, tmp_path: Path) -> None:
 
 def check_tiers_loop(s: Snippet, tmp_path: Path) -> None:
     # Saves at steps 0, 500 and 1000: the first full (full_every=5) and kept on tier 0 as the
-    # newest full step; only the first is due on the other tiers within their minutes.
+    # newest full step; only the first is due on the other tiers within their minutes, and close()
+    # copies the newest (1000, light) to them.
     with s3_endpoint() as (env, client):
         first = _result(_ok(run_snippet(s, tmp_path, **env), s))
-        assert first == {"restored": None, "steps": {"local": [0, 500, 1000], "shared": [0], "object": [0]}}, first
-        # The node lost: the newest full step is 0, on "shared"; the resumed run saves 500 (full) and 1000.
+        assert first == {"restored": None, "steps": {"local": [0, 500, 1000], "shared": [0, 1000], "object": [0, 1000]}}, first
+        # The node lost: the newest full step is 0, on "shared" (1000 is light, abandoned: the save of 500
+        # removes it); the resumed run saves 500 (full) and 1000, which close() copies again.
         shutil.rmtree(tmp_path / "nvme")
         second = _result(_ok(run_snippet(s, tmp_path, **env), s))
         assert second["restored"] == {"step": 0, "tier": "shared", "light": False}, second
-        assert second["steps"] == {"local": [500, 1000], "shared": [0, 500], "object": [0, 500]}, second
-        assert _keys(client, "bucket", "") == _unit_keys("run1/", [0, 500])
+        assert second["steps"] == {"local": [500, 1000], "shared": [0, 500, 1000], "object": [0, 500, 1000]}, second
+        assert _keys(client, "bucket", "") == _unit_keys("run1/", [0, 500, 1000])
 
 
 def check_tiers_dcp(s: Snippet, tmp_path: Path) -> None:
@@ -515,7 +518,7 @@ def check_tiers_dcp(s: Snippet, tmp_path: Path) -> None:
 def check_tiers_cli(s: Snippet, tmp_path: Path) -> None:
     with s3_endpoint() as (env, client):
         out = _ok(run_snippet(s, tmp_path, **env), s)
-        # sync copied step 200, the one S3 lacked; every listed step verified.
+        # sync copied step 100, the one S3 lacked; every listed step verified.
         assert _keys(client, "bucket", "") == _unit_keys("run1/", [100, 200, 300])
     assert "nvme/run1: 2 step(s)" in out and "s3://bucket/run1: 2 step(s)" in out, out
     assert "NO:" not in out, out

@@ -17,7 +17,7 @@ import torch
 
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
-from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError
+from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, CopyTimeoutError
 from nvcomp_checkpoint.tiers import light_tree, retained_steps
 
 
@@ -49,16 +49,18 @@ def test_retention_on_every_tier(tmp_path):
             states[step] = _state(step)
             mgr.save(step, states[step])
             mgr.wait()  # copies land before the next save: the schedule is deterministic
-        # local: every save, newest 2. shared: steps 1, 3, 5 ... (2 apart), newest 2.
-        # object: steps 1, 4, 7, 10, 13 (3 apart), the newest one plus multiples of 6 (none copied).
+        # local: every save, newest 2. shared: the multiples of 2, newest 2.
+        # object: the multiples of 3, the newest one plus the multiples of 6.
         assert mgr.steps(0) == [12, 13]
-        assert mgr.steps(1) == [11, 13]
-        assert mgr.steps(2) == [13]
-        assert mgr.path(13, tier=2) == str(tmp_path / "object" / "step-0000000013.nvc")
-        assert mgr.path(12, tier=2) is None
+        assert mgr.steps(1) == [10, 12]
+        assert mgr.steps(2) == [6, 12]
+        assert mgr.path(12, tier=2) == str(tmp_path / "object" / "step-0000000012.nvc")
+        assert mgr.path(9, tier=2) is None
+    # close() copied the newest step, 13, to the tiers whose schedules skipped it; their retention followed.
+    assert mgr.steps(1) == [12, 13] and mgr.steps(2) == [6, 12, 13]
     # Only committed units and their manifests are left: no temporary files, no orphans.
     assert _files(tmp_path / "shared") == [
-        "step-0000000011.manifest.json", "step-0000000011.nvc", "step-0000000013.manifest.json", "step-0000000013.nvc",
+        "step-0000000012.manifest.json", "step-0000000012.nvc", "step-0000000013.manifest.json", "step-0000000013.nvc",
     ]
     # The copies are the compressed file as it is, byte for byte.
     assert (tmp_path / "object" / "step-0000000013.nvc").read_bytes() == (tmp_path / "local" / "step-0000000013.nvc").read_bytes()
@@ -150,7 +152,7 @@ def test_light_saves(tmp_path, caplog):
     assert_tree_equal(states[4], r.state)
     assert any("light" in reason for _, _, reason in r.skipped)
     # The log says what was skipped and why, not only how many.
-    assert "after skipping step 5 on tier0: light (weights only); pass allow_light=True to use it" in caplog.text
+    assert "newer steps not restored: step 5 on tier0: light (weights only); pass allow_light=True to use it" in caplog.text
     r = mgr.restore(allow_light=True)
     assert (r.step, r.light) == (5, True)
     assert_tree_equal({"model": states[5]["model"], "step": 5}, r.state)
@@ -191,7 +193,7 @@ def test_slow_tier_copy_is_skipped_not_waited_for(tmp_path, caplog):
     assert mgr.steps(0) == [1, 2, 3, 4]
     release.set()
     mgr.close()
-    assert mgr.steps(1) == [1, 2]
+    assert mgr.steps(1) == [1, 2, 4]  # and the newest, skipped, at close
 
 
 @pytest.fixture
@@ -407,3 +409,82 @@ def test_dcp_directory_unit_restores_through_a_loader(tmp_path):
     r = nc.CheckpointManager(tiers).restore(loader=loader)
     assert (r.step, r.tier) == (3, 1)
     assert_tree_equal({"model": state}, r.state)
+
+
+def test_every_steps_copies_multiples_and_close_copies_the_newest(tmp_path):
+    tiers = [nc.Tier(tmp_path / "local"), nc.Tier(tmp_path / "even", every_steps=2), nc.Tier(tmp_path / "fourth", every_steps=4)]
+    mgr = nc.CheckpointManager(tiers)
+    for step in range(1, 8):
+        mgr.save(step, {"w": torch.full((8,), float(step))})
+        mgr.wait()
+    # Multiples of N (as keep_every_steps, Lightning's every_n_train_steps, Orbax's save_interval_steps).
+    assert mgr.steps(1) == [2, 4, 6] and mgr.steps(2) == [4]
+    mgr.close()
+    # The run's newest step reaches every tier at close, though its schedule skipped it.
+    assert mgr.steps(1) == [2, 4, 6, 7] and mgr.steps(2) == [4, 7]
+    r = nc.CheckpointManager([nc.Tier(tmp_path / "fourth")]).restore()
+    assert r.step == 7 and torch.equal(r.state["w"], torch.full((8,), 7.0))
+
+
+def test_close_copies_the_newest_step_to_a_minutes_tier(tmp_path):
+    tiers = [nc.Tier(tmp_path / "local", keep=1), nc.Tier(tmp_path / "hourly", every_minutes=60)]
+    with nc.CheckpointManager(tiers) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((8,), float(step))})
+            mgr.wait()
+        assert mgr.steps(1) == [1]
+    assert mgr.steps(1) == [1, 3]
+
+
+def test_close_and_wait_give_up_by_their_deadline_and_name_what_is_not_copied(tmp_path):
+    release = threading.Event()
+
+    def hold(tier: str, step: int, nbytes: int) -> None:
+        if tier == "slow":
+            release.wait(60)
+
+    tiers = [nc.Tier(tmp_path / "local", keep=5), nc.Tier(tmp_path / "slow", name="slow", max_queued=1)]
+    mgr = nc.CheckpointManager(tiers, on_copy_progress=hold)
+    try:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((1000,), float(step))}).result()
+        started = time.monotonic()
+        with pytest.raises(CopyTimeoutError) as err:
+            mgr.wait(timeout=0.5)
+        assert time.monotonic() - started < 5
+        assert [(p.step, p.tier) for p in err.value.pending] == [(1, "slow"), (2, "slow")]
+        started = time.monotonic()
+        with pytest.raises(CopyTimeoutError, match="step 1 to slow") as err:
+            mgr.close(timeout=1)
+        assert time.monotonic() - started < 5
+    finally:
+        release.set()
+    for p in err.value.pending:
+        assert Path(p.path).is_file() and p.path == mgr.unit_path(p.step)
+    assert [(p.step, p.tier) for p in err.value.pending] == [(1, "slow"), (2, "slow")]
+    assert isinstance(err.value, TimeoutError)
+    # The copy running at the deadline may finish; the one queued behind it is dropped, never half there.
+    deadline = time.monotonic() + 30
+    while mgr.steps(1) != [1] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mgr.steps(1) == [1]
+    assert sorted(p.name for p in (tmp_path / "slow").iterdir()) == ["step-0000000001.manifest.json", "step-0000000001.nvc"]
+
+
+def test_restore_says_which_newer_steps_the_next_save_removes(tmp_path, caplog):
+    tiers = [nc.Tier(tmp_path / "local", keep=9), nc.Tier(tmp_path / "shared", keep=9)]
+    with nc.CheckpointManager(tiers, full_every=3) as mgr:
+        for step in range(1, 7):  # full: 1, 4; light: 2, 3, 5, 6
+            mgr.save(step, _state(step))
+            mgr.wait()
+    mgr = nc.CheckpointManager(tiers)
+    caplog.set_level(logging.INFO, logger="nvcomp_checkpoint")
+    r = mgr.restore()
+    assert r.step == 4
+    assert r.abandoned == ((5, "tier0"), (5, "tier1"), (6, "tier0"), (6, "tier1"))
+    assert "restore: step 4 (full) from tier0; newer steps not restored: step 6 on tier0: light" in caplog.text
+    assert "each save of this run removes the abandoned steps above it: 5, 6 on tier0; 5, 6 on tier1" in caplog.text
+    mgr.save(5, _state(5))  # replaces step 5, removes step 6
+    mgr.close()
+    assert mgr.steps(0) == [1, 2, 3, 4, 5] and mgr.steps(1) == [1, 2, 3, 4, 5]
+    assert not mgr.manifest(5).light

@@ -57,16 +57,17 @@ def test_chains_with_full_every_and_retention_keeping_bases(tmp_path):
             if step == 3:
                 # 1 full, 2 against 1, 3 against 2: the newest two (2, 3) need 1.
                 assert _bases(mgr) == {1: None, 2: 1, 3: 2}
-                # shared copies 1 and 3 (2 steps apart); 3 brought its base 2 first; keep=1 keeps 3's chain.
-                assert _bases(mgr, 1) == {1: None, 2: 1, 3: 2}
+                # shared copies 2 (a multiple of 2), which brought its base 1 first; keep=1 keeps 2's chain.
+                assert _bases(mgr, 1) == {1: None, 2: 1}
             if step == 6:
                 # 4 full: 1-3 go as a chain; 5 against 4, 6 against 5.
                 assert _bases(mgr) == {4: None, 5: 4, 6: 5}
         assert _bases(mgr) == {5: 4, 6: 5, 7: None} | {4: None}
-        assert _bases(mgr, 1) == {7: None}
+        assert _bases(mgr, 1) == {4: None, 5: 4, 6: 5}  # 6 brought its chain
         # The files are deltas whose base is recorded relative to the tier folder.
         assert _file_base(mgr.path(6)) == "step-0000000005.nvc"
         assert nc.open(mgr.path(6)).metadata["nvckpt_base_step"] == 5
+    assert _bases(mgr, 1) == {7: None}  # close() copied the newest step, 7 (full), and keep=1 followed
     for step in (4, 5, 6, 7):
         r = nc.CheckpointManager(tiers).restore(step)
         assert r.tier_name == "local"
@@ -124,9 +125,9 @@ def test_a_slow_tier_gets_every_delta_after_its_base(tmp_path):
         for step in range(1, 10):
             states[step] = run.state(step)
             mgr.save(step, states[step])
-        mgr.wait()
-        slow_steps = mgr.steps(1)
-        manifests = {s: mgr.manifest(s, 1) for s in slow_steps}
+    slow_steps = mgr.steps(1)
+    manifests = {s: mgr.manifest(s, 1) for s in slow_steps}
+    assert slow_steps[-1] == 9  # close() copies the newest step
     # Which saves the slow tier took depends on timing (a due copy that finds the queue full is
     # skipped); what it lists never depends on it: every delta after its base, and it restores.
     assert slow_steps
@@ -179,9 +180,11 @@ def test_chains_on_s3_restore_and_fetch(tmp_path, moto):
             states[step] = run.state(step)
             mgr.save(step, states[step])
             mgr.wait()
-        # object copies 1, 3, 5; 3 brought 2; keep=1 kept 5's chain (4 full, 5 against 4).
-        assert _bases(mgr, 1) == {4: None, 5: 4}
+        # object copies 2 and 4 (multiples of 2); 2 brought 1; keep=1 kept 4 (full).
+        assert _bases(mgr, 1) == {4: None}
         assert _bases(mgr) == {4: None, 5: 4}
+    # close() copied the newest step, 5 (against 4); keep=1 keeps its chain.
+    assert _bases(mgr, 1) == {4: None, 5: 4}
     assert moto.keys("inc/") == [f"inc/step-000000000{s}.{x}" for s in (4, 5) for x in ("manifest.json", "nvc")]
     # A fresh node: only the object store.
     fresh = nc.CheckpointManager([nc.Tier(tmp_path / "fresh"), nc.Tier(url, name="object", storage_options=moto.options())])

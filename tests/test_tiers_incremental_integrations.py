@@ -38,7 +38,7 @@ EPOCHS = 5  # a save every epoch (4 steps): 4 full, 8 and 12 deltas, 16 full, 20
 def lightning_tiers(base: Path) -> list[nc.Tier]:
     return [
         nc.Tier(base / "shared", keep=2, name="shared", max_queued=8),
-        nc.Tier(base / "archive", every_steps=8, name="archive", max_queued=8),  # 4, 12 (after 8), 20 (after 16)
+        nc.Tier(base / "archive", every_steps=4, name="archive", max_queued=8),  # every save (4 steps apart)
     ]
 
 
@@ -91,7 +91,7 @@ def test_lightning_top_k_deltas_reach_the_tiers_and_a_fresh_process_resumes_from
     # ModelCheckpoint keeps the newest two (16 and 20); 4 and 8 waited for 12, and went with it.
     assert sorted(p.name for p in local.iterdir()) == [name(16), name(20)]
     assert base_name(local / name(20)) == name(16)
-    # shared keeps 2 steps and the bases they need; archive got 12 after 8, 20 after 16.
+    # shared keeps 2 steps and the bases they need; archive keeps every step.
     assert bases(tmp_path / "shared") == {16: None, 20: 16}
     assert bases(tmp_path / "archive") == {4: None, 8: 4, 12: 8, 16: None, 20: 16}
     # A copy is the file as ModelCheckpoint wrote it, byte for byte: it still names its base by the framework's name.

@@ -50,9 +50,9 @@ def test_copies_reach_the_tiers_with_their_retention(tmp_path: Path, async_save:
     ]
     shared, archive = open_tier(str(tmp_path / "shared")), open_tier(str(tmp_path / "archive"))
     assert shared.steps() == [6, 8]  # keep=2
-    assert archive.steps() == [2, 6]  # every 4 steps: 2, then 6 (8 is only 2 after 6)
+    assert archive.steps() == [4, 8]  # the multiples of 4
     # A copy is the compressed file as ModelCheckpoint wrote it, byte for byte.
-    for store, step in ((shared, 8), (archive, 2)):
+    for store, step in ((shared, 8), (archive, 4)):
         copy = Path(store.unit_path(step, False))
         assert digest(copy) == digest(local / f"epoch={(step - 1) // BATCHES_PER_EPOCH}-step={step}.ckpt")
         assert nc.is_nvcomp_checkpoint(copy)
@@ -100,6 +100,9 @@ def test_a_damaged_newest_copy_falls_back(tmp_path: Path) -> None:
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped bit in the middle: a damaged copy
     newest.write_bytes(bytes(data))
+    # Step 8 from the next tier that holds it; then, with that one gone too, the older step 6.
+    assert NvcompCheckpointIO(tiers=tiers(tmp_path)).resume_path() == str(tmp_path / "archive" / "step-0000000008.nvc")
+    shutil.rmtree(tmp_path / "archive")
     assert NvcompCheckpointIO(tiers=tiers(tmp_path)).resume_path() == str(tmp_path / "shared" / "step-0000000006.nvc")
 
 

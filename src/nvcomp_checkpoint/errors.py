@@ -21,6 +21,9 @@ __all__ = [
     "CheckpointWriteError",
     "BaseCheckpointError",
     "SizeLimitError",
+    "TierUnavailableError",
+    "TierNotFoundError",
+    "CopyTimeoutError",
 ]
 
 
@@ -81,3 +84,30 @@ class BaseCheckpointError(CheckpointError):
 
 class SizeLimitError(CheckpointError):
     """Decoding would take more memory than the caller's ``max_bytes`` allows (refused before allocating)."""
+
+
+class TierUnavailableError(CheckpointError, OSError):
+    """A storage tier could not be listed or read in time (unreachable, timed out, access denied).
+
+    Never taken for an empty tier: what it holds is unknown, so a restore that needs it raises
+    this instead of starting fresh, and no retention removes anything there on its account.
+    """
+
+
+class TierNotFoundError(TierUnavailableError, FileNotFoundError):
+    """A tier's bucket does not exist: a configuration error (a typo, another account or region)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOENT
+
+
+class CopyTimeoutError(CheckpointError, TimeoutError):
+    """``wait(timeout=...)`` or ``close(timeout=...)`` gave up on copies not done by the deadline.
+
+    ``pending`` names each one: the step, the tier it was going to, and where it still is.
+    """
+
+    def __init__(self, message: str, pending: tuple = ()) -> None:  # type: ignore[type-arg]
+        super().__init__(message)
+        self.pending = pending

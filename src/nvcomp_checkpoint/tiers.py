@@ -17,7 +17,7 @@ import threading
 import uuid
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 import xxhash
 
@@ -26,16 +26,20 @@ from .api import load as _load
 from .api import save as _save_sync
 from .async_save import save_async as _save_async
 from .delta import ChainPolicy, retained
-from .errors import CheckpointError, CheckpointWriteError, FormatError
+from .errors import CheckpointError, CheckpointWriteError, CopyTimeoutError, FormatError, TierNotFoundError, TierUnavailableError
 from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
 from .policy import CodecPolicy, Component, classify
 from .reader import CheckpointReader
-from .storage import LOCAL, LocalStorage, Storage, abort_unfinished_uploads, local_lock, is_url, list_names, storage_for, upload_file, write_errors
+from .storage import (
+    LOCAL, LocalStorage, Storage, abort_unfinished_uploads, is_storage_error, is_url, list_names, local_lock, storage_for, upload_file,
+    write_errors,
+)
 
 __all__ = [
     "Tier",
     "CheckpointManager",
     "Restored",
+    "NotCopied",
     "TierCopies",
     "UnitManifest",
     "FileEntry",
@@ -58,6 +62,79 @@ COPY_NICE = 10
 _UNIT_RE = re.compile(r"^step-(\d+)(\.nvc)?$")
 _MANIFEST_RE = re.compile(r"^step-(\d+)" + re.escape(MANIFEST_SUFFIX) + "$")
 _MANIFEST_FORMAT = "nvckpt-unit"
+#: Default seconds :meth:`CheckpointManager.restore` (and ``locate``, ``resume_path``) waits for the tiers'
+#: listings; a tier not listed by then is unavailable (never taken for an empty one).
+RESTORE_TIMEOUT_S = 120.0
+#: Default seconds :meth:`CheckpointManager.wait` and :meth:`~CheckpointManager.close` wait for saves and copies.
+CLOSE_TIMEOUT_S = 600.0
+#: Characters of a storage error quoted in a message.
+_QUOTE = 300
+
+_K = TypeVar("_K")
+
+
+class _Deadline:
+    """One point in time that several waits share (``None``: no limit)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        if seconds is not None and not seconds >= 0:
+            raise ValueError(f"timeout must be a non-negative number of seconds or None, got {seconds!r}")
+        self.seconds = seconds
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def left(self) -> float | None:
+        return None if self.end is None else max(0.0, self.end - time.monotonic())
+
+    @property
+    def expired(self) -> bool:
+        return self.end is not None and time.monotonic() >= self.end
+
+
+def _run_within(calls: dict[_K, Callable[[], Any]], deadline: _Deadline, name: str) -> dict[_K, tuple[Any, BaseException | None]]:
+    """Run each call on a daemon thread of its own; ``(result, exception)`` of those that returned by the deadline.
+
+    A call still running then is left out and left to finish on its own: a storage client whose
+    own retries cannot be bounded (s3fs retries a read timeout for minutes) never holds the caller
+    past the deadline, and the thread, a daemon, never holds the process at exit.
+    """
+    results: dict[_K, tuple[Any, BaseException | None]] = {}
+    done = threading.Condition()
+
+    def run(key: _K, fn: Callable[[], Any]) -> None:
+        try:
+            out: tuple[Any, BaseException | None] = (fn(), None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            out = (None, exc)
+        with done:
+            results[key] = out
+            done.notify_all()
+
+    for key, fn in calls.items():
+        threading.Thread(target=run, args=(key, fn), name=f"nvckpt-{name}", daemon=True).start()
+    with done:
+        while len(results) < len(calls):
+            left = deadline.left()
+            if left == 0:
+                break
+            done.wait(left)
+        return dict(results)
+
+
+def _quote(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= _QUOTE else text[: _QUOTE - 3] + "..."
+
+
+def _is_damage(exc: BaseException) -> bool:
+    """Whether a failed restore of a copy says the copy is bad, as opposed to its storage not answering."""
+    if isinstance(exc, TierUnavailableError) or not isinstance(exc, CheckpointError):
+        return False
+    cause = exc.__cause__
+    return cause is None or isinstance(cause, (FileNotFoundError, CheckpointError)) or not is_storage_error(cause)
+
+
+def _unit_name(step: int, directory: bool) -> str:
+    return f"step-{step:010d}" + ("" if directory else ".nvc")
 
 
 @dataclass(frozen=True)
@@ -66,9 +143,11 @@ class Tier:
 
     Args:
         url: A local folder or an fsspec URL (``s3://bucket/run1``); steps are stored under it.
-        every_steps: A copy is due once this many steps passed since the last copy to this tier.
+        every_steps: A copy is due for every step that is a multiple of this.
         every_minutes: A copy is due once this many minutes passed since the last copy.
             With neither, every save is copied. Tier 0 takes every save and accepts neither.
+            Either way, :meth:`CheckpointManager.close` copies the run's newest step to a tier
+            whose schedule skipped it.
         keep: Newest steps kept (``None``: all).
         keep_every_steps: Also keep every step that is a multiple of this.
         name: Label in logs, metrics and ``nvckpt ls`` (default ``tier{i}``).
@@ -148,9 +227,14 @@ class UnitManifest:
     def stored_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    @property
+    def unit(self) -> str:
+        """The unit's name on a tier (``step-0000000300.nvc``, or the folder name of a directory unit)."""
+        return _unit_name(self.step, self.directory)
+
     def to_json(self) -> bytes:
         doc = {
-            "format": _MANIFEST_FORMAT, "version": 1, "step": self.step, "directory": self.directory,
+            "format": _MANIFEST_FORMAT, "version": 1, "step": self.step, "unit": self.unit, "directory": self.directory,
             "light": self.light, "created": self.created,
             "files": [{"path": f.path, "size": f.size, "index_xxh3": f.index_xxh3, "xxh3": f.xxh3} for f in self.files],
         }
@@ -166,12 +250,16 @@ class UnitManifest:
                 raise ValueError("not a unit manifest")
             files = tuple(FileEntry(str(f["path"]), int(f["size"]), f.get("index_xxh3"), f.get("xxh3")) for f in doc["files"])
             base = doc.get("base")
-            return cls(
+            m = cls(
                 int(doc["step"]), bool(doc["directory"]), bool(doc["light"]), files, float(doc["created"]),
                 base=None if base is None else int(base),
             )
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise FormatError(f"{where}: damaged unit manifest ({exc})") from exc
+        # Manifests written before the unit's name was recorded have none; their step is still checked.
+        if "unit" in doc and doc["unit"] != m.unit:
+            raise FormatError(f"{where}: names unit {str(doc['unit'])[:80]}, but its step {m.step} is unit {m.unit} (edited or forged)")
+        return m
 
 
 @dataclass(frozen=True)
@@ -185,7 +273,12 @@ class Restored:
         tier_name: That tier's name.
         path: Where the copy lives.
         light: True for a weights-only save.
-        skipped: ``(step, tier name, reason)`` for every newer or faster copy passed over.
+        skipped: ``(step, tier name, reason)`` for every newer or faster copy passed over
+            (step ``-1`` for a tier that could not be listed).
+        abandoned: ``(step, tier name)`` of each newer step the run does not resume from (light,
+            damaged, or not asked for): each save of this run removes those above its step (tier 0
+            at the save, another tier at the save's copy). Newer steps that could not be read
+            (their storage did not answer) are not among them: they are kept.
     """
 
     step: int
@@ -195,6 +288,24 @@ class Restored:
     path: str
     light: bool
     skipped: tuple[tuple[int, str, str], ...] = ()
+    abandoned: tuple[tuple[int, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class NotCopied:
+    """A copy that :meth:`CheckpointManager.wait` or :meth:`~CheckpointManager.close` gave up waiting for.
+
+    Attributes:
+        step: The step.
+        tier: The name of the tier it was going to (tier 0's name for a save still being written).
+        path: Where the step still is (its tier-0 unit, or the file or folder it was adopted from).
+        state: ``"saving"`` (tier 0 not durable yet), ``"copying"``, ``"queued"`` or ``"not started"``.
+    """
+
+    step: int
+    tier: str
+    path: str
+    state: str
 
 
 def _join(root: str, name: str) -> str:
@@ -213,7 +324,7 @@ class TierStore:
 
     # -- names --------------------------------------------------------------------------------
     def unit_path(self, step: int, directory: bool) -> str:
-        return _join(self.root, f"step-{step:010d}" + ("" if directory else ".nvc"))
+        return _join(self.root, _unit_name(step, directory))
 
     def manifest_path(self, step: int) -> str:
         return _join(self.root, f"step-{step:010d}{MANIFEST_SUFFIX}")
@@ -229,29 +340,92 @@ class TierStore:
         return _join(manifest.source, entry.path) if entry.path else manifest.source
 
     # -- listing ------------------------------------------------------------------------------
+    def unavailable(self, exc: BaseException) -> TierUnavailableError:
+        """The error for this tier not answering (``exc``): what it holds is unknown."""
+        return TierUnavailableError(
+            f"{self.label} ({self.root}) cannot be listed ({_quote(exc)}); what it holds is unknown, so nothing is "
+            "taken from it or removed there: retry once it answers, or leave the tier out"
+        )
+
+    def names(self) -> dict[str, bool]:
+        """The entries of the tier root (``{name: is_folder}``); an empty one for a root not created yet.
+
+        Raises:
+            TierNotFoundError: The root's bucket does not exist (a configuration error).
+            TierUnavailableError: The tier cannot be listed (unreachable, access denied ...).
+        """
+        try:
+            names = list_names(self.storage, self.root)
+            if not names:
+                self._check_bucket()
+        except TierUnavailableError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure to list means: unknown, never empty
+            raise self.unavailable(exc) from exc
+        return names
+
+    def _check_bucket(self) -> None:
+        """An empty listing is an empty prefix of a bucket that exists, or an error naming the bucket."""
+        fs = getattr(self.storage, "fs", None)
+        if fs is None or not hasattr(fs, "call_s3") or "://" not in self.root:
+            return  # a local folder not created yet, or a store whose buckets this cannot tell apart
+        bucket = self.root.split("://", 1)[1].split("/", 1)[0]
+        try:
+            fs.call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError as exc:
+            raise TierNotFoundError(
+                f"{self.label} ({self.root}): the bucket {bucket!r} does not exist (or not at this endpoint, for these "
+                "credentials); create it, or correct the tier's URL or storage_options"
+            ) from exc
+
     def steps(self) -> list[int]:
-        """Steps whose manifest is committed, oldest first."""
-        return sorted(int(m.group(1)) for n in list_names(self.storage, self.root) if (m := _MANIFEST_RE.match(n)))
+        """Steps whose manifest is committed, oldest first (raises :class:`TierUnavailableError` as :meth:`names`)."""
+        return sorted(int(m.group(1)) for n in self.names() if (m := _MANIFEST_RE.match(n)))
 
     def manifest(self, step: int) -> UnitManifest | None:
+        """The manifest committed for ``step`` (None: none is).
+
+        Raises:
+            FormatError: It is damaged, or it is another step's (a unit copied under another step's name).
+        """
         path = self.manifest_path(step)
         try:
             with self.storage.open_read(path) as f:
                 data = f.read(1 << 24)
         except FileNotFoundError:
             return None
-        return UnitManifest.from_json(data, path)
+        m = UnitManifest.from_json(data, path)
+        if m.step != step:
+            raise FormatError(
+                f"{path}: records step {m.step} under the name of step {step} (a unit copied or renamed under another "
+                "step's name); not used"
+            )
+        return m
 
-    def manifests(self) -> dict[int, UnitManifest]:
-        out = {}
+    def listing(self) -> tuple[dict[int, UnitManifest], dict[int, str]]:
+        """The committed manifests by step, and why each manifest that does not check is left out.
+
+        Raises:
+            TierUnavailableError: The tier, or one of its manifests, cannot be read.
+        """
+        out, problems = {}, {}
         for step in self.steps():
             try:
                 m = self.manifest(step)
             except FormatError as exc:
-                _LOG.warning("%s: %s; the step is not listed", self.label, exc)
+                problems[step] = str(exc)
                 continue
+            except Exception as exc:  # noqa: BLE001 - unreadable is not absent
+                raise self.unavailable(exc) from exc
             if m is not None:
                 out[step] = m
+        return out, problems
+
+    def manifests(self) -> dict[int, UnitManifest]:
+        """The committed manifests by step; one that does not check is left out, with a warning."""
+        out, problems = self.listing()
+        for why in problems.values():
+            _LOG.warning("%s: %s; the step is not listed", self.label, why)
         return out
 
     # -- writing ------------------------------------------------------------------------------
@@ -305,6 +479,22 @@ class TierStore:
             entries.append(FileEntry(rel, size, digest, whole))
         return UnitManifest(step, directory, light, tuple(entries), time.time(), base=base, source=source)
 
+    def _check_recorded_step(self, manifest: UnitManifest, path: str) -> None:
+        """The step the file records itself (the manager's saves: ``nvckpt_step``) must be the manifest's."""
+        try:
+            with CheckpointReader(path, storage_options=self.tier.storage_options) as reader:
+                meta = reader.metadata
+        except (CheckpointError, OSError) as exc:
+            raise FormatError(f"{path}: its index cannot be read ({_quote(exc)})") from exc
+        if "nvckpt_step" not in meta:
+            return  # a file written by someone else (adopted), or before steps were recorded: the manifest's checks stand
+        recorded = meta["nvckpt_step"]
+        if recorded != manifest.step or isinstance(recorded, bool):
+            raise FormatError(
+                f"{path}: the file records step {str(recorded)[:40]}, its manifest step {manifest.step} (a file put under "
+                "another step's name); not used"
+            )
+
     def check(self, manifest: UnitManifest, *, full: bool = False, at: str | None = None) -> None:
         """Raise :class:`FormatError` unless every file has its size and digest (``full``: every byte).
 
@@ -322,6 +512,8 @@ class TierStore:
                 raise FormatError(f"{path}: the index digest differs from the manifest's (damaged or replaced)")
             if entry.xxh3 is not None and (full or entry.index_xxh3 is None) and _file_xxh3(self.storage, path) != entry.xxh3:
                 raise FormatError(f"{path}: checksum mismatch against the manifest (damaged copy)")
+            if not manifest.directory and entry.index_xxh3 is not None:
+                self._check_recorded_step(manifest, path)
 
 
 #: How many folders up (``../``) the base names of a chain laid out for a restore may reach.
@@ -718,6 +910,8 @@ class _CopyQueue:
         tier = manager.tiers[index]
         # (unit, the tier-0 steps pinned for its copy: the unit and, for an adopted delta, its chain)
         self.queue: queue.Queue[tuple[UnitManifest, list[int]] | None] = queue.Queue(maxsize=tier.max_queued)
+        #: Set by close(): copies still queued are dropped (reported by close), none is started.
+        self.stopping = False
         self.thread = threading.Thread(target=self._run, name=f"nvckpt-copy-{manager._stores[index].label}", daemon=True)
         self.thread.start()
 
@@ -732,8 +926,13 @@ class _CopyQueue:
             try:
                 if item is None:
                     return
-                self.manager._copy(self.index, *item)
+                if self.stopping:
+                    self.manager._drop(*item)
+                else:
+                    self.manager._copy(self.index, *item)
             finally:
+                if item is not None:
+                    self.manager._copy_done(self.index, item[0])
                 self.queue.task_done()
 
 
@@ -829,6 +1028,14 @@ class CheckpointManager:
         self._last_copy: dict[int, tuple[int | None, float | None]] = {}
         self._queues: dict[int, _CopyQueue] = {}
         self._closed = False
+        self._changed = threading.Condition(self._lock)  # a save committed or a copy ended
+        self._save_steps: dict[Any, int] = {}  # pending save handle -> its step
+        self._outstanding: dict[int, list[UnitManifest]] = {}  # tier -> copies queued or running, oldest first
+        self._uncopied: dict[int, UnitManifest] = {}  # tier -> newest unit its schedule (or a full queue) skipped
+        self._own: dict[int, set[int]] = {}  # tier -> steps this manager committed there
+        # tier -> newer steps the last restore() listed there and did not resume from: a save above them removes them.
+        self._abandoned: dict[int, set[int]] = {}
+        self._kept_newer: dict[int, tuple[int, ...]] = {}  # tier -> newer steps a save last warned it keeps
         for i, store in enumerate(self._stores):
             if clean and not (i == 0 and self.tier0_external):
                 try:
@@ -919,6 +1126,7 @@ class CheckpointManager:
         metrics.record_save_seconds(self.names[0], "snapshot", blocked)
         with self._lock:
             self._pending_saves.append(handle)
+            self._save_steps[handle] = step
         handle.add_done_callback(lambda h: self._on_saved(step, bool(light), h, base))
         return handle
 
@@ -1066,9 +1274,11 @@ class CheckpointManager:
             self._commit_saved(step, light, handle, base)
         finally:
             self._unpin(base)
-            with self._lock:
+            with self._changed:
                 if handle in self._pending_saves:
                     self._pending_saves.remove(handle)
+                self._save_steps.pop(handle, None)
+                self._changed.notify_all()
 
     def _commit_saved(self, step: int, light: bool, handle: Any, base: int | None = None) -> None:
         exc = handle.exception()  # seen here: the manager raises it from save() / wait()
@@ -1098,6 +1308,8 @@ class CheckpointManager:
             )
         manifest = store.describe(step, directory, light, base=base)
         store.write_manifest(manifest)
+        with self._lock:
+            self._own.setdefault(0, set()).add(step)
         metrics.record_bytes_written(store.label, manifest.stored_bytes)
         metrics.record_last_step(store.label, step)
         if report is not None and report.stored_bytes:
@@ -1113,7 +1325,7 @@ class CheckpointManager:
             return True  # a run resumed from an older step: its first save replaces the tier's newer ones
         if tier.every_steps is None and tier.every_minutes is None:
             return True
-        if tier.every_steps is not None and (last_step is None or step - last_step >= tier.every_steps):
+        if tier.every_steps is not None and step % tier.every_steps == 0:
             return True
         if tier.every_minutes is not None and (last_time is None or now - last_time >= tier.every_minutes * 60):
             return True
@@ -1128,23 +1340,63 @@ class CheckpointManager:
             pins = [manifest.step, *(m.step for m in self._adopted_chain(manifest))]
             for i in range(1, len(self.tiers)):
                 if not self._due(i, manifest.step, now):
+                    self._note_uncopied(i, manifest)
                     continue
-                q = self._queues.get(i)
-                if q is None:
-                    q = self._queues[i] = _CopyQueue(self, i)
                 try:
-                    q.queue.put_nowait((manifest, pins))
+                    self._enqueue(i, manifest, pins, block=False)
                 except queue.Full:
                     metrics.record_copy_skipped(self.names[i])
                     _LOG.warning(
                         "%s is behind: the copy of step %d is skipped (a copy is running and %d more wait); "
-                        "the next due save is copied instead",
+                        "the next due save, or close(), copies a newer step instead",
                         self.names[i], manifest.step, self.tiers[i].max_queued,
                     )
+                    self._note_uncopied(i, manifest)
                     continue
-                for step in pins:
-                    self._pinned[step] = self._pinned.get(step, 0) + 1
                 self._last_copy[i] = (manifest.step, now)
+
+    def _enqueue(self, i: int, manifest: UnitManifest, pins: list[int], *, block: bool, timeout: float | None = None) -> None:
+        """Queue the copy of ``manifest`` to tier ``i`` (raises ``queue.Full``); the lock is held unless ``block``."""
+        with self._lock:  # counted before the copy thread can end it
+            q = self._queues.get(i)
+            if q is None:
+                q = self._queues[i] = _CopyQueue(self, i)
+            for step in pins:
+                self._pinned[step] = self._pinned.get(step, 0) + 1
+            self._outstanding.setdefault(i, []).append(manifest)
+        try:
+            if block:
+                q.queue.put((manifest, pins), timeout=timeout)
+            else:
+                q.queue.put_nowait((manifest, pins))
+        except queue.Full:
+            self._drop(manifest, pins)
+            self._copy_done(i, manifest)
+            raise
+        with self._lock:
+            newest = self._uncopied.get(i)
+            if newest is not None and newest.step <= manifest.step:
+                del self._uncopied[i]
+
+    def _note_uncopied(self, i: int, manifest: UnitManifest) -> None:
+        with self._lock:
+            newest = self._uncopied.get(i)
+            if newest is None or manifest.step >= newest.step:
+                self._uncopied[i] = manifest
+
+    def _drop(self, manifest: UnitManifest, pins: list[int]) -> None:
+        """A queued copy that will not run: its tier-0 units are released."""
+        for step in pins:
+            self._unpin(step)
+
+    def _copy_done(self, i: int, manifest: UnitManifest) -> None:
+        with self._changed:
+            pending = self._outstanding.get(i, [])
+            for k, m in enumerate(pending):
+                if m is manifest:
+                    del pending[k]
+                    break
+            self._changed.notify_all()
 
     def _adopted_chain(self, manifest: UnitManifest) -> list[UnitManifest]:
         """The bases of an adopted delta that tier 0 still holds, nearest first (empty for the manager's own saves)."""
@@ -1194,6 +1446,8 @@ class CheckpointManager:
                     time.sleep(delay)
                     delay *= 2
                     continue
+                with self._lock:
+                    self._own.setdefault(i, set()).add(manifest.step)
                 metrics.record_save_seconds(dst.label, "copy", time.perf_counter() - started)
                 metrics.record_bytes_written(dst.label, committed.stored_bytes)
                 metrics.record_last_step(dst.label, manifest.step)
@@ -1249,7 +1503,10 @@ class CheckpointManager:
         delay = tier.backoff_s
         for attempt in range(tier.retries + 1):
             try:
-                return copy_unit(src, dst, manifest)
+                committed = copy_unit(src, dst, manifest)
+                with self._lock:
+                    self._own.setdefault(i, set()).add(manifest.step)
+                return committed
             except Exception as exc:  # noqa: BLE001
                 if attempt == tier.retries:
                     raise
@@ -1262,21 +1519,39 @@ class CheckpointManager:
     def _apply_retention(self, i: int, committed: int | None = None) -> list[int]:
         """Delete the steps tier ``i`` no longer keeps; never its newest step or newest full step.
 
-        ``committed``: the step just committed there. Steps above it were written by a run that
-        was since resumed from an older step (an abandoned timeline) and are removed first.
+        ``committed``: the step just committed there. Steps above it that this run abandoned (the
+        last :meth:`restore` listed them there and resumed from an older step, or this manager
+        committed them) are removed first. Steps above it that this run never saw (restore() was
+        not called, or could not list the tier) are kept, with a warning, and left out of the count.
         """
         tier, store = self.tiers[i], self._stores[i]
         with self._retention_locks[i]:
             manifests = store.manifests()
-            removed = []
-            if committed is not None:
-                for step in sorted(s for s in manifests if s > committed):
-                    _LOG.warning(
-                        "%s: removing step %d, newer than step %d just saved: a run resumed from an older step "
-                        "replaces the steps after it", store.label, step, committed,
-                    )
-                    store.remove_unit(step, manifests.pop(step).directory)
-                    removed.append(step)
+            removed: list[int] = []
+            with self._lock:
+                own = set(self._own.get(i, ()))
+                abandoned = set(self._abandoned.get(i, ()))
+            top = committed if committed is not None else max(own, default=None)
+            newer = [] if top is None else sorted(s for s in manifests if s > top)
+            kept_newer = []
+            for step in newer:
+                if step not in abandoned and step not in own:
+                    kept_newer.append(step)
+                    del manifests[step]
+                    continue
+                _LOG.warning(
+                    "%s: removing step %d, newer than step %d just saved: a run resumed from an older step "
+                    "replaces the steps after it", store.label, step, top,
+                )
+                store.remove_unit(step, manifests.pop(step).directory)
+                removed.append(step)
+            if kept_newer and self._kept_newer.get(i) != tuple(kept_newer):
+                self._kept_newer[i] = tuple(kept_newer)
+                _LOG.warning(
+                    "%s: steps %s are newer than step %d just saved, and this run did not see them when it restored "
+                    "(restore() was not called, or could not list this tier): they are kept, and a restore prefers "
+                    "them; remove them by hand if they belong to an abandoned run", store.label, kept_newer, top,
+                )
             if tier.keep is None or not manifests:
                 return removed
             protect = {max(manifests)}
@@ -1319,31 +1594,129 @@ class CheckpointManager:
                 _LOG.error("further checkpoint failure: %s", extra)
             raise errors[0]
 
-    def wait(self) -> None:
-        """Wait for every pending save and copy; raise the first failure (each is raised once)."""
-        with self._lock:
-            handles = list(self._pending_saves)
-        for h in handles:
-            h.wait()
-        # A save's done callback may still be committing it and queueing copies.
-        for h in handles:
-            while h in self._pending_saves:
-                time.sleep(0.005)
-        for q in list(self._queues.values()):
-            q.queue.join()
+    def wait(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
+        """Wait for every pending save and copy; raise the first failure (each is raised once).
+
+        Args:
+            timeout: Seconds to wait at most (``None``: no limit). The copies go on in the background.
+
+        Raises:
+            CopyTimeoutError: Saves or copies still pending at the deadline (``exc.pending``: a
+                :class:`NotCopied` for each, naming where the step still is).
+        """
+        self._wait_for(_Deadline(timeout), "wait()")
         self._raise_save_errors()
 
-    def close(self) -> None:
-        """Wait for saves and copies, stop the copy threads; raise the first failure."""
-        try:
-            self.wait()
-        finally:
+    def _wait_for(self, deadline: _Deadline, what: str, *, final: bool = False) -> None:
+        """Wait for the pending saves and copies (``final``: and copy each tier's newest step its
+        schedule skipped) until ``deadline``; raise :class:`CopyTimeoutError` naming what is left."""
+        with self._changed:
+            # A save's done callback may still be committing it and queueing copies.
+            while self._pending_saves and not deadline.expired:
+                self._changed.wait(deadline.left())
+        if final and not self._pending_saves:
+            self._copy_newest(deadline)
+        with self._changed:
+            while any(self._outstanding.values()) and not deadline.expired:
+                self._changed.wait(deadline.left())
+        left = self._not_copied(final=final)
+        if left:
+            listed = "; ".join(
+                f"step {p.step} to {p.tier} ({p.state}; still at {p.path})" if p.state != "saving" else
+                f"step {p.step} (still being saved to {p.path})" for p in left[:8]
+            )
+            more = f"; and {len(left) - 8} more" if len(left) > 8 else ""
+            raise CopyTimeoutError(
+                f"{what}: gave up after {deadline.seconds or 0:g} s with {len(left)} save(s) or copies not done: {listed}{more}. "
+                "Nothing half-done is listed on a tier (a step is there once its manifest is); copy the steps left "
+                "later with `nvckpt sync`, or pass a longer timeout", tuple(left),
+            )
+
+    def _copy_newest(self, deadline: _Deadline) -> None:
+        """Queue the copy of each tier's newest step its schedule skipped (the end of a run has no next due save)."""
+        with self._lock:
+            newest = dict(self._uncopied)
+        for i, manifest in sorted(newest.items()):
+            if manifest.source is None and self._stores[0].manifest(manifest.step) is None:
+                with self._lock:  # tier 0 no longer holds it (a later save removed it there)
+                    self._uncopied.pop(i, None)
+                continue
+            pins = [manifest.step, *(m.step for m in self._adopted_chain(manifest))]
+            _LOG.info("%s: copying step %d, the newest step, which its schedule skipped", self.names[i], manifest.step)
+            try:
+                self._enqueue(i, manifest, pins, block=True, timeout=deadline.left())
+            except queue.Full:
+                continue  # reported by _not_copied: it stays in _uncopied
             with self._lock:
-                self._closed = True
-                queues, self._queues = list(self._queues.values()), {}
-            for q in queues:
-                q.queue.put(None)
-                q.thread.join()
+                self._last_copy[i] = (manifest.step, time.monotonic())
+
+    def _not_copied(self, *, final: bool) -> list[NotCopied]:
+        with self._lock:
+            out = [
+                NotCopied(self._save_steps.get(h, -1), self.names[0], getattr(h, "path", self.names[0]), "saving")
+                for h in self._pending_saves
+            ]
+            for i, pending in sorted(self._outstanding.items()):
+                for k, m in enumerate(pending):
+                    out.append(NotCopied(m.step, self.names[i], self._where(m), "copying" if k == 0 else "queued"))
+            if final:
+                for i, m in sorted(self._uncopied.items()):
+                    if not any(p.step >= m.step for p in self._outstanding.get(i, [])):
+                        out.append(NotCopied(m.step, self.names[i], self._where(m), "not started"))
+        return out
+
+    def _where(self, manifest: UnitManifest) -> str:
+        return manifest.source if manifest.source is not None else self._stores[0].unit_path(manifest.step, manifest.directory)
+
+    def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
+        """Wait for saves and copies, copy each tier's newest step its schedule skipped, stop the copy threads.
+
+        Args:
+            timeout: Seconds to wait at most (default :data:`CLOSE_TIMEOUT_S`, 10 minutes; ``None``:
+                no limit). At the deadline, copies still queued are dropped; a copy still running is
+                left to its thread (a daemon) and is committed only if it completes before the process
+                exits: a tier lists a step only once its manifest is written, after the copy is checked.
+
+        Raises:
+            CopyTimeoutError: Saves or copies not done by the deadline (``exc.pending``: a
+                :class:`NotCopied` for each, naming where the step still is); other failures are logged.
+            CheckpointWriteError: A save or copy failed (the first one; the others are logged).
+        """
+        deadline = _Deadline(timeout)
+        gave_up: CopyTimeoutError | None = None
+        try:
+            self._wait_for(deadline, "close()", final=True)
+        except CopyTimeoutError as exc:
+            gave_up = exc
+        finally:
+            self._stop_copies(deadline)
+        if gave_up is not None:
+            with self._lock:
+                errors, self._errors = self._errors, []
+            for error in errors:
+                _LOG.error("checkpoint failure: %s", error)
+            raise gave_up
+        self._raise_save_errors()
+
+    def _stop_copies(self, deadline: _Deadline) -> None:
+        """No copy starts any more; the queued ones are dropped; each thread ends after the copy it runs."""
+        with self._lock:
+            self._closed = True
+            queues, self._queues = list(self._queues.values()), {}
+        for q in queues:
+            q.stopping = True
+            while True:
+                try:
+                    item = q.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    self._drop(*item)
+                    self._copy_done(q.index, item[0])
+                q.queue.task_done()
+            q.queue.put_nowait(None)  # room: nothing is queued once the manager is closed
+        for q in queues:
+            q.thread.join(deadline.left())
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -1420,24 +1793,27 @@ class CheckpointManager:
                 )
             return head
 
-    def locate(self, step: int | None = None, *, allow_light: bool = False) -> Restored | None:
+    def locate(self, step: int | None = None, *, allow_light: bool = False, timeout: float | None = RESTORE_TIMEOUT_S) -> Restored | None:
         """The newest copy that checks (size, digests and every byte against its manifest), without loading it.
 
         For a framework that loads the checkpoint itself from ``r.path`` (``trainer.fit(ckpt_path=...)``,
-        ``accelerator.load_state(...)``). Same order and fallback as :meth:`restore`; ``r.state`` is None.
+        ``accelerator.load_state(...)``). Same order, fallback and ``timeout`` as :meth:`restore`; ``r.state`` is None.
         """
         def check_only(path: str, options: dict[str, Any] | None) -> None:
             return None
 
-        return self.restore(step, allow_light=allow_light, loader=check_only, _every_byte=True)
+        return self.restore(step, allow_light=allow_light, loader=check_only, timeout=timeout, _every_byte=True)
 
-    def resume_path(self, local_dir: str | os.PathLike[str], *, allow_light: bool = False) -> Restored | None:
+    def resume_path(
+        self, local_dir: str | os.PathLike[str], *, allow_light: bool = False, timeout: float | None = RESTORE_TIMEOUT_S,
+    ) -> Restored | None:
         """:meth:`locate`, for a framework that loads a local path: ``r.path`` is loadable as it is.
 
         A copy on an object store, and a delta whose chain keeps its framework's names (the
         integrations' ``tiers=`` with ``incremental=True``), are first :meth:`fetch` ed into
         ``local_dir`` (a delta's whole chain, decoded once laid out); a candidate whose fetch or
         decode fails is skipped like any damaged copy, falling back to the next tier or older step.
+        ``timeout`` bounds the listing, as for :meth:`restore`.
         """
         def open_unit(i: int, m: UnitManifest, layout: list[tuple[UnitManifest, str]] | None) -> str:
             store = self._stores[i]
@@ -1447,7 +1823,31 @@ class CheckpointManager:
             _LOG.info("step %d fetched from %s to %s", m.step, store.label, path)
             return path
 
-        return self.restore(allow_light=allow_light, _every_byte=True, _open_unit=open_unit)
+        return self.restore(allow_light=allow_light, timeout=timeout, _every_byte=True, _open_unit=open_unit)
+
+    def _list_tiers(self, deadline: _Deadline) -> tuple[dict[int, tuple[dict[int, UnitManifest], dict[int, str]]], dict[int, TierUnavailableError]]:
+        """Every tier's :meth:`TierStore.listing`, at once, each on a thread of its own, by ``deadline``;
+        and the error of each tier that could not be listed by then."""
+        calls = {i: store.listing for i, store in enumerate(self._stores) if not (i == 0 and self.tier0_external)}
+        answers = _run_within(calls, deadline, "list")
+        listed, unavailable = {}, {}
+        for i in calls:
+            store = self._stores[i]
+            if i not in answers:
+                unavailable[i] = TierUnavailableError(
+                    f"{store.label} ({store.root}) was not listed within {deadline.seconds or 0:g} s (unreachable or too "
+                    "slow); what it holds is unknown, so nothing is taken from it or removed there: retry once it "
+                    "answers, pass a longer timeout, or leave the tier out"
+                )
+                continue
+            value, exc = answers[i]
+            if exc is None:
+                listed[i] = value
+            else:
+                unavailable[i] = exc if isinstance(exc, TierUnavailableError) else store.unavailable(exc)
+            if i in unavailable:
+                _LOG.warning("restore: %s", unavailable[i])
+        return listed, unavailable
 
     def restore(
         self,
@@ -1457,6 +1857,7 @@ class CheckpointManager:
         map_location: Any = None,
         weights_only: bool = True,
         loader: Callable[[str, dict[str, Any] | None], Any] | None = None,
+        timeout: float | None = RESTORE_TIMEOUT_S,
         _every_byte: bool = False,
         _open_unit: Callable[[int, UnitManifest, list[tuple[UnitManifest, str]] | None], str] | None = None,
     ) -> Restored | None:
@@ -1466,6 +1867,10 @@ class CheckpointManager:
         missing, damaged or fails to load is skipped (logged with the reason) and the next
         tier, then the next older step, is tried.
 
+        A tier that cannot be listed (unreachable, not answering by ``timeout``, its bucket
+        missing) is never taken for an empty one: unless tier 0 holds the newest step (tier 0
+        takes every save, so no tier can hold a newer one) and it restores, this raises.
+
         Args:
             step: Restore this step only (still falling back across tiers).
             allow_light: Also consider light (weights-only) saves; by default they are skipped
@@ -1474,40 +1879,57 @@ class CheckpointManager:
             loader: ``fn(path, storage_options) -> state`` for directory units (a sharded
                 save); without one a directory unit is checked in full and returned with
                 ``state=None``.
+            timeout: Seconds to wait for the tiers' listings (all at once, default
+                :data:`RESTORE_TIMEOUT_S`; ``None``: no limit). Reading the chosen copy is bounded by
+                the store's own timeouts and retries (``storage_options``).
 
         Returns:
-            A :class:`Restored`, or None when no tier holds any step (a fresh start).
+            A :class:`Restored` (``r.abandoned``: the newer steps the next saves remove), or None
+            when every tier was listed and none holds any step (a fresh start).
 
         Raises:
+            TierUnavailableError: A tier could not be listed, and the answer depends on it
+                (:class:`~nvcomp_checkpoint.errors.TierNotFoundError`: its bucket does not exist).
             CheckpointError: Steps exist but no copy of any of them restores (every reason is named).
         """
+        deadline = _Deadline(timeout)
         with self._lock:
+            self._abandoned = {}  # known again only once this restore has listed the tiers
             handles = list(self._pending_saves)
         for h in handles:
-            h.wait()
-        found: dict[int, list[tuple[int, UnitManifest]]] = {}
-        listed: dict[int, dict[int, UnitManifest]] = {}
-        skipped: list[tuple[int, str, str]] = []
-        for i, store in enumerate(self._stores):
-            if i == 0 and self.tier0_external:
-                continue
-            try:
-                manifests = store.manifests()
-            except Exception as exc:  # noqa: BLE001 - an unreachable tier is skipped, not fatal
-                _LOG.warning("restore: %s (%s) cannot be listed, skipped: %s", store.label, store.root, exc)
-                skipped.append((-1, store.label, f"cannot list: {exc}"))
-                continue
-            listed[i] = manifests
-            for s, m in manifests.items():
-                found.setdefault(s, []).append((i, m))
+            h.wait(deadline.left())
+        listed, unavailable = self._list_tiers(deadline)
+        found: dict[int, list[tuple[int, UnitManifest | str]]] = {}
+        skipped: list[tuple[int, str, str]] = [(-1, self._stores[i].label, str(e)) for i, e in sorted(unavailable.items())]
+        for i, (manifests, problems) in sorted(listed.items()):
+            for s, entry in sorted({**manifests, **problems}.items()):
+                found.setdefault(s, []).append((i, entry))
+        # Tier 0 takes every save and keeps its newest: no other tier holds a step newer than that one.
+        on_tier0 = [s for s, entries in found.items() if any(i == 0 for i, _ in entries)] if 0 in listed else []
+        bound = max(on_tier0, default=None)
+
+        def refuse() -> TierUnavailableError:
+            first = unavailable[min(unavailable)]
+            detail = "; ".join(f"step {s} on {t}: {r}" for s, t, r in skipped if s >= 0)[:_QUOTE]
+            return type(first)(f"restore: {first}" + (f" (and the tiers listed restore no newer step: {detail})" if detail else ""))
+
         candidates = sorted(found, reverse=True) if step is None else ([step] if step in found else [])
         if not candidates:
+            if unavailable:
+                raise refuse()
             if step is not None:
                 raise CheckpointError(f"step {step} is on no tier ({', '.join(s.root for s in self._stores)})")
             return None
+        unread: set[int] = set()  # steps a copy of which could not be read (not found damaged): never abandoned
         for s in candidates:
+            if unavailable and step is None and (bound is None or s < bound):
+                raise refuse()
             for i, m in found[s]:
                 store = self._stores[i]
+                if isinstance(m, str):
+                    _LOG.warning("restore: skipped step %d on %s: %s", s, store.label, m)
+                    skipped.append((s, store.label, m))
+                    continue
                 where = store.unit_path(s, m.directory)
                 if m.light and not allow_light:
                     skipped.append((s, store.label, "light (weights only); pass allow_light=True to use it"))
@@ -1515,7 +1937,7 @@ class CheckpointManager:
                 try:
                     store.check(m, full=m.directory or _every_byte)
                     opts = self.tiers[i].storage_options
-                    layout = None if m.base is None else _check_chain(store, m, listed[i], full=_every_byte)
+                    layout = None if m.base is None else _check_chain(store, m, listed[i][0], full=_every_byte)
                     if _open_unit is not None:  # resume_path: a path to load, nothing loaded
                         where = _open_unit(i, m, layout)
                         state = None
@@ -1532,19 +1954,44 @@ class CheckpointManager:
                         state = _load(where, map_location, weights_only=weights_only, storage_options=opts)
                 except Exception as exc:  # noqa: BLE001 - any failure means: try the next copy
                     reason = f"{type(exc).__name__}: {exc}"
+                    if not _is_damage(exc):
+                        unread.add(s)
                     _LOG.warning("restore: skipped step %d on %s (%s): %s", s, store.label, where, reason)
                     skipped.append((s, store.label, reason))
                     continue
-                if skipped:
-                    _LOG.warning(
-                        "restore: restored step %d from %s after skipping %s", s, store.label,
-                        "; ".join(f"step {x} on {t}: {r}" if x >= 0 else f"{t}: {r}" for x, t, r in skipped),
-                    )
-                else:
-                    _LOG.info("restore: step %d from %s (%s)", s, store.label, where)
-                return Restored(s, state, i, store.label, where, m.light, tuple(skipped))
+                return self._restored(Restored(s, state, i, store.label, where, m.light, tuple(skipped)), listed, unread)
+        if unavailable:
+            raise refuse()
         detail = "; ".join(f"step {s} on {t}: {r}" for s, t, r in skipped)
         raise CheckpointError(f"no copy of any step restores ({detail})")
+
+    def _restored(self, r: Restored, listed: dict[int, tuple[dict[int, UnitManifest], dict[int, str]]], unread: set[int]) -> Restored:
+        """Record which newer steps the run abandons (its saves remove them), say all of it in the log, return ``r`` with it."""
+        abandoned: dict[int, set[int]] = {}
+        kept: list[str] = []
+        for i, (manifests, _) in sorted(listed.items()):
+            newer = sorted(s for s in manifests if s > r.step)
+            abandoned[i] = {s for s in newer if s not in unread}
+            kept += [f"{s} on {self._stores[i].label}" for s in newer if s in unread]
+        with self._lock:
+            self._abandoned = abandoned
+        pairs = tuple(sorted(((s, self._stores[i].label) for i, ss in abandoned.items() for s in ss), key=lambda p: (p[0], self.names.index(p[1]))))
+        parts = [f"restore: step {r.step} ({'light' if r.light else 'full'}) from {r.tier_name}"]
+        newer_skips = [f"step {s} on {t}: {why}" for s, t, why in r.skipped if s > r.step]
+        other = [f"step {s} on {t}: {why}" if s >= 0 else f"{t}: {why}" for s, t, why in r.skipped if s <= r.step]
+        if newer_skips:
+            parts.append("newer steps not restored: " + "; ".join(newer_skips))
+        if other:
+            parts.append("also skipped: " + "; ".join(other))
+        if pairs:
+            parts.append("each save of this run removes the abandoned steps above it: " + "; ".join(
+                f"{', '.join(str(s) for s in sorted(ss))} on {self._stores[i].label}" for i, ss in sorted(abandoned.items()) if ss
+            ))
+        if kept:
+            parts.append("kept, since they could not be read (not found damaged): " + ", ".join(kept))
+        parts.append(f"from {r.path}")
+        _LOG.log(logging.WARNING if r.skipped or pairs else logging.INFO, "%s", "; ".join(parts))
+        return replace(r, abandoned=pairs)
 
 
 def open_tier(url: str, storage_options: dict[str, Any] | None = None, name: str | None = None) -> TierStore:
@@ -1618,10 +2065,20 @@ class TierCopies:
         """``path`` (a durable checkpoint file or folder of ``step``; a delta against ``base``) is copied to the tiers due."""
         self.manager(path).adopt(step, path, base=base)
 
-    def wait(self) -> None:
-        """Wait for the copies started so far; raise the first failure (once)."""
+    def wait(self, timeout: float | None = CLOSE_TIMEOUT_S, *, final: bool = False) -> None:
+        """Wait for the copies started so far; raise the first failure (once).
+
+        Args:
+            timeout: As for :meth:`CheckpointManager.wait`.
+            final: The end of the run: first copy each tier's newest step its schedule skipped
+                (as :meth:`CheckpointManager.close` does); the manager stays open for later saves.
+
+        Raises:
+            CopyTimeoutError: Copies not done by the deadline (``exc.pending`` names each).
+        """
         if self._manager is not None:
-            self._manager.wait()
+            self._manager._wait_for(_Deadline(timeout), f"{self.label}: waiting for the copies to the tiers", final=final)
+            self._manager._raise_save_errors()
 
     def remove_after_copies(self, path: str | os.PathLike[str], delete: Callable[[], None]) -> bool:
         """The framework removes ``path``: now, or once its copies to the tiers are done (see
@@ -1631,12 +2088,15 @@ class TierCopies:
             return False
         return self._manager.remove_after_copies(path, delete)
 
-    def locate(self, step: int | None = None) -> Restored | None:
+    def locate(self, step: int | None = None, timeout: float | None = RESTORE_TIMEOUT_S) -> Restored | None:
         """The newest copy on the tiers that checks (see :meth:`CheckpointManager.locate`)."""
-        return self.manager().locate(step)
+        return self.manager().locate(step, timeout=timeout)
 
-    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
-        """Where the newest restorable copy is (``None``: no tier holds one, a fresh start).
+    def resume_path(self, local_dir: str | os.PathLike[str] | None = None, timeout: float | None = RESTORE_TIMEOUT_S) -> str | None:
+        """Where the newest restorable copy is (``None``: every tier was listed and none holds one, a fresh start).
+
+        A tier that cannot be listed by ``timeout`` raises :class:`~nvcomp_checkpoint.errors.TierUnavailableError`
+        (see :meth:`CheckpointManager.restore`).
 
         A copy on an object store, and a delta (``incremental=True``: its chain keeps the
         framework's file names), are first downloaded or laid out with their chain, checked, into
@@ -1644,7 +2104,7 @@ class TierCopies:
         load local paths (see :meth:`CheckpointManager.resume_path`).
         """
         target = local_dir if local_dir is not None else os.path.join(os.getcwd(), ".nvckpt-restore")
-        found = self.manager().resume_path(target)
+        found = self.manager().resume_path(target, timeout=timeout)
         if found is None:
             return None
         _LOG.info("%s: resume from step %d on %s (%s)", self.owner, found.step, found.tier_name, found.path)

@@ -50,8 +50,16 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 def list_tier(url: str, options: dict[str, Any] | None, quick: bool) -> list[dict[str, Any]]:
     """One row per committed step of the tier at ``url``, oldest first."""
     store = open_tier(url, options)
+    manifests, problems = store.listing()
     rows = []
-    for step, m in sorted(store.manifests().items()):
+    for step in sorted({*manifests, *problems}):
+        m = manifests.get(step)
+        if m is None:  # a manifest that does not check (damaged, or another step's): the step is not listed
+            rows.append({
+                "step": step, "path": store.manifest_path(step), "kind": "unknown", "files": 0, "bytes": 0, "light": False,
+                "created": 0.0, "verifies": False, "problem": problems[step],
+            })
+            continue
         problem = verify_unit(store, m, full=not quick)
         rows.append({
             "step": step, "path": store.unit_path(step, m.directory), "kind": "directory" if m.directory else "file",
@@ -71,8 +79,8 @@ def run_ls(args: argparse.Namespace) -> int:
     for url, rows in result.items():
         table_rows = [
             [str(r["step"]), format_bytes(r["bytes"]), "light" if r["light"] else "full",
-             r["kind"] if r["kind"] == "file" else f"directory ({r['files']} files)",
-             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"])),
+             r["kind"] if r["kind"] in ("file", "unknown") else f"directory ({r['files']} files)",
+             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"])) if r["created"] else "-",
              ("ok" if args.quick is False else "ok (quick)") if r["verifies"] else f"NO: {r['problem']}"]
             for r in rows
         ]
