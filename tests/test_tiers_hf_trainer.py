@@ -38,15 +38,15 @@ def test_copies_reach_the_tiers_and_a_fresh_node_resumes(script: tuple[Path, Mod
     # on_train_end waited for the copies.
     shared, archive = open_tier(str(tmp_path / "shared")), open_tier(str(tmp_path / "archive"))
     assert shared.steps() == [8, 12]  # keep=2
-    assert archive.steps() == [8]  # the multiples of 8
+    assert archive.steps() == [8, 12]  # the multiples of 8, and the run's newest step at its end
     copy = Path(shared.unit_path(12, True))
     assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in (out / "checkpoint-12").iterdir())
     assert "model.safetensors.nvc" in {p.name for p in copy.iterdir()}
 
-    # The node is lost, and the only copy of step 12 is damaged.
+    # The node is lost, and every copy of step 12 is damaged.
     shutil.rmtree(out)
-    weights = copy / "model.safetensors.nvc"
-    weights.write_bytes(weights.read_bytes()[:-100])
+    for weights in (copy / "model.safetensors.nvc", Path(archive.unit_path(12, True)) / "model.safetensors.nvc"):
+        weights.write_bytes(weights.read_bytes()[:-100])
     path = NvcompTrainerCallback(tiers=tiers(tmp_path)).resume_path()
     assert path == shared.unit_path(8, True)
 

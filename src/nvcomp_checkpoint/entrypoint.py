@@ -349,7 +349,8 @@ class SaveEntryPoint:
             self._raise_errors(when)
         if self.tiers is not None:
             try:
-                self.tiers.wait()
+                # The end of the run: the newest step reaches every tier whose schedule skipped it.
+                self.tiers.wait(final=True)
             except Exception as exc:  # noqa: BLE001 - the first error stays visible
                 if not propagating:
                     raise
