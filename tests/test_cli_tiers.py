@@ -133,3 +133,27 @@ def test_estimate_bad_tier_is_a_usage_error():
 def test_ls_of_an_empty_tier(tmp_path, capsys):
     assert main(["ls", str(tmp_path / "nothing")]) == 0
     assert "no committed steps" in capsys.readouterr().out
+
+
+def test_ls_shows_deltas_and_their_base_and_sync_says_which_bases_it_keeps(tmp_path, capsys):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 64, generator=g)
+    with nc.CheckpointManager([nc.Tier(str(tmp_path / "src"))], incremental=True, full_every=10, async_save=False) as mgr:
+        for step in (1, 2, 3, 4, 5):
+            w = w + 1e-3 * torch.randn(64, 64, generator=g)
+            mgr.save(step, {"w": w})
+    capsys.readouterr()
+    assert main(["ls", "--json", str(tmp_path / "src")]) == 0
+    rows = json.loads(capsys.readouterr().out)["tiers"][str(tmp_path / "src")]
+    assert [(r["step"], r["base"]) for r in rows] == [(1, None), (2, 1), (3, 2), (4, 3), (5, 4)]
+    assert main(["ls", str(tmp_path / "src")]) == 0
+    out = capsys.readouterr().out
+    assert "base" in out and "delta" in out and "full" in out, out
+
+    dst = tmp_path / "dst"
+    assert main(["sync", "--json", str(tmp_path / "src"), str(dst), "--keep", "2"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["kept"] == [1, 2, 3, 4, 5] and d["removed"] == [] and d["kept_as_bases"] == [1, 2, 3], d
+    assert main(["sync", str(tmp_path / "src"), str(dst), "--keep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "past --keep 2 it also keeps [1, 2, 3] as bases of kept deltas" in out, out

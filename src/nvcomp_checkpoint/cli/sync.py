@@ -60,23 +60,35 @@ def run_sync(args: argparse.Namespace) -> int:
             copy_unit(src, dst, m, task.advance)
             copied.append(step)
             nbytes += m.stored_bytes
-    removed = []
+    removed: list[int] = []
+    as_bases: list[int] = []  # kept past --keep: bases of kept deltas
+    as_full: list[int] = []  # kept past --keep: the newest full step
     if args.keep is not None:
         now = dst.manifests()
         full = [s for s, m in now.items() if not m.light]
         protect = {max(now)} | ({max(full)} if full else set()) if now else set()
+        by_count = retained_steps(now, args.keep, None)
         kept = retained_steps(now, args.keep, None, protect)
+        as_full = sorted(kept - by_count)
         kept = set(retained(sorted(kept), lambda s: now[s].base if s in now else None))  # a chain goes as a whole
+        as_bases = sorted(kept - by_count - set(as_full))
         for step in sorted(set(now) - kept):
             dst.remove_unit(step, now[step].directory)
             removed.append(step)
     if args.json:
-        print_json({"nvckpt": "sync", "copied": copied, "bytes": nbytes, "removed": removed, "kept": dst.steps()})
+        print_json({"nvckpt": "sync", "copied": copied, "bytes": nbytes, "removed": removed, "kept": dst.steps(),
+                    "kept_as_bases": as_bases, "kept_as_newest_full": as_full})
         return EXIT_OK
     console = stdout_console()
+    extra = []
+    if as_bases:
+        extra.append(f"{as_bases} as bases of kept deltas (a chain goes as a whole)")
+    if as_full:
+        extra.append(f"{as_full} as the newest full step")
+    beyond = f"; past --keep {args.keep} it also keeps {' and '.join(extra)}" if extra else ""
     console.print(
         f"{args.dst}: copied {len(copied)} step(s) ({format_bytes(nbytes)}) {copied or ''}; "
-        f"removed {removed or 'none'}; now holds {dst.steps()}",
+        f"removed {removed or 'none'}{beyond}; now holds {dst.steps()}",
         markup=False, highlight=False,
     )
     return EXIT_OK
