@@ -23,8 +23,20 @@ import torch
 import nvcomp_checkpoint as nc
 
 
+def check_packages() -> None:
+    """Fail at once, naming what to install, instead of waiting on an endpoint that never starts."""
+    import importlib.util
+
+    missing = [pip for module, pip in (("moto", "moto[server]"), ("s3fs", "s3fs"), ("boto3", "boto3"))
+               if importlib.util.find_spec(module) is None]
+    if missing:
+        sys.exit(f"tiers_example.py needs {', '.join(missing)}: pip install {' '.join(repr(m) for m in missing)} "
+                 "(or the test extra: pip install -e '.[test]')")
+
+
 def start_moto() -> tuple[subprocess.Popen[bytes], str]:
     """``moto_server -H 127.0.0.1 -p PORT`` in its own process, with a bucket ``ckpt``."""
+    check_packages()
     os.environ.update({"AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo", "AWS_DEFAULT_REGION": "us-east-1"})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -32,11 +44,17 @@ def start_moto() -> tuple[subprocess.Popen[bytes], str]:
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    deadline = time.monotonic() + 30
+    while True:
         try:
             urllib.request.urlopen(endpoint, timeout=1).close()
             break
         except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                sys.exit(f"moto's S3 server did not answer at {endpoint} within 30 s "
+                         f"({'it exited with code ' + str(proc.returncode) if proc.poll() is not None else 'still starting'}); "
+                         f"try `{sys.executable} -m moto.server -H 127.0.0.1 -p {port}` to see why")
             time.sleep(0.1)
     import boto3
 
