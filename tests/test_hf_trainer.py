@@ -32,6 +32,7 @@ from transformers import GPT2LMHeadModel, TrainerCallback, TrainerControl, Train
 from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints  # noqa: E402
 
 import nvcomp_checkpoint as nc  # noqa: E402
+from nvcomp_checkpoint.storage import is_temp_name  # noqa: E402
 from nvcomp_checkpoint.transformers import (  # noqa: E402
     NvcompTrainer,
     NvcompTrainerCallback,
@@ -219,7 +220,7 @@ def test_checkpoints_hold_compressed_files_bit_identical_to_the_trainers(runs: d
         names = {p.name for p in ckpt.iterdir()}
         assert set(NVC_FILES) <= names and not set(PLAIN_FILES) & names, names
         assert {"trainer_state.json", "scheduler.pt", "rng_state.pth"} <= names
-        assert not [n for n in names if ".tmp-" in n]
+        assert not [n for n in names if is_temp_name(n)]
         reference = _trainer_files_state(runs["plain_dir"] / f"checkpoint-{step}")
         assert_tree_equal(nc.load(ckpt / "model.safetensors.nvc")["model"], reference["model"])
         assert_tree_equal(nc.load(ckpt / "optimizer.pt.nvc")["optimizer"], reference["optimizer"])
@@ -293,7 +294,7 @@ def test_failed_conversion_leaves_every_checkpoint_loadable(
     assert "CheckpointWriteError" in proc.stderr and str(out / "checkpoint-4") in proc.stderr, proc.stderr[-4000:]
     # The failed conversion was undone: checkpoint-4 is exactly what the Trainer wrote ...
     names4 = {p.name for p in (out / "checkpoint-4").iterdir()}
-    assert set(PLAIN_FILES) <= names4 and not set(NVC_FILES) & names4 and not [n for n in names4 if ".tmp" in n], names4
+    assert set(PLAIN_FILES) <= names4 and not set(NVC_FILES) & names4 and not [n for n in names4 if is_temp_name(n)], names4
     assert_tree_equal(_trainer_files_state(out / "checkpoint-4"), _trainer_files_state(runs["plain_dir"] / "checkpoint-4"))
     # ... the checkpoint before it is compressed and loads ...
     assert set(NVC_FILES) <= {p.name for p in (out / "checkpoint-2").iterdir()}
@@ -431,7 +432,7 @@ class FailFiles:
 
 def _state_of(checkpoint: Path) -> str:
     names = {p.name for p in checkpoint.iterdir()}
-    if any(".tmp-" in n for n in names):
+    if any(is_temp_name(n) for n in names):
         return "writing"
     plain, packed = bool(set(PLAIN_FILES) & names), bool(set(NVC_FILES) & names)
     return {(True, False): "plain", (False, True): "compressed", (True, True): "converting"}.get((plain, packed), "empty")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .errors import ChecksumError, CheckpointWriteError, FormatError
-from .storage import LOCAL
+from .storage import LOCAL, temp_name
 from .version import __version__
 
 __all__ = [
@@ -430,7 +430,7 @@ def _move_entry(src: Path, dst: Path) -> None:
             raise
         # dst is on another file system (a mount point or a link to a folder elsewhere): copy
         # next to it first, so that the rename that replaces it stays atomic.
-        tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+        tmp = dst.with_name(temp_name(dst.name))
         try:
             LOCAL.copy(os.fspath(src), os.fspath(tmp))
             LOCAL.rename(os.fspath(tmp), os.fspath(dst))
