@@ -21,6 +21,7 @@ __all__ = [
     "CheckpointWriteError",
     "BaseCheckpointError",
     "SizeLimitError",
+    "MixedSaveError",
 ]
 
 
@@ -81,3 +82,8 @@ class BaseCheckpointError(CheckpointError):
 
 class SizeLimitError(CheckpointError):
     """Decoding would take more memory than the caller's ``max_bytes`` allows (refused before allocating)."""
+
+
+class MixedSaveError(FormatError):
+    """A file of a checkpoint directory was written by another save than the rest of it (a file
+    copied in from an earlier or later checkpoint): loading it would mix two training states."""

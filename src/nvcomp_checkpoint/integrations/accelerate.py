@@ -479,6 +479,8 @@ class NvcompStateHooks(SaveEntryPoint):
             FormatError: A file listed in the manifest is missing, truncated or altered (named in
                 the message), or the directory holds ``.nvc`` files but no manifest.
             ChecksumError: A ``.nvc`` file or another file of the directory is corrupt.
+            MixedSaveError: A ``.nvc`` file was written by another save than the manifest's (a
+                file copied in from another checkpoint, even one of the same size).
         """
         acc = self.accelerator
         if self.async_save:
