@@ -634,6 +634,20 @@ def test_a_trainer_without_the_callback_refuses_a_converted_checkpoint_naming_it
         torch.load(ckpt / "optimizer.pt", weights_only=False)
 
 
+def test_a_converted_pytorch_model_bin_is_refused_by_torch_load_naming_nvcomp_trainer(tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    weights = {"w": torch.arange(600.0).reshape(20, 30)}
+    torch.save(weights, ckpt / "pytorch_model.bin")
+    compress_checkpoint(ckpt)
+    assert is_placeholder(ckpt / "pytorch_model.bin") and (ckpt / "pytorch_model.bin.nvc").is_file()
+    with pytest.raises(pickle.UnpicklingError, match="resume_with_NvcompTrainer"):
+        torch.load(ckpt / "pytorch_model.bin", weights_only=True)  # what the Trainer and from_pretrained call
+    compress_checkpoint(ckpt)  # again: a placeholder is no plain file to convert
+    assert decompress_checkpoint(ckpt) == ["pytorch_model.bin"]
+    assert_tree_equal(torch.load(ckpt / "pytorch_model.bin", weights_only=True), weights)
+
+
 @pytest.mark.parametrize("missing", ["optimizer.pt.nvc", "scheduler.pt"])
 def test_a_converted_checkpoint_missing_part_of_its_optimizer_state_is_refused(
     stock_run: Path, script: tuple[Path, ModuleType], tmp_path: Path, missing: str

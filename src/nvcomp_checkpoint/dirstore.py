@@ -156,8 +156,10 @@ class DirectoryStore:
             raise
         return manifest
 
-    def check_files(self, path: Path, manifest: dict[str, Any]) -> None:
-        """Every file the manifest lists is there, with its size and digest (or index digest)."""
+    def check_files(self, path: Path, manifest: dict[str, Any], *, identities: bool = True) -> None:
+        """Every file the manifest lists is there, with its size and digest (and, with ``identities``,
+        its index digest: a process that does not read the nvcomp-checkpoint files, whose reader
+        checks for it, opens none of them)."""
         for rel, info in manifest.get("files", {}).items():
             file = path / rel
             if not file.is_file():
@@ -172,7 +174,7 @@ class DirectoryStore:
                     "file or load another checkpoint."
                 )
             # Manifests written before index digests were recorded have none: size and checksums only.
-            if "index_xxh3" in info:
+            if identities and "index_xxh3" in info:
                 self._check_identity(file, info["index_xxh3"])
             if info.get("blake2b") and digest(file) != info["blake2b"]:
                 raise ChecksumError(
@@ -192,7 +194,9 @@ class DirectoryStore:
                 "records: a file copied in from another checkpoint?). Restore this save's file or load another checkpoint."
             )
 
-    def checked_manifest(self, path: Path, *, lists: Iterable[str] = (), orphans: str = "*.nvc") -> dict[str, Any] | None:
+    def checked_manifest(
+        self, path: Path, *, lists: Iterable[str] = (), orphans: str = "*.nvc", identities: bool = True,
+    ) -> dict[str, Any] | None:
         """The manifest of ``path`` once every file it lists checks (:meth:`check_files`); ``None``
         for a directory that no save through this store wrote.
 
@@ -201,6 +205,7 @@ class DirectoryStore:
             lists: Manifest fields holding lists of file names, each of which must be in its file list.
             orphans: A glob of files that only a save through this store writes: a directory holding
                 some but no manifest is a save that did not complete.
+            identities: Check the index digests too (see :meth:`check_files`).
 
         Raises:
             FormatError: The manifest or a file it lists is missing, damaged or altered (named).
@@ -219,7 +224,7 @@ class DirectoryStore:
         for name in [name for field in lists for name in manifest.get(field, [])]:
             if name not in files:
                 raise FormatError(f"{path / self.manifest_name}: {name} is not in the file list; the directory is damaged")
-        self.check_files(path, manifest)
+        self.check_files(path, manifest, identities=identities)
         return manifest
 
     # -- whole directory, or file by file ------------------------------------------------------

@@ -502,7 +502,10 @@ class NvcompStateHooks(SaveEntryPoint):
                 _STORE.recover(found)
             else:
                 found = _latest(Path(acc.project_dir) / "checkpoints")
-            return found, _STORE.checked_manifest(found, lists=("models", "optimizers"))
+            # With leader_load only the process that reads the .nvc files opens them (their index
+            # digests too); its verdict reaches the others through checked_on_every_rank.
+            reads = not self.leader_load or acc.is_local_main_process
+            return found, _STORE.checked_manifest(found, lists=("models", "optimizers"), identities=reads)
 
         # With leader_load the loads below are collectives: a failed background save (the main
         # process's) or a directory that differs on one node makes every rank raise, not wait.
