@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -410,6 +411,40 @@ def test_nvc_bytes_corrupted_in_place_are_caught_by_their_checksums(trained: Pat
     objs = _module(script).build()
     with pytest.raises(nc.errors.ChecksumError, match=r"model\.nvc"):
         objs[0].load_state(str(ckpt))
+
+
+def test_an_nvc_file_of_another_save_is_refused_even_at_the_same_size(script: Path, tmp_path: Path) -> None:
+    module = _module(script)
+    objs = module.build()
+    acc = objs[0]
+    saves = []
+    for step in (1, 2):
+        module.train(objs, 1)
+        acc.save_state(str(tmp_path / f"step{step}"))
+        saves.append(module.snapshot(objs))
+    for name in ("model.nvc", "optimizer.nvc"):
+        mixed = tmp_path / f"mixed-{name}"
+        shutil.copytree(tmp_path / "step2", mixed)
+        shutil.copy(tmp_path / "step1" / name, mixed / name)  # step 1's weights with step 2's optimizer, or the reverse
+        forged = json.loads((mixed / MANIFEST_NAME).read_text())
+        forged["files"][name]["bytes"] = (mixed / name).stat().st_size  # as if both saves' files had the same size
+        (mixed / MANIFEST_NAME).write_text(json.dumps(forged))
+        fresh = module.build()
+        with pytest.raises(nc.errors.MixedSaveError, match=rf"{re.escape(str(mixed / name))}: belongs to another save"):
+            fresh[0].load_state(str(mixed))
+    manifest = json.loads((tmp_path / "step2" / MANIFEST_NAME).read_text())
+    for name in ("model.nvc", "optimizer.nvc"):  # each .nvc file's identity: its index digest
+        with nc.open(tmp_path / "step2" / name) as reader:
+            assert manifest["files"][name]["index_xxh3"] == reader.index_xxh3
+    # A manifest written before index digests were recorded still loads.
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "step2", old)
+    for info in manifest["files"].values():
+        info.pop("index_xxh3", None)
+    (old / MANIFEST_NAME).write_text(json.dumps(manifest))
+    fresh = module.build()
+    fresh[0].load_state(str(old))
+    assert_tree_equal(saves[1], module.snapshot(fresh))
 
 
 def test_nvc_files_without_manifest_are_refused_as_incomplete(trained: Path, script: Path, tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
 from nvcomp_checkpoint.errors import CheckpointWriteError, UnsupportedObjectError
+from nvcomp_checkpoint.storage import temp_prefix
 
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
@@ -77,7 +78,7 @@ def _kill_mid_write(target: Path) -> list[int]:
             line = proc.stdout.readline()
             assert line, f"the saving process ended early (rc {proc.poll()})"
             assert line.strip() != "done", "the save finished before it could be killed"
-            temps = [p for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.tmp-")]
+            temps = [p for p in target.parent.iterdir() if p.name.startswith(temp_prefix(target.name))]
             if temps and temps[0].stat().st_size > 0:
                 sizes.append(temps[0].stat().st_size)
             if len(sizes) >= 6 and sizes[-1] > sizes[0] > 0:
@@ -103,7 +104,7 @@ def test_kill_mid_write_keeps_previous_checkpoint(tmp_path):
     assert_tree_equal(tree, nc.load(target))
     # A killed process cannot clean up: its temporary file stays, hidden, next to the target.
     leftovers = _leftovers(tmp_path, "ckpt.nvc")
-    assert len(leftovers) == 1 and leftovers[0].startswith(".ckpt.nvc.tmp-")
+    assert len(leftovers) == 1 and leftovers[0].startswith(temp_prefix("ckpt.nvc"))
 
 
 def test_kill_mid_write_leaves_no_file_at_target(tmp_path):

@@ -9,6 +9,8 @@ import errno
 import importlib.util
 import json
 import os
+import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +34,8 @@ from transformers import GPT2LMHeadModel, TrainerCallback, TrainerControl, Train
 from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints  # noqa: E402
 
 import nvcomp_checkpoint as nc  # noqa: E402
+from nvcomp_checkpoint.dirconvert import is_placeholder  # noqa: E402
+from nvcomp_checkpoint.storage import is_temp_name  # noqa: E402
 from nvcomp_checkpoint.transformers import (  # noqa: E402
     NvcompTrainer,
     NvcompTrainerCallback,
@@ -197,6 +201,11 @@ def _python(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+def _plain(checkpoint: Path) -> set[str]:
+    """The Trainer's own model and optimizer files in ``checkpoint`` (a placeholder is none)."""
+    return {n for n in PLAIN_FILES if (checkpoint / n).is_file() and not is_placeholder(checkpoint / n)}
+
+
 def _dir_bytes(d: Path) -> int:
     return sum(p.stat().st_size for p in d.iterdir() if p.is_file())
 
@@ -217,9 +226,9 @@ def test_checkpoints_hold_compressed_files_bit_identical_to_the_trainers(runs: d
     for step in (4, 8):
         ckpt = directory / f"checkpoint-{step}"
         names = {p.name for p in ckpt.iterdir()}
-        assert set(NVC_FILES) <= names and not set(PLAIN_FILES) & names, names
+        assert set(NVC_FILES) <= names and not _plain(ckpt) and all(is_placeholder(ckpt / n) for n in PLAIN_FILES), names
         assert {"trainer_state.json", "scheduler.pt", "rng_state.pth"} <= names
-        assert not [n for n in names if ".tmp-" in n]
+        assert not [n for n in names if is_temp_name(n)]
         reference = _trainer_files_state(runs["plain_dir"] / f"checkpoint-{step}")
         assert_tree_equal(nc.load(ckpt / "model.safetensors.nvc")["model"], reference["model"])
         assert_tree_equal(nc.load(ckpt / "optimizer.pt.nvc")["optimizer"], reference["optimizer"])
@@ -293,7 +302,7 @@ def test_failed_conversion_leaves_every_checkpoint_loadable(
     assert "CheckpointWriteError" in proc.stderr and str(out / "checkpoint-4") in proc.stderr, proc.stderr[-4000:]
     # The failed conversion was undone: checkpoint-4 is exactly what the Trainer wrote ...
     names4 = {p.name for p in (out / "checkpoint-4").iterdir()}
-    assert set(PLAIN_FILES) <= names4 and not set(NVC_FILES) & names4 and not [n for n in names4 if ".tmp" in n], names4
+    assert _plain(out / "checkpoint-4") == set(PLAIN_FILES) and not set(NVC_FILES) & names4 and not [n for n in names4 if is_temp_name(n)], names4
     assert_tree_equal(_trainer_files_state(out / "checkpoint-4"), _trainer_files_state(runs["plain_dir"] / "checkpoint-4"))
     # ... the checkpoint before it is compressed and loads ...
     assert set(NVC_FILES) <= {p.name for p in (out / "checkpoint-2").iterdir()}
@@ -357,12 +366,13 @@ def test_plain_trainer_refuses_a_compressed_checkpoint_until_decompressed(
     _, mod = script
     ckpt = tmp_path / "out" / "checkpoint-4"
     shutil.copytree(runs["nvc_dir"] / "checkpoint-4", ckpt)
-    # Loudly, never a silent resume with fresh optimizer state.
-    with pytest.raises(ValueError, match="Can't find a valid checkpoint"):
+    # Loudly, never a silent resume with fresh optimizer state: the placeholder model.safetensors
+    # makes safetensors say what the weights are.
+    with pytest.raises(safetensors.SafetensorError, match="compressed by nvcomp-checkpoint into model.safetensors.nvc; load it with NvcompTrainer"):
         mod.run(str(tmp_path / "probe"), 4, 4, compress=False, resume=str(ckpt))
     assert sorted(decompress_checkpoint(ckpt)) == sorted(PLAIN_FILES)
     names = {p.name for p in ckpt.iterdir()}
-    assert set(PLAIN_FILES) <= names and not set(NVC_FILES) & names
+    assert _plain(ckpt) == set(PLAIN_FILES) and not set(NVC_FILES) & names
     with safetensors.safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
     assert_tree_equal(_trainer_files_state(ckpt), _trainer_files_state(runs["plain_dir"] / "checkpoint-4"))
@@ -431,9 +441,9 @@ class FailFiles:
 
 def _state_of(checkpoint: Path) -> str:
     names = {p.name for p in checkpoint.iterdir()}
-    if any(".tmp-" in n for n in names):
+    if any(is_temp_name(n) for n in names):
         return "writing"
-    plain, packed = bool(set(PLAIN_FILES) & names), bool(set(NVC_FILES) & names)
+    plain, packed = bool(_plain(checkpoint)), bool(set(NVC_FILES) & names)
     return {(True, False): "plain", (False, True): "compressed", (True, True): "converting"}.get((plain, packed), "empty")
 
 
@@ -523,10 +533,11 @@ def test_async_conversion_failure_is_raised_and_leaves_the_trainers_files(
 
 
 @pytest.mark.parametrize("with_scheduler", [True, False])
-def test_optimizer_state_loads_only_with_its_scheduler_as_the_trainer_does(
+def test_optimizer_state_loads_with_its_scheduler_and_a_converted_folder_without_it_is_refused(
     runs: dict[str, Any], script: tuple[Path, ModuleType], tmp_path: Path, with_scheduler: bool
 ) -> None:
-    # The Trainer loads optimizer.pt only next to scheduler.pt; the compressed one must follow it.
+    # The Trainer loads optimizer.pt only next to scheduler.pt (and skips both without it); the
+    # compressed one loads with it, and a converted folder without it is refused.
     from transformers import Trainer
 
     _, mod = script
@@ -543,10 +554,14 @@ def test_optimizer_state_loads_only_with_its_scheduler_as_the_trainer_does(
         args = TrainingArguments(output_dir=str(tmp_path / f"out-{name}"), max_steps=8, report_to=[], use_cpu=True)
         trainer = cls(model=mod.tiny_model(), args=args, train_dataset=mod.Tokens())
         trainer.create_optimizer_and_scheduler(num_training_steps=8)
+        if name == "nvc" and not with_scheduler:
+            # A converted folder is refused without it: the Trainer's own files would load neither, without a word.
+            with pytest.raises(nc.errors.CheckpointNotFoundError, match=re.escape(f"{compressed / 'scheduler.pt'}: missing")):
+                trainer._load_optimizer_and_scheduler(str(ckpt))
+            continue
         trainer._load_optimizer_and_scheduler(str(ckpt))
         loaded[name] = trainer.optimizer.state_dict()
     assert bool(loaded["plain"]["state"]) is with_scheduler
-    assert bool(loaded["nvc"]["state"]) is with_scheduler
     if with_scheduler:
         assert_tree_equal(loaded["plain"], loaded["nvc"])
 
@@ -567,7 +582,7 @@ def test_stock_trainer_checkpoints_keep_the_weights_and_compress_the_optimizer_s
 ) -> None:
     ckpt = stock_run / "checkpoint-4"
     names = {p.name for p in ckpt.iterdir()}
-    assert {"model.safetensors", "optimizer.pt.nvc", "scheduler.pt"} <= names and "optimizer.pt" not in names, names
+    assert {"model.safetensors", "optimizer.pt.nvc", "scheduler.pt"} <= names and is_placeholder(ckpt / "optimizer.pt"), names
     # A Trainer without the callback would resume with a fresh optimizer state: the directory says so.
     from nvcomp_checkpoint.transformers import MARKER_NAME
 
@@ -601,7 +616,49 @@ def test_stock_trainer_resumes_in_a_fresh_process_with_the_uninterrupted_runs_lo
     resumed = {int(k): v for k, v in json.loads((tmp_path / "log.json").read_text()).items()}
     assert resumed == runs["plain_losses"]
     names = {p.name for p in (out / "checkpoint-8").iterdir()}
-    assert {"model.safetensors", "optimizer.pt.nvc"} <= names and "optimizer.pt" not in names
+    assert {"model.safetensors", "optimizer.pt.nvc"} <= names and is_placeholder(out / "checkpoint-8" / "optimizer.pt")
+
+
+def test_a_trainer_without_the_callback_refuses_a_converted_checkpoint_naming_it(
+    stock_run: Path, script: tuple[Path, ModuleType], tmp_path: Path
+) -> None:
+    # The stock Trainer skips a missing optimizer.pt without a word; the placeholder makes its own
+    # weights-only load fail, naming the callback. Never a resume with a fresh optimizer state.
+    _, mod = script
+    ckpt = tmp_path / "out" / "checkpoint-4"
+    shutil.copytree(stock_run / "checkpoint-4", ckpt)
+    with pytest.raises(pickle.UnpicklingError, match="resume_with_NvcompTrainerCallback"):
+        mod.run(str(tmp_path / "probe"), 8, 4, compress=False, resume=str(ckpt))
+    # Told to trust the file, the placeholder says what it is.
+    with pytest.raises(nc.errors.FormatError, match=r"optimizer\.pt: a placeholder; the state is in optimizer\.pt\.nvc.*NvcompTrainerCallback"):
+        torch.load(ckpt / "optimizer.pt", weights_only=False)
+
+
+def test_a_converted_pytorch_model_bin_is_refused_by_torch_load_naming_nvcomp_trainer(tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    weights = {"w": torch.arange(600.0).reshape(20, 30)}
+    torch.save(weights, ckpt / "pytorch_model.bin")
+    compress_checkpoint(ckpt)
+    assert is_placeholder(ckpt / "pytorch_model.bin") and (ckpt / "pytorch_model.bin.nvc").is_file()
+    with pytest.raises(pickle.UnpicklingError, match="resume_with_NvcompTrainer"):
+        torch.load(ckpt / "pytorch_model.bin", weights_only=True)  # what the Trainer and from_pretrained call
+    compress_checkpoint(ckpt)  # again: a placeholder is no plain file to convert
+    assert decompress_checkpoint(ckpt) == ["pytorch_model.bin"]
+    assert_tree_equal(torch.load(ckpt / "pytorch_model.bin", weights_only=True), weights)
+
+
+@pytest.mark.parametrize("missing", ["optimizer.pt.nvc", "scheduler.pt"])
+def test_a_converted_checkpoint_missing_part_of_its_optimizer_state_is_refused(
+    stock_run: Path, script: tuple[Path, ModuleType], tmp_path: Path, missing: str
+) -> None:
+    _, mod = script
+    ckpt = tmp_path / "out" / "checkpoint-4"
+    shutil.copytree(stock_run / "checkpoint-4", ckpt)
+    (ckpt / missing).unlink()
+    for stock in (True, False):  # the callback on a stock Trainer, and NvcompTrainer
+        with pytest.raises(nc.errors.CheckpointNotFoundError, match=re.escape(f"{ckpt / missing}: missing")):
+            mod.run(str(tmp_path / "probe"), 8, 4, resume=str(ckpt), stock=stock)
 
 
 def test_stock_trainer_load_best_model_at_end_loads_the_best_weights(
@@ -637,8 +694,8 @@ def test_a_directory_with_compressed_weights_says_what_it_is(runs: dict[str, Any
     shutil.copytree(runs["nvc_dir"] / "checkpoint-4", ckpt)
     text = (ckpt / MARKER_NAME).read_text()
     assert "NvcompTrainer" in text and "decompress_checkpoint" in text
-    with pytest.raises(OSError, match="model.safetensors"):  # transformers' own message; the marker explains
-        GPT2LMHeadModel.from_pretrained(str(ckpt))
+    with pytest.raises(safetensors.SafetensorError, match="into model.safetensors.nvc; load it with NvcompTrainer"):
+        GPT2LMHeadModel.from_pretrained(str(ckpt))  # the placeholder, never randomly initialised weights
     decompress_checkpoint(ckpt)
     assert not (ckpt / MARKER_NAME).exists()
     assert_tree_equal(GPT2LMHeadModel.from_pretrained(str(ckpt)).state_dict(), runs["at"][4]["model"])

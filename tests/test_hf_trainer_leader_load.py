@@ -19,6 +19,8 @@ from conftest import run_python
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from nvcomp_checkpoint.dirconvert import is_placeholder  # noqa: E402
+
 _SCRIPT = textwrap.dedent(
     '''
     import json, os, sys, warnings
@@ -104,7 +106,10 @@ def test_ddp_resume_reads_each_file_on_one_rank_and_continues_the_run(tmp_path: 
         # every rank: rank 0 read its compressed weights, rank 1 nothing of it.
         assert resumed["best"].endswith("checkpoint-6"), resumed["best"]
         assert ("model.safetensors.nvc" in resumed["best_opened"]) == (rank == 0), (rank, resumed["best_opened"])
-    assert leader[1]["best_opened"] == []
+    # Rank 1 read only the placeholder under the plain name (a few hundred bytes that say the weights
+    # are compressed, read by each rank to choose the file), never the weights.
+    assert leader[1]["best_opened"] == ["model.safetensors"], leader[1]["best_opened"]
+    assert is_placeholder(tmp_path / "leader" / "checkpoint-6" / "model.safetensors")
     assert leader[0]["best_weights"] == leader[1]["best_weights"]
     for rank, resumed in enumerate(leader):
         # The resumed run's log starts with the checkpoint's history (steps 1-3), then trains on.

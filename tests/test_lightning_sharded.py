@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,9 +19,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_python
+from conftest import assert_tree_equal, run_python
 
 pytest.importorskip("lightning")
+
+import lightning as L  # noqa: E402
 
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
 
@@ -310,6 +313,62 @@ def test_compressed_full_file_is_refused_with_the_fix(tmp_path: Path) -> None:
     nc.save({"state_dict": {"w": torch.ones(4)}}, path)
     with pytest.raises(CheckpointError, match="nvckpt decompress"):
         NvcompModelParallelStrategy(save_distributed_checkpoint=False).load_checkpoint(path)
+
+
+class _Linear(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 4)
+
+
+def _one_process_strategy(seed: int) -> tuple[NvcompModelParallelStrategy, torch.optim.Optimizer]:
+    """The strategy as fit() leaves it, in this one process (no process group): a module and an Adam that has stepped."""
+    torch.manual_seed(seed)
+    module = _Linear()
+    optimizer = torch.optim.Adam(module.parameters())
+    module.net(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    strategy = NvcompModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    strategy.model, strategy._lightning_module, strategy.optimizers = module, module, [optimizer]
+    return strategy, optimizer
+
+
+def _save(path: Path, seed: int) -> dict[str, Any]:
+    strategy, optimizer = _one_process_strategy(seed)
+    state = {"state_dict": strategy.lightning_module_state_dict(), "optimizer_states": [strategy.optimizer_state(optimizer)]}
+    strategy.save_checkpoint({**state, "epoch": seed}, path)
+    return state
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_meta_pt_or_dcp_files_of_another_save_are_refused(tmp_path: Path) -> None:
+    saved = {seed: _save(tmp_path / f"save{seed}", seed) for seed in (1, 2)}
+    meta_of_other = tmp_path / "meta_of_other"
+    shutil.copytree(tmp_path / "save1", meta_of_other)
+    shutil.copy(tmp_path / "save2" / "meta.pt", meta_of_other / "meta.pt")
+    dcp_of_other = tmp_path / "dcp_of_other"
+    shutil.copytree(tmp_path / "save2", dcp_of_other)
+    for p in dcp_of_other.iterdir():
+        if p.name != "meta.pt":
+            p.unlink()
+    for p in (tmp_path / "save1").iterdir():
+        if p.name != "meta.pt":
+            shutil.copy(p, dcp_of_other / p.name)
+    for mixed in (meta_of_other, dcp_of_other):
+        strategy, _ = _one_process_strategy(3)
+        before = {k: v.clone() for k, v in strategy.model.state_dict().items()}
+        with pytest.raises(nc.errors.MixedSaveError, match=rf"{re.escape(str(mixed / 'meta.pt'))}: belongs to another save"):
+            strategy.load_checkpoint(mixed)
+        assert_tree_equal(before, strategy.model.state_dict())  # refused before any state changed
+    # A meta.pt that records no DCP save (older releases) still loads; so does a whole one.
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "save2", old)
+    nc.save(nc.load(old / "meta.pt"), old / "meta.pt")
+    for path in (tmp_path / "save2", old):
+        strategy, optimizer = _one_process_strategy(3)
+        assert strategy.load_checkpoint(path) == {"epoch": 2}
+        assert_tree_equal(saved[2]["state_dict"], strategy.lightning_module_state_dict())
+        assert_tree_equal(saved[2]["optimizer_states"][0], strategy.optimizer_state(optimizer))
 
 
 _CHECK_SCRIPT = textwrap.dedent(

@@ -22,7 +22,7 @@ import torch
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
 from nvcomp_checkpoint.cli.main import main
-from nvcomp_checkpoint.storage import stale_temp_files
+from nvcomp_checkpoint.storage import is_temp_name, stale_temp_files, temp_name, temp_prefix
 
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
@@ -55,7 +55,7 @@ def _start_held_save(target: Path, hold: Path) -> subprocess.Popen[str]:
 
 
 def _temps(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if ".tmp-" in p.name)
+    return sorted(p.name for p in directory.iterdir() if is_temp_name(p.name))
 
 
 def _kill(proc: subprocess.Popen[str], *, reap: bool = True) -> None:
@@ -78,7 +78,7 @@ def test_killed_saves_are_listed_then_removed_by_the_next_save(tmp_path, capsys)
     for proc in savers:
         _kill(proc)
     killed = _temps(tmp_path)
-    assert len(killed) == 3 and all(name.startswith(".ckpt.nvc.tmp-") for name in killed), killed
+    assert len(killed) == 3 and all(name.startswith(temp_prefix("ckpt.nvc")) for name in killed), killed
     assert_tree_equal(nc.load(target), tree)  # the killed saves never touched the checkpoint
 
     assert sorted(os.path.basename(p) for p in stale_temp_files(tmp_path)) == killed
@@ -154,6 +154,8 @@ def test_a_killed_writer_not_yet_reaped_counts_as_gone(tmp_path):
     "name",
     [
         ".ckpt.nvc.tmp-{pid}-0badc0de@another-host~4026531836",  # same PID space unknown: another host
+        ".nvckpt-tmp-0badc0de-{pid}-0badc0de@another-host~4026531836",  # the same, named as now
+        ".nvckpt-tmp-0badc0de-{pid}-0badc0de",  # no host: written through fsspec
         ".ckpt.nvc.tmp-{pid}-0badc0de",  # written before temporary names carried their host
         "ckpt.nvc.tmp-{pid}-0badc0de",  # not hidden: not one of ours
     ],
@@ -171,3 +173,19 @@ def test_a_target_name_near_the_file_system_limit_still_saves(tmp_path):
     nc.save({"w": torch.ones(3)}, target)
     assert torch.equal(nc.load(target)["w"], torch.ones(3))
     assert _temps(tmp_path) == []
+
+
+def test_a_temporary_name_never_holds_the_target_name(tmp_path):
+    # Frameworks find checkpoints by name (Lightning's HPC resume: every digit of a name holding
+    # "hpc_ckpt_"); a killed save's file must not look like one. The next save still cleans it.
+    target = tmp_path / "hpc_ckpt_2.ckpt"
+    _kill(_start_held_save(target, tmp_path / "hold"))
+    (killed,) = _temps(tmp_path)
+    assert "hpc_ckpt" not in killed and "ckpt_" not in killed and killed.startswith(temp_prefix(target.name))
+    assert stale_temp_files(tmp_path) == [str(tmp_path / killed)]
+    # A file of a killed save of an earlier release (its name held the target's) is cleaned too.
+    host = temp_name("x").rsplit("@", 1)[1]
+    legacy = tmp_path / f".hpc_ckpt_3.ckpt.tmp-{_dead_pid()}-0badc0de@{host}"
+    legacy.write_bytes(b"partial")
+    nc.save({"w": torch.ones(3)}, target)
+    assert _temps(tmp_path) == [] and not legacy.exists()

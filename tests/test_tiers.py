@@ -19,6 +19,7 @@ import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, CopyTimeoutError
 from nvcomp_checkpoint.tiers import light_tree, retained_steps
+from nvcomp_checkpoint.storage import is_temp_name, temp_prefix
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -320,8 +321,8 @@ def test_copy_killed_mid_way_is_never_listed_and_cleaned(tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    partial = [p.name for p in shared.iterdir() if ".tmp-" in p.name]
-    assert len(partial) == 1 and partial[0].startswith(".step-0000000002.nvc.tmp-")
+    partial = [p.name for p in shared.iterdir() if is_temp_name(p.name)]
+    assert len(partial) == 1 and partial[0].startswith(temp_prefix("step-0000000002.nvc"))
     tiers = [nc.Tier(local), nc.Tier(shared)]
     assert nc.CheckpointManager(tiers, clean=False).steps(1) == [1]  # never listed
     mgr = nc.CheckpointManager(tiers)

@@ -21,20 +21,53 @@ from .report import SaveReport, merge_reports
 from .storage import LOCAL, stale_temp_files
 from .tensors import first_difference
 
-__all__ = ["PlainFile", "compress_in_place", "decompress_in_place", "compressed_copy", "SUFFIX"]
+__all__ = [
+    "PlainFile", "compress_in_place", "decompress_in_place", "compressed_copy", "is_placeholder", "SUFFIX", "PLACEHOLDER_TAG",
+]
 
 #: Appended to the name of each converted file (``optimizer.pt`` -> ``optimizer.pt.nvc``).
 SUFFIX = ".nvc"
+
+#: Bytes every placeholder holds (see :class:`PlainFile`), which tell it from the file it stands for.
+PLACEHOLDER_TAG = b"nvcomp-checkpoint-placeholder"
+#: The largest placeholder: anything bigger is a real file, whatever it holds.
+_PLACEHOLDER_MAX_BYTES = 4096
 
 
 @dataclass(frozen=True)
 class PlainFile:
     """A file to compress: its name in the directory, the key its tree is stored under inside
-    the compressed file, and how to read it (the tree and metadata to keep with it)."""
+    the compressed file, and how to read it (the tree and metadata to keep with it).
+
+    ``placeholder``: bytes left under the plain name once the compressed copy is durable, instead
+    of removing it: a small file in the plain file's format (holding :data:`PLACEHOLDER_TAG`) that
+    the framework's own loader refuses loudly, naming what reads the compressed copy. Without
+    it, a loader that skips a missing file (the Trainer's optimizer.pt) would go on without the state.
+    """
 
     name: str
     key: str
     read: Callable[[Path], tuple[Any, dict[str, Any]]]
+    placeholder: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.placeholder is not None and (PLACEHOLDER_TAG not in self.placeholder or len(self.placeholder) > _PLACEHOLDER_MAX_BYTES):
+            raise ValueError(f"{self.name}: a placeholder must hold PLACEHOLDER_TAG and be at most {_PLACEHOLDER_MAX_BYTES} bytes")
+
+
+def is_placeholder(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a placeholder left by :func:`compress_in_place` (its compressed copy is ``path + SUFFIX``)."""
+    try:
+        if os.path.getsize(path) > _PLACEHOLDER_MAX_BYTES:
+            return False
+        with LOCAL.open_read(os.fspath(path)) as f:
+            return PLACEHOLDER_TAG in f.read(_PLACEHOLDER_MAX_BYTES + 1)
+    except OSError:  # missing, or a folder
+        return False
+
+
+def _is_plain(path: Path) -> bool:
+    return path.is_file() and not is_placeholder(path)
 
 
 def compress_in_place(
@@ -101,7 +134,10 @@ def compress_in_place(
     if files:
         write_marker(directory, marker)
     for file in files:
-        LOCAL.remove(str(directory / file.name))
+        if file.placeholder is None:
+            LOCAL.remove(str(directory / file.name))
+        else:  # replaces the plain file in one rename: a loader sees one or the other, never neither
+            LOCAL.write_bytes(str(directory / file.name), file.placeholder)
     _sync(directory, stamp)
     return merge_reports(str(directory), reports, time.perf_counter() - start)
 
@@ -114,7 +150,8 @@ def decompress_in_place(
     meta_key: str,
     load_tree: Callable[[Path, str], Any],
 ) -> list[str]:
-    """Write back the plain file of each ``NAME.nvc`` whose ``NAME`` is in ``keys``; remove the compressed ones.
+    """Write back the plain file of each ``NAME.nvc`` whose ``NAME`` is in ``keys`` (over its
+    placeholder, if any); remove the compressed ones.
 
     ``write(name, tree, meta, stream)`` writes one plain file (atomically: a crash leaves the
     compressed file as it was); ``load_tree(path, key)`` reads the tree stored under ``key``.
@@ -142,8 +179,9 @@ def decompress_in_place(
 
 
 def compressed_copy(directory: str | os.PathLike[str] | None, names: Sequence[str]) -> Path | None:
-    """The compressed copy of the first of ``names`` in ``directory``, if none of the plain files is there."""
-    if directory is None or any((Path(directory) / name).is_file() for name in names):
+    """The compressed copy of the first of ``names`` in ``directory``, if none of the plain files is there
+    (a placeholder is no plain file)."""
+    if directory is None or any(_is_plain(Path(directory) / name) for name in names):
         return None  # a plain file wins: it is what the framework wrote
     found = [p for name in names if (p := Path(directory) / (name + SUFFIX)).is_file()]
     return found[0] if found else None

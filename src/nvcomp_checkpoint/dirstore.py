@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .errors import ChecksumError, CheckpointWriteError, FormatError
-from .storage import LOCAL
+from .errors import ChecksumError, CheckpointWriteError, FormatError, MixedSaveError
+from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
+from .storage import LOCAL, temp_name
 from .version import __version__
 
 __all__ = [
-    "DirectoryStore", "InstallError", "holds_cwd", "sync_tree", "rotate", "digest", "remove_quietly", "numbered_dirs",
+    "DirectoryStore", "InstallError", "holds_cwd", "sync_tree", "rotate", "digest", "index_digest", "remove_quietly", "numbered_dirs",
     "STAGING_SUFFIX", "OLD_SUFFIX", "DELETING_SUFFIX", "MARKER_NAME", "write_marker",
 ]
 
@@ -44,6 +45,25 @@ def digest(path: str | os.PathLike[str]) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def index_digest(path: str | os.PathLike[str]) -> int | None:
+    """The xxh3 of an nvcomp-checkpoint file's index, as its footer records it (the reader checks
+    the index against it): the file's identity, read in one small read. ``None`` for other files.
+
+    Raises:
+        FormatError: The file ends in a footer whose fields are impossible (named).
+    """
+    where = os.fspath(path)
+    size = os.path.getsize(where)
+    if size < len(MAGIC) + FOOTER.size:
+        return None
+    with LOCAL.open_read(where) as f:
+        f.seek(size - FOOTER.size)
+        data = f.read(FOOTER.size)
+    if not data.endswith(FOOTER_MAGIC):
+        return None
+    return unpack_footer(data, size, where)[2]
 
 
 def sync_tree(root: Path) -> None:
@@ -89,12 +109,19 @@ class DirectoryStore:
 
     # -- the manifest -----------------------------------------------------------------------
     def write_manifest(self, staging: Path, fields: dict[str, Any], *, hashed: Callable[[Path], bool] = lambda p: True) -> None:
-        """fsync every staged file, then write the manifest (names, sizes, digests) last."""
+        """fsync every staged file, then write the manifest (names, sizes, digests) last.
+
+        A file that is not ``hashed`` (an nvcomp-checkpoint file, whose frames carry checksums of
+        their own) gets its index digest (:func:`index_digest`) instead: what tells it from the
+        same file of another save, even one of the same size.
+        """
         files: dict[str, dict[str, Any]] = {}
         for p in sorted(staging.rglob("*")):
             if p.is_file():
                 rel = p.relative_to(staging).as_posix()
                 files[rel] = {"bytes": p.stat().st_size, "blake2b": digest(p) if hashed(p) else None}
+                if not hashed(p) and (identity := index_digest(p)) is not None:
+                    files[rel]["index_xxh3"] = identity
         sync_tree(staging)
         manifest = {"format": self.format, "version": self.version, "nvcomp_checkpoint": __version__, **fields, "files": files}
         LOCAL.write_bytes(os.fspath(staging / self.manifest_name), json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -129,8 +156,10 @@ class DirectoryStore:
             raise
         return manifest
 
-    def check_files(self, path: Path, manifest: dict[str, Any]) -> None:
-        """Every file the manifest lists is there, with its size and digest."""
+    def check_files(self, path: Path, manifest: dict[str, Any], *, identities: bool = True) -> None:
+        """Every file the manifest lists is there, with its size and digest (and, with ``identities``,
+        its index digest: a process that does not read the nvcomp-checkpoint files, whose reader
+        checks for it, opens none of them)."""
         for rel, info in manifest.get("files", {}).items():
             file = path / rel
             if not file.is_file():
@@ -144,13 +173,30 @@ class DirectoryStore:
                     f"{file}: {size} bytes, but the save wrote {info['bytes']} (truncated or replaced). Restore the "
                     "file or load another checkpoint."
                 )
+            # Manifests written before index digests were recorded have none: size and checksums only.
+            if identities and "index_xxh3" in info:
+                self._check_identity(file, info["index_xxh3"])
             if info.get("blake2b") and digest(file) != info["blake2b"]:
                 raise ChecksumError(
                     f"{file}: its contents differ from what the save wrote (checksum mismatch). Restore the file or "
                     "load another checkpoint."
                 )
 
-    def checked_manifest(self, path: Path, *, lists: Iterable[str] = (), orphans: str = "*.nvc") -> dict[str, Any] | None:
+    def _check_identity(self, file: Path, recorded: Any) -> None:
+        if not isinstance(recorded, int) or isinstance(recorded, bool):
+            raise FormatError(f"{file.parent / self.manifest_name}: an invalid index digest for {file.name}; the directory is damaged")
+        found = index_digest(file)
+        if found is None:
+            raise FormatError(f"{file}: no nvcomp-checkpoint footer, but the save wrote one (damaged or replaced). Restore the file or load another checkpoint.")
+        if found != recorded:
+            raise MixedSaveError(
+                f"{file}: belongs to another save (its index digest differs from the one {self.manifest_name} "
+                "records: a file copied in from another checkpoint?). Restore this save's file or load another checkpoint."
+            )
+
+    def checked_manifest(
+        self, path: Path, *, lists: Iterable[str] = (), orphans: str = "*.nvc", identities: bool = True,
+    ) -> dict[str, Any] | None:
         """The manifest of ``path`` once every file it lists checks (:meth:`check_files`); ``None``
         for a directory that no save through this store wrote.
 
@@ -159,10 +205,12 @@ class DirectoryStore:
             lists: Manifest fields holding lists of file names, each of which must be in its file list.
             orphans: A glob of files that only a save through this store writes: a directory holding
                 some but no manifest is a save that did not complete.
+            identities: Check the index digests too (see :meth:`check_files`).
 
         Raises:
             FormatError: The manifest or a file it lists is missing, damaged or altered (named).
             ChecksumError: A listed file's contents differ from what the save wrote.
+            MixedSaveError: A listed nvcomp-checkpoint file is another save's (its index digest differs).
         """
         manifest = self.read_manifest(path)
         if manifest is None:
@@ -176,7 +224,7 @@ class DirectoryStore:
         for name in [name for field in lists for name in manifest.get(field, [])]:
             if name not in files:
                 raise FormatError(f"{path / self.manifest_name}: {name} is not in the file list; the directory is damaged")
-        self.check_files(path, manifest)
+        self.check_files(path, manifest, identities=identities)
         return manifest
 
     # -- whole directory, or file by file ------------------------------------------------------
@@ -430,7 +478,7 @@ def _move_entry(src: Path, dst: Path) -> None:
             raise
         # dst is on another file system (a mount point or a link to a folder elsewhere): copy
         # next to it first, so that the rename that replaces it stays atomic.
-        tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+        tmp = dst.with_name(temp_name(dst.name))
         try:
             LOCAL.copy(os.fspath(src), os.fspath(tmp))
             LOCAL.rename(os.fspath(tmp), os.fspath(dst))

@@ -24,6 +24,7 @@ __all__ = [
     "TierUnavailableError",
     "TierNotFoundError",
     "CopyTimeoutError",
+    "MixedSaveError",
 ]
 
 
@@ -111,3 +112,8 @@ class CopyTimeoutError(CheckpointError, TimeoutError):
     def __init__(self, message: str, pending: tuple = ()) -> None:  # type: ignore[type-arg]
         super().__init__(message)
         self.pending = pending
+
+
+class MixedSaveError(FormatError):
+    """A file of a checkpoint directory was written by another save than the rest of it (a file
+    copied in from an earlier or later checkpoint): loading it would mix two training states."""

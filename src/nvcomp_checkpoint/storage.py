@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import os
 import re
 import shutil
@@ -24,7 +25,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteErr
 __all__ = [
     "Storage", "LocalStorage", "FsspecStorage", "LOCAL", "storage_for", "open_checkpoint_stream", "write_errors", "is_url",
     "fsync_path", "exchange_paths", "list_names", "is_storage_error", "abort_unfinished_uploads", "upload_file", "stale_temp_files",
-    "local_lock",
+    "local_lock", "temp_name", "temp_prefix", "is_temp_name",
 ]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2"}
@@ -37,8 +38,34 @@ try:
 except OSError:
     _PID_NAMESPACE = 0
 _HOST_TAG = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:32] + f"~{_PID_NAMESPACE:x}"
-#: ``.<target>.tmp-<pid>-<8 hex>@<host tag>``; files without the tag predate it (never removed).
-_TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}(?:@(?P<host>[^@/]+))?$")
+#: ``.nvckpt-tmp-<8 hex of the target's name>-<pid>-<8 hex>@<host tag>``. The target's name is
+#: never in it: frameworks find checkpoints by their names (Lightning's HPC resume takes every
+#: digit of any name holding ``hpc_ckpt_``), and a killed or pending save's temporary file must
+#: not look like one.
+_TEMP_NAME = re.compile(r"^\.nvckpt-tmp-[0-9a-f]{8}-(?P<pid>\d+)-[0-9a-f]{8}(?:@(?P<host>[^@/]+))?$")
+#: What earlier releases named them: ``.<target>.tmp-<pid>-<8 hex>@<host tag>`` (without the
+#: tag: older still, never removed). Still cleaned up after an upgrade.
+_LEGACY_TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}(?:@(?P<host>[^@/]+))?$")
+
+
+def temp_prefix(target_name: str) -> str:
+    """How every temporary name of a save to a file named ``target_name`` begins."""
+    return f".nvckpt-tmp-{hashlib.blake2b(os.fsencode(target_name), digest_size=4).hexdigest()}-"
+
+
+def temp_name(target_name: str, *, tagged: bool = True) -> str:
+    """A fresh temporary name for a save to ``target_name``, in the same directory (see :data:`_TEMP_NAME`).
+
+    ``tagged``: with this host's tag, so that the next save can tell a dead writer's file
+    (:func:`stale_temp_files`); a file system that other hosts share without PIDs (fsspec) gets none.
+    """
+    name = f"{temp_prefix(target_name)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return f"{name}@{_HOST_TAG}" if tagged else name
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is a temporary file of a save in progress or killed (this or an older release)."""
+    return _TEMP_NAME.match(name) is not None or _LEGACY_TEMP_NAME.match(name) is not None
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -97,11 +124,7 @@ class LocalStorage(Storage):
     def open_write(self, path: str) -> Iterator[IO[bytes]]:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        name = f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        # Tagged so that the next save can tell a dead writer's file (stale_temp_files); a name
-        # that would pass the file system's 255 bytes goes untagged (never removed, as before).
-        tagged = f"{name}@{_HOST_TAG}"
-        tmp = target.with_name(tagged if len(os.fsencode(tagged)) <= 255 else name)
+        tmp = target.with_name(temp_name(target.name))
         f = open(tmp, "wb")
         try:
             yield f
@@ -231,7 +254,7 @@ def stale_temp_files(directory: str | os.PathLike[str], *, remove: bool = False)
         return []
     stale = []
     for name in names:
-        match = _TEMP_NAME.match(name)
+        match = _TEMP_NAME.match(name) or _LEGACY_TEMP_NAME.match(name)
         if match is None or match.group("host") != _HOST_TAG:
             continue
         pid = int(match.group("pid"))
@@ -297,7 +320,7 @@ class FsspecStorage(Storage):
                 raise
             f.close()
             return
-        tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp = f"{parent}/{temp_name(target.rsplit('/', 1)[-1], tagged=False)}" if parent else temp_name(target, tagged=False)
         f = self.fs.open(tmp, "wb")
         try:
             yield f

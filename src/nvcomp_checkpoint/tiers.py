@@ -31,8 +31,8 @@ from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
 from .policy import CodecPolicy, Component, classify
 from .reader import CheckpointReader
 from .storage import (
-    LOCAL, LocalStorage, Storage, abort_unfinished_uploads, is_storage_error, is_url, list_names, local_lock, storage_for, upload_file,
-    write_errors,
+    LOCAL, LocalStorage, Storage, abort_unfinished_uploads, is_storage_error, is_temp_name, is_url, list_names, local_lock, storage_for,
+    upload_file, write_errors,
 )
 
 __all__ = [
@@ -450,7 +450,7 @@ class TierStore:
             m = _UNIT_RE.match(name)
             leftover = (m is not None and int(m.group(1)) not in committed) or (
                 name.startswith((".step-", "step-")) and ".tmp-" in name
-            )
+            ) or is_temp_name(name)
             if leftover:
                 self.storage.remove(_join(self.root, name))
                 removed.append(_join(self.root, name))

@@ -20,7 +20,7 @@ import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
 from nvcomp_checkpoint.filetype import HEAD_BYTES, NVCOMP, OTHER, SAFETENSORS, TORCH, kind_of
 from nvcomp_checkpoint.format.skeleton import check_torch_archive, flatten
-from nvcomp_checkpoint.storage import is_url, storage_for
+from nvcomp_checkpoint.storage import is_temp_name, is_url, storage_for
 
 __all__ = [
     "NVCOMP",
@@ -448,7 +448,7 @@ def dir_files(root: str) -> list[tuple[str, str]]:
     out = []
     base = Path(root)
     for p in sorted(base.rglob("*")):
-        if not p.is_file() or (p.name.startswith(".") and ".tmp-" in p.name):
+        if not p.is_file() or is_temp_name(p.name):
             continue
         out.append((p.relative_to(base).as_posix(), sniff(str(p))))
     return out

@@ -479,6 +479,8 @@ class NvcompStateHooks(SaveEntryPoint):
             FormatError: A file listed in the manifest is missing, truncated or altered (named in
                 the message), or the directory holds ``.nvc`` files but no manifest.
             ChecksumError: A ``.nvc`` file or another file of the directory is corrupt.
+            MixedSaveError: A ``.nvc`` file was written by another save than the manifest's (a
+                file copied in from another checkpoint, even one of the same size).
         """
         acc = self.accelerator
         if self.async_save:
@@ -500,7 +502,10 @@ class NvcompStateHooks(SaveEntryPoint):
                 _STORE.recover(found)
             else:
                 found = _latest(Path(acc.project_dir) / "checkpoints")
-            return found, _STORE.checked_manifest(found, lists=("models", "optimizers"))
+            # With leader_load only the process that reads the .nvc files opens them (their index
+            # digests too); its verdict reaches the others through checked_on_every_rank.
+            reads = not self.leader_load or acc.is_local_main_process
+            return found, _STORE.checked_manifest(found, lists=("models", "optimizers"), identities=reads)
 
         # With leader_load the loads below are collectives: a failed background save (the main
         # process's) or a directory that differs on one node makes every rank raise, not wait.

@@ -25,6 +25,7 @@ from nvcomp_checkpoint import CodecPolicy, SaveReport
 from nvcomp_checkpoint.entrypoint import (
     POLICY_OPTION_KEYS, SaveEntryPoint, checked_on_every_rank, incremental_files, load_as_torch, policy_and_metadata, report_metrics,
 )
+from nvcomp_checkpoint.async_save import wait_for_path
 from nvcomp_checkpoint.savegroup import SavedCallback
 from nvcomp_checkpoint.storage import storage_for
 from nvcomp_checkpoint.tiers import Tier
@@ -253,6 +254,8 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             if self.async_save:
                 # A checkpoint still being written must not be read as missing, or as the older one.
                 self._wait_for_saves(where, "Nothing was loaded; fix the cause and save again.")
+            # And for another plugin's (a second Trainer in this process), as nc.load waits for any saver's.
+            wait_for_path(path)
             storage, spath = storage_for(path, options)
             if not storage.exists(spath):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")

@@ -9,6 +9,7 @@ passed as a plugin gives them its policy, gets each sharded save's report (``on_
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -19,8 +20,9 @@ from typing_extensions import override
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
 from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
+from nvcomp_checkpoint.dcp.layout import METADATA_NAME
 from nvcomp_checkpoint.entrypoint import as_policy, checkpoint_report, torch_weights_only
-from nvcomp_checkpoint.errors import CheckpointError
+from nvcomp_checkpoint.errors import CheckpointError, MixedSaveError
 from nvcomp_checkpoint.storage import storage_for, write_errors
 
 try:
@@ -116,7 +118,8 @@ def _save_sharded(
     midway leaves a directory that Lightning does not take for a checkpoint. It is written with
     :func:`nvcomp_checkpoint.save` (compressed, checksummed; callbacks such as an EMA can hold a
     full copy of the weights there) under Lightning's name, which its ``_is_sharded_checkpoint``
-    tests for.
+    tests for. Its index records a digest of the DCP ``.metadata`` it was saved with (which names
+    every rank file by this save's id): a load refuses a ``meta.pt`` or DCP files of another save.
 
     Returns:
         On global rank 0, the save's report: every rank's file and ``meta.pt``, read from their
@@ -138,12 +141,50 @@ def _save_sharded(
     written = None
     if strategy.global_rank == 0:
         # fsync + rename: the directory's commit
-        written = nc.save(checkpoint, meta, policy, workers=workers, stream_wrapper=stream_wrapper)
+        tie = {_META_KEY: {"dcp_metadata_blake2b": _dcp_metadata_digest(path)}}
+        written = nc.save(checkpoint, meta, policy, workers=workers, stream_wrapper=stream_wrapper, metadata=tie)
     strategy.barrier("nvckpt_sharded_save_end")
     if written is None:
         return None
     # After the barrier, and never raising: reading the rank files' indexes cannot fail a committed save.
     return checkpoint_report(path, time.perf_counter() - started, reports=[written], dcp_dirs=[path])
+
+
+#: The key of meta.pt's index metadata that ties it to the DCP save beside it.
+_META_KEY = "lightning_sharded"
+
+
+def _dcp_metadata_digest(path: Path) -> str | None:
+    """BLAKE2b-128 of the directory's DCP ``.metadata`` (``None`` if there is none: DCP's load names that)."""
+    storage, spath = storage_for(str(path / METADATA_NAME))
+    if not storage.exists(spath):
+        return None
+    with storage.open_read(spath) as f:
+        return hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+
+
+def _check_same_save(path: Path) -> None:
+    """``meta.pt`` and the DCP files come from one save (see :func:`_save_sharded`); checked before
+    any state is loaded. A ``meta.pt`` without the digest (older releases, Lightning's own) is not checked.
+
+    Raises:
+        MixedSaveError: ``meta.pt`` records another ``.metadata`` than the one beside it.
+    """
+    meta = path / _METADATA_FILENAME
+    if not nc.is_nvcomp_checkpoint(meta):
+        return
+    with nc.open(meta) as reader:
+        tie = reader.metadata.get(_META_KEY)
+    recorded = tie.get("dcp_metadata_blake2b") if isinstance(tie, dict) else None
+    if recorded is None:
+        return
+    found = _dcp_metadata_digest(path)
+    if found is not None and found != recorded:
+        raise MixedSaveError(
+            f"{meta}: belongs to another save than {path / METADATA_NAME} and the rank files beside it (one or the "
+            "other was copied in from another checkpoint); resuming would mix two training states. Restore the "
+            "directory as one save wrote it, or load another checkpoint."
+        )
 
 
 def _load_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
@@ -237,6 +278,7 @@ class NvcompModelParallelStrategy(ModelParallelStrategy):
         if not _is_sharded_dir(path):
             _refuse_compressed_full_file(path, type(self).__name__)
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        _check_same_save(path)  # before any state changes
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -306,6 +348,7 @@ class NvcompFSDPStrategy(FSDPStrategy):
         if not _is_sharded_dir(path):
             _refuse_compressed_full_file(path, type(self).__name__)
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        _check_same_save(path)  # before any state changes
         import torch.distributed.checkpoint as dcp
         from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
         from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict

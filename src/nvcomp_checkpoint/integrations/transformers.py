@@ -6,20 +6,31 @@ background); ``NvcompTrainer`` (or ``NvcompTrainerMixin`` on your own Trainer su
 
 from __future__ import annotations
 
+import io
+import json
 import logging
 import os
+import struct
 import re
 import sys
 import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import IO, Any, Callable, TypeVar
+from typing import IO, Any, Callable, NoReturn, TypeVar
 
 import torch
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dirconvert import SUFFIX, PlainFile, compress_in_place, compressed_copy, decompress_in_place
+from nvcomp_checkpoint.dirconvert import (
+    PLACEHOLDER_TAG,
+    SUFFIX,
+    PlainFile,
+    compress_in_place,
+    compressed_copy,
+    decompress_in_place,
+    is_placeholder,
+)
 from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, load_tree
 from nvcomp_checkpoint.tiers import Tier
@@ -67,17 +78,18 @@ _SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json"
 _TREE_KEY = {_SAFE_WEIGHTS: "model", _TORCH_WEIGHTS: "model", _OPTIMIZER: "optimizer"}
 _META_KEY = "transformers"
 
-#: Written into a checkpoint directory whose model weights are compressed: what the files are,
-#: and how to read them (the Trainer and ``from_pretrained`` only say that no weights were found).
+#: Written into a converted checkpoint directory: what the files are, and how to read them (the
+#: Trainer and ``from_pretrained`` fail on the placeholders with messages of their own).
 _MARKER_TEXT = """\
 This checkpoint directory was compressed by nvcomp-checkpoint (https://pypi.org/project/nvcomp-checkpoint/).
 
 optimizer.pt.nvc (and model.safetensors.nvc, if present) hold the Trainer's optimizer.pt (and
-model.safetensors), compressed losslessly. transformers alone cannot read them:
-- a Trainer without NvcompTrainerCallback resumes with a FRESH optimizer state (it skips a
-  missing optimizer.pt without a word);
-- with compressed weights, Trainer(resume_from_checkpoint=...) says "Can't find a valid
-  checkpoint" and from_pretrained says "no file named model.safetensors".
+model.safetensors), compressed losslessly. optimizer.pt (and model.safetensors) are small
+placeholders that transformers alone refuses to load:
+- a Trainer without NvcompTrainerCallback fails to resume with "Weights only load failed ...
+  Unsupported global: ...resume_with_NvcompTrainerCallback";
+- with compressed weights, the Trainer and from_pretrained fail with "unknown variant
+  `compressed by nvcomp-checkpoint into model.safetensors.nvc ...`".
 
 - Resume training: keep NvcompTrainerCallback in the Trainer's callbacks (with compressed weights,
   use nvcomp_checkpoint.transformers.NvcompTrainer, or NvcompTrainerMixin on your Trainer class).
@@ -109,12 +121,17 @@ def compress_checkpoint(
     The directory's modification time is kept, so ``save_total_limit`` rotation (which orders
     checkpoints by it) never mistakes an older checkpoint converted late for the newest.
 
+    Each plain file is replaced by a small placeholder under its own name, which transformers
+    refuses to load with an error naming what reads the compressed copy: without it, a Trainer
+    lacking :class:`NvcompTrainerCallback` would skip the missing ``optimizer.pt`` and resume
+    with a fresh optimizer state without a word.
+
     Args:
         checkpoint_dir: A ``checkpoint-N`` directory written by ``Trainer``.
         policy, workers, stream_wrapper: As for every integration
             (:class:`nvcomp_checkpoint.entrypoint.SaveEntryPoint`).
         verify: Decode each compressed file and compare it bit for bit with the plain file before
-            deleting the plain file.
+            replacing the plain file.
         weights: Compress the model weights too. Without them the directory stays loadable by
             the stock ``Trainer`` and ``from_pretrained``; :class:`NvcompTrainerCallback`
             restores the optimizer state when training begins.
@@ -129,7 +146,10 @@ def compress_checkpoint(
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
         raise nc.errors.FormatError(f"{directory}: not a checkpoint directory written by the Trainer")
-    files = [PlainFile(name, _TREE_KEY[name], _read_plain) for name in _plain_files(directory) if weights or name == _OPTIMIZER]
+    files = [
+        PlainFile(name, _TREE_KEY[name], _read_plain, placeholder=_placeholder(name))
+        for name in _plain_files(directory) if weights or name == _OPTIMIZER
+    ]
     # The weights go first: a plain Trainer then refuses the directory ("Can't find a valid
     # checkpoint") instead of loading the weights and silently skipping a compressed optimizer.
     return compress_in_place(
@@ -165,19 +185,69 @@ def _write_plain(name: str, tree: Any, meta: dict[str, Any], stream: IO[bytes]) 
 
 
 def _plain_files(directory: Path) -> list[str]:
-    """The Trainer's files this integration compresses, weights first."""
+    """The Trainer's files this integration compresses, weights first (placeholders are converted already)."""
     names = []
+    plain = lambda name: (directory / name).is_file() and not is_placeholder(directory / name)  # noqa: E731
     if any((directory / index).exists() for index in _SHARD_INDEXES):
         # Sharded weights (models over the 50 GB shard size) stay as they are: the Trainer
         # loads them shard by shard; the optimizer state, the larger part, is still compressed.
         logger.info("%s: sharded model weights are left uncompressed", directory)
-    elif (directory / _SAFE_WEIGHTS).is_file():
+    elif plain(_SAFE_WEIGHTS):
         names.append(_SAFE_WEIGHTS)
-    elif (directory / _TORCH_WEIGHTS).is_file():
+    elif plain(_TORCH_WEIGHTS):
         names.append(_TORCH_WEIGHTS)
-    if (directory / _OPTIMIZER).is_file():
+    if plain(_OPTIMIZER):
         names.append(_OPTIMIZER)
     return names
+
+
+# -- placeholders: what stays under the Trainer's names ---------------------------------------
+# The stock Trainer skips a missing optimizer.pt without a word (and resumes with a fresh optimizer
+# state); a placeholder in the file's own format makes its loader (and from_pretrained) fail
+# instead, with a message that names what reads the compressed copy.
+
+
+def resume_with_NvcompTrainerCallback(name: str) -> NoReturn:  # noqa: N802 - its name is the message torch shows
+    """What a placeholder ``optimizer.pt`` stands for (torch's weights-only load refuses it, naming
+    this function); called only by a load told to trust the file."""
+    raise nc.errors.FormatError(
+        f"{name}: a placeholder; the state is in {name}{SUFFIX}, compressed by nvcomp-checkpoint. Resume with "
+        "NvcompTrainerCallback in the Trainer's callbacks, or run nvcomp_checkpoint.transformers.decompress_checkpoint() on the folder."
+    )
+
+
+def resume_with_NvcompTrainer(name: str) -> NoReturn:  # noqa: N802 - as above, for pytorch_model.bin
+    """What a placeholder ``pytorch_model.bin`` stands for (see :func:`resume_with_NvcompTrainerCallback`)."""
+    raise nc.errors.FormatError(
+        f"{name}: a placeholder; the weights are in {name}{SUFFIX}, compressed by nvcomp-checkpoint. Load them with "
+        "nvcomp_checkpoint.transformers.NvcompTrainer, or run decompress_checkpoint() on the folder."
+    )
+
+
+class _Refusal:
+    """Pickles as a call of ``fn(name)``: a global that torch's weights-only unpickler refuses by name."""
+
+    def __init__(self, fn: Callable[[str], NoReturn], name: str) -> None:
+        self.fn, self.name = fn, name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.fn, (self.name,))
+
+
+def _placeholder(name: str) -> bytes:
+    """A small file in ``name``'s format that the Trainer's loader (and ``from_pretrained``) refuses loudly."""
+    if name == _SAFE_WEIGHTS:
+        # safetensors reports the dtype it does not know, verbatim.
+        dtype = f"compressed by nvcomp-checkpoint into {name}{SUFFIX}; load it with NvcompTrainer (see {MARKER_NAME})"
+        header = json.dumps({
+            "__metadata__": {PLACEHOLDER_TAG.decode(): name + SUFFIX},
+            "weights": {"dtype": dtype, "shape": [0], "data_offsets": [0, 0]},
+        }).encode()
+        return struct.pack("<Q", len(header)) + header
+    buffer = io.BytesIO()
+    fn = resume_with_NvcompTrainerCallback if name == _OPTIMIZER else resume_with_NvcompTrainer
+    torch.save({PLACEHOLDER_TAG.decode(): _Refusal(fn, name)}, buffer)
+    return buffer.getvalue()
 
 
 def _read_plain(path: Path) -> tuple[Any, dict[str, Any]]:
@@ -232,7 +302,8 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
     With a stock ``Trainer`` (or ``SFTTrainer`` ...), the model weights stay as the Trainer wrote
     them, so ``train(resume_from_checkpoint=...)``, ``load_best_model_at_end`` and
     ``from_pretrained`` of a checkpoint folder work unchanged; ``optimizer.pt`` becomes
-    ``optimizer.pt.nvc``, which this callback loads into the optimizer (and ``scheduler.pt`` into
+    ``optimizer.pt.nvc`` (and a placeholder that a Trainer without this callback refuses to
+    resume from), which this callback loads into the optimizer (and ``scheduler.pt`` into
     the scheduler, as the Trainer does) when training begins. With :class:`NvcompTrainer` (or
     :class:`NvcompTrainerMixin`) the weights are compressed too (``compress_weights``).
 
@@ -337,6 +408,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
             if self in callbacks:
                 callbacks.remove(self)
                 callbacks.insert(0, self)
+            _skip_optimizer_placeholder(trainer)
             self._check_stock_resume(args, trainer)
 
     def _check_stock_resume(self, args: TrainingArguments, trainer: Trainer) -> None:
@@ -360,9 +432,9 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         checkpoint = _resumed_checkpoint(args, state)
         if checkpoint is None:
             return
-        found = _settled(args.world_size, self.leader_load, lambda: _compressed_optimizer(checkpoint), f"resuming from {checkpoint}")
+        compressed = _settled(args.world_size, self.leader_load, lambda: _compressed_optimizer(checkpoint), f"resuming from {checkpoint}")
         optimizer = kwargs.get("optimizer")
-        if all(found) and optimizer is not None:  # else the Trainer loaded it itself, or nothing is to load
+        if compressed and optimizer is not None:  # else the Trainer loaded it itself, or nothing is to load
             _load_optimizer_and_scheduler(checkpoint, args, optimizer, kwargs.get("lr_scheduler"), self.leader_load)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -454,10 +526,43 @@ def _every_rank_waits(world_size: int) -> None:
         torch.distributed.barrier()
 
 
-def _compressed_optimizer(checkpoint: str | os.PathLike[str]) -> tuple[bool, bool]:
-    """Whether ``checkpoint`` holds a compressed optimizer state, and the scheduler.pt the Trainer
-    loads with it: both or nothing (an optimizer state without its scheduler is not from the same save)."""
-    return compressed_copy(checkpoint, (_OPTIMIZER,)) is not None, (Path(checkpoint) / _SCHEDULER).is_file()
+def _compressed_optimizer(checkpoint: str | os.PathLike[str]) -> bool:
+    """Whether ``checkpoint``'s optimizer state is compressed (to load with its scheduler.pt).
+
+    Raises:
+        CheckpointNotFoundError: The folder was converted (a placeholder optimizer.pt, or an
+            optimizer.pt.nvc) but optimizer.pt.nvc or scheduler.pt is missing: resuming would
+            start a fresh optimizer or schedule without a word, where the Trainer's own files load both.
+    """
+    directory = Path(checkpoint)
+    compressed = compressed_copy(directory, (_OPTIMIZER,)) is not None
+    missing = None
+    if is_placeholder(directory / _OPTIMIZER) and not compressed:
+        missing = _OPTIMIZER + COMPRESSED_SUFFIX
+    elif compressed and not (directory / _SCHEDULER).is_file():
+        missing = _SCHEDULER
+    if missing is not None:
+        raise nc.errors.CheckpointNotFoundError(
+            f"{directory / missing}: missing from this converted checkpoint (its optimizer state is compressed, and "
+            f"{missing} is part of it); resuming would start a fresh optimizer state. Restore the file. {_resume_hint(directory)}"
+        )
+    return compressed
+
+
+def _skip_optimizer_placeholder(trainer: Trainer) -> None:
+    """The stock Trainer's optimizer load skips a converted checkpoint (the callback's ``on_train_begin``
+    loads optimizer.pt.nvc instead), where it would fail on the placeholder optimizer.pt."""
+    stock = trainer._load_optimizer_and_scheduler
+    if getattr(stock, "_nvcomp_skips_placeholder", False):
+        return
+
+    def load(checkpoint: str | None) -> None:
+        if checkpoint is not None and is_placeholder(Path(checkpoint) / _OPTIMIZER):
+            return None
+        return stock(checkpoint)  # type: ignore[no-any-return]
+
+    load._nvcomp_skips_placeholder = True  # type: ignore[attr-defined]
+    trainer._load_optimizer_and_scheduler = load  # type: ignore[method-assign]
 
 
 def _trainer_locals(needs: str = "self") -> dict[str, Any] | None:
@@ -559,9 +664,7 @@ class NvcompTrainerMixin:
         if checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         fsdp = transformers_fsdp.fsdp_enabled(self)
-        compressed, with_scheduler = self._nvcomp_settled(
-            lambda: (False, False) if fsdp else _compressed_optimizer(checkpoint), f"resuming from {checkpoint}"
-        )
+        compressed = self._nvcomp_settled(lambda: False if fsdp else _compressed_optimizer(checkpoint), f"resuming from {checkpoint}")
         if fsdp:
             if transformers_fsdp.load_fsdp_optimizer_and_scheduler(self, checkpoint):
                 return None
@@ -569,10 +672,9 @@ class NvcompTrainerMixin:
                 return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         if not compressed or self._nvcomp_delegates():
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
-        if with_scheduler:
-            _load_optimizer_and_scheduler(
-                Path(checkpoint), self.args, self.optimizer, self.lr_scheduler, self._nvcomp_leader_load()  # type: ignore[attr-defined]
-            )
+        _load_optimizer_and_scheduler(
+            Path(checkpoint), self.args, self.optimizer, self.lr_scheduler, self._nvcomp_leader_load()  # type: ignore[attr-defined]
+        )
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
