@@ -545,3 +545,15 @@ def test_a_rank_file_whose_index_claims_other_shapes_is_refused(saved: Path, tmp
     assert isinstance(error, FormatError) and "model.b" in str(error) and str(mine) in str(error), error
     code, out = _nvckpt(capsys, "verify", str(ckpt))
     assert code == 1 and "model.b" in out, out
+
+
+def test_converted_directories_record_rank_file_digests(saved: Path, tmp_path: Path) -> None:
+    from nvcomp_checkpoint.dcp import compress_directory
+
+    compress_directory(saved / "plain", tmp_path / "ours")
+    with nc.open(_rank_file(tmp_path / "ours")) as reader:
+        digest = reader.index_xxh3
+    assert {v.index_xxh3 for v in read_stored_metadata(tmp_path / "ours").storage_data.values()} == {digest}
+    written = read_stored_metadata(saved / "ours").storage_data.values()
+    with nc.open(_rank_file(saved / "ours")) as reader:
+        assert {v.index_xxh3 for v in written} == {reader.index_xxh3}
