@@ -196,6 +196,20 @@ def _save_on_two(rank: int, world: int, tmp: str) -> None:
         if rank == 0:
             assert_tree_equal(got, full, name)
 
+    # Rank 1's file replaced by rank 1's file of a later checkpoint, under the expected name (valid
+    # in itself, every checksum holds): the load is refused on both ranks, none gets a mix.
+    dcp.save(state, storage_writer=NvcompWriter(root / "later"))
+    dist.barrier()
+    if rank == 0:
+        shutil.copytree(root / "ours", root / "mixed_files")
+        mine = sorted((root / "mixed_files").glob("__1_*.nvcdcp"))[0]
+        shutil.copyfile(sorted((root / "later").glob("__1_*.nvcdcp"))[0], mine)
+    dist.barrier()
+    fresh, fresh_opt = _sharded(world)
+    with pytest.raises(CheckpointException) as info:
+        _load_into(fresh, fresh_opt, NvcompReader(root / "mixed_files"))
+    assert "not the rank file this checkpoint's metadata names" in str(info.value) and "__1_" in str(info.value)
+
 
 def _reshard_to_three(rank: int, world: int, tmp: str) -> None:
     root = Path(tmp)
@@ -586,6 +600,9 @@ def test_nvckpt_verify_checks_every_rank_file(two_rank_run: Path, tmp_path: Path
     rank_file.write_bytes(bytes(data))
     code, out = verify(damaged)
     assert code == 1 and "optim.state.0.weight.exp_avg" in out and rank_file.name in out, out
+    # Rank 1's file of a later checkpoint under the expected name (made by the 2-rank run).
+    code, out = verify(two_rank_run / "mixed_files")
+    assert code == 1 and "not the rank file this checkpoint's metadata names" in out and "__1_" in out, out
 
 
 def test_plain_directory_compressed_and_back(two_rank_run: Path, tmp_path: Path) -> None:

@@ -10,19 +10,25 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
 from typing import Any, Collection
 
 import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dcp import fqn_component, read_dcp_files, read_stored_metadata
-from nvcomp_checkpoint.dcp.layout import holds_stored_items
-from nvcomp_checkpoint.errors import CheckpointError
+from nvcomp_checkpoint.dcp.layout import check_byte_item, holds_stored_items
+from nvcomp_checkpoint.dcp.reader import rank_file_problems
+from nvcomp_checkpoint.errors import CheckpointError, SizeLimitError
 from nvcomp_checkpoint.filetype import DCP_DIR, LIGHTNING_SHARDED_DIR, directory_kind
 
 from .sources import TensorInfo
 
-__all__ = ["DCP_OURS", "DCP_PLAIN", "is_dcp_dir", "dcp_kind", "describe_dcp", "verify_plain_dcp", "verify_ours_dcp"]
+__all__ = [
+    "DCP_OURS", "DCP_PLAIN", "is_dcp_dir", "dcp_kind", "describe_dcp", "verify_plain_dcp", "verify_ours_dcp",
+    "uncommitted_save", "refuse_uncommitted_save",
+]
 
 #: ``format`` values of a DCP directory in inspect's and verify's output.
 DCP_OURS = "dcp-nvcomp"
@@ -32,6 +38,37 @@ DCP_PLAIN = "dcp"
 def is_dcp_dir(path: str) -> bool:
     """True when ``path`` is a local directory holding DCP's ``.metadata`` or ``__0.metadata`` (ours or plain)."""
     return os.path.isdir(path) and directory_kind(os.listdir(path)) in (DCP_DIR, LIGHTNING_SHARDED_DIR)
+
+
+#: What a DCP save writes before its commit (``.metadata``, or ``__0.metadata`` without collectives):
+#: rank files (ours and FileSystemWriter's) and the per-rank metadata of a save without collectives.
+_DCP_PART = re.compile(r"__\d+_[0-9a-zA-Z]+\.(nvcdcp|distcp)|__\d+\.metadata")
+
+
+def uncommitted_save(path: str) -> str | None:
+    """Why the local directory ``path`` is a DCP save that did not finish (rank files, no commit
+    record), or None when it is not one: such a directory is no checkpoint, whatever its files say."""
+    if not os.path.isdir(path) or is_dcp_dir(path):
+        return None
+    parts = sorted(n for n in os.listdir(path) if _DCP_PART.fullmatch(n))
+    if not parts:
+        return None
+    shown = ", ".join(parts[:3]) + (f" and {len(parts) - 3} more" if len(parts) > 3 else "")
+    return (
+        f"{path}: holds files of a DCP save ({shown}) but no .metadata: the save did not finish (DCP writes .metadata "
+        "last, once every rank's file is written), so this is not a checkpoint; load an earlier checkpoint"
+    )
+
+
+def refuse_uncommitted_save(path: str) -> None:
+    """Raise for a DCP save that did not finish (see :func:`uncommitted_save`).
+
+    Raises:
+        CheckpointError: ``path`` is one.
+    """
+    why = uncommitted_save(path)
+    if why is not None:
+        raise CheckpointError(why)
 
 
 def dcp_kind(path: str) -> str:
@@ -85,12 +122,14 @@ def describe_dcp(path: str) -> dict[str, Any]:
             "metadata_bytes": files.metadata_bytes, "_infos": infos}
 
 
-def verify_plain_dcp(path: str) -> list[dict[str, Any]]:
+def verify_plain_dcp(path: str, max_bytes: int | None = None) -> list[dict[str, Any]]:
     """Read every item of a plain DCP directory as DCP's reader does; failures as ``{file, tensor, error}``.
 
     Plain rank files carry no checksums: this finds truncated and missing files, records that
-    point past a file's end, and tensor items that no longer decode to the dtype and shape the
-    metadata gives. A flipped bit inside a tensor's elements cannot be seen in a plain file.
+    point past a file's end, tensor items that no longer decode to the dtype and shape the
+    metadata gives, and byte items that the weights-only rules refuse (DCP unpickles them with
+    ``torch.load(weights_only=False)``). A flipped bit inside a tensor's elements cannot be seen
+    in a plain file. ``max_bytes`` bounds each item read and decoded.
     """
     from torch.distributed.checkpoint._extension import ExtensionRegistry
 
@@ -112,20 +151,31 @@ def verify_plain_dcp(path: str) -> list[dict[str, Any]]:
                 if info.offset + info.length > size:
                     fail(f"needs bytes {info.offset}..{info.offset + info.length} and the file has {size} (truncated)")
                     continue
+                if max_bytes is not None and info.length > max_bytes:
+                    fail(f"{info.length} bytes, over max_bytes={max_bytes}")
+                    continue
                 f.seek(info.offset)
                 data: Any = io.BytesIO(f.read(info.length))
                 try:
                     for ext in registry.from_descriptor_list(getattr(info, "transform_descriptors", None) or ()):
                         data = ext.transform_from(data)
-                    raw = data.read()
+                    # A transform (zstd) may expand without bound: no more than max_bytes is taken.
+                    raw = data.read() if max_bytes is None else data.read(max_bytes + 1)
+                    if max_bytes is not None and len(raw) > max_bytes:
+                        fail(f"decodes to more than max_bytes={max_bytes}")
+                        continue
                     md = metadata.state_dict_metadata[index.fqn]
                     if not hasattr(md, "chunks"):
-                        continue  # a bytes item: DCP hands it to the planner as it is
+                        # A byte item: DCP's planner unpickles it with torch.load(weights_only=False).
+                        check_byte_item(raw, full, index.fqn)
+                        continue
                     t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
                     chunk = next(c for c in md.chunks if tuple(c.offsets) == tuple(index.offset or ()))
                     if not isinstance(t, torch.Tensor) or t.dtype != md.properties.dtype or tuple(t.shape) != tuple(chunk.sizes):
                         got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                         fail(f"decodes to {got}, the metadata says {md.properties.dtype}{list(chunk.sizes)}")
+                except CheckpointError as exc:  # a byte item refused: the message names the file and the item
+                    failures.append({"file": full, "tensor": index.fqn, "error": " ".join(str(exc).split())})
                 except Exception as exc:  # noqa: BLE001 - any decode failure is the item's damage
                     fail(f"does not decode ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
     return failures
@@ -136,12 +186,14 @@ def _missing(full: str, items: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
     return [{"file": full, "tensor": index.fqn, "error": f"{full}: missing (named by .metadata)"} for index, _ in items]
 
 
-def verify_ours_dcp(path: str, verified: Collection[str] = ()) -> list[dict[str, Any]]:
-    """Checks of our DCP directory beyond each rank file's own checksums: every record's file
-    exists, reads, and holds the record's key.
+def verify_ours_dcp(path: str, verified: Collection[str] = (), max_bytes: int | None = None) -> list[dict[str, Any]]:
+    """Checks of our DCP directory beyond each rank file's own checksums, as ``NvcompReader`` makes
+    them on load: every record's file exists, reads, is the file the save wrote (its index digest),
+    and holds the record's key with the shape and dtype the metadata states; and every byte item
+    passes the weights-only rules (DCP unpickles it with ``torch.load(weights_only=False)``).
 
     A rank file that does not read is reported here unless it is one of ``verified`` (the files
-    verify checks on their own, whose damage it names).
+    verify checks on their own, whose damage it names). ``max_bytes`` bounds each byte item decoded.
     """
     files = read_dcp_files(path)
     failures: list[dict[str, Any]] = []
@@ -149,19 +201,26 @@ def verify_ours_dcp(path: str, verified: Collection[str] = ()) -> list[dict[str,
         full = os.path.join(path, f.name)
         items = files.records[f.name]
         if f.error is not None:
-            if full not in verified:
+            if full not in verified or f.foreign:
                 failures.append({"file": full, "tensor": None, "error": f.error})
             continue
         if f.file_bytes is None:
             failures.extend(_missing(full, items))
             continue
         try:
-            with nc.open(full) as reader:
-                keys = set(reader.keys())  # tied weights' further keys too (from the object tree)
+            with nc.open(full, max_bytes=max_bytes) as reader:
+                problems = rank_file_problems(reader, items, files.metadata)
+                failures.extend({"file": full, "tensor": fqn, "error": " ".join(str(exc).split())} for fqn, exc in problems)
+                if problems:
+                    continue
+                for index, info in items:
+                    if isinstance(files.metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                        try:
+                            check_byte_item(reader.read(info.key).numpy().tobytes(), full, index.fqn)
+                        except CheckpointError as exc:  # refused, over max_bytes, or damaged
+                            failures.append({"file": full, "tensor": index.fqn, "error": " ".join(str(exc).split())})
+        except SizeLimitError as exc:
+            failures.append({"file": full, "tensor": None, "error": str(exc)})
         except CheckpointError:
             continue  # the rank file's own verify names the damage
-        failures.extend(
-            {"file": full, "tensor": index.fqn, "error": f"{full}: tensor {index.fqn!r}: key {info.key!r} is not in the file"}
-            for index, info in items if info.key not in keys
-        )
     return failures

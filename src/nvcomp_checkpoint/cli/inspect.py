@@ -253,6 +253,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     if kind == DIRECTORY and _dcp.is_dcp_dir(args.path):
         return _run_inspect_dcp(args)
     if kind == DIRECTORY:
+        _dcp.refuse_uncommitted_save(args.path)  # rank files but no .metadata: not a checkpoint
         d = _inspect_dir(args)
         if args.json:
             print_json(_public(d))

@@ -84,15 +84,17 @@ def run_verify(args: argparse.Namespace) -> int:
             dcp_kind = _dcp.dcp_kind(args.path)
         except CheckpointError as exc:  # a save without collectives that a rank never committed
             uncommitted = [{"file": args.path, "tensor": None, "error": str(exc)}]
+    elif kind == DIRECTORY and _dcp.uncommitted_save(args.path):  # rank files, no .metadata: a killed save
+        uncommitted = [{"file": args.path, "tensor": None, "error": _dcp.uncommitted_save(args.path)}]
     if dcp_kind == _dcp.DCP_PLAIN:
         # No checksums in plain rank files: every item is read and decoded as DCP's reader would.
         paths = []
-        extra = _dcp.verify_plain_dcp(args.path)
+        extra = _dcp.verify_plain_dcp(args.path, max_bytes=getattr(args, "max_bytes", None))
     elif kind == DIRECTORY:
         stale = [p for d, _, _ in os.walk(args.path) for p in stale_temp_files(d)]
         paths = [os.path.join(args.path, rel) for rel, k in dir_files(args.path) if k == NVCOMP]
         if dcp_kind == _dcp.DCP_OURS:
-            extra = _dcp.verify_ours_dcp(args.path, verified=paths)
+            extra = _dcp.verify_ours_dcp(args.path, verified=paths, max_bytes=getattr(args, "max_bytes", None))
         extra = uncommitted + extra
         if not paths and not extra:
             raise FormatError(f"{args.path}: holds no nvcomp-checkpoint files to verify (convert it with `nvckpt compress`)")

@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..errors import CheckpointError, FormatError
@@ -75,6 +76,7 @@ def compress_directory(
         out_name = shard_name(rank, save_id)
         tree: dict[str, torch.Tensor] = {}
         used: set[str] = set()
+        keys: dict[Any, str] = {}
         where = join(src, name)
         storage, spath = storage_for(where, storage_options)
         with open_checkpoint_stream(storage, spath, where) as stream:
@@ -93,11 +95,13 @@ def compress_directory(
                 else:
                     key = unique_key(index.fqn, tuple(index.offset or ()), used)
                     tree[key] = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-                records[index] = StoredItem(out_name, key)
+                keys[index] = key
         target = join(dst, out_name)
         out, opath = storage_for(target, storage_options)
         with write_errors(target), out.open_write(opath) as f:
-            CheckpointWriter(f, fqn_policy, target, workers=workers).write(tree, {"dcp_rank": rank, "dcp_file": out_name})
+            written, _, _ = CheckpointWriter(f, fqn_policy, target, workers=workers).write(tree, {"dcp_rank": rank, "dcp_file": out_name})
+        identity = xxhash.xxh3_64_intdigest(written.to_json_bytes())  # the file's footer digest: its identity
+        records.update((index, StoredItem(out_name, key, identity)) for index, key in keys.items())
     metadata.storage_data = records
     _write_metadata(dst, encode_metadata(metadata), storage_options)
 

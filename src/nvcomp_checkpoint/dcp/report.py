@@ -34,6 +34,8 @@ class RankFile:
         tensors: The entries of its index (ours; each with ``key``, ``component``, ``nbytes``,
             ``stored_bytes``, ``codec``, ``filter``); empty for a plain, missing or unreadable file.
         error: Why it could not be read (a damaged or foreign file, a storage failure), else ``None``.
+        foreign: It reads, but is not the file the metadata names (another index digest: a rank
+            file of another checkpoint under this name); ``error`` says so.
     """
 
     name: str
@@ -41,6 +43,7 @@ class RankFile:
     file_bytes: int | None
     tensors: tuple[Any, ...] = ()
     error: str | None = None
+    foreign: bool = False
 
     @property
     def raw_bytes(self) -> int:
@@ -129,7 +132,7 @@ def read_dcp_files(path: str, storage_options: dict[str, Any] | None = None) -> 
     metadata = require_stored_metadata(path, storage_options)
     records = rank_file_records(metadata)
     compressed = holds_stored_items(metadata)
-    rank_files = tuple(_rank_file(path, name, len(items), compressed, storage_options) for name, items in records.items())
+    rank_files = tuple(_rank_file(path, name, items, compressed, storage_options) for name, items in records.items())
     names = metadata_files(path, storage_options)
     meta_bytes = 0
     for n in names:
@@ -141,16 +144,23 @@ def read_dcp_files(path: str, storage_options: dict[str, Any] | None = None) -> 
     )
 
 
-def _rank_file(path: str, name: str, items: int, compressed: bool, storage_options: dict[str, Any] | None) -> RankFile:
+def _rank_file(path: str, name: str, records: list[tuple[Any, Any]], compressed: bool, storage_options: dict[str, Any] | None) -> RankFile:
     """One rank file's size and (ours) index; a failure to read it is its ``error``."""
     where = join(path, name)
     storage, spath = storage_for(where, storage_options)
+    items = len(records)
     try:
         if not storage.exists(spath):
             return RankFile(name, items, None)
         if not compressed:
             return RankFile(name, items, storage.size(spath))
         with CheckpointReader(where, storage_options=storage_options) as reader:
+            digests = {getattr(info, "index_xxh3", None) for _, info in records} - {None}
+            if digests and digests != {reader.index_xxh3}:
+                return RankFile(name, items, reader.file_bytes, error=(
+                    f"{where}: not the rank file this checkpoint's metadata names (index digest {reader.index_xxh3:016x}, "
+                    f"recorded {', '.join(f'{d:016x}' for d in sorted(digests))}): a file of another checkpoint under this name"
+                ), foreign=True)
             return RankFile(name, items, reader.file_bytes, tuple(reader.index.tensors))
     except CheckpointError as exc:  # FormatError, ChecksumError, permission denied: named by the message
         error = str(exc)

@@ -17,6 +17,7 @@ from typing import IO, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -314,11 +315,14 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
                     stream = self.stream_wrapper(stream)
                 writer = CheckpointWriter(stream, self.policy, where, workers=self.workers)
                 index, _, _ = writer.write(tree, {"dcp_rank": self.rank, "dcp_file": name})
+        # The file's identity, as its footer records it (the digest of the index bytes the writer
+        # just wrote): a reader refuses another file under this name.
+        identity = xxhash.xxh3_64_intdigest(index.to_json_bytes())
         # A name that shares its tensor with another (tied weights) is stored once, under the
         # other name: the file reads it back by either; its own stored size is 0.
         stored = {entry.key: entry.stored_bytes for entry in index.tensors}
         return [
-            WriteResult(index=item.index, size_in_bytes=stored.get(key, 0), storage_data=StoredItem(name, key))
+            WriteResult(index=item.index, size_in_bytes=stored.get(key, 0), storage_data=StoredItem(name, key, identity))
             for item, key in keyed
         ]
 
@@ -372,13 +376,12 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
             return set()
         if old is None:
             return set()
-        names = set()
-        for v in (old.storage_data or {}).values():
-            # Ours, or a plain FileSystemWriter checkpoint's files (_StorageInfo.relative_path).
-            name = v.file if isinstance(v, StoredItem) else getattr(v, "relative_path", None)
-            if isinstance(name, str) and "/" not in name and "\\" not in name and name not in ("", ".", ".."):
-                names.add(name)
-        return names
+        # Ours, or a plain FileSystemWriter checkpoint's files (_StorageInfo.relative_path); reading
+        # the metadata refused any name that is not a file of this directory.
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        values = (old.storage_data or {}).values()
+        return {v.file for v in values if isinstance(v, StoredItem)} | {v.relative_path for v in values if isinstance(v, _StorageInfo)}
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
