@@ -121,6 +121,8 @@ def test_read_many_counts_every_tensor_it_is_asked_for(tmp_path):
         assert [k for k, _ in reader.read_many(["a"])] == ["a"]
         with pytest.raises(SizeLimitError, match="reading 2 tensors decodes to 8000 bytes, over max_bytes=6000"):
             next(reader.read_many(["a", "b"]))  # refused before the first tensor is decoded
+        with pytest.raises(SizeLimitError, match="reading 2 tensors"):
+            reader.read_component(reader.entry("a").component)
 
 
 def test_verify_counts_what_it_decodes(tmp_path):

@@ -248,8 +248,9 @@ class CheckpointReader:
         return entry.nbytes * (1 + min(self.index.base.depth, MAX_CHAIN_DEPTH))
 
     def read_component(self, component: str, map_location: MapLocation = None) -> dict[str, torch.Tensor]:
-        """Every tensor of one component (``"weights"``, ``"exp_avg"`` ...), by key."""
-        return {t.key: self.read(t.key, map_location) for t in self.index.tensors if t.component == component}
+        """Every tensor of one component (``"weights"``, ``"exp_avg"`` ...), by key (``max_bytes``: their sum)."""
+        keys = [t.key for t in self.index.tensors if t.component == component]
+        return dict(self.read_many(keys, map_location))
 
     def load(self, map_location: MapLocation = None, *, weights_only: bool = True) -> Any:
         """The whole tree, as it was saved."""
