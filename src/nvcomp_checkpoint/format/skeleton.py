@@ -115,8 +115,9 @@ def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[
 
     Raises:
         UnsupportedObjectError: A container holds itself, the tree is deeper than
-            :data:`MAX_TREE_DEPTH` or holds more than :data:`MAX_TREE_NODES` items, or a lazy
-            module's parameter has not been initialized.
+            :data:`MAX_TREE_DEPTH` or holds more than :data:`MAX_TREE_NODES` items, a lazy
+            module's parameter has not been initialized, or tensor bytes would be pickled with
+            the skeleton (a tensor subclass, a storage, a set holding a tensor: named by path).
     """
     tensors: list[tuple[tuple[Any, ...], torch.Tensor]] = []
     seen: dict[tuple[Any, ...], int] = {}
