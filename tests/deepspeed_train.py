@@ -126,6 +126,7 @@ def main() -> None:
         engine.save_checkpoint(os.path.join(root, "plain"), tag="t3")
         attach(engine)
         engine.save_checkpoint(os.path.join(root, "ours"), tag="t3")
+        engine.save_16bit_model(os.path.join(root, "export"))  # an export for other tools: stays torch.save
         ref = train(engine, 2)
         if rank == 0:
             with open(os.path.join(root, "ref.json"), "w") as f:
@@ -139,11 +140,26 @@ def main() -> None:
         for name in ("ours", "plain"):
             if name == "plain":
                 engine = make_engine(stage)
-            attach(engine)
+            # The engine resumed from the plain folder saves asynchronously: its tag t5 must hold what
+            # the other engine's synchronous t5 holds (both trained from t3 on the same batches).
+            ours = attach(engine, async_save=name == "plain")
             path, _ = engine.load_checkpoint(os.path.join(root, name))
             assert path is not None and os.path.basename(os.path.dirname(path)) == "t3", path
             assert engine.global_steps == 3, engine.global_steps
             resumed[name] = train(engine, 2)
+            target = os.path.join(root, "sync" if name == "ours" else "async")
+            engine.save_checkpoint(target, tag="t5")
+            if name == "plain":
+                # Committed at the next optimizer step, not before: `latest` waits for every rank's files.
+                assert not os.path.exists(os.path.join(target, "latest"))
+                resumed["after_async"] = train(engine, 1)
+                torch.distributed.barrier()
+                with open(os.path.join(target, "latest")) as f:
+                    assert f.read() == "t5"
+                engine.save_checkpoint(target, tag="t6")
+                ours.wait()
+                with open(os.path.join(target, "latest")) as f:
+                    assert f.read() == "t6"
         if rank == 0:
             with open(os.path.join(root, "resumed.json"), "w") as f:
                 json.dump(resumed, f)
