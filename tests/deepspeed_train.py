@@ -6,6 +6,7 @@
   it compressed (``ROOT/ours``); train 2 more steps (their losses: ``ROOT/ref.json``); then save ``t5``,
   during which a rank is killed with SIGKILL (stage 2: rank 1 in the middle of writing its file;
   stage 3: rank 0 when every rank's files are durable and the manifest is about to be written).
+* ``matrix``: ZeRO 0 (fp32, bf16), 1 and 2 (bf16): save, resume in a new engine, next losses (``ROOT/matrix.json``).
 * ``resume``: fresh processes attach, ``load_checkpoint`` each folder (``latest``) and train 2 steps
   (losses: ``ROOT/resumed.json``).
 """
@@ -64,11 +65,14 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(h))
 
 
-def make_engine(stage: int, **model_kwargs: int) -> deepspeed.DeepSpeedEngine:
+def make_engine(stage: int, bf16: bool = False, **model_kwargs: int) -> deepspeed.DeepSpeedEngine:
     torch.manual_seed(0)
     model = TinyGPT(**model_kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bf16},
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -120,7 +124,7 @@ def main() -> None:
     mode, stage, root = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     init()
     rank = torch.distributed.get_rank()
-    engine = make_engine(stage)
+    engine = make_engine(stage) if mode != "matrix" else None
     if mode == "first":
         train(engine, 3)
         engine.save_checkpoint(os.path.join(root, "plain"), tag="t3")
@@ -163,6 +167,25 @@ def main() -> None:
         if rank == 0:
             with open(os.path.join(root, "resumed.json"), "w") as f:
                 json.dump(resumed, f)
+        torch.distributed.barrier()
+        return
+    if mode == "matrix":
+        # Other ZeRO stages and bf16: save after 2 steps, resume in a new engine, same next losses.
+        results = {}
+        for stage, bf16 in ((0, False), (0, True), (1, True), (2, True)):
+            engine = make_engine(stage, bf16)
+            train(engine, 2)
+            attach(engine)
+            folder = os.path.join(root, f"zero{stage}{'-bf16' if bf16 else ''}")
+            engine.save_checkpoint(folder, tag="a")
+            ref = train(engine, 2)
+            resumed = make_engine(stage, bf16)
+            attach(resumed)
+            resumed.load_checkpoint(folder)
+            results[os.path.basename(folder)] = {"ref": ref, "resumed": train(resumed, 2), "files": sorted(os.listdir(os.path.join(folder, "a")))}
+        if rank == 0:
+            with open(os.path.join(root, "matrix.json"), "w") as f:
+                json.dump(results, f)
         torch.distributed.barrier()
         return
     raise SystemExit(f"unknown mode {mode}")

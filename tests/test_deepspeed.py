@@ -145,6 +145,21 @@ def test_deepspeed_classes_are_allowed_only_during_the_load(run: tuple[int, Path
         torch.load(plain, weights_only=True)
 
 
+@pytest.mark.slow
+def test_zero0_zero1_and_bf16_resume_with_identical_losses(tmp_path: Path) -> None:
+    run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT), "matrix", "0", str(tmp_path), cwd=tmp_path, **ENV)
+    results = json.loads((tmp_path / "matrix.json").read_text())
+    assert sorted(results) == ["zero0", "zero0-bf16", "zero1-bf16", "zero2-bf16"]
+    for name, r in results.items():
+        assert r["resumed"] == r["ref"], name
+        for f in r["files"]:
+            assert f == MANIFEST_NAME or _kind(tmp_path / name / "a" / f) == NVCOMP, (name, f)
+    assert "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt" in results["zero2-bf16"]["files"]
+    with nc.open(tmp_path / "zero2-bf16" / "a" / "mp_rank_00_model_states.pt") as reader:
+        weights = [t for t in reader.index.tensors if t.key.startswith("module/")]
+    assert weights and all(t.component == "weights" and t.dtype == torch.bfloat16 for t in weights)
+
+
 class Smuggled:
     """A class no DeepSpeed checkpoint holds; unpickling it would call ``print``."""
 
