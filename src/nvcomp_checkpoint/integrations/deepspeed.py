@@ -16,6 +16,7 @@ writes (:data:`DEEPSPEED_SAFE_GLOBALS`); any other class is refused, named in th
 
 from __future__ import annotations
 
+from nvcomp_checkpoint.version import install_hint
 import contextlib
 import json
 import logging
@@ -39,7 +40,7 @@ try:
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 except ImportError as exc:  # pragma: no cover - exercised only without DeepSpeed
-    raise ImportError("nvcomp_checkpoint.deepspeed needs DeepSpeed: pip install 'nvcomp-checkpoint[deepspeed]'") from exc
+    raise ImportError(f"nvcomp_checkpoint.deepspeed needs DeepSpeed: {install_hint('deepspeed')}") from exc
 
 __all__ = [
     "attach", "NvcompCheckpointEngine", "DEEPSPEED_PATTERNS", "DEEPSPEED_SAFE_GLOBALS", "MANIFEST_NAME", "deepspeed_policy",
