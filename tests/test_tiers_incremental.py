@@ -238,7 +238,7 @@ def _framework_chain(tmp_path: Path, damage_base: bool = False) -> tuple[Path, d
 
 def _resume_at_once(shared: str, local_dir: str, barrier: Any, out: Any, lock: bool) -> None:
     if not lock:  # a file system that does not honour flock: only the rename keeps the folder whole
-        nc.tiers.local_lock = contextlib.nullcontext
+        nc.tiers.restore.local_lock = contextlib.nullcontext
     mgr = nc.CheckpointManager([nc.Tier(shared + "-fw"), nc.Tier(shared, name="shared")], tier0_external=True, clean=False)
     barrier.wait(30)
     try:
