@@ -5,6 +5,7 @@ The S3 tier (a real moto server) is covered in test_tiers_s3.py.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import subprocess
 import threading
@@ -17,8 +18,9 @@ import torch
 
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
-from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, CopyTimeoutError
-from nvcomp_checkpoint.tiers import light_tree, retained_steps
+from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, CopySourceError, CopyTimeoutError
+from nvcomp_checkpoint.tiers import TierStore, light_tree, open_tier, retained_steps
+from nvcomp_checkpoint.tiers.transfer import copy_with_retries
 from nvcomp_checkpoint.storage import is_temp_name, temp_prefix
 
 
@@ -489,3 +491,24 @@ def test_restore_says_which_newer_steps_the_next_save_removes(tmp_path, caplog):
     mgr.close()
     assert mgr.steps(0) == [1, 2, 3, 4, 5] and mgr.steps(1) == [1, 2, 3, 4, 5]
     assert not mgr.manifest(5).light
+
+
+def test_restore_takes_no_private_flags():
+    # locate() and resume_path() are operations of their own, not restore() behind private keywords.
+    for method in (nc.CheckpointManager.restore, nc.CheckpointManager.locate, nc.CheckpointManager.resume_path):
+        assert not [p for p in inspect.signature(method).parameters if p.startswith("_")], method.__name__
+
+
+def test_a_copy_whose_source_changed_is_not_retried(tmp_path):
+    src = open_tier(str(tmp_path / "a"), name="a")
+    dst = TierStore(nc.Tier(tmp_path / "b", retries=5, backoff_s=60), "b")
+    path = tmp_path / "a" / "step-0000000001.nvc"
+    nc.save({"w": torch.arange(1000.0)}, path)
+    manifest = src.describe(1, False, False)
+    with open(path, "ab") as f:
+        f.write(b"later bytes")  # the unit changed after its manifest was taken
+    started = time.monotonic()
+    with pytest.raises(CheckpointWriteError, match=r"failed after 1 attempt\(s\)") as err:
+        copy_with_retries(src, dst, manifest)
+    assert isinstance(err.value.__cause__, CopySourceError) and time.monotonic() - started < 30
+    assert dst.steps() == []

@@ -87,6 +87,17 @@ def test_delta_base_full_and_first_save_of_a_manager_is_full(tmp_path):
     assert mgr2.manifest(70).base is None and mgr2.manifest(80).base == 70
 
 
+def test_incremental_takes_a_chain_policy(tmp_path):
+    run = _Run()
+    policy = nc.ChainPolicy(full_every=3, base="full")
+    with nc.CheckpointManager([nc.Tier(tmp_path / "local")], incremental=policy, async_save=False) as mgr:
+        assert mgr.chain_policy is policy and mgr.incremental
+        for step in range(1, 6):
+            mgr.save(step, run.state(step))
+    assert _bases(mgr) == {1: None, 2: 1, 3: 1, 4: None, 5: 4}
+    with pytest.raises(ValueError, match="in the ChainPolicy only"):
+        nc.CheckpointManager([nc.Tier(tmp_path / "other")], incremental=policy, full_every=5)
+
 def test_a_delta_is_not_committed_where_its_base_copy_failed(tmp_path, caplog):
     run = _Run()
     tiers = [nc.Tier(tmp_path / "local"), nc.Tier(tmp_path / "shared", name="shared", retries=0, backoff_s=0)]
