@@ -9,24 +9,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import Any, Callable
 
-from .. import metrics
 from ..api import load as _load
-from ..api import save as _save_sync
 from ..delta import ChainPolicy
-from ..errors import CheckpointError, CheckpointWriteError, CopyTimeoutError, FormatError
+from ..errors import CheckpointError, CopyTimeoutError, FormatError
 from ..failures import FailureLog
 from ..policy import CodecPolicy
-from ..savegroup import SaveGroup, SaveSequence
 from ..storage import is_url, list_names
 from .chains import lies_in_place
 from .copier import Copier, NotCopied
-from .light import light_tree
 from .restore import Restored, Restorer
 from .retention import TierRetention
 from .schedule import CLOSE_TIMEOUT_S, RESTORE_TIMEOUT_S, Deadline, Tier
+from .saving import Tier0Saves
 from .tier0 import ExternalTier0, OwnTier0, Pins, Tier0
 from .units import TierStore, UnitManifest
 
@@ -91,17 +87,14 @@ class CheckpointManager:
             )
         if isinstance(incremental, ChainPolicy) and (full_every is not None or delta_base != "previous"):
             raise ValueError("CheckpointManager(incremental=ChainPolicy(...)): give full_every and base in the ChainPolicy only")
-        self.tiers = list(tiers)
-        self.async_save = async_save
+        self.tiers, self.async_save, self.workers, self.on_copy_progress = list(tiers), async_save, workers, on_copy_progress
         self.policy = CodecPolicy.of(policy, "CheckpointManager(policy=...)")
-        self.workers = workers
-        self.on_copy_progress = on_copy_progress
+        self.tier0_external = bool(tier0_external)
         self.chain_policy: ChainPolicy | None = (
             incremental if isinstance(incremental, ChainPolicy) else ChainPolicy(full_every or 10, delta_base) if incremental else None
         )
         self.incremental = self.chain_policy is not None
         self.full_every = self.chain_policy.full_every if isinstance(incremental, ChainPolicy) else full_every
-        self._chain: list[int] = []  # steps saved since this manager started, while the chain is unbroken
         labels = [t.name or f"tier{i}" for i, t in enumerate(tiers)]
         if len(set(labels)) != len(labels):
             raise ValueError(f"tier names must differ, got {labels}")
@@ -112,17 +105,14 @@ class CheckpointManager:
         self._pins = Pins(self._tier0, self._lock)
         self._retention = TierRetention(self._stores, self._pins.steps)
         self._restorer = Restorer(self._stores, first=0 if self._tier0.managed else 1)
-        self._saves = SaveSequence(f"CheckpointManager({labels[0]})", max_pending=1, workers=workers, failures=self._failures)
-        self._saving: dict[SaveGroup, int] = {}  # background saves not yet committed -> their step
-        self._count = 0
         for i, store in enumerate(self._stores):
             if clean and (i or self._tier0.managed):
                 _clean(store)
         self._copier = Copier(self._stores, self._tier0, self._pins, self._retention, self._failures, self._lock, on_copy_progress)
-
-    @property
-    def tier0_external(self) -> bool:
-        return not self._tier0.managed
+        self._tier0_saves = Tier0Saves(
+            self._stores[0], self._copier, self._retention, self._pins, self._failures, async_save=async_save, policy=self.policy,
+            workers=workers, full_every=self.full_every, chain_policy=self.chain_policy,
+        )
 
     @property
     def names(self) -> list[str]:
@@ -151,79 +141,7 @@ class CheckpointManager:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         self._tier0.check_writable("save()")
-        try:
-            self._failures.raise_oldest()
-        except BaseException:
-            self._chain = []  # a failed save is no base: the next one is full
-            raise
-        if light is None:
-            light = self.full_every is not None and not self.incremental and self._count % self.full_every != 0
-        self._count += 1
-        base = None if light else self._next_base(step)
-        tree, meta = state, {"nvckpt_step": step, "nvckpt_light": bool(light)}
-        if light:
-            tree, meta["nvckpt_dropped"] = light_tree(state)
-        if base is not None:
-            meta["nvckpt_base_step"] = base
-        pins = [] if base is None else [base]  # tier-0 retention keeps the base until this save is committed
-        self._pins.pin(pins)
-        released = threading.Event()
-
-        def release() -> None:
-            if not released.is_set():
-                released.set()
-                self._pins.unpin(pins)
-                with self._copier.changed:
-                    self._saving.pop(group, None)
-                    self._copier.changed.notify_all()
-
-        def commit(reports: dict[str, Any]) -> None:
-            try:
-                metrics.record_save_seconds(self.names[0], "write", reports["unit"].seconds)
-                self._committed_on_tier0(step, False, bool(light), reports["unit"], base)
-            finally:
-                release()
-
-        def failed(error: BaseException) -> None:
-            self._chain = []  # no delta against a failed save: the next save is full
-            release()
-
-        started = time.perf_counter()
-        group = self._saves.begin(self.unit_path(step), started=started, commit=commit, failed=failed, info={"step": step})
-        kwargs = {"metadata": meta, "storage_options": self.tiers[0].write_options(), "workers": self.workers,
-                  "base": None if base is None else self.unit_path(base)}
-        try:
-            if self.async_save:
-                with self._lock:
-                    self._saving[group] = step
-                handle = self._saves.save(group, "unit", tree, self.unit_path(step), self.policy, **kwargs)
-            else:
-                report = _save_sync(tree, self.unit_path(step), self.policy, **kwargs)
-                group.add_report("unit", report)
-        except BaseException:
-            self._saves.abandon(group)
-            failed(CheckpointError("not saved"))
-            raise
-        blocked = time.perf_counter() - started
-        metrics.record_blocked_seconds(blocked)
-        self._saves.seal(group)
-        if self.async_save:
-            metrics.record_save_seconds(self.names[0], "snapshot", blocked)
-            return handle
-        self._saves.result(group)
-        return report
-
-    def _next_base(self, step: int) -> int | None:
-        """The step the save of ``step`` is a delta against (None: a full save), and count the save."""
-        if self.chain_policy is None:
-            return None
-        if self._chain and step <= self._chain[-1]:
-            self._chain = []  # a run resumed from an older step starts a new chain
-        base = self.chain_policy.base_for([str(s) for s in self._chain])
-        if base is None:
-            self._chain = []
-        self._chain.append(step)
-        return None if base is None else int(base)
+        return self._tier0_saves.save(step, state, light)
 
     def commit(self, step: int, *, light: bool = False, directory: bool | None = None) -> UnitManifest:
         """Register a unit written to :meth:`unit_path` by someone else (a sharded save), and copy it on.
@@ -235,26 +153,7 @@ class CheckpointManager:
         store = self._stores[0]
         if directory is None:
             directory = list_names(store.storage, store.root).get(f"step-{step:010d}", False)
-        return self._committed_on_tier0(step, directory, light, None)
-
-    def _committed_on_tier0(self, step: int, directory: bool, light: bool, report: Any, base: int | None = None) -> UnitManifest:
-        store = self._stores[0]
-        if base is not None and store.manifest(base) is None:
-            self._chain = []
-            raise CheckpointWriteError(
-                f"{store.label}: step {step} is a delta against step {base}, which is not committed there (its save "
-                f"failed or it was removed); step {step} is not committed. The next save is full."
-            )
-        manifest = store.describe(step, directory, light, base=base)
-        store.write_manifest(manifest)
-        self._retention.committed(0, step)
-        metrics.record_bytes_written(store.label, manifest.stored_bytes)
-        metrics.record_last_step(store.label, step)
-        if report is not None and report.stored_bytes:
-            metrics.record_ratio(report.raw_bytes / report.stored_bytes)
-        self._copier.schedule(manifest)
-        self._retention.apply(0, step)
-        return manifest
+        return self._tier0_saves.committed(step, directory, light)
 
     def adopt(self, step: int, path: str | os.PathLike[str], *, light: bool = False, base: str | os.PathLike[str] | None = None) -> UnitManifest | None:
         """Copy a file or folder someone else wrote and made durable (a framework's checkpoint) as ``step``.
@@ -330,15 +229,15 @@ class CheckpointManager:
         schedule skipped) until ``deadline``; raise :class:`CopyTimeoutError` naming what is left."""
         changed = self._copier.changed
         with changed:
-            while self._saving and not deadline.expired:  # a completion may still be queueing copies
+            while self._tier0_saves.saving and not deadline.expired:  # a completion may still be queueing copies
                 changed.wait(deadline.left())
-        if final and not self._saving:
+        if final and not self._tier0_saves.saving:
             self._copier.copy_newest(deadline)
         with changed:
             while self._copier.busy() and not deadline.expired:
                 changed.wait(deadline.left())
         with self._lock:
-            left = [NotCopied(s, self.names[0], g.path, "saving") for g, s in self._saving.items()]
+            left = [NotCopied(s, self.names[0], g.path, "saving") for g, s in self._tier0_saves.saving.items()]
         left += self._copier.not_copied(final=final)
         if left:
             listed = "; ".join(
@@ -371,8 +270,8 @@ class CheckpointManager:
             raise
         finally:
             self._copier.stop(deadline)
-            if not self._saving:
-                self._saves.close()
+            if not self._tier0_saves.saving:
+                self._tier0_saves.sequence.close()
         self._failures.raise_oldest()
 
     # -- restoring ----------------------------------------------------------------------------
@@ -449,7 +348,7 @@ class CheckpointManager:
         deadline = Deadline(timeout)
         self._retention.abandon({})  # known again only once this restore has listed the tiers
         with self._lock:
-            pending = list(self._saving)
+            pending = list(self._tier0_saves.saving)
         for group in pending:
             group.finished.wait(deadline.left())
         found, abandoned = self._restorer.find(step, allow_light=allow_light, every_byte=every_byte, open_unit=open_unit, deadline=deadline)
