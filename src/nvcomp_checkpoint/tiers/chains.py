@@ -94,8 +94,6 @@ def lies_in_place(store: TierStore, layout: list[tuple[UnitManifest, str]]) -> b
     return all(rel == posixpath.basename(store.unit_path(m.step, m.directory)) for m, rel in layout)
 
 
-
-
 def base_ref(store: TierStore, path: str) -> Any:
     """The base record of the nvcomp-checkpoint file at ``path`` (None for a full file)."""
     try:
@@ -164,6 +162,7 @@ def remove_quietly(path: str) -> None:
     except OSError:
         _LOG.debug("could not remove %s", path, exc_info=True)
 
+
 def lay_out(src: TierStore, layout: list[tuple[UnitManifest, str]], root: str, *, in_place: bool) -> str:
     """Copy the chain ``layout`` (:func:`chain_layout`) from ``src`` into the local folder ``root``, bases
     first, each file checked; in place, each unit with its manifest. Returns the head's path."""
@@ -213,4 +212,3 @@ def decode_errors(paths: list[str], storage_options: dict[str, Any] | None) -> s
                 if err is not None:
                     return f"tensor {tensor.key!r}: {err}"
     return None
-

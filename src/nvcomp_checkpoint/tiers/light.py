@@ -50,4 +50,3 @@ def light_tree(state: Any) -> tuple[Any, list[str]]:
     tree, _, _ = walk(state, ())
     outer = [d for d in dropped if not any(d.startswith(o + "/") for o in dropped)]
     return tree, outer
-

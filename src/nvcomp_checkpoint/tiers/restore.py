@@ -11,11 +11,11 @@ from typing import Any, Callable
 from ..errors import CheckpointError, FormatError, TierUnavailableError
 from ..storage import LOCAL, is_storage_error, local_lock
 from .chains import (
-    chain_layout, chain_manifests, check_chain, decode_errors, laid_out_errors, lay_out, layout_key, remove_quietly, scratch_folder,
+    chain_layout, chain_manifests, check_chain, decode_errors, laid_out_errors, lay_out, layout_key, lies_in_place, remove_quietly,
+    scratch_folder,
 )
 from .schedule import Deadline, run_within
 from .units import QUOTE_CHARS, TierStore, UnitManifest, entry_path
-from .chains import lies_in_place
 
 __all__ = ["Restored", "Restorer", "is_damage"]
 
@@ -54,14 +54,12 @@ class Restored:
     abandoned: tuple[tuple[int, str], ...] = ()
 
 
-
 def is_damage(exc: BaseException) -> bool:
     """Whether a failed restore of a copy says the copy is bad, as opposed to its storage not answering."""
     if isinstance(exc, TierUnavailableError) or not isinstance(exc, CheckpointError):
         return False
     cause = exc.__cause__
     return cause is None or isinstance(cause, (FileNotFoundError, CheckpointError)) or not is_storage_error(cause)
-
 
 
 class Restorer:
@@ -202,7 +200,7 @@ class Restorer:
         raise CheckpointError(f"no copy of any step restores ({detail})")
 
     def _restored(self, r: Restored, listed: dict[int, tuple[dict[int, UnitManifest], dict[int, str]]], unread: set[int]) -> tuple[Restored, dict[int, set[int]]]:
-        """Record which newer steps the run abandons (its saves remove them), say all of it in the log, return ``r`` with it."""
+        """``r`` with the newer steps the run abandons (its saves remove them), and those steps per tier; all of it said in the log."""
         abandoned: dict[int, set[int]] = {}
         kept: list[str] = []
         for i, (manifests, _) in sorted(listed.items()):
@@ -227,7 +225,6 @@ class Restorer:
         _LOG.log(logging.WARNING if r.skipped or pairs else logging.INFO, "%s", "; ".join(parts))
         return replace(r, abandoned=pairs), abandoned
 
-
     def _list_tiers(self, deadline: Deadline) -> tuple[dict[int, tuple[dict[int, UnitManifest], dict[int, str]]], dict[int, TierUnavailableError]]:
         """Every tier's :meth:`TierStore.listing`, at once, each on a thread of its own, by ``deadline``;
         and the error of each tier that could not be listed by then."""
@@ -251,4 +248,3 @@ class Restorer:
             if i in unavailable:
                 _LOG.warning("restore: %s", unavailable[i])
         return listed, unavailable
-

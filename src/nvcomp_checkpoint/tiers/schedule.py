@@ -20,6 +20,7 @@ RESTORE_TIMEOUT_S = 120.0
 #: Default seconds :meth:`CheckpointManager.wait` and :meth:`~CheckpointManager.close` wait for saves and copies.
 CLOSE_TIMEOUT_S = 600.0
 
+
 @dataclass(frozen=True)
 class Tier:
     """One place checkpoints are kept, with its schedule and retention.

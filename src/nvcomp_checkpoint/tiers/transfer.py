@@ -28,6 +28,7 @@ def source_intact(src: TierStore, manifest: UnitManifest) -> bool:
     except (FileNotFoundError, OSError):
         return False
 
+
 def copy_unit(
     src: TierStore, dst: TierStore, manifest: UnitManifest, progress: ProgressFn | None = None, *, to: str | None = None,
 ) -> UnitManifest:
@@ -114,7 +115,6 @@ def upload_local(
     written.append(d_path)
     entries.append(replace(entry, xxh3=h.intdigest()))
     return True
-
 
 
 def copy_with_retries(src: TierStore, dst: TierStore, manifest: UnitManifest, progress: ProgressFn | None = None) -> UnitManifest:

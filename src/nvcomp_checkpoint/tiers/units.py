@@ -39,8 +39,10 @@ def quote(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 3] + "..."
 
+
 def unit_name(step: int, directory: bool) -> str:
     return f"step-{step:010d}" + ("" if directory else ".nvc")
+
 
 @dataclass(frozen=True)
 class FileEntry:
@@ -104,6 +106,7 @@ class UnitManifest:
         if "unit" in doc and doc["unit"] != m.unit:
             raise FormatError(f"{where}: names unit {str(doc['unit'])[:80]}, but its step {m.step} is unit {m.unit} (edited or forged)")
         return m
+
 
 def join_path(root: str, name: str) -> str:
     return f"{root}/{name}" if root != "/" else f"/{name}"
@@ -353,9 +356,6 @@ def file_xxh3(storage: Storage, path: str) -> int:
         while chunk := f.read(COPY_CHUNK_BYTES):
             h.update(chunk)
     return h.intdigest()
-
-
-
 
 
 def open_tier(url: str, storage_options: dict[str, Any] | None = None, name: str | None = None) -> TierStore:
