@@ -10,7 +10,7 @@ from typing import Any
 from .. import metrics
 from ..api import save as _save_sync
 from ..delta import ChainPolicy
-from ..errors import CheckpointError, CheckpointWriteError
+from ..errors import CheckpointWriteError
 from ..failures import FailureLog
 from ..policy import CodecPolicy
 from ..savegroup import SaveGroup, SaveSequence
@@ -49,7 +49,7 @@ class Tier0Saves:
             self._chain = []  # a failed save is no base: the next one is full
             raise
         if light is None:
-            light = self.full_every is not None and not self.chain_policy is not None and self._count % self.full_every != 0
+            light = self.full_every is not None and self.chain_policy is None and self._count % self.full_every != 0
         self._count += 1
         base = None if light else self._next_base(step)
         tree, meta = state, {"nvckpt_step": step, "nvckpt_light": bool(light)}
@@ -76,7 +76,7 @@ class Tier0Saves:
             finally:
                 release()
 
-        def failed(error: BaseException) -> None:
+        def failed(error: BaseException | None = None) -> None:
             self._chain = []  # no delta against a failed save: the next save is full
             release()
 
@@ -93,8 +93,8 @@ class Tier0Saves:
                 report = _save_sync(tree, self.store.unit_path(step, False), self.policy, **kwargs)
                 group.add_report("unit", report)
         except BaseException:
-            self.sequence.abandon(group)
-            failed(CheckpointError("not saved"))
+            self.sequence.abandon(group)  # calls no callback of the group: its cleanup is done here
+            failed()
             raise
         blocked = time.perf_counter() - started
         metrics.record_blocked_seconds(blocked)
