@@ -94,7 +94,7 @@ class CheckpointManager:
             incremental if isinstance(incremental, ChainPolicy) else ChainPolicy(full_every or 10, delta_base) if incremental else None
         )
         self.incremental = self.chain_policy is not None
-        self.full_every = self.chain_policy.full_every if isinstance(incremental, ChainPolicy) else full_every
+        self.full_every = incremental.full_every if isinstance(incremental, ChainPolicy) else full_every
         labels = [t.name or f"tier{i}" for i, t in enumerate(tiers)]
         if len(set(labels)) != len(labels):
             raise ValueError(f"tier names must differ, got {labels}")

@@ -52,7 +52,8 @@ class Tier0Saves:
             light = self.full_every is not None and self.chain_policy is None and self._count % self.full_every != 0
         self._count += 1
         base = None if light else self._next_base(step)
-        tree, meta = state, {"nvckpt_step": step, "nvckpt_light": bool(light)}
+        tree = state
+        meta: dict[str, Any] = {"nvckpt_step": step, "nvckpt_light": bool(light)}
         if light:
             tree, meta["nvckpt_dropped"] = light_tree(state)
         if base is not None:
@@ -82,7 +83,7 @@ class Tier0Saves:
 
         started = time.perf_counter()
         group = self.sequence.begin(self.store.unit_path(step, False), started=started, commit=commit, failed=failed, info={"step": step})
-        kwargs = {"metadata": meta, "storage_options": self.store.tier.write_options(), "workers": self.workers,
+        kwargs: dict[str, Any] = {"metadata": meta, "storage_options": self.store.tier.write_options(), "workers": self.workers,
                   "base": None if base is None else self.store.unit_path(base, False)}
         try:
             if self.async_save:

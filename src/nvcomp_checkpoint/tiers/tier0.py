@@ -121,7 +121,8 @@ class ExternalTier0:
     def chain_of(self, manifest: UnitManifest) -> list[UnitManifest]:
         """The bases of an adopted delta that tier 0 still holds, nearest first."""
         with self._lock:
-            chain, base = [], manifest.base
+            chain: list[UnitManifest] = []
+            base = manifest.base
             while base is not None and base in self._units and len(chain) < len(self._units):
                 chain.append(self._units[base])
                 base = chain[-1].base

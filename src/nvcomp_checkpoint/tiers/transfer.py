@@ -43,7 +43,7 @@ def copy_unit(
     Returns:
         The manifest committed on ``dst`` (with the whole-file checksums read on the way).
     """
-    entries = []
+    entries: list[FileEntry] = []
     written: list[str] = []  # files this copy put in place (an atomic write that failed left none)
     if to is None:
         # A copy of this step already there (a resumed run saving the step again) is unlisted first:
