@@ -15,7 +15,7 @@ from .light import light_tree
 from .manager import CheckpointManager
 from .restore import Restored
 from .retention import retained_steps
-from .schedule import CLOSE_TIMEOUT_S, RESTORE_TIMEOUT_S, Tier  # noqa: F401 - the defaults, as before the split
+from .schedule import CLOSE_TIMEOUT_S, COPY_NICE, RESTORE_TIMEOUT_S, Tier  # noqa: F401 - the defaults, as before the split
 from .tiercopies import TierCopies
 from .transfer import copy_unit
 from .units import COPY_CHUNK_BYTES, MANIFEST_SUFFIX, FileEntry, TierStore, UnitManifest, open_tier  # noqa: F401
