@@ -19,7 +19,8 @@ import torch
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, CopySourceError, CopyTimeoutError
-from nvcomp_checkpoint.tiers import TierStore, light_tree, open_tier, retained_steps
+from nvcomp_checkpoint.tiers import TierStore, UnitManifest, light_tree, open_tier, retained_steps
+from nvcomp_checkpoint.tiers.retention import newer_steps, steps_to_remove
 from nvcomp_checkpoint.tiers.transfer import copy_with_retries
 from nvcomp_checkpoint.storage import is_temp_name, temp_prefix
 
@@ -512,3 +513,17 @@ def test_a_copy_whose_source_changed_is_not_retried(tmp_path):
         copy_with_retries(src, dst, manifest)
     assert isinstance(err.value.__cause__, CopySourceError) and time.monotonic() - started < 30
     assert dst.steps() == []
+
+
+def test_steps_to_remove_is_a_pure_policy():
+    def unit(step: int, *, light: bool = False, base: int | None = None) -> UnitManifest:
+        return UnitManifest(step, False, light, (), 0.0, base=base)
+
+    # 1 full, 2..4 deltas chained on it, 5 full, 6 light: keep=1 keeps 6 (newest), 5 (newest full).
+    tier = {1: unit(1), 2: unit(2, base=1), 3: unit(3, base=2), 4: unit(4, base=3), 5: unit(5), 6: unit(6, light=True)}
+    assert steps_to_remove(tier, 1, None) == [1, 2, 3, 4]
+    # Protecting 4 (a copy still reads it) keeps its whole chain.
+    assert steps_to_remove(tier, 1, None, protect={4}) == []
+    # keep=2 and every 3rd: 5, 6 and 3, which needs 2 and 1; only 4 goes.
+    assert steps_to_remove(tier, 2, 3) == [4] and steps_to_remove(tier, None, None) == []
+    assert newer_steps([1, 5, 7, 9], 5, replaceable={7}) == ([7], [9])
