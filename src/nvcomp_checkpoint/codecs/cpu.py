@@ -13,33 +13,55 @@ import zstandard
 from ..errors import FormatError
 from .registry import CHUNK_CAP_BYTES
 
-__all__ = ["ZstdCpuCodec", "NoneCpuCodec", "LARGE_FRAME_BYTES", "ZSTD_MAX_LEVEL"]
+__all__ = ["ZstdCpuCodec", "NoneCpuCodec", "LARGE_FRAME_BYTES", "PICK_SAMPLE_BYTES", "ZSTD_MAX_LEVEL"]
 
 #: Level-1 frames at least this large (libzstd's largest source-size class) are compressed with
-#: libzstd's level-1 parameters for that class except for a 2**10-entry hash table (instead of
-#: 2**14). On the byte planes of real checkpoints that compresses exponent planes about 40%
-#: faster and 2-3% smaller: their short matches cost more than they save, and a small table
-#: finds fewer of them (benchmarks/README.md). Frames stay standard Zstd frames; smaller
-#: frames keep libzstd's own level-1 parameters.
+#: libzstd's level-1 parameters for that class except for a small hash table, of 2**10 or 2**6
+#: entries (instead of 2**14), whichever compresses a sample of the frame smaller. Exponent
+#: planes have short matches that cost more than they save; a small table finds fewer of them:
+#: 2**10 is about 40% faster than 2**14 and 2-3% smaller, and 2**6 is faster again and leaves
+#: a bf16 weight's exponent plane within 0.1% of a Huffman-only coding of it, while the zero runs
+#: of optimizer moments and gradients still need 2**10 (benchmarks/README.md, "Peer coders").
+#: Frames stay standard Zstd frames; smaller frames keep libzstd's own level-1 parameters.
 LARGE_FRAME_BYTES = 256 << 10
+#: Bytes of a large frame compressed with each candidate parameter set to choose one: on the
+#: checkpoints of benchmarks/ a 32 KiB sample picks what compressing whole planes would.
+PICK_SAMPLE_BYTES = 32 << 10
 #: Highest level libzstd accepts (negative levels, faster than 1, are accepted too).
 ZSTD_MAX_LEVEL = zstandard.MAX_COMPRESSION_LEVEL
-_LARGE_LEVEL1 = zstandard.ZstdCompressionParameters(
-    window_log=19, chain_log=13, hash_log=10, search_log=1, min_match=7, target_length=0,
-    strategy=zstandard.STRATEGY_FAST, write_content_size=1, write_checksum=0,
-)
+
+
+def _fast_params(hash_log: int) -> zstandard.ZstdCompressionParameters:
+    return zstandard.ZstdCompressionParameters(
+        window_log=19, chain_log=13, hash_log=hash_log, search_log=1, min_match=7, target_length=0,
+        strategy=zstandard.STRATEGY_FAST, write_content_size=1, write_checksum=0,
+    )
+
+
+#: The level-1 parameter sets a large frame chooses from, fastest first (a tie keeps the first).
+_LARGE_LEVEL1 = {"fast6": _fast_params(6), "fast10": _fast_params(10)}
+_LARGE_LEVEL1_ORDER = ("fast6", "fast10")
 
 
 class ZstdCpuCodec:
     """Zstandard on the CPU; one compressor per thread (they are not thread-safe).
 
     ``zstandard`` releases the GIL while it compresses, so a thread pool scales across cores.
+
+    Args:
+        level: libzstd's level. Level 1 compresses frames of :data:`LARGE_FRAME_BYTES` or more
+            with the better of two fast parameter sets on a sample.
+        adaptive: Each frame of :data:`LARGE_FRAME_BYTES` or more is compressed with whichever
+            of the two level-1 parameter sets and ``level`` compresses a sample of it smallest
+            (``CodecPolicy.max_ratio``): libzstd's strong levels win big on exponent planes
+            with structure and lose on others, and they cost far more time than level 1.
     """
 
     id = "zstd"
 
-    def __init__(self, level: int = 1) -> None:
+    def __init__(self, level: int = 1, adaptive: bool = False) -> None:
         self.level = level
+        self.adaptive = adaptive
         self._local = threading.local()
 
     def _cctx(self) -> zstandard.ZstdCompressor:
@@ -50,12 +72,20 @@ class ZstdCpuCodec:
             self._local.cctx = cctx
         return cctx
 
-    def _cctx_large(self) -> zstandard.ZstdCompressor:
-        cctx = getattr(self._local, "cctx_large", None)
+    def _cctx_named(self, name: str) -> zstandard.ZstdCompressor:
+        named = getattr(self._local, "named", None)
+        if named is None:
+            named = self._local.named = {}
+        cctx = named.get(name)
         if cctx is None:
-            cctx = zstandard.ZstdCompressor(compression_params=_LARGE_LEVEL1)
-            self._local.cctx_large = cctx
+            cctx = named[name] = zstandard.ZstdCompressor(compression_params=_LARGE_LEVEL1[name])
         return cctx
+
+    def _candidates(self) -> list[zstandard.ZstdCompressor]:
+        out = [self._cctx_named(name) for name in _LARGE_LEVEL1_ORDER]
+        if self.adaptive and self.level != 1:
+            out.append(self._cctx())
+        return out
 
     def _dctx(self) -> zstandard.ZstdDecompressor:
         dctx = getattr(self._local, "dctx", None)
@@ -65,8 +95,12 @@ class ZstdCpuCodec:
         return dctx
 
     def encode(self, data: memoryview) -> bytes:
-        if self.level == 1 and memoryview(data).nbytes >= LARGE_FRAME_BYTES:
-            return self._cctx_large().compress(data)
+        data = memoryview(data)
+        if data.nbytes >= LARGE_FRAME_BYTES and (self.level == 1 or self.adaptive):
+            candidates = self._candidates()
+            sample = data.cast("B")[:PICK_SAMPLE_BYTES]
+            best = min(range(len(candidates)), key=lambda i: (len(candidates[i].compress(sample)), i))
+            return candidates[best].compress(data)
         return self._cctx().compress(data)
 
     def decode(self, frame: memoryview, raw_size: int) -> bytes | bytearray:
