@@ -24,9 +24,14 @@ __all__ = ["ZstdCpuCodec", "NoneCpuCodec", "LARGE_FRAME_BYTES", "PICK_SAMPLE_BYT
 #: of optimizer moments and gradients still need 2**10 (benchmarks/README.md, "Peer coders").
 #: Frames stay standard Zstd frames; smaller frames keep libzstd's own level-1 parameters.
 LARGE_FRAME_BYTES = 256 << 10
-#: Bytes of a large frame compressed with each candidate parameter set to choose one: on the
-#: checkpoints of benchmarks/ a 32 KiB sample picks what compressing whole planes would.
+#: Bytes of a large frame compressed with each candidate parameter set to choose one (four
+#: pieces spread over the frame): on the checkpoints of benchmarks/ a 32 KiB sample picks what
+#: compressing whole planes would.
 PICK_SAMPLE_BYTES = 32 << 10
+#: An adaptive frame takes the strong level only where it saves at least this share of the
+#: sample over the better fast set: smaller gains (a bf16 weight's exponent plane, 0.1%) cost
+#: 100x the time of level 1 for almost nothing (benchmarks/README.md, "Peer coders").
+ADAPTIVE_MIN_GAIN = 0.01
 #: Highest level libzstd accepts (negative levels, faster than 1, are accepted too).
 ZSTD_MAX_LEVEL = zstandard.MAX_COMPRESSION_LEVEL
 
@@ -51,9 +56,9 @@ class ZstdCpuCodec:
     Args:
         level: libzstd's level. Level 1 compresses frames of :data:`LARGE_FRAME_BYTES` or more
             with the better of two fast parameter sets on a sample.
-        adaptive: Each frame of :data:`LARGE_FRAME_BYTES` or more is compressed with whichever
-            of the two level-1 parameter sets and ``level`` compresses a sample of it smallest
-            (``CodecPolicy.max_ratio``): libzstd's strong levels win big on exponent planes
+        adaptive: Each frame of :data:`LARGE_FRAME_BYTES` or more is compressed with ``level``
+            where that compresses a sample of it at least :data:`ADAPTIVE_MIN_GAIN` smaller
+            than the better level-1 set does, else like level 1 (``CodecPolicy.max_ratio``): libzstd's strong levels win big on exponent planes
             with structure and lose on others, and they cost far more time than level 1.
     """
 
@@ -81,12 +86,6 @@ class ZstdCpuCodec:
             cctx = named[name] = zstandard.ZstdCompressor(compression_params=_LARGE_LEVEL1[name])
         return cctx
 
-    def _candidates(self) -> list[zstandard.ZstdCompressor]:
-        out = [self._cctx_named(name) for name in _LARGE_LEVEL1_ORDER]
-        if self.adaptive and self.level != 1:
-            out.append(self._cctx())
-        return out
-
     def _dctx(self) -> zstandard.ZstdDecompressor:
         dctx = getattr(self._local, "dctx", None)
         if dctx is None:
@@ -97,10 +96,15 @@ class ZstdCpuCodec:
     def encode(self, data: memoryview) -> bytes:
         data = memoryview(data)
         if data.nbytes >= LARGE_FRAME_BYTES and (self.level == 1 or self.adaptive):
-            candidates = self._candidates()
-            sample = data.cast("B")[:PICK_SAMPLE_BYTES]
-            best = min(range(len(candidates)), key=lambda i: (len(candidates[i].compress(sample)), i))
-            return candidates[best].compress(data)
+            sample = _sample(data.cast("B"))
+            fast = [self._cctx_named(name) for name in _LARGE_LEVEL1_ORDER]
+            sizes = [len(c.compress(sample)) for c in fast]
+            best = min(range(len(fast)), key=lambda i: (sizes[i], i))
+            if self.adaptive and self.level != 1:
+                strong = self._cctx()
+                if len(strong.compress(sample)) <= sizes[best] * (1 - ADAPTIVE_MIN_GAIN):
+                    return strong.compress(data)
+            return fast[best].compress(data)
         return self._cctx().compress(data)
 
     def decode(self, frame: memoryview, raw_size: int) -> bytes | bytearray:
@@ -124,6 +128,14 @@ class ZstdCpuCodec:
         if len(out) != raw_size:
             raise FormatError(f"zstd frame decoded to {len(out)} bytes, the index says {raw_size}")
         return out
+
+
+def _sample(data: memoryview) -> bytes:
+    """:data:`PICK_SAMPLE_BYTES` of ``data`` in four pieces spread over it: planes change along
+    a tensor (the zero rows of an embedding's moments may all lie past its first rows)."""
+    piece = PICK_SAMPLE_BYTES // 4
+    step = (len(data) - piece) // 3
+    return b"".join(data[i * step : i * step + piece] for i in range(4))
 
 
 #: Largest output decoded in one call without a size from the frame header: a chunk's cap.
