@@ -311,10 +311,11 @@ class CodecPolicy:
         """The smallest files this library writes on the CPU, at a cost in save time.
 
         Every component is ``zstd`` over byte planes with ``adaptive=True`` at ``level``: each
-        plane takes libzstd ``level`` where a sample says it beats level 1. On the checkpoints
-        of ``benchmarks/bench_peers.py`` that is 1-4% smaller than the default and several times
-        slower to save (loads are as fast); the table is in benchmarks/README.md ("Peer coders").
-        The default policy stays level 1, which saves faster than ``torch.save`` + ``zstd -1``.
+        plane takes libzstd ``level`` where a sample says it saves 1% over level 1. On the
+        checkpoints of ``benchmarks/bench_peers.py`` the files are 1.5-2% smaller than the
+        default's (gradients 7%), and saves take 15-50x as long (loads are as fast); a lower
+        ``level`` trades ratio for time (table in benchmarks/README.md, "Peer coders"). The
+        default policy stays level 1, which saves faster than ``torch.save`` + ``zstd -1``.
         Files load anywhere, like the default's.
         """
         spec = CodecSpec(codec="zstd", level=level, filter="byteplane", adaptive=True)
