@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -278,7 +277,7 @@ def blosc2_method(filt: str, clevel: int) -> tuple[Callable[[Any, Path], dict[st
         return blosc2.SChunk(chunksize=4 << 20, data=data, cparams=cparams).to_cframe()
 
     def decode(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        return _from_bytes(blosc2.schunk_from_cframe(data).decompress_chunk(0) if False else blosc2.schunk_from_cframe(data)[:], dtype, shape)
+        return _from_bytes(blosc2.schunk_from_cframe(data)[:], dtype, shape)
 
     return per_tensor_save(encode), per_tensor_load(decode)
 
