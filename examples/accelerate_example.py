@@ -1,6 +1,8 @@
 """Accelerate example: ``save_state`` with compressed weights and optimizer state, then resume.
 
-Run with ``python examples/accelerate_example.py`` (CPU, well under a minute).
+Run with ``python examples/accelerate_example.py``: about 6 s on a 2-core CPU machine, after
+imports. Without ``--out DIR`` it leaves its project in a temporary folder
+(``$TMPDIR/nvckpt-accelerate-*``) and prints where; delete it when done.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Demo: train a tiny model on the CPU, save compressed checkpoints, resume, and report.
 
-Run with ``bash scripts/demo.sh`` (sets up .venv first) or ``python examples/demo.py``.
+Run with ``bash scripts/demo.sh`` (sets up .venv first) or ``python examples/demo.py``: about 45 s
+on a 2-core CPU machine. Without ``--out DIR`` it leaves its checkpoints in a temporary folder
+(``$TMPDIR/nvckpt-demo-*``) and prints where; delete it when done.
 """
 
 from __future__ import annotations
