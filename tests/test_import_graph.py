@@ -225,3 +225,35 @@ def test_adapters_use_the_public_api_only() -> None:
         if _top(i.source) in ADAPTERS and _top(i.target) in internal
     ]
     assert not bad, "\n".join(bad)
+
+
+#: tiers.py decides on its own FormatError's text (`"source" in str(exc)`); it is being turned into a
+#: package in parallel, and gets an error type of its own there. Remove it from here then.
+_TEXT_DECISIONS_PENDING = {"tiers"}
+
+
+def _text_decisions(source: str) -> list[int]:
+    """Lines of ``"..." in str(x)`` (or ``not in``) not marked as a decision on torch's own text."""
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)):
+            continue
+        right = node.comparators[0]
+        if isinstance(node.left, ast.Constant) and isinstance(right, ast.Call) and isinstance(right.func, ast.Name) and right.func.id == "str":
+            above = "\n".join(lines[max(0, node.lineno - 4): node.lineno])
+            if "torch's own text" not in above:
+                found.append(node.lineno)
+    return found
+
+
+def test_no_decisions_on_our_own_error_text() -> None:
+    # A reworded message must not change behaviour: our errors are told apart by type. Only another
+    # library's text, where it has no types (torch's weights-only refusal), may be read, and says so.
+    bad = [
+        f"{_module_name(path)}:{line} decides on an error's text; give the case its own exception type"
+        for path in sorted(ROOT.rglob("*.py")) if _top(_module_name(path)) not in _TEXT_DECISIONS_PENDING
+        for line in _text_decisions(path.read_text())
+    ]
+    assert not bad, "\n".join(bad)
+    assert _text_decisions('if "save_state failed" in str(exc):\n    pass\n') == [1]  # the rule sees one

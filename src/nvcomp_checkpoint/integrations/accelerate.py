@@ -40,7 +40,7 @@ except ImportError as exc:
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate
-from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
+from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError, StateSaveError
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, incremental_files, load_tree
 from nvcomp_checkpoint.incremental import keep_with_bases
 from nvcomp_checkpoint.savegroup import SaveGroup
@@ -367,7 +367,8 @@ class NvcompStateHooks(SaveEntryPoint):
                 self.incremental.failed()  # the next save is a full one
             if writes:
                 remove_quietly(call.staging)  # once its files have stopped writing into it
-            if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)) and not _is_save_failure(exc):
+            # A StateSaveError is already the explained failure (a commit that failed, raised by the group).
+            if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)) and not isinstance(exc, StateSaveError):
                 raise _save_failed(target, exc) from exc
             raise
         if not self.async_save:
@@ -579,22 +580,17 @@ def _numbered(stem: str, i: int) -> str:
     return f"{stem}.nvc" if i == 0 else f"{stem}_{i}.nvc"
 
 
-def _save_failed(target: Path, exc: BaseException) -> CheckpointWriteError:
+def _save_failed(target: Path, exc: BaseException) -> StateSaveError:
     if isinstance(exc, InstallError):
-        return CheckpointWriteError(
+        return StateSaveError(
             f"{target}: save_state failed while moving the new files into this directory ({exc.__cause__}). It "
             f"now holds part of them and no {MANIFEST_NAME}, so load_state refuses it as incomplete. Fix the "
             "cause and save again, or load another checkpoint."
         )
-    return CheckpointWriteError(
+    return StateSaveError(
         f"{target}: save_state failed ({exc}). Nothing was committed: the checkpoint directory "
         f"that was at {target}, if any, is untouched. Free space or fix the cause and save again."
     )
-
-
-def _is_save_failure(exc: BaseException) -> bool:
-    """Already :func:`_save_failed`'s error (a failed commit, raised by the group)."""
-    return isinstance(exc, CheckpointWriteError) and "save_state failed" in str(exc)
 
 
 def _is_state_file(name: str) -> bool:
