@@ -6,7 +6,8 @@ layer and those below):
     base        errors, version, tensors, workers, codecs/*, filters/*, metrics
     format      format/*, policy, storage, report, filetype, pending, dirstore, delta
     pipeline    writer, reader, snapshot
-    api         api, async_save, savegroup, entrypoint, dirconvert, tiers, incremental, dcp/*, broadcast, the package __init__
+    api         api, async_save, savegroup, entrypoint/* (base, options, loading, reports), dirconvert, tiers, incremental,
+                dcp/*, broadcast, the package __init__
     adapters    cli/*, integrations/*, the short-name shims lightning/accelerate/transformers
 
 The core never imports Lightning, Accelerate or Transformers; an integration imports its own
@@ -257,3 +258,27 @@ def test_no_decisions_on_our_own_error_text() -> None:
     ]
     assert not bad, "\n".join(bad)
     assert _text_decisions('if "save_state failed" in str(exc):\n    pass\n') == [1]  # the rule sees one
+
+
+def _private_state_of_the_base() -> set[str]:
+    """The private attributes ``SaveEntryPoint`` sets on itself (``self._saves = ...``)."""
+    tree = ast.parse((ROOT / "entrypoint" / "base.py").read_text())
+    return {
+        target.attr
+        for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+        and target.attr.startswith("_") and not target.attr.startswith("__")
+    }
+
+
+def test_integrations_use_the_protected_interface_of_their_base_only() -> None:
+    # SaveEntryPoint's sequence of saves is its own: the integrations call its named protected methods.
+    private = _private_state_of_the_base()
+    assert "_saves" in private  # the rule sees what it guards
+    bad = []
+    for path in sorted((ROOT / "integrations").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                bad.append(f"{_module_name(path)}:{node.lineno} reads {node.attr} of SaveEntryPoint; use its protected methods")
+    assert not bad, "\n".join(bad)

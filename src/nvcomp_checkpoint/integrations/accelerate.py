@@ -285,10 +285,10 @@ class NvcompStateHooks(SaveEntryPoint):
             del acc.__dict__["_nvcomp_state_hooks"]
 
     def _raise_errors(self, when: str, consequence: str = "") -> None:
-        failed = self._saves.failed_group()
+        failed = self._failed_save_info()
         if failed is not None:
             # As after a synchronous failure: the next save_state reuses the failed one's number.
-            self.accelerator.project_configuration.iteration = failed.info["iteration"]
+            self.accelerator.project_configuration.iteration = failed["iteration"]
         super()._raise_errors(when, consequence)
 
     # -- saving ----------------------------------------------------------------------------
@@ -408,9 +408,10 @@ class NvcompStateHooks(SaveEntryPoint):
             if self.incremental is not None:  # a chain goes as a whole: the folders kept ones need stay
                 needed = keep_with_bases([os.fspath(p) for p in [*ordered[-limit:], target]])
                 ordered, limit = [p for p in ordered if os.fspath(p) not in needed], 0
-            # A folder whose copies to the tiers are pending goes once they are done.
-            when = None if self.tiers is None else self.tiers.remove_after_copies
-            rotate(ordered, limit, keep=target, trash=checkpoints.parent, when=when)
+            # Each folder goes once nothing needs it (SaveEntryPoint._remove_checkpoint): after this commit,
+            # and after its copies to the tiers.
+            rotate(ordered, limit, keep=target, trash=checkpoints.parent,
+                   when=lambda old, delete: self._remove_checkpoint(old, lambda _: delete()))
 
     def _failed(self, call: _SaveCall, exc: BaseException) -> BaseException:
         remove_quietly(call.staging)
@@ -460,7 +461,7 @@ class NvcompStateHooks(SaveEntryPoint):
             if self.incremental is not None and call.staging.parent == call.target.parent:
                 kwargs["base"] = self.incremental.base_for(call.target / name, slot=name)
             if call.background:
-                self._saves.save(call.group, name, state, call.staging / name, self.policy, **kwargs)
+                self._save_file(call.group, name, state, call.staging / name, self.policy, **kwargs)
             else:
                 call.group.add_report(name, nc.save(state, call.staging / name, self.policy, **kwargs))
             (call.models if kind == "model" else call.optimizer_files).append(name)
@@ -486,7 +487,7 @@ class NvcompStateHooks(SaveEntryPoint):
         acc = self.accelerator
         if self.async_save:
             # The directory to load may be the one a pending save is about to commit.
-            self._saves.wait()
+            self._settle_saves()
             if acc.num_processes > 1:
                 acc.wait_for_everyone()  # the other ranks wait for the main process's commit
         if input_dir is None and not acc.project_configuration.automatic_checkpoint_naming:
