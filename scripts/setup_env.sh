@@ -25,8 +25,13 @@ pip_install() {
   printf '%s\n' "$out" | grep -v -e "^WARNING: Location" -e '^$' >&2 || true
   return "$rc"
 }
+# pip is quiet: say what the next minutes are spent on (a fresh .venv takes a few minutes).
+echo "setup_env.sh: installing nvcomp-checkpoint${extras:+[$extras]} and its dependencies into .venv (torch 2.13 CPU first; a few minutes the first time)..." >&2
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+# DeepSpeed (a test extra) builds no C++ ops at install: the CPU tests need none (DS_BUILD_OPS=0).
+export DS_BUILD_OPS=0
 python -c "import torch" 2>/dev/null || pip_install "torch==2.13.0"
 pip_install -e ".${extras:+[${extras}]}"
 PYTHONPATH= python -c "import nvcomp_checkpoint" || { echo "setup failed: nvcomp_checkpoint does not import" >&2; exit 1; }
 echo "$want" > "$stamp"
+echo "setup_env.sh: .venv is ready" >&2

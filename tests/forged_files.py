@@ -20,7 +20,7 @@ from nvcomp_checkpoint.format.skeleton import TensorRef
 
 __all__ = [
     "pickle2", "archive", "with_object_tree", "int_op", "ref", "ref_with", "global_op", "str_op", "put", "get", "laughs",
-    "deep_list", "deep_tuple_key", "codec_chain", "device_copy_of_a_view", "FORGED_TREES",
+    "deep_list", "deep_tuple_key", "codec_chain", "device_copy_of_a_view", "torch_saved", "FORGED_TREES",
 ]
 
 PROTO2 = b"\x80\x02"
@@ -111,6 +111,22 @@ def device_copy_of_a_view() -> bytes:
     )
 
 
+def torch_saved(tree: object) -> bytes:
+    """``tree`` written by ``torch.save`` itself (its tensors and storages as torch records)."""
+    buf = io.BytesIO()
+    torch.save(tree, buf)
+    return buf.getvalue()
+
+
+def tensor_constructor(name: str = "FloatTensor", size: int = 1 << 30) -> bytes:
+    """``{"w": TensorRef(0), "big": torch.<name>(size)}``: a tensor class the weights-only rules
+    allow, called with a size (an uninitialized allocation; no storage record)."""
+    return pickle2(
+        EMPTY_DICT + MARK + str_op("w") + ref(0) + str_op("big")
+        + global_op("torch", name) + b"J" + struct.pack("<i", size) + TUPLE1 + REDUCE + SETITEMS
+    )
+
+
 def archive(pkl: bytes) -> bytes:
     """A torch.save archive (torch's own records) whose ``data.pkl`` is ``pkl``."""
     buf = io.BytesIO()
@@ -162,5 +178,17 @@ FORGED_TREES: dict[str, tuple[bytes, str, str]] = {
     "not_a_pickle": (b"this object tree is no pickle at all " * 4, "FormatError", "not a torch.save archive"),
     "archive_of_garbage": (archive(b"\x80\x02\xff\xfe\xfd."), "FormatError", "no pickle opcode"),
     "legacy_torch_pickle": (pickle2(int_op(1)), "FormatError", "not a torch.save archive"),
+    # Tensor data in the object tree: a writer stores every tensor in the tensor table. A stride-0
+    # view of 2**40 elements saved by torch.save itself is 4 bytes of storage; loaded, it is a
+    # tree a re-save turns into 4 TiB.
+    "stride0_view": (
+        torch_saved({"w": TensorRef(0), "opt": [{"big": torch.zeros(1).expand(1 << 40)}]}), "FormatError", "tensor data at 'opt/0/big'",
+    ),
+    "storage_in_tree": (torch_saved({"w": TensorRef(0), "s": torch.zeros(4).untyped_storage()}), "FormatError", "tensor data at 's'"),
+    "tensor_in_a_set": (torch_saved({"w": TensorRef(0), "s": {torch.zeros(1).expand(1 << 30)}}), "FormatError", "tensor data at 's'"),
+    "tensor_class_called_with_a_size": (archive(tensor_constructor()), "FormatError", "tensor data at 'big' (its pickle calls torch.FloatTensor)"),
+    "parameter_of_a_view": (
+        torch_saved({"w": TensorRef(0), "p": torch.nn.Parameter(torch.zeros(1).expand(1 << 30))}), "FormatError", "tensor data at 'p'",
+    ),
     "code_execution": (archive(pickle2(global_op("os", "system") + str_op("true") + TUPLE1 + REDUCE)), "UnsafeCheckpointError", "os.system"),
 }

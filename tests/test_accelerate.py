@@ -885,4 +885,5 @@ def test_import_without_accelerate_names_the_extra_to_install() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("ImportError accelerate nvcomp_checkpoint.accelerate needs Accelerate: "
-                                  "pip install 'nvcomp-checkpoint[accelerate]'"), proc.stdout
+                                  "pip install -e '.[accelerate]' in a clone of the nvcomp-checkpoint repository "
+                                  "(it is not on PyPI yet"), proc.stdout

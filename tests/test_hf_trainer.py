@@ -731,5 +731,5 @@ def test_import_without_a_framework_package_names_the_extra_to_install(missing: 
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("ImportError nvcomp_checkpoint.transformers needs transformers, accelerate and safetensors: "
-                                  "pip install 'nvcomp-checkpoint[transformers]'"), proc.stdout
+                                  "pip install -e '.[transformers]' in a clone of the nvcomp-checkpoint repository"), proc.stdout
     assert missing in proc.stdout, proc.stdout

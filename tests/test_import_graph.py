@@ -8,9 +8,9 @@ layer and those below):
     pipeline    writer, reader, snapshot
     api         api, async_save, savegroup, entrypoint/* (base, options, loading, reports), dirconvert, tiers, incremental,
                 dcp/*, broadcast, the package __init__
-    adapters    cli/*, integrations/*, the short-name shims lightning/accelerate/transformers
+    adapters    cli/*, integrations/*, the short-name shims lightning/accelerate/transformers/deepspeed
 
-The core never imports Lightning, Accelerate or Transformers; an integration imports its own
+The core never imports Lightning, Accelerate, Transformers or DeepSpeed; an integration imports its own
 framework only, never another integration.
 """
 
@@ -30,14 +30,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("format", ("format", "policy", "storage", "report", "filetype", "pending", "dirstore", "delta")),
     ("pipeline", ("writer", "reader", "snapshot")),
     ("api", ("api", "async_save", "savegroup", "entrypoint", "dirconvert", "tiers", "incremental", "dcp", "broadcast", "")),
-    ("adapters", ("cli", "integrations", "lightning", "accelerate", "transformers")),
+    ("adapters", ("cli", "integrations", "lightning", "accelerate", "transformers", "deepspeed")),
 ]
 FRAMEWORKS = {
     "lightning": ("lightning", "pytorch_lightning", "lightning_fabric"),
     "accelerate": ("accelerate",),
     "transformers": ("transformers", "safetensors"),
+    "deepspeed": ("deepspeed",),
 }
-ADAPTERS = ("cli", "integrations", "lightning", "accelerate", "transformers")
+ADAPTERS = ("cli", "integrations", "lightning", "accelerate", "transformers", "deepspeed")
 
 
 @dataclass(frozen=True)

@@ -254,6 +254,19 @@ scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
     "tiers_loop": _TIERS_LOOP,
     "tiers_dcp": _TIERS_DCP,
     "incremental": _INCREMENTAL,
+    # One process, its own process group (a HashStore: no port to pick); gloo, no JIT-built allreduce.
+    "deepspeed": """
+import os
+os.environ["DS_ACCELERATOR"] = "cpu"
+import torch, torch.distributed as dist
+import deepspeed, deepspeed.ops
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+optimizer = torch.optim.AdamW(model.parameters())
+ds_config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+""",
 }
 
 #: Python run after a python snippet, in its process: prints what the checks look at.
@@ -536,6 +549,14 @@ def check_incremental(s: Snippet, tmp_path: Path) -> None:
     assert not torch.equal(torch.load(tmp_path / "live.pt")["model"]["0.weight"], torch.load(tmp_path / "state.pt")["model"]["0.weight"])
 
 
+def check_deepspeed(s: Snippet, tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'nvcomp-checkpoint[deepspeed]')")
+    _ok(run_snippet(s, tmp_path), s)
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step1000"
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        assert nc.is_nvcomp_checkpoint(tmp_path / "ckpt" / "step1000" / name)
+
+
 def check_bare(s: Snippet, tmp_path: Path) -> None:
     _ok(run_snippet(s, tmp_path), s)
 
@@ -553,6 +574,7 @@ CHECKS: dict[str, Callable[[Snippet, Path], None]] = {
     "tiers_loop": check_tiers_loop,
     "tiers_dcp": check_tiers_dcp,
     "incremental": check_incremental,
+    "deepspeed": check_deepspeed,
 }
 
 

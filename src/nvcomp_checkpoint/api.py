@@ -370,6 +370,7 @@ def verify(
     *,
     storage_options: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
+    max_bytes: int | None = None,
 ) -> VerifyResult:
     """Check a checkpoint file as ``load`` would read it, without keeping anything.
 
@@ -377,17 +378,23 @@ def verify(
     (every tensor reference points at a tensor of the index), and every chunk of every tensor
     checksummed and decoded. A file passes exactly when ``load(path)`` accepts it; tensors of
     nvCOMP-only codecs on a machine without a GPU are problems too (they cannot be loaded here).
+    Tensors are decoded chunk by chunk, so memory stays near a chunk per worker (a delta
+    tensor is rebuilt whole, as ``load`` does); time grows with the bytes decoded.
 
     Args:
         path: Local path or fsspec URL of an nvcomp-checkpoint file.
         storage_options: Passed to fsspec for URLs.
         progress: Called with the raw bytes of each tensor once it is checked.
+        max_bytes: For files from untrusted sources: when the object tree and the tensors decode
+            to more than this many bytes (counted as for :func:`load`), nothing is decoded and the
+            result has one problem, a :class:`SizeLimitError` (a 135 KB file may declare 4 GiB
+            of zeros, and the index alone up to 1 GiB of such frames). ``None``: no limit.
     """
     where = os.fspath(path)
     wait_for_path(path)
     problems: list[VerifyProblem] = []
     try:
-        reader = CheckpointReader(path, storage_options=storage_options)
+        reader = CheckpointReader(path, storage_options=storage_options, max_bytes=max_bytes)
     except FormatError as exc:
         return VerifyResult(where, 0, 0, (VerifyProblem(None, exc),))
     with reader:

@@ -8,6 +8,7 @@ bases back to a full checkpoint. The format is in ``docs/format.md`` ("Delta fil
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import threading
@@ -23,7 +24,7 @@ from .errors import BaseCheckpointError, CheckpointError, UnsupportedObjectError
 from .filters import ByteplaneFilter
 from .filters.sub import SUB_WIDTHS, sub_bytes, undo_planes_, undo_planes_np_
 from .filters.xor import xor_bytes, xor_planes_, xor_planes_np_
-from .format.chain import SUB, XOR, BaseRef, TensorDelta
+from .format.chain import MAX_CHAIN_DEPTH, SUB, XOR, BaseRef, TensorDelta
 from .format.layout import TensorEntry
 from .storage import is_url
 
@@ -41,7 +42,10 @@ __all__ = [
     "tries_sub",
     "undo_chunk_",
     "undo_chunk_np_",
+    "MAX_CHAIN_DEPTH",
 ]
+
+_LOG = logging.getLogger("nvcomp_checkpoint")
 
 #: Opens a checkpoint for reading (``CheckpointReader``; passed in so imports run one way).
 OpenReader = Callable[..., Any]
@@ -100,6 +104,45 @@ def resolve_base_path(delta_path: str, stored: str) -> str:
         return stored
     local = delta_path.removeprefix("file://")
     return os.path.normpath(os.path.join(os.path.dirname(local), *stored.split("/")))
+
+
+def _file_key(path: str) -> str:
+    """One spelling per file of a chain, to notice a file met twice."""
+    return path if is_url(path) else os.path.abspath(path.removeprefix("file://"))
+
+
+def _brief(exc: BaseException, limit: int = 240) -> str:
+    """An error's text on one line, at most ``limit`` characters: a wrapped error never makes a long message."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _ChainBroken(BaseCheckpointError):
+    """A delta tensor cannot be rebuilt because a file further down its chain failed.
+
+    ``cause`` is the first failure's message (which names the file where the chain broke): each
+    file above says it once more instead of wrapping the message of the file below, so the error
+    stays short however deep the chain.
+    """
+
+    def __init__(self, where: str, key: str, cause: str) -> None:
+        super().__init__(f"{where}: tensor {key!r} cannot be rebuilt from its chain of bases: {cause}")
+        self.cause = cause
+
+
+def chain_too_deep(where: str, depth: int) -> BaseCheckpointError:
+    """The error for a chain of bases deeper than :data:`MAX_CHAIN_DEPTH` (``depth``: that of ``where``)."""
+    return BaseCheckpointError(
+        f"{where}: its chain of bases is {depth} deep, over the limit of {MAX_CHAIN_DEPTH}; no writer of this version "
+        "builds one (an older version could: load it there and save it in full, or `nvckpt rebase` it there)"
+    )
+
+
+def chain_loops(where: str, again: str) -> BaseCheckpointError:
+    """The error for a chain of bases that reaches ``again`` a second time."""
+    return BaseCheckpointError(
+        f"{where}: its chain of bases loops back to {again} (a file met twice); its base records are corrupt or forged"
+    )
 
 
 # -- bytes of a tensor ------------------------------------------------------------------------
@@ -243,13 +286,15 @@ class BaseChain:
             return self._reader
 
     def _open(self) -> Any:
+        if self.ref.depth > MAX_CHAIN_DEPTH:
+            raise chain_too_deep(self.delta_path, self.ref.depth)
+        if _file_key(self.path) == _file_key(self.delta_path):
+            raise chain_loops(self.delta_path, self.path)
         fix = "restore it, or load the delta where its base is (a delta and its chain move together)"
         try:
             reader = self._open_reader(self.path, storage_options=self._storage_options)
-        except CheckpointError as exc:
-            raise BaseCheckpointError(f"{self._what()} cannot be opened ({exc}); {fix}") from exc
-        except OSError as exc:
-            raise BaseCheckpointError(f"{self._what()} cannot be opened ({exc}); {fix}") from exc
+        except (CheckpointError, OSError) as exc:
+            raise BaseCheckpointError(f"{self._what()} cannot be opened ({_brief(exc)}); {fix}") from exc
         base_depth = reader.index.base.depth if reader.index.base is not None else 0
         if reader.file_bytes != self.ref.size or reader.index_xxh3 != self.ref.index_xxh3 or base_depth != self.ref.depth - 1:
             reader.close()
@@ -275,8 +320,10 @@ class BaseChain:
             raise BaseCheckpointError(f"{self._what()}: tensor {delta.key!r} has {size} bytes, tensor {key!r} of the delta {nbytes}")
         try:
             t = reader.read(delta.key, map_location=device)
+        except BaseCheckpointError as exc:
+            raise _ChainBroken(self.delta_path, key, exc.cause if isinstance(exc, _ChainBroken) else _brief(exc, 320)) from exc
         except CheckpointError as exc:
-            raise BaseCheckpointError(f"{self._what()}: tensor {delta.key!r} (needed by {key!r}) cannot be read: {exc}") from exc
+            raise BaseCheckpointError(f"{self._what()}: tensor {delta.key!r} (needed by {key!r}) cannot be read: {_brief(exc)}") from exc
         flat = flat_bytes(t)
         if bytes_xxh3(flat) != delta.xxh3:
             raise BaseCheckpointError(
@@ -364,13 +411,21 @@ class BaseSource:
         try:
             reader = open_reader(base_path, storage_options=storage_options)
         except CheckpointError as exc:
-            raise BaseCheckpointError(f"{delta_path}: the base checkpoint {base_path} cannot be opened: {exc}") from exc
+            raise BaseCheckpointError(f"{delta_path}: the base checkpoint {base_path} cannot be opened: {_brief(exc)}") from exc
+        depth = (reader.index.base.depth if reader.index.base is not None else 0) + 1
         try:
+            if depth > MAX_CHAIN_DEPTH:
+                # A clear error rather than a full save behind the caller's back: base= asked for a
+                # delta. ChainPolicy (CheckpointManager, the integrations) saves in full instead.
+                raise BaseCheckpointError(
+                    f"{delta_path}: its base {base_path} is {depth - 1} deep in its chain; a delta of it would be {depth} "
+                    f"deep, over the limit of {MAX_CHAIN_DEPTH}: save it without base= (a full checkpoint), or make the "
+                    "base a full checkpoint first (`nvckpt rebase`)"
+                )
             _refuse_overwriting_the_chain(base_path, reader, delta_path, open_reader, storage_options)
         except BaseException:
             reader.close()
             raise
-        depth = (reader.index.base.depth if reader.index.base is not None else 0) + 1
         ref = BaseRef(stored, reader.file_bytes, reader.index_xxh3, depth)
         state = _keyed_tensors(base_state, delta_path) if base_state is not None else None
         return cls(reader, ref, state)
@@ -409,10 +464,24 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _refuse_overwriting_the_chain(base_path: str, reader: Any, delta_path: str, open_reader: OpenReader, storage_options: dict[str, Any] | None) -> None:
-    """A save over a file of its own base's chain would leave a delta whose chain is gone."""
+    """A save over a file of its own base's chain would leave a delta whose chain is gone.
+
+    The chain is walked by its base records (no identity checks: a broken link ends the walk), each
+    file once and at most :data:`MAX_CHAIN_DEPTH` files deep, so forged records that loop end it too.
+
+    Raises:
+        UnsupportedObjectError: ``delta_path`` is a file of the chain.
+        BaseCheckpointError: The chain loops back on itself or is deeper than the limit.
+    """
     current, ref = base_path, reader.index.base
+    seen = {_file_key(base_path)}
     while ref is not None:
         current = resolve_base_path(current, ref.path)
+        if _file_key(current) in seen:
+            raise chain_loops(f"{delta_path}: the base {base_path}", current)
+        seen.add(_file_key(current))
+        if len(seen) > MAX_CHAIN_DEPTH + 1:
+            raise chain_too_deep(f"{delta_path}: the base {base_path}", len(seen) - 1)
         if _same_file(current, delta_path):
             raise UnsupportedObjectError(
                 f"{delta_path}: is in the chain of the base {base_path} (a base of it); writing there would "
@@ -452,11 +521,14 @@ def chain_of(path: str, open_reader: OpenReader, storage_options: dict[str, Any]
     Each base is checked to be the file its delta was written against.
 
     Raises:
-        BaseCheckpointError: A base is missing or another file.
+        BaseCheckpointError: A base is missing or another file, or the chain loops or is deeper
+            than :data:`MAX_CHAIN_DEPTH`.
     """
     out: list[tuple[str, BaseRef | None]] = []
+    seen: set[str] = set()
     current = path
     while True:
+        seen.add(_file_key(current))
         reader = open_reader(current, storage_options=storage_options)
         with reader:
             ref = reader.index.base
@@ -464,7 +536,9 @@ def chain_of(path: str, open_reader: OpenReader, storage_options: dict[str, Any]
         if ref is None:
             return out
         chain = BaseChain(ref, current, open_reader, storage_options)
-        chain.reader()  # checks identity
+        if _file_key(chain.path) in seen:
+            raise chain_loops(path, chain.path)
+        chain.reader()  # checks identity, and the depth against the limit
         chain.close()
         current = chain.path
 
@@ -484,6 +558,11 @@ class ChainPolicy:
 
     A ``CheckpointManager`` asks :meth:`base_for` before each save and :func:`retained` before
     deleting old checkpoints.
+
+    With ``base="previous"`` a chain never grows past :data:`MAX_CHAIN_DEPTH` deltas: a larger
+    ``full_every`` logs a warning once and a full checkpoint is written every
+    ``MAX_CHAIN_DEPTH + 1`` saves instead (a training run is never stopped by a save that
+    ``save(base=...)`` would refuse).
     """
 
     full_every: int = 10
@@ -494,18 +573,31 @@ class ChainPolicy:
             raise ValueError(f"full_every must be an int >= 1, got {self.full_every!r}")
         if self.base not in ("previous", "full"):
             raise ValueError(f"base must be 'previous' or 'full', got {self.base!r}")
+        if self.base == "previous" and self.full_every > MAX_CHAIN_DEPTH + 1:
+            _LOG.warning(
+                "ChainPolicy(full_every=%d, base='previous') would chain %d deltas, over the limit of %d: a full "
+                "checkpoint is written every %d saves instead (or use base='full')",
+                self.full_every, self.full_every - 1, MAX_CHAIN_DEPTH, MAX_CHAIN_DEPTH + 1,
+            )
+
+    @property
+    def _period(self) -> int:
+        """Saves from one full checkpoint to the next."""
+        return min(self.full_every, MAX_CHAIN_DEPTH + 1) if self.base == "previous" else self.full_every
 
     def base_for(self, saved: Sequence[str]) -> str | None:
         """The base of the next save, given every save so far in order (None: save in full).
 
-        Saves are counted from the first one; save ``n`` is full when ``n % full_every == 0``.
+        Saves are counted from the first one; save ``n`` is full when ``n % full_every == 0``
+        (``full_every`` at most ``MAX_CHAIN_DEPTH + 1`` with ``base="previous"``).
         """
         n = len(saved)
-        if n % self.full_every == 0:
+        period = self._period
+        if n % period == 0:
             return None
         if self.base == "previous":
             return saved[-1]
-        return saved[n - n % self.full_every]
+        return saved[n - n % period]
 
 
 def retained(keep: Iterable[str], base_of: Callable[[str], str | None]) -> list[str]:

@@ -90,7 +90,15 @@ class BaseCheckpointError(CheckpointError):
 
 
 class SizeLimitError(CheckpointError):
-    """Decoding would take more memory than the caller's ``max_bytes`` allows (refused before allocating)."""
+    """Decoding would take more memory than the caller's ``max_bytes`` allows (refused before allocating).
+
+    ``needed`` and ``limit``: the bytes the call would decode and the caller's limit, where known.
+    """
+
+    def __init__(self, message: str, *, needed: int | None = None, limit: int | None = None) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.limit = limit
 
 
 class TierUnavailableError(CheckpointError, OSError):

@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 from .errors import CheckpointError
+from .version import install_hint
 
 __all__ = [
     "serve_metrics",
@@ -100,7 +101,7 @@ def serve_metrics(port: int, addr: str = "0.0.0.0") -> Any:
     """
     if _metrics() is None:
         raise CheckpointError(
-            "metrics need prometheus_client: pip install 'nvcomp-checkpoint[metrics]' (or prometheus_client)"
+            f"metrics need prometheus_client: pip install prometheus_client, or {install_hint('metrics')}"
         )
     import prometheus_client as pc
 

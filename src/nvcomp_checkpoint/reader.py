@@ -20,6 +20,7 @@ from .codecs import cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
 from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError, SizeLimitError, UnsafeCheckpointError
 from .filters import ByteplaneFilter
 from .delta import BaseChain
+from .format.chain import MAX_CHAIN_DEPTH
 from .format.layout import FOOTER, MAGIC, READ_VERSIONS, Frame, Index, TensorEntry, unpack_footer
 from .filetype import HEAD_BYTES, SAFETENSORS, TORCH, kind_of
 from .format.skeleton import check_skeleton, decode_skeleton, tensor_paths, unflatten
@@ -90,8 +91,10 @@ class CheckpointReader:
         storage_options: Passed to fsspec for URLs.
         workers: Decompression threads.
         max_bytes: For files from untrusted sources: refuse, before allocating, to decode more
-            than this many bytes (the object tree plus the tensors) in one ``load``, ``read``
-            or ``keys``. ``None``: no limit beyond the format's own.
+            than this many bytes in one ``load``, ``read``, ``read_many``, ``keys`` or
+            ``verify`` (the object tree and the tensors asked for; a delta tensor counts once
+            more per file of its chain below it, whose tensor of the same size is decoded to
+            rebuild it). ``None``: no limit beyond the format's own.
     """
 
     def __init__(
@@ -232,18 +235,27 @@ class CheckpointReader:
     def read(self, key: str, map_location: MapLocation = None) -> torch.Tensor:
         """Decode one tensor (bit-identical to what was saved)."""
         entry = self.entry(key)
-        self._check_size(entry.nbytes, f"tensor {entry.key!r}")
+        self._check_size(self.decoded_bytes(entry), f"tensor {entry.key!r}")
         device = _check_device(_target_device(entry, map_location), entry, self.path)
         with worker_pool(self.workers, "nvckpt-decode") as pool:
             return self._finish(entry, self._decode(entry, device, pool), map_location)
 
+    def decoded_bytes(self, entry: TensorEntry) -> int:
+        """Bytes decoded to read ``entry``: its own, and for a delta tensor as many again per file of
+        the chain below this one (each holds a tensor of the same size that the values build on;
+        the chain's recorded depth, which the reader checks file by file, bounds it)."""
+        if entry.delta is None or self.index.base is None:
+            return entry.nbytes
+        return entry.nbytes * (1 + min(self.index.base.depth, MAX_CHAIN_DEPTH))
+
     def read_component(self, component: str, map_location: MapLocation = None) -> dict[str, torch.Tensor]:
-        """Every tensor of one component (``"weights"``, ``"exp_avg"`` ...), by key."""
-        return {t.key: self.read(t.key, map_location) for t in self.index.tensors if t.component == component}
+        """Every tensor of one component (``"weights"``, ``"exp_avg"`` ...), by key (``max_bytes``: their sum)."""
+        keys = [t.key for t in self.index.tensors if t.component == component]
+        return dict(self.read_many(keys, map_location))
 
     def load(self, map_location: MapLocation = None, *, weights_only: bool = True) -> Any:
         """The whole tree, as it was saved."""
-        self._check_size(self.index.skeleton.raw_size + self.raw_bytes, "the whole checkpoint")
+        self._check_size(self.index.skeleton.raw_size + sum(map(self.decoded_bytes, self.index.tensors)), "the whole checkpoint")
         skeleton = decode_skeleton(self._read_frame_bytes(self.index.skeleton, "the object tree"), weights_only=weights_only, where=self.path)
         count = len(self.index.tensors)
         check_skeleton(skeleton, count, self.path)  # before any tensor is decoded
@@ -271,17 +283,27 @@ class CheckpointReader:
         if self.max_bytes is not None and nbytes > self.max_bytes:
             raise SizeLimitError(
                 f"{self.path}: {what} decodes to {nbytes} bytes, over max_bytes={self.max_bytes}; "
-                "raise max_bytes if you trust the file, or read single tensors with open()"
+                "raise max_bytes if you trust the file, or read single tensors with open()",
+                needed=nbytes, limit=self.max_bytes,
             )
 
     def read_many(self, keys: list[str], map_location: MapLocation = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(key, tensor)`` for each of ``keys`` in that order, decoded ahead on one worker pool
-        (as :meth:`load` does), for callers that want many tensors but not the whole tree."""
+        (as :meth:`load` does), for callers that want many tensors but not the whole tree.
+
+        Raises:
+            SizeLimitError: Before the first tensor is decoded, when ``keys`` add up to more than
+                ``max_bytes`` (each counted as by :meth:`read`, once per time it is asked for).
+        """
+        entries = [self.entry(key) for key in keys]
+        self._check_size(sum(map(self.decoded_bytes, entries)), f"reading {len(entries)} tensors")
+        return self._read_many(keys, entries, map_location)
+
+    def _read_many(self, keys: list[str], entries: list[TensorEntry], map_location: MapLocation) -> Iterator[tuple[str, torch.Tensor]]:
         with worker_pool(self.workers, "nvckpt-decode") as pool:
             pending: deque[tuple[str, TensorEntry, Callable[[], torch.Tensor], int]] = deque()
             ahead = 0
-            for key in keys:
-                entry = self.entry(key)
+            for key, entry in zip(keys, entries):
                 device = _check_device(_target_device(entry, map_location), entry, self.path)
                 pending.append((key, entry, self._start_decode(entry, device, pool), entry.stored_bytes))
                 ahead += entry.stored_bytes
@@ -297,7 +319,10 @@ class CheckpointReader:
         """Check the object tree as ``load`` does, then decode every tensor on the CPU.
 
         The tree is decoded with the weights-only rules and every tensor reference in it is
-        checked against the index, so a file passes exactly when ``load`` accepts it.
+        checked against the index, so a file passes exactly when ``load`` accepts it. A tensor
+        is decoded chunk by chunk, its chunks discarded once checked: memory holds a chunk per
+        worker, whatever the tensor's size. A delta tensor is rebuilt as ``read`` does (its
+        values are checked against the digest of its base's), in memory for it and its bases.
 
         Yields:
             ``(entry, error or None)`` for each tensor.
@@ -305,20 +330,64 @@ class CheckpointReader:
         Raises:
             CheckpointError: The object tree is damaged, forged or holds objects that a
                 weights-only load refuses (checked before any tensor).
+            SizeLimitError: The tree and the tensors decode to more than ``max_bytes``
+                (checked before anything is decoded).
         """
-        self._check_size(self.index.skeleton.raw_size, "the object tree")
+        self._check_size(self.index.skeleton.raw_size + sum(map(self.decoded_bytes, self.index.tensors)), "the whole checkpoint")
         skeleton = decode_skeleton(self._read_frame_bytes(self.index.skeleton, "the object tree"), weights_only=True, where=self.path)
         check_skeleton(skeleton, len(self.index.tensors), self.path)
         del skeleton
         with worker_pool(self.workers, "nvckpt-decode") as pool:
             for entry in self.index.tensors:
                 try:
-                    device = torch.device("cpu") if has_cpu_decoder(entry.codec.id) or not gpu_available() else torch.device("cuda")
-                    self._decode(entry, device, pool)
+                    if entry.delta is None and has_cpu_decoder(entry.codec.id):
+                        self._verify_chunks(entry, pool)
+                    else:
+                        device = torch.device("cpu") if has_cpu_decoder(entry.codec.id) or not gpu_available() else torch.device("cuda")
+                        self._decode(entry, device, pool)
                 except CheckpointError as exc:
                     yield entry, exc
                 else:
                     yield entry, None
+
+    def _verify_chunks(self, entry: TensorEntry, pool: Executor) -> None:
+        """Read, checksum and decode ``entry``'s chunks, one per worker at a time, keeping none."""
+        codec = cpu_codec(entry.codec.id)
+
+        def check(i: int, frames: tuple[Frame, ...]) -> None:
+            first = min(f.offset for f in frames)
+            span = memoryview(self._read_at(first, max(f.offset + f.size for f in frames) - first))
+            for p, f in enumerate(frames):
+                self._checked_frame(entry, codec, i, p, f, span[f.offset - first : f.offset - first + f.size])
+
+        in_flight: deque[Future[None]] = deque()
+        try:
+            for i, (_, _, frames) in enumerate(entry.chunks()):
+                in_flight.append(pool.submit(check, i, frames))
+                if len(in_flight) >= self.workers:
+                    in_flight.popleft().result()
+            while in_flight:
+                in_flight.popleft().result()
+        finally:
+            for fut in in_flight:  # after a failure: the chunks not started are not decoded
+                fut.cancel()
+
+    def _checked_frame(self, entry: TensorEntry, codec: Any, i: int, p: int, f: Frame, data: Any) -> Any:
+        """Frame ``p`` of chunk ``i`` of ``entry`` (its stored bytes ``data``), checksummed and decoded."""
+        if xxhash.xxh3_64_intdigest(data) != f.xxh:
+            raise ChecksumError(
+                f"{self.path}: tensor {entry.key!r}, chunk {i}"
+                + (f" (byte plane {p})" if entry.planes > 1 else "")
+                + f" at byte {f.offset} is corrupt (checksum mismatch); restore the file from another copy"
+            )
+        try:
+            return data if f.is_raw else codec.decode(data, f.raw_size)
+        except FormatError as exc:
+            raise FormatError(
+                f"{self.path}: tensor {entry.key!r}, chunk {i}"
+                + (f" (byte plane {p})" if entry.planes > 1 else "")
+                + f" at byte {f.offset} does not decode: {exc}; the index or the frame is corrupt"
+            ) from exc
 
     def _read_frame_bytes(self, frame: Frame, what: str) -> bytes:
         data = self._read_at(frame.offset, frame.size)
@@ -379,24 +448,10 @@ class CheckpointReader:
 
             def decode_chunk(i: int, start: int, length: int, frames: tuple[Frame, ...]) -> None:
                 dest = out[start : start + length]
-                raws = []
-                for p, f in enumerate(frames):
-                    data = view[f.offset - base : f.offset - base + f.size]
-                    if xxhash.xxh3_64_intdigest(data) != f.xxh:
-                        raise ChecksumError(
-                            f"{self.path}: tensor {entry.key!r}, chunk {i}"
-                            + (f" (byte plane {p})" if planes > 1 else "")
-                            + f" at byte {f.offset} is corrupt (checksum mismatch); restore the file from another copy"
-                        )
-                    try:
-                        raw = data if f.is_raw else codec.decode(data, f.raw_size)
-                    except FormatError as exc:
-                        raise FormatError(
-                            f"{self.path}: tensor {entry.key!r}, chunk {i}"
-                            + (f" (byte plane {p})" if planes > 1 else "")
-                            + f" at byte {f.offset} does not decode: {exc}; the index or the frame is corrupt"
-                        ) from exc
-                    raws.append(raw)
+                raws = [
+                    self._checked_frame(entry, codec, i, p, f, view[f.offset - base : f.offset - base + f.size])
+                    for p, f in enumerate(frames)
+                ]
                 # All planes at once: a single pass over the chunk (ByteplaneFilter.join).
                 if planes > 1:
                     filt.join(dest, raws)

@@ -504,7 +504,7 @@ class CheckpointWriter:
                 if item.spec.codec != "none" and item.nbytes and id(item.tensor) not in self.pre_encoded:
                     item.base_key = self.base.match(item.key, item.tensor, item.component.value)
         try:
-            skeleton_bytes = encode_skeleton(skeleton)
+            skeleton_bytes = encode_skeleton(skeleton, self.where)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             # torch.save names the object's type only ("Can't pickle local object ...").
             raise UnsupportedObjectError(

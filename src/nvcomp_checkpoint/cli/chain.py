@@ -43,7 +43,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 def describe_chain(path: str) -> list[dict[str, Any]]:
     """``[{path, depth, file_bytes, error}]`` from ``path`` back to its full checkpoint.
 
-    Never raises for a broken chain: the link that cannot be followed carries the error.
+    Never raises for a broken chain: the link that cannot be followed carries the error. Each file
+    is visited once and at most ``MAX_CHAIN_DEPTH`` deep (the reader refuses to open a deeper base).
     """
     links: list[dict[str, Any]] = []
     try:
@@ -56,6 +57,11 @@ def describe_chain(path: str) -> list[dict[str, Any]]:
             ref = reader.index.base
             links.append({"path": reader.path, "depth": ref.depth if ref else 0, "file_bytes": reader.file_bytes, "error": None})
             if reader.chain is None:
+                return links
+            if any(os.path.abspath(link["path"]) == os.path.abspath(reader.chain.path) for link in links):
+                # The identity checks refuse such a base anyway; say what it is.
+                error = f"{reader.path}: its chain of bases loops back to {reader.chain.path} (a file met twice); its base records are corrupt or forged"
+                links.append({"path": reader.chain.path, "depth": None, "file_bytes": None, "error": error})
                 return links
             try:
                 # The base's reader, once its identity is checked; closed with the delta's reader.

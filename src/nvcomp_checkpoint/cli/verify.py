@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.errors import CheckpointError, CodecUnavailableError, FormatError
+from nvcomp_checkpoint.errors import CheckpointError, CodecUnavailableError, FormatError, SizeLimitError
 from nvcomp_checkpoint.report import format_bytes
 from nvcomp_checkpoint.storage import stale_temp_files
 
@@ -20,7 +20,35 @@ from ._ui import EXIT_FAILED, EXIT_OK, Reporter, print_json, stdout_console
 from .chain import describe_chain
 from .sources import DIRECTORY, NVCOMP, TORCH, SAFETENSORS, dir_files, sniff
 
-__all__ = ["add_parser", "run_verify", "verify_file"]
+__all__ = ["add_parser", "run_verify", "verify_file", "default_max_bytes", "parse_size"]
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+
+
+def default_max_bytes() -> int:
+    """The default of ``--max-bytes``: this machine's physical memory.
+
+    A file that decodes to more cannot be loaded into this machine's memory, so refusing it
+    loses nothing a load could have done here; and a forged file (a 135 KB index may declare
+    gigabytes of zeros, a 1 GiB one petabytes) costs at most this much decoding time.
+    """
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX: 64 GiB, a large training host
+        return 64 << 30
+
+
+def parse_size(text: str) -> int:
+    """``"512M"``, ``"8G"``, ``"1.5T"`` or a number of bytes (units of 1024) as bytes; ``"0"``: no limit."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = value[-1:] if value[-1:] in _UNITS else ""
+    try:
+        number = float(value[: len(value) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (a number of bytes, or with K, M, G, T)") from None
+    if number < 0 or number != number or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
+    return int(number * _UNITS[unit])
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -40,6 +68,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("path", help="nvcomp-checkpoint file, or a directory of them")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument(
+        "--max-bytes", type=parse_size, default=None, metavar="SIZE",
+        help="refuse, before decoding, a file whose object tree and tensors decode to more than SIZE (e.g. 64G; "
+        "a delta tensor counts once per file of its chain); default: this machine's memory; 0: no limit",
+    )
     p.set_defaults(func=run_verify)
 
 
@@ -47,10 +80,11 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def verify_file(path: str, reporter: Reporter) -> dict[str, Any]:
+def verify_file(path: str, reporter: Reporter, max_bytes: int | None = None) -> dict[str, Any]:
     """Verify one file; returns ``{file, tensors, raw_bytes, unreadable, failures: [{tensor, error}]}``.
 
     ``unreadable``: its index could not be read (truncated, not ours), so no tensor was checked.
+    ``max_bytes``: as for :func:`nvcomp_checkpoint.verify` (None: no limit).
     """
     try:
         with nc.open(path) as reader:  # the index only: the size of the bar
@@ -60,7 +94,7 @@ def verify_file(path: str, reporter: Reporter) -> dict[str, Any]:
     task = reporter.start(f"verifying {os.path.basename(path)}", total)
     try:
         # A file that starts with our magic (checked by the caller) and fails is damage, not a mistake.
-        checked = nc.verify(path, progress=task.advance)
+        checked = nc.verify(path, progress=task.advance, max_bytes=max_bytes)
     finally:
         reporter.stop()
     failures = []
@@ -68,6 +102,11 @@ def verify_file(path: str, reporter: Reporter) -> dict[str, Any]:
         message = _one_line(problem.error)
         if isinstance(problem.error, CodecUnavailableError):
             message = f"cannot be decoded on this machine: {message}"
+        elif isinstance(problem.error, SizeLimitError) and problem.error.needed is not None:
+            message = (
+                f"{path}: not verified: it decodes to {problem.error.needed} bytes ({format_bytes(problem.error.needed)}), over "
+                f"--max-bytes {problem.error.limit}; if you trust the file, pass --max-bytes {problem.error.needed} (or 0: no limit)"
+            )
         failures.append({"tensor": problem.tensor, "error": message})
     return {"file": path, "tensors": checked.tensors, "raw_bytes": checked.raw_bytes, "unreadable": total is None, "failures": failures}
 
@@ -109,7 +148,8 @@ def run_verify(args: argparse.Namespace) -> int:
             f"{args.path}: not an nvcomp-checkpoint file ({what}); verify checks the checksums of files written by "
             "nvcomp-checkpoint (convert it with `nvckpt compress`)"
         )
-    results = [verify_file(p, reporter) for p in paths]
+    limit = default_max_bytes() if args.max_bytes is None else (args.max_bytes or None)
+    results = [verify_file(p, reporter, limit) for p in paths]
     failures = [dict(f, file=r["file"]) for r in results for f in r["failures"]] + extra + (chain_failures if kind == NVCOMP else [])
     tensors = sum(r["tensors"] for r in results)
     raw = sum(r["raw_bytes"] for r in results)

@@ -11,7 +11,9 @@ from typing import Any
 from ..errors import FormatError
 from ..filters.sub import SUB_WIDTHS
 
-__all__ = ["FRAME_OPS", "XOR", "SUB", "BaseRef", "TensorDelta", "DELTA_FORMAT_VERSION", "SUB_FORMAT_VERSION", "SUB_WIDTHS"]
+__all__ = [
+    "FRAME_OPS", "XOR", "SUB", "BaseRef", "TensorDelta", "DELTA_FORMAT_VERSION", "SUB_FORMAT_VERSION", "SUB_WIDTHS", "MAX_CHAIN_DEPTH",
+]
 
 #: Index ``version`` (and magic version byte) of a file that records a base.
 DELTA_FORMAT_VERSION = 2
@@ -26,6 +28,11 @@ FRAME_OPS = ("", XOR, SUB)
 #: version-2 reader refuses it ("Upgrade") instead of taking differences for values.
 SUB_FORMAT_VERSION = 3
 #: Element widths ``sub`` frames are defined for: SUB_WIDTHS, (1, 2, 4).
+#: Deltas a chain may stack on its full checkpoint: a writer refuses (``save(base=...)``) or
+#: avoids (a :class:`ChainPolicy` saves in full) a deeper one, and a reader refuses to follow one.
+#: A load decodes every file of the chain (65 at most), and the reader follows it through a few
+#: Python frames per file, so a depth near 200 exhausted the interpreter's stack.
+MAX_CHAIN_DEPTH = 64
 
 
 def _hex64(value: Any, what: str, where: str) -> int:

@@ -1,7 +1,7 @@
 """The non-tensor part of a checkpoint tree (its "skeleton").
 
-Tensors found in dicts, lists and tuples are replaced by :class:`TensorRef` placeholders; the
-rest (numbers, strings, RNG states, Lightning loop state ...) is serialized with ``torch.save``
+Tensors found in dicts, lists and tuples are replaced by :class:`TensorRef` placeholders (a
+tensor anywhere else is refused: tensor bytes never go through pickle); the rest (numbers, strings, RNG states, Lightning loop state ...) is serialized with ``torch.save``
 and read back with ``torch.load(weights_only=True)``, so loading follows exactly PyTorch's
 rules for what a file may construct. Arbitrary Python objects need ``weights_only=False``.
 """
@@ -70,6 +70,7 @@ MAX_TREE_NODES = 1 << 24
 MAX_PICKLE_NESTING = MAX_TREE_DEPTH + 16
 
 _CONTAINERS = (dict, list, tuple)
+_STORAGES = (torch.UntypedStorage, torch.storage.TypedStorage)
 
 
 class _Level:
@@ -114,8 +115,9 @@ def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[
 
     Raises:
         UnsupportedObjectError: A container holds itself, the tree is deeper than
-            :data:`MAX_TREE_DEPTH` or holds more than :data:`MAX_TREE_NODES` items, or a lazy
-            module's parameter has not been initialized.
+            :data:`MAX_TREE_DEPTH` or holds more than :data:`MAX_TREE_NODES` items, a lazy
+            module's parameter has not been initialized, or tensor bytes would be pickled with
+            the skeleton (a tensor subclass, a storage, a set holding a tensor: named by path).
     """
     tensors: list[tuple[tuple[Any, ...], torch.Tensor]] = []
     seen: dict[tuple[Any, ...], int] = {}
@@ -131,8 +133,12 @@ def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[
                     "yet; run one forward pass (or initialize_parameters) before saving"
                 )
             if type(node) is not torch.Tensor and not isinstance(node, torch.nn.Parameter):
-                # Tensor subclasses (DTensor, FakeTensor ...) carry state we cannot rebuild.
-                return node
+                # Tensor subclasses (DTensor, FakeTensor ...) carry state we cannot rebuild, and
+                # pickling them would put tensor bytes in the object tree.
+                raise UnsupportedObjectError(
+                    f"{where}: tensor {_path_text(path)[:200]} is a {type(node).__name__[:60]} (a tensor subclass); only plain "
+                    "tensors and nn.Parameters are stored: convert it (t.as_subclass(torch.Tensor); a DTensor: t.full_tensor())"
+                )
             # Sparse, nested and meta tensors have no storage to compare; the writer refuses them.
             # Empty tensors hold no bytes to share, and every empty storage has data_ptr 0.
             plain = (
@@ -147,6 +153,17 @@ def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[
             if ident is not None:
                 seen[ident] = index
             return TensorRef(index)
+        if isinstance(node, _STORAGES):
+            raise UnsupportedObjectError(
+                f"{where}: {_path_text(_path_of(level, key) if level is not None else ())[:200]} is a tensor storage; only "
+                "tensors are stored (outside the pickled object tree): save a tensor viewing it instead"
+            )
+        if isinstance(node, (set, frozenset)) and any(isinstance(item, torch.Tensor) for item in node):
+            raise UnsupportedObjectError(
+                f"{where}: {_path_text(_path_of(level, key) if level is not None else ())[:200]} holds a tensor inside a "
+                f"{type(node).__name__}; tensors are stored outside the pickled object tree, found in dicts, lists and "
+                "tuples only: store them in a list"
+            )
         return node
 
     def open_level(node: Any, parent: _Level | None, key: Any, depth: int) -> _Level:
@@ -341,39 +358,96 @@ def unflatten(skeleton: Any, resolve: Callable[[int], Any], *, where: str = "che
     return _walk_skeleton(skeleton, where, tensor_count, lambda index, *_: resolve(index), rebuild=True)
 
 
-def encode_skeleton(skeleton: Any) -> bytes:
+class _TreePickler(pickle.Pickler):
+    """torch.save's pickler for object trees: a tensor anywhere in the tree is refused.
+
+    :func:`flatten` takes the tensors of dicts, lists and tuples out of the tree; one inside any
+    other object (a class instance ...) would be pickled with its bytes. torch.save subclasses this
+    class and looks storages up first, so a bare storage is caught by :func:`_storage_records`.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            raise _TensorInTree(f"a tensor ({type(obj).__module__}.{type(obj).__name__})"[:120])
+        return NotImplemented
+
+
+class _TensorInTree(Exception):
+    """Raised from inside torch.save; :func:`encode_skeleton` turns it into UnsupportedObjectError."""
+
+
+class _TreePickleModule:
+    """The ``pickle_module`` of torch.save for object trees (only ``Pickler`` is used)."""
+
+    Pickler = _TreePickler
+    __name__ = "pickle"
+
+
+def encode_skeleton(skeleton: Any, where: str = "checkpoint") -> bytes:
     """Serialize a skeleton with ``torch.save``'s default pickle protocol.
 
     The default protocol matters: ``torch.load(weights_only=True)`` rejects protocol 4 streams.
+
+    Raises:
+        UnsupportedObjectError: The skeleton holds a tensor or a storage (inside an object that
+            :func:`flatten` does not walk): tensor bytes never go through pickle.
     """
     buf = io.BytesIO()
+    fix = ("tensors are stored outside the pickled object tree, found in dicts, lists and tuples only: "
+           "move it into one, or out of the object")
     try:
-        torch.save(skeleton, buf)
+        torch.save(skeleton, buf, pickle_module=_TreePickleModule)
+    except _TensorInTree as exc:
+        raise UnsupportedObjectError(f"{where}: the checkpoint tree holds {exc} inside an object; {fix}") from None
     except RecursionError as exc:
         # flatten() bounds the depth of dicts, lists and tuples; other objects can nest too.
         raise UnsupportedObjectError(
-            "the checkpoint tree nests objects too deep for torch.save's pickler here; flatten it before saving"
+            f"{where}: the checkpoint tree nests objects too deep for torch.save's pickler here; flatten it before saving"
         ) from exc
-    return buf.getvalue()
+    data = buf.getvalue()
+    if _storage_records(zipfile.ZipFile(io.BytesIO(data)).namelist()):
+        raise UnsupportedObjectError(f"{where}: the checkpoint tree holds a tensor storage inside an object; {fix}")
+    return data
+
+
+def _storage_records(names: list[str]) -> list[str]:
+    """The records of a torch.save archive that hold tensor bytes (``<archive>/data/<key>``)."""
+    return [name for name in names if name.rsplit("/", 2)[-2:-1] == ["data"]]
 
 
 def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
     """Deserialize a skeleton; with ``weights_only`` nothing but safe types is constructed.
 
     With ``weights_only`` the pickle is first scanned (:func:`_check_weights_only_pickle`) for
-    what the weights-only unpickler would build but the interpreter cannot survive.
+    what the weights-only unpickler would build but the interpreter cannot survive. In both modes
+    a tree holding tensor data (a storage record; with ``weights_only`` also a call that builds a
+    tensor or storage) is refused before torch builds anything.
 
     Raises:
         UnsafeCheckpointError: the skeleton holds objects that ``weights_only`` refuses.
-        FormatError: the bytes are not a skeleton.
+        FormatError: the bytes are not a skeleton, or hold tensor data (the place is named).
     """
     corrupt = f"{where}: the checkpoint's object tree is corrupt"
     if not data.startswith(_ZIP_MAGIC):
         # torch.save's zip archive is what every writer of this format stores; anything else
         # (a legacy torch pickle, random bytes) is damage, not an object the rules refuse.
         raise FormatError(f"{corrupt}: it is not a torch.save archive (it starts with {bytes(data[:8])!r})")
+    pkl, records = _archive_pickle(io.BytesIO(data), len(data), corrupt)
+    # Tensor bytes never go through pickle: a writer stores every tensor in the tensor table, so
+    # tensor data in the tree (a storage record, or a call that builds a tensor) is forged. Found
+    # before torch builds anything: a stride-0 view of 2**40 elements is 4 bytes of storage here,
+    # and 4 TiB once a caller copies or re-saves it.
+    found: str | None = None
     if weights_only:
-        _check_weights_only_pickle(_archive_pickle(io.BytesIO(data), len(data), corrupt), corrupt, _REFUSED_IN_OBJECT_TREES)
+        found, _ = _check_weights_only_pickle(pkl, corrupt, object_tree=True)
+    if found is None and records:
+        found = f"its archive holds {len(records)} tensor storage record(s)"
+    if found is not None:
+        at = _tensor_data_path(pkl, corrupt)
+        raise FormatError(
+            f"{where}: the checkpoint's object tree holds tensor data at {at[:200] if at else 'an unknown place'} ({found[:120]}); "
+            "a writer stores every tensor outside the tree, so the file is corrupt or forged"
+        )
     try:
         if weights_only:
             # Added for good, never removed: the ``safe_globals`` context manager edits one
@@ -399,21 +473,105 @@ def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
+class _Stub:
+    """What :func:`_tensor_data_path` builds for a global: nothing of the file's runs or is allocated.
+
+    ``tensor_data``: the global builds a tensor or storage (:func:`_builds_tensor`); an object made
+    by a call, or given a state, holding such a thing carries it too, so the place found is the
+    outermost dict, list or tuple item that holds the tensor data.
+    """
+
+    tensor_data = False
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "_Stub":
+        self = object.__new__(cls)
+        self.carries = cls.tensor_data or any(_carries(a) for a in args)
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        values = state.values() if isinstance(state, dict) else state if isinstance(state, (tuple, list)) else (state,)
+        self.carries = self.carries or any(_carries(v) for v in values)
+
+
+def _carries(value: Any) -> bool:
+    """Whether a value of the locating unpickler is, or directly holds, tensor data."""
+    if isinstance(value, _Stub):
+        return value.carries
+    if isinstance(value, type):
+        return issubclass(value, _Stub) and value.tensor_data
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return any(isinstance(v, _Stub) and v.carries for v in value)
+    return False
+
+
+class _LocatingUnpickler(pickle.Unpickler):
+    """Unpickles an object tree with every global but plain containers replaced by a :class:`_Stub`."""
+
+    _REAL = {"collections.OrderedDict": dict, "builtins.set": set, "builtins.frozenset": frozenset}
+
+    def find_class(self, module: str, name: str) -> Any:
+        real = self._REAL.get(f"{module}.{name}")
+        if real is not None:
+            return real
+        return type("_Stub", (_Stub,), {"tensor_data": _builds_tensor(f"{module}.{name}".encode())})
+
+    def persistent_load(self, pid: Any) -> Any:
+        stub = _Stub()
+        stub.carries = True
+        return stub
+
+
+def _tensor_data_path(pkl: bytes, corrupt: str) -> str | None:
+    """Where in the tree (a quoted path, or "its root") the pickle of a refused object tree puts tensor data.
+
+    Only for a pickle the weights-only scan reads whole without refusing it for anything but
+    tensor data (so nesting and sizes are bounded): it is unpickled with :class:`_LocatingUnpickler`
+    (no global of the file is called) and walked once. None when that cannot be done.
+    """
+    try:
+        _, whole = _check_weights_only_pickle(pkl, corrupt, object_tree=True)
+        if not whole:
+            return None
+        root = _LocatingUnpickler(io.BytesIO(pkl)).load()
+    except Exception:  # noqa: BLE001 - locating is a courtesy of the error message; the file is refused anyway
+        return None
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(root, ())]
+    seen: set[int] = set()
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, _CONTAINERS):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if isinstance(node, dict) and any(_carries(k) for k in node):
+                return _path_text(path)
+            items = list(node.items()) if isinstance(node, dict) else list(enumerate(node))
+            stack.extend((value, (*path, key)) for key, value in reversed(items))
+        elif _carries(node):
+            return _path_text(path)
+    return None
+
+
 def check_torch_archive(stream: IO[bytes], size: int, where: str) -> None:
     """Apply the pickle scan of :func:`decode_skeleton` to a plain ``torch.save`` zip archive.
 
     Only the ``data.pkl`` record is read (tensors are separate records), so this costs little
-    before a weights-only ``torch.load`` of the same file.
+    before a weights-only ``torch.load`` of the same file. Tensors are what such a file holds:
+    the rules on tensor data in object trees do not apply.
 
     Raises:
         FormatError: The archive is unreadable, or its pickle is refused by the scan.
     """
     refused = f"{where}: this torch.save file is refused"
-    _check_weights_only_pickle(_archive_pickle(stream, size, refused), refused)
+    _check_weights_only_pickle(_archive_pickle(stream, size, refused)[0], refused)
 
 
-def _archive_pickle(stream: IO[bytes], size: int, corrupt: str) -> bytes:
-    """The ``data.pkl`` record of a torch.save archive, which torch reads the tree from."""
+def _archive_pickle(stream: IO[bytes], size: int, corrupt: str) -> tuple[bytes, list[str]]:
+    """The ``data.pkl`` record of a torch.save archive, which torch reads the tree from, and the
+    names of its tensor storage records."""
     try:
         with zipfile.ZipFile(stream) as archive:
             infos = archive.infolist()
@@ -424,7 +582,7 @@ def _archive_pickle(stream: IO[bytes], size: int, corrupt: str) -> bytes:
             # torch writes records uncompressed; a deflated one could expand without bound.
             if picks[0].compress_type != zipfile.ZIP_STORED or picks[0].file_size > size:
                 raise FormatError(f"{corrupt}: its data.pkl record is compressed or larger than the archive")
-            return archive.read(picks[0])
+            return archive.read(picks[0]), _storage_records(names)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError, RuntimeError, NotImplementedError) as exc:
         raise FormatError(f"{corrupt}: not a readable archive ({exc})") from exc
 
@@ -437,20 +595,21 @@ _TAG_BITS = 6
 _TAGS = (1 << _TAG_BITS) - 1
 _ONE = 1 << _TAG_BITS
 _DEEP = (MAX_PICKLE_NESTING + 1) << _TAG_BITS
-#: Allowed by the weights-only rules, but never in an object tree a writer makes. The first two
-#: copy a tensor whose size the pickle states into new memory, so a stride-0 view of one element
-#: becomes gigabytes (1.1 KB of pickle took 8 GiB); the others rebuild sparse, nested and
-#: quantized tensors, which the writer refuses (and whose validation walks every stated element).
-_REFUSED_IN_OBJECT_TREES = (
-    b"torch._utils._rebuild_device_tensor_from_cpu_tensor",
-    b"torch._utils._rebuild_device_tensor_from_numpy",
-    b"torch._utils._rebuild_sparse_tensor",
-    b"torch._utils._rebuild_nested_tensor",
-    b"torch._utils._rebuild_qtensor",
-)
+def _builds_tensor(name: bytes) -> bool:
+    """Whether a global (``b"module.name"``) builds a tensor or a storage: allowed by the weights-only
+    rules, never in an object tree a writer makes (its tensors are in the tensor table).
+
+    The ``torch._utils._rebuild_*`` functions (a view of a storage, a device copy of one: 1.1 KB of
+    pickle took 8 GiB; sparse, nested, quantized tensors), the tensor and storage classes
+    (``torch.FloatTensor(n)`` allocates ``n`` elements) and ``torch.nn.parameter``'s classes.
+    """
+    module, _, attr = name.rpartition(b".")
+    if module != b"torch" and not module.startswith(b"torch."):
+        return False
+    return attr.startswith(b"_rebuild") or attr.endswith((b"Tensor", b"Storage")) or module == b"torch.nn.parameter"
 
 
-def _check_weights_only_pickle(pkl: bytes, corrupt: str, refused: tuple[bytes, ...] = ()) -> None:
+def _check_weights_only_pickle(pkl: bytes, corrupt: str, object_tree: bool = False) -> tuple[str | None, bool]:
     """Refuse, before torch builds anything, a pickle that would crash or exhaust the process.
 
     A linear pass over the opcodes that simulates the unpickler's stack with a nesting depth per
@@ -460,14 +619,20 @@ def _check_weights_only_pickle(pkl: bytes, corrupt: str, refused: tuple[bytes, .
     ``n`` (a few bytes that commit ``n`` bytes of zeros; a writer pickles a bytearray from its
     bytes); ``_codecs.encode`` of anything but a string literal (``encode(encode(..., "hex"),
     "hex")`` doubles per level: 1.5 KB of pickle made 128 MB, and each level more doubles it;
-    a writer pickles bytes as ``encode("<latin-1 text>", "latin1")``); and the globals named in
-    ``refused``. The depth of a tuple is exact (tuples never change); that of a list or dict counts
+    a writer pickles bytes as ``encode("<latin-1 text>", "latin1")``). With ``object_tree``, the
+    first global that builds a tensor (:func:`_builds_tensor`) or storage reference is returned,
+    for the caller to refuse once it knows where in the tree it is. The depth of a tuple is exact (tuples never change); that of a list or dict counts
     what was added to it before it was used elsewhere, a lower bound that the tree walk then
     completes. Anything else the weights-only unpickler rejects is left for it to reject.
+
+    Returns:
+        ``(what builds tensor data, or None; whether the whole pickle was scanned)``: the scan
+        stops at an opcode that the weights-only unpickler refuses by itself.
 
     Raises:
         FormatError: The pickle is refused, or its opcodes are not a pickle.
     """
+    found: str | None = None
     # One branch per opcode, the most frequent first: this runs over every byte of the tree.
     stack: list[int] = []
     push = stack.append
@@ -550,13 +715,15 @@ def _check_weights_only_pickle(pkl: bytes, corrupt: str, refused: tuple[bytes, .
                 stack.pop()
             elif op == 0x51:  # BINPERSID: a storage in place of its id
                 stack[-1] = 0
+                if object_tree and found is None:
+                    found = "its pickle refers to a tensor storage"
             elif op == 0x63:  # GLOBAL: module and name, a line each
                 first = pkl.index(b"\n", pos)
                 second = pkl.index(b"\n", first + 1)
                 name = pkl[pos:second].replace(b"\n", b".")
                 pos = second + 1
-                if name in refused:
-                    raise FormatError(f"{corrupt}: its pickle calls {name.decode(errors='replace')}, which no writer puts in an object tree")
+                if object_tree and found is None and _builds_tensor(name):
+                    found = f"its pickle calls {name.decode(errors='replace')}"
                 push(_BYTEARRAY if name in (b"builtins.bytearray", b"__builtin__.bytearray") else _ENCODE if name == b"_codecs.encode" else 0)
             elif op in (0x55, 0x8A):  # SHORT_BINSTRING, LONG1
                 pos += 1 + pkl[pos]
@@ -564,13 +731,14 @@ def _check_weights_only_pickle(pkl: bytes, corrupt: str, refused: tuple[bytes, .
             elif op == 0x80:  # PROTO
                 pos += 1
             elif op == 0x2E:  # STOP
-                return
+                return found, True
             elif chr(op) in _PICKLE_OPCODES:
-                return  # a real opcode that the weights-only unpickler refuses by itself
+                return found, False  # a real opcode that the weights-only unpickler refuses by itself
             else:
                 raise FormatError(f"{corrupt}: byte {pos - 1} of its pickle is no pickle opcode ({op:#04x})")
     except (IndexError, KeyError, ValueError, struct.error) as exc:
         raise FormatError(f"{corrupt}: its pickle is malformed near byte {pos} ({type(exc).__name__})") from exc
+    return found, False
 
 
 _PICKLE_OPCODES = {op.code for op in pickletools.opcodes}

@@ -11,6 +11,7 @@ wrapper, crash safety, in-place updates, async saves) is in ``docs/accelerate.md
 
 from __future__ import annotations
 
+from nvcomp_checkpoint.version import install_hint
 import contextlib
 import logging
 import os
@@ -36,7 +37,7 @@ try:
         DistributedType,
     )
 except ImportError as exc:
-    raise ImportError(f"nvcomp_checkpoint.accelerate needs Accelerate: pip install 'nvcomp-checkpoint[accelerate]' ({exc})", name=exc.name) from exc
+    raise ImportError(f"nvcomp_checkpoint.accelerate needs Accelerate: {install_hint('accelerate')} ({exc})", name=exc.name) from exc
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate
@@ -76,7 +77,7 @@ _PLAIN_STATE_FILE = re.compile(
 )
 _MARKER_TEXT = """\
 This directory was written by accelerator.save_state() with nvcomp-checkpoint's hooks
-(https://pypi.org/project/nvcomp-checkpoint/).
+(not on PyPI yet: install it from a clone of its repository with pip install -e '.[accelerate]').
 
 model.nvc and optimizer.nvc (model_1.nvc ...) hold the model weights and optimizer state,
 compressed losslessly; the other files are Accelerate's own. accelerator.load_state() without

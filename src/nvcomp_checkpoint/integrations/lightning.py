@@ -8,6 +8,7 @@ write it in the background) and load with :func:`nvcomp_checkpoint.load`; the
 
 from __future__ import annotations
 
+from nvcomp_checkpoint.version import install_hint
 import collections
 import inspect
 import io
@@ -37,7 +38,7 @@ except ImportError:  # pragma: no cover - only the standalone packages are insta
         from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
     except ImportError as exc:
         raise ImportError(
-            "nvcomp_checkpoint.lightning needs Lightning: pip install 'nvcomp-checkpoint[lightning]'"
+            f"nvcomp_checkpoint.lightning needs Lightning: {install_hint('lightning')}"
         ) from exc
 
 try:  # the Trainer's callbacks; Fabric-only installs have no `lightning.pytorch`

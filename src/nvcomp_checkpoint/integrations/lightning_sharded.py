@@ -9,6 +9,7 @@ passed as a plugin gives them its policy, gets each sharded save's report (``on_
 
 from __future__ import annotations
 
+from nvcomp_checkpoint.version import install_hint
 import hashlib
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ try:
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
     from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as exc:  # pragma: no cover
-    raise ImportError("nvcomp_checkpoint.lightning needs Lightning: pip install 'nvcomp-checkpoint[lightning]'") from exc
+    raise ImportError(f"nvcomp_checkpoint.lightning needs Lightning: {install_hint('lightning')}") from exc
 
 __all__ = ["NvcompModelParallelStrategy", "NvcompFSDPStrategy", "check_sharded_checkpoint_io"]
 

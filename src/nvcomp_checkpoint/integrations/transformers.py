@@ -6,6 +6,7 @@ background); ``NvcompTrainer`` (or ``NvcompTrainerMixin`` on your own Trainer su
 
 from __future__ import annotations
 
+from nvcomp_checkpoint.version import install_hint
 import io
 import json
 import logging
@@ -44,7 +45,7 @@ try:  # transformers_fsdp imports Accelerate's FSDP helpers (the Trainer saves F
     from nvcomp_checkpoint.integrations import transformers_fsdp
 except ImportError as exc:
     raise ImportError(
-        f"nvcomp_checkpoint.transformers needs transformers, accelerate and safetensors: pip install 'nvcomp-checkpoint[transformers]' ({exc})",
+        f"nvcomp_checkpoint.transformers needs transformers, accelerate and safetensors: {install_hint('transformers')} ({exc})",
         name=exc.name,
     ) from exc
 
@@ -81,7 +82,8 @@ _META_KEY = "transformers"
 #: Written into a converted checkpoint directory: what the files are, and how to read them (the
 #: Trainer and ``from_pretrained`` fail on the placeholders with messages of their own).
 _MARKER_TEXT = """\
-This checkpoint directory was compressed by nvcomp-checkpoint (https://pypi.org/project/nvcomp-checkpoint/).
+This checkpoint directory was compressed by nvcomp-checkpoint (not on PyPI yet: install it from a
+clone of its repository with pip install -e '.[transformers]').
 
 optimizer.pt.nvc (and model.safetensors.nvc, if present) hold the Trainer's optimizer.pt (and
 model.safetensors), compressed losslessly. optimizer.pt (and model.safetensors) are small

@@ -1,0 +1,24 @@
+"""``from nvcomp_checkpoint.deepspeed import attach``: compressed DeepSpeed checkpoints.
+
+A short name for :mod:`nvcomp_checkpoint.integrations.deepspeed`; needs ``pip install
+'nvcomp-checkpoint[deepspeed]'``.
+"""
+
+from __future__ import annotations
+
+from .integrations.deepspeed import (
+    DEEPSPEED_PATTERNS,
+    DEEPSPEED_SAFE_GLOBALS,
+    MANIFEST_NAME,
+    NvcompCheckpointEngine,
+    attach,
+    check_tag_complete,
+    deepspeed_policy,
+    deepspeed_safe_globals,
+    load_deepspeed_file,
+)
+
+__all__ = [
+    "attach", "NvcompCheckpointEngine", "DEEPSPEED_PATTERNS", "DEEPSPEED_SAFE_GLOBALS", "MANIFEST_NAME", "check_tag_complete",
+    "deepspeed_policy", "deepspeed_safe_globals", "load_deepspeed_file",
+]

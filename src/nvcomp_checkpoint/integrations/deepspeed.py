@@ -1,0 +1,399 @@
+"""DeepSpeed integration: a ``CheckpointEngine`` that writes every file of a DeepSpeed checkpoint compressed.
+
+``attach(engine)`` puts an :class:`NvcompCheckpointEngine` in ``engine.checkpoint_engine``; from then on
+``engine.save_checkpoint(dir, tag)`` writes each file DeepSpeed asks for (model states, each rank's ZeRO
+optimizer partition, MoE expert files) in this library's format under DeepSpeed's own file names, and
+``engine.load_checkpoint(dir)`` reads those and plain DeepSpeed checkpoints alike.
+
+A tag is *committed* once every rank's files are durable: rank 0 then writes the tag's manifest
+(:data:`MANIFEST_NAME`, every file of every rank with its size) and only after it ``latest``, both
+atomically. A save killed at any moment therefore leaves ``latest`` on the previous committed tag, and a
+load of a tag whose manifest names a file that is missing fails on every rank, naming the file.
+
+Files are unpickled with ``weights_only=True`` and an allow-list of exactly the classes DeepSpeed
+writes (:data:`DEEPSPEED_SAFE_GLOBALS`); any other class is refused, named in the error.
+"""
+
+from __future__ import annotations
+
+from nvcomp_checkpoint.version import install_hint
+import contextlib
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+import nvcomp_checkpoint as nc
+from nvcomp_checkpoint import CodecPolicy, SaveReport
+from nvcomp_checkpoint.filetype import HEAD_BYTES, NVCOMP, kind_of
+from nvcomp_checkpoint.errors import CheckpointNotFoundError, CheckpointWriteError, FormatError
+from nvcomp_checkpoint.storage import LocalStorage
+
+try:
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+except ImportError as exc:  # pragma: no cover - exercised only without DeepSpeed
+    raise ImportError(f"nvcomp_checkpoint.deepspeed needs DeepSpeed: {install_hint('deepspeed')}") from exc
+
+__all__ = [
+    "attach", "NvcompCheckpointEngine", "DEEPSPEED_PATTERNS", "DEEPSPEED_SAFE_GLOBALS", "MANIFEST_NAME", "deepspeed_policy",
+    "deepspeed_safe_globals", "load_deepspeed_file", "check_tag_complete",
+]
+
+_LOG = logging.getLogger("nvcomp_checkpoint")
+
+#: The tag's commit record, written by rank 0 once every rank's files are durable, before ``latest``.
+MANIFEST_NAME = "nvckpt_manifest.json"
+_MANIFEST_FORMAT = "nvcomp-checkpoint deepspeed tag v1"
+
+#: DeepSpeed keeps the fp32 master weights as flat partitions whose names say nothing of weights
+#: (``single_partition_of_fp32_groups/0``): without these globs they would be classified as "other"
+#: and miss the byte-plane codec settings of weights. The moments (``.../state/0/exp_avg``) already
+#: classify by their own names. ``*`` also matches ``/``, so each glob covers both the ZeRO files and
+#: the model-states file, where ZeRO stage 0 keeps the optimizer (``optimizer/...``).
+DEEPSPEED_PATTERNS: dict[str, str] = {
+    "*/single_partition_of_fp32_groups/*": "weights",  # ZeRO 1/2, bf16 optimizer
+    "*/fp32_flat_groups/*": "weights",  # ZeRO 3
+    "*/fp32_groups_flat/*": "weights",  # fp16 fused optimizer (stage 0)
+    "*/fp32_groups/*": "weights",  # fp16 unfused optimizer (stage 0)
+}
+
+#: Every class DeepSpeed pickles into its checkpoint files (besides what ``torch.load(weights_only=True)``
+#: allows anyway): the ZeRO optimizers' loss scaler and stage, and ZeRO 1/2's parameter slice map.
+DEEPSPEED_SAFE_GLOBALS: tuple[Any, ...] = (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
+
+_ALLOW_LOCK = threading.Lock()
+_ALLOW_USERS = 0
+_ALLOW_ADDED: list[Any] = []
+
+
+@contextlib.contextmanager
+def deepspeed_safe_globals() -> Iterator[None]:
+    """Allow :data:`DEEPSPEED_SAFE_GLOBALS` in weights-only loads while the block runs.
+
+    torch's ``safe_globals`` context manager edits one process-wide set, so its exit in one thread
+    would withdraw the classes from a load running in another: the classes are added by the first
+    user and withdrawn by the last, and a class the process had allowed already is left alone.
+    """
+    global _ALLOW_USERS
+    with _ALLOW_LOCK:
+        if _ALLOW_USERS == 0:
+            present = set(map(id, torch.serialization.get_safe_globals()))
+            _ALLOW_ADDED[:] = [g for g in DEEPSPEED_SAFE_GLOBALS if id(g) not in present]
+            torch.serialization.add_safe_globals(list(_ALLOW_ADDED))
+        _ALLOW_USERS += 1
+    try:
+        yield
+    finally:
+        with _ALLOW_LOCK:
+            _ALLOW_USERS -= 1
+            if _ALLOW_USERS == 0 and _ALLOW_ADDED:
+                from torch._weights_only_unpickler import _remove_safe_globals  # noqa: PLC0415 - torch has no public remove
+
+                _remove_safe_globals(list(_ALLOW_ADDED))
+                _ALLOW_ADDED.clear()
+
+
+def deepspeed_policy(policy: CodecPolicy | Mapping[str, Any] | str | None = None) -> CodecPolicy:
+    """``policy`` (any form :meth:`CodecPolicy.of` takes) with :data:`DEEPSPEED_PATTERNS` under the user's own patterns."""
+    base = CodecPolicy.of(policy, "attach(policy=...)")
+    return base.with_overrides(patterns={**DEEPSPEED_PATTERNS, **{k: v.value for k, v in base.patterns.items()}})
+
+
+def load_deepspeed_file(path: str | os.PathLike[str], map_location: Any = None) -> Any:
+    """Load one file of a DeepSpeed checkpoint, ours or plain ``torch.save``, without trusting its pickle.
+
+    A file in a tag directory that has a manifest is loaded only if every file the manifest names
+    is there with its committed size.
+
+    Raises:
+        CheckpointNotFoundError: ``path``, or another file of its committed tag, is missing.
+        FormatError: A file of the tag differs in size from the one committed.
+        UnsafeCheckpointError: The file holds a class outside :data:`DEEPSPEED_SAFE_GLOBALS` (named).
+    """
+    tag_dir = os.path.dirname(os.fspath(path))
+    if not check_tag_complete(tag_dir) and _is_ours(path):
+        # Our files without a manifest: a save that died before every rank's files were durable.
+        raise FormatError(
+            f"{path}: its tag {os.path.basename(tag_dir)!r} was never committed (no {MANIFEST_NAME}: a save was "
+            "interrupted); load the tag `latest` names, or another"
+        )
+    with deepspeed_safe_globals():
+        return nc.load(path, map_location=map_location, weights_only=True)
+
+
+def check_tag_complete(tag_dir: str) -> bool:
+    """Raise unless every file the manifest of ``tag_dir`` names is there with its committed size.
+
+    Returns:
+        True if the tag has a manifest (and is complete), False if it has none (a plain DeepSpeed tag,
+        or one of ours whose save never committed).
+    """
+    manifest_path = os.path.join(tag_dir, MANIFEST_NAME)
+    try:
+        with open(manifest_path, "rb") as f:
+            raw = f.read(1 << 24)
+    except FileNotFoundError:
+        return False
+    try:
+        manifest = json.loads(raw)
+        files = manifest["files"]
+        if manifest.get("format") != _MANIFEST_FORMAT or not isinstance(files, dict):
+            raise ValueError("not a manifest of this library")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"{manifest_path}: unreadable tag manifest ({type(exc).__name__}); the tag cannot be trusted") from exc
+    for name, size in sorted(files.items()):
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise FormatError(f"{manifest_path}: names {name!r}, not a file of the tag directory")
+        path = os.path.join(tag_dir, name)
+        try:
+            actual = os.stat(path).st_size
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{path}: missing from committed tag {manifest.get('tag')!r} (its manifest names it); "
+                "restore the file or load another tag"
+            ) from None
+        if actual != size:
+            raise FormatError(f"{path}: {actual} bytes, but tag {manifest.get('tag')!r} committed {size}; the file was changed or truncated")
+    return True
+
+
+def _is_ours(path: str | os.PathLike[str]) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEAD_BYTES)
+        return kind_of(head, os.path.getsize(path)) == NVCOMP
+    except OSError:
+        return False  # nc.load names the missing or unreadable file
+
+
+@dataclass
+class _PendingTag:
+    """The files one rank saved for the tag being written, until the tag is committed."""
+
+    save_dir: str
+    tag: str
+    save_latest: bool
+    files: dict[str, str] = field(default_factory=dict)  # absolute path -> name in the tag dir
+    handles: list[nc.AsyncSaveHandle] = field(default_factory=list)
+    reports: list[SaveReport] = field(default_factory=list)
+
+
+class NvcompCheckpointEngine(CheckpointEngine):
+    """DeepSpeed's ``CheckpointEngine`` with every file written compressed; built by :func:`attach`.
+
+    With ``async_save`` the engine is *decoupled* in DeepSpeed's sense: ``save_checkpoint`` returns once
+    each file's snapshot is taken, and DeepSpeed commits the tag at the next optimizer step (or
+    :meth:`wait` does, on every rank).
+
+    Attributes:
+        reports: The :class:`SaveReport` of each file this rank saved for the last committed tag.
+    """
+
+    def __init__(
+        self,
+        policy: CodecPolicy | Mapping[str, Any] | str | None = None,
+        *,
+        async_save: bool = False,
+        workers: int | None = None,
+        on_commit: Callable[[str, str, list[SaveReport]], None] | None = None,
+    ) -> None:
+        super().__init__(None)
+        self.name = "NvcompCheckpointEngine"
+        self.policy = deepspeed_policy(policy)
+        self.async_save = async_save
+        self.workers = workers
+        self.on_commit = on_commit
+        self.reports: list[SaveReport] = []
+        #: Set by attach()'s save_checkpoint for the save under way: the caller's save_latest.
+        self.latest_requested: bool | None = None
+        self._pending: _PendingTag | None = None
+        self._uncommitted: _PendingTag | None = None  # async: saved, waiting for DeepSpeed's commit
+        self._saver = nc.AsyncSaver(max_pending=2, report_errors=False, workers=workers) if async_save else None
+
+    # -- DeepSpeed's CheckpointEngine interface -------------------------------------------------
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        # An async tag still uncommitted is committed first: every rank is here (save_checkpoint
+        # is collective), and two tags' files must never be in flight under one `latest`.
+        self.wait()
+        save_latest = info.save_latest if self.latest_requested is None else self.latest_requested
+        self._pending = _PendingTag(os.fspath(info.save_dir), str(info.tag), bool(save_latest))
+
+    def save(self, state_dict: Any, path: str) -> None:
+        pending = self._pending_for(path)
+        path = os.fspath(path)
+        if os.path.dirname(os.path.abspath(path)) != os.path.abspath(os.path.join(pending.save_dir, pending.tag)):
+            # Outside the tag directory DeepSpeed writes exports for other tools (save_16bit_model's
+            # pytorch_model.bin, read by from_pretrained): they stay torch.save files, written atomically.
+            with LocalStorage().open_write(path) as f:
+                torch.save(state_dict, f)
+            return
+        if self._saver is not None:
+            pending.handles.append(self._saver.save(state_dict, path, self.policy, workers=self.workers))
+        else:
+            pending.reports.append(nc.save(state_dict, path, self.policy, workers=self.workers))
+        pending.files[os.path.abspath(path)] = os.path.basename(path)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return load_deepspeed_file(path, map_location)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        pending = self._pending if self._uncommitted is None else self._uncommitted
+        if pending is None:
+            return True
+        if self._saver is not None and pending is self._pending:
+            # DeepSpeed's save_checkpoint is done with this tag: DeepSpeed calls commit later.
+            self._uncommitted, self._pending = pending, None
+            return True
+        self._commit(pending)
+        return True
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def is_decoupled(self) -> bool:
+        return self._saver is not None
+
+    def get_commit_info(self) -> CheckpointCommitInfo | None:
+        # DeepSpeed's decoupled commit writes `latest` itself when save_latest is set, with a plain
+        # open(): `latest` is ours to write, after the manifest, so DeepSpeed is told not to.
+        if self._pending is not None and self._saver is not None:
+            self._uncommitted, self._pending = self._pending, None
+        if self._uncommitted is None:
+            return None
+        return CheckpointCommitInfo(tag=self._uncommitted.tag, save_dir=self._uncommitted.save_dir, save_latest=False)
+
+    def cleanup(self) -> None:
+        # engine.destroy(): runs on every rank, so the collective commit is safe here.
+        self.wait()
+        if self._saver is not None:
+            self._saver.close()
+
+    # -- ours ----------------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Commit the async tag still in flight, if any (collective: call it on every rank)."""
+        if self._pending is not None and self._saver is not None and self._pending.files:
+            self._uncommitted, self._pending = self._pending, None
+        if self._uncommitted is not None:
+            self._commit(self._uncommitted)
+
+    def _pending_for(self, path: str) -> _PendingTag:
+        if self._pending is None:
+            # DeepSpeed paths that save without create() (none today): the file's directory is its tag.
+            tag_dir = os.path.dirname(os.path.abspath(path))
+            self._pending = _PendingTag(os.path.dirname(tag_dir), os.path.basename(tag_dir), False)
+        return self._pending
+
+    def _commit(self, pending: _PendingTag) -> None:
+        """Wait for this rank's files, then (every rank) agree they are durable; rank 0 writes the manifest, then ``latest``."""
+        error: BaseException | None = None
+        for handle in pending.handles:
+            exc = handle.exception()
+            if exc is not None and error is None:
+                error = exc
+            elif exc is None:
+                pending.reports.append(handle.result())
+        tag_dir = os.path.join(pending.save_dir, pending.tag)
+        files = {}
+        if error is None:
+            files = {name: os.stat(path).st_size for path, name in pending.files.items()}
+        mine = {"ok": error is None, "files": files}
+        gathered = _all_gather(mine)
+        if self._pending is pending:
+            self._pending = None
+        if self._uncommitted is pending:
+            self._uncommitted = None
+        if error is not None:
+            raise CheckpointWriteError(f"{tag_dir}: this rank's files of tag {pending.tag!r} failed ({error}); the tag is not committed") from error
+        failed = [rank for rank, theirs in enumerate(gathered) if not theirs["ok"]]
+        if failed:
+            raise CheckpointWriteError(f"{tag_dir}: ranks {failed} failed to write tag {pending.tag!r}; the tag is not committed")
+        everything: dict[str, int] = {}
+        for theirs in gathered:
+            everything.update(theirs["files"])
+        if _rank() == 0 and everything:  # nothing of the tag's own (save_16bit_model): no tag to commit
+            manifest = {"format": _MANIFEST_FORMAT, "tag": pending.tag, "world_size": len(gathered), "files": everything}
+            storage = LocalStorage()
+            storage.write_bytes(os.path.join(tag_dir, MANIFEST_NAME), json.dumps(manifest, indent=1, sort_keys=True).encode())
+            if pending.save_latest:
+                storage.write_bytes(os.path.join(pending.save_dir, "latest"), pending.tag.encode())
+        # No rank leaves before `latest` names the tag: a load right after the save must see it.
+        _barrier()
+        self.reports = pending.reports
+        if self.on_commit is not None:
+            self.on_commit(pending.save_dir, pending.tag, pending.reports)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def attach(
+    engine: Any,
+    *,
+    policy: CodecPolicy | Mapping[str, Any] | str | None = None,
+    async_save: bool = False,
+    workers: int | None = None,
+    on_commit: Callable[[str, str, list[SaveReport]], None] | None = None,
+) -> NvcompCheckpointEngine:
+    """Make ``engine`` (a ``deepspeed.DeepSpeedEngine``) save compressed checkpoints and load ours and plain ones.
+
+    Call it on every rank after ``deepspeed.initialize``. ``engine.save_checkpoint(dir, tag)`` then
+    keeps DeepSpeed's file names and ``latest``; ``latest`` names a tag only once every rank's files
+    of it are durable. ``save_latest=False`` still commits the tag (its manifest), without ``latest``.
+
+    Args:
+        engine: The DeepSpeed engine.
+        policy: Codec settings (see :meth:`CodecPolicy.of`); :data:`DEEPSPEED_PATTERNS` classify the
+            flat fp32 master partitions as weights under the user's own ``patterns``.
+        async_save: Snapshot each file and write it in the background; the tag is committed at the
+            next optimizer step, the next ``save_checkpoint``, ``engine.destroy()`` or
+            ``NvcompCheckpointEngine.wait()`` (all collective).
+        workers: Compression threads per rank (default: every core).
+        on_commit: Called on every rank as ``on_commit(save_dir, tag, reports)`` once a tag is committed.
+
+    Returns:
+        The installed :class:`NvcompCheckpointEngine` (``engine.checkpoint_engine``).
+    """
+    old = getattr(engine, "checkpoint_engine", None)
+    if old is not None and getattr(old, "is_decoupled", lambda: False)():
+        raise ValueError(f"attach(): the engine already has a decoupled checkpoint engine ({type(old).__name__}) with saves in flight; attach before saving")
+    ours = NvcompCheckpointEngine(policy, async_save=async_save, workers=workers, on_commit=on_commit)
+    engine.checkpoint_engine = ours
+    original = engine.save_checkpoint
+
+    def save_checkpoint(save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None, save_latest: bool = True, **kwargs: Any) -> bool:
+        # DeepSpeed writes `latest` with a plain open() right after commit(), on rank 0 alone: a kill
+        # then leaves it empty or truncated. Ours is written by the commit, atomically, once every
+        # rank's files are durable; DeepSpeed is told not to write it.
+        ours.latest_requested = save_latest
+        try:
+            return original(save_dir, tag, client_state={} if client_state is None else client_state, save_latest=False, **kwargs)
+        finally:
+            ours.latest_requested = None
+
+    save_checkpoint.__doc__ = original.__doc__
+    engine.save_checkpoint = save_checkpoint
+    return ours

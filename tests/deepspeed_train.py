@@ -1,0 +1,195 @@
+"""A 2-rank DeepSpeed training run on the CPU (gloo) for tests/test_deepspeed.py and benchmarks/bench_deepspeed.py.
+
+``python -m torch.distributed.run --nproc_per_node 2 tests/deepspeed_train.py MODE STAGE ROOT``:
+
+* ``first``: train 3 steps; save tag ``t3`` with stock DeepSpeed (``ROOT/plain``), then attach and save
+  it compressed (``ROOT/ours``); train 2 more steps (their losses: ``ROOT/ref.json``); then save ``t5``,
+  during which a rank is killed with SIGKILL (stage 2: rank 1 in the middle of writing its file;
+  stage 3: rank 0 when every rank's files are durable and the manifest is about to be written).
+* ``matrix``: ZeRO 0 (fp32, bf16), 1 and 2 (bf16): save, resume in a new engine, next losses (``ROOT/matrix.json``).
+* ``resume``: fresh processes attach, ``load_checkpoint`` each folder (``latest``) and train 2 steps
+  (losses: ``ROOT/resumed.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import deepspeed.ops  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import nvcomp_checkpoint as nc  # noqa: E402
+from nvcomp_checkpoint.deepspeed import attach  # noqa: E402
+from nvcomp_checkpoint.storage import LocalStorage  # noqa: E402
+
+VOCAB, HIDDEN, LAYERS, SEQ, BATCH = 128, 64, 2, 16, 2
+
+
+class Block(nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.attn, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.mlp = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.attn(self.ln1(x)).chunk(3, -1)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        a = torch.softmax((q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~mask, -1e9), -1) @ v
+        x = x + self.proj(a)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """GPT-2's shape (token + position embeddings, pre-LN blocks, tied-free head), tiny."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = HIDDEN, layers: int = LAYERS, seq: int = SEQ) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
+        self.blocks = nn.ModuleList(Block(hidden) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln_f(h))
+
+
+def make_engine(stage: int, bf16: bool = False, **model_kwargs: int) -> deepspeed.DeepSpeedEngine:
+    torch.manual_seed(0)
+    model = TinyGPT(**model_kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bf16},
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def train(engine: deepspeed.DeepSpeedEngine, steps: int, vocab: int = VOCAB, seq: int = SEQ) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        # The batch depends on rank and step only: a resumed run sees what the uninterrupted one saw.
+        g = torch.Generator().manual_seed(1000 * engine.global_rank + engine.global_steps)
+        x = torch.randint(0, vocab, (BATCH, seq), generator=g)
+        loss = nn.functional.cross_entropy(engine(x)[:, :-1].reshape(-1, vocab), x[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def init() -> None:
+    # The CPU accelerator JIT-builds a shared-memory allreduce (minutes of C++ on a cold cache); gloo
+    # is what these runs exercise.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+def kill_during_t5(stage: int, rank: int) -> None:
+    """Arm the SIGKILL of the t5 save (see the module docstring)."""
+    if stage == 2 and rank == 1:
+        real_save = nc.save
+
+        def save(obj, path, *args, **kwargs):  # noqa: ANN001, ANN202
+            if os.sep + "t5" + os.sep in os.fspath(path):
+                kwargs["progress"] = lambda n: os.kill(os.getpid(), signal.SIGKILL)
+            return real_save(obj, path, *args, **kwargs)
+
+        nc.save = save
+    if stage == 3 and rank == 0:
+        real_write = LocalStorage.write_bytes
+
+        def write_bytes(self, path, data):  # noqa: ANN001, ANN202
+            if os.path.basename(path) == "nvckpt_manifest.json" and os.sep + "t5" + os.sep in path:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_write(self, path, data)
+
+        LocalStorage.write_bytes = write_bytes
+
+
+def main() -> None:
+    mode, stage, root = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    init()
+    rank = torch.distributed.get_rank()
+    engine = make_engine(stage) if mode != "matrix" else None
+    if mode == "first":
+        train(engine, 3)
+        engine.save_checkpoint(os.path.join(root, "plain"), tag="t3")
+        attach(engine)
+        engine.save_checkpoint(os.path.join(root, "ours"), tag="t3")
+        engine.save_16bit_model(os.path.join(root, "export"))  # an export for other tools: stays torch.save
+        ref = train(engine, 2)
+        if rank == 0:
+            with open(os.path.join(root, "ref.json"), "w") as f:
+                json.dump(ref, f)
+        torch.distributed.barrier()
+        kill_during_t5(stage, rank)
+        engine.save_checkpoint(os.path.join(root, "ours"), tag="t5")
+        raise AssertionError("the t5 save should have been killed")
+    if mode == "resume":
+        resumed = {}
+        for name in ("ours", "plain"):
+            if name == "plain":
+                engine = make_engine(stage)
+            # The engine resumed from the plain folder saves asynchronously: its tag t5 must hold what
+            # the other engine's synchronous t5 holds (both trained from t3 on the same batches).
+            ours = attach(engine, async_save=name == "plain")
+            path, _ = engine.load_checkpoint(os.path.join(root, name))
+            assert path is not None and os.path.basename(os.path.dirname(path)) == "t3", path
+            assert engine.global_steps == 3, engine.global_steps
+            resumed[name] = train(engine, 2)
+            target = os.path.join(root, "sync" if name == "ours" else "async")
+            engine.save_checkpoint(target, tag="t5")
+            if name == "plain":
+                # Committed at the next optimizer step, not before: `latest` waits for every rank's files.
+                assert not os.path.exists(os.path.join(target, "latest"))
+                resumed["after_async"] = train(engine, 1)
+                torch.distributed.barrier()
+                with open(os.path.join(target, "latest")) as f:
+                    assert f.read() == "t5"
+                engine.save_checkpoint(target, tag="t6")
+                ours.wait()
+                with open(os.path.join(target, "latest")) as f:
+                    assert f.read() == "t6"
+        if rank == 0:
+            with open(os.path.join(root, "resumed.json"), "w") as f:
+                json.dump(resumed, f)
+        torch.distributed.barrier()
+        return
+    if mode == "matrix":
+        # Other ZeRO stages and bf16: save after 2 steps, resume in a new engine, same next losses.
+        results = {}
+        for stage, bf16 in ((0, False), (0, True), (1, True), (2, True)):
+            engine = make_engine(stage, bf16)
+            train(engine, 2)
+            attach(engine)
+            folder = os.path.join(root, f"zero{stage}{'-bf16' if bf16 else ''}")
+            engine.save_checkpoint(folder, tag="a")
+            ref = train(engine, 2)
+            resumed = make_engine(stage, bf16)
+            attach(resumed)
+            resumed.load_checkpoint(folder)
+            results[os.path.basename(folder)] = {"ref": ref, "resumed": train(resumed, 2), "files": sorted(os.listdir(os.path.join(folder, "a")))}
+        if rank == 0:
+            with open(os.path.join(root, "matrix.json"), "w") as f:
+                json.dump(results, f)
+        torch.distributed.barrier()
+        return
+    raise SystemExit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    main()

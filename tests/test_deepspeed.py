@@ -1,0 +1,232 @@
+"""``nvcomp_checkpoint.deepspeed.attach``: DeepSpeed checkpoints written compressed, committed whole, loaded without pickle trust.
+
+One 2-rank CPU run (torchrun, gloo) per ZeRO stage (tests/deepspeed_train.py): it saves a plain and a
+compressed tag ``t3``, records the next losses, and is killed with SIGKILL while saving ``t5``. Fresh
+processes then resume from both folders with the uninterrupted run's losses, and save again, sync and
+async. The tests below check what those runs left and what they printed; the forged-file tests need
+no ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_tree_equal, run_python
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'nvcomp-checkpoint[deepspeed]')")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import nvcomp_checkpoint as nc  # noqa: E402
+from nvcomp_checkpoint.deepspeed import MANIFEST_NAME, check_tag_complete, load_deepspeed_file  # noqa: E402
+from nvcomp_checkpoint.errors import CheckpointNotFoundError, FormatError, UnsafeCheckpointError  # noqa: E402
+from nvcomp_checkpoint.filetype import NVCOMP, TORCH, kind_of  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("deepspeed_train.py")
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT), *args],
+        env=dict(os.environ, PYTHONWARNINGS="ignore", **ENV), capture_output=True, text=True, timeout=300,
+    )
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
+    """The killed first run and the fresh-process resume of one ZeRO stage; returns (stage, root)."""
+    stage = request.param
+    root = tmp_path_factory.mktemp(f"ds_zero{stage}")
+    first = _torchrun("first", str(stage), str(root))
+    # The t5 save is killed by design: the run must end with that SIGKILL, not finish or fail otherwise.
+    assert first.returncode != 0 and "Signal 9 (SIGKILL)" in first.stdout + first.stderr, first.stdout[-2000:] + first.stderr[-4000:]
+    assert "should have been killed" not in first.stderr
+    # The resume reads `latest` and must land on t3; save_checkpoint there leaves the folder as it was.
+    snapshot = {p: p.stat().st_size for p in (root / "ours").rglob("*") if p.is_file()}
+    run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT), "resume", str(stage), str(root), cwd=root, **ENV)
+    assert {p: p.stat().st_size for p in (root / "ours").rglob("*") if p.is_file()} == snapshot
+    return stage, root
+
+
+def _comparable(tree: object) -> object:
+    """The tree with DeepSpeed's objects (LossScaler has no __eq__) as their class name and attributes."""
+    if isinstance(tree, dict):
+        return {k: _comparable(v) for k, v in tree.items() if k != "ds_config"}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_comparable(v) for v in tree)
+    if hasattr(tree, "__dict__") and not isinstance(tree, torch.Tensor):
+        return (type(tree).__name__, _comparable(vars(tree)))
+    return tree
+
+
+def _kind(path: Path) -> str:
+    with open(path, "rb") as f:
+        return kind_of(f.read(16), path.stat().st_size)
+
+
+def test_resume_after_kill_continues_with_identical_losses_from_ours_and_plain(run: tuple[int, Path]) -> None:
+    _, root = run
+    ref = json.loads((root / "ref.json").read_text())
+    resumed = json.loads((root / "resumed.json").read_text())
+    assert resumed["ours"] == ref
+    assert resumed["plain"] == ref
+
+
+def test_files_keep_deepspeed_names_and_are_compressed(run: tuple[int, Path]) -> None:
+    stage, root = run
+    plain = sorted(p.name for p in (root / "plain" / "t3").iterdir())
+    ours = sorted(p.name for p in (root / "ours" / "t3").iterdir())
+    assert ours == sorted(plain + [MANIFEST_NAME])
+    assert len(plain) == (3 if stage == 2 else 4)
+    for name in plain:
+        assert _kind(root / "plain" / "t3" / name) == TORCH
+        assert _kind(root / "ours" / "t3" / name) == NVCOMP
+    assert sum((root / "ours" / "t3" / n).stat().st_size for n in plain) < sum((root / "plain" / "t3" / n).stat().st_size for n in plain)
+    manifest = json.loads((root / "ours" / "t3" / MANIFEST_NAME).read_text())
+    assert manifest["tag"] == "t3" and manifest["world_size"] == 2
+    assert manifest["files"] == {n: (root / "ours" / "t3" / n).stat().st_size for n in plain}
+    if stage == 2:  # save_16bit_model's export is read by other tools: it stays a torch.save file
+        assert _kind(root / "export" / "pytorch_model.bin") == TORCH
+
+
+def test_killed_save_leaves_latest_on_the_last_complete_tag(run: tuple[int, Path]) -> None:
+    stage, root = run
+    assert (root / "ours" / "latest").read_text() == "t3"
+    t5 = root / "ours" / "t5"
+    assert not (t5 / MANIFEST_NAME).exists()
+    # What the killed save left of t5 is refused, naming the tag, on every rank's first load.
+    leftovers = sorted(p for p in t5.iterdir() if not p.name.startswith("."))
+    assert leftovers, "the kill should come after some t5 file was written"
+    for path in leftovers:
+        with pytest.raises(FormatError, match="never committed"):
+            load_deepspeed_file(path)
+
+
+def test_async_save_commits_at_the_next_step_with_the_same_files_as_sync(run: tuple[int, Path]) -> None:
+    _, root = run
+    assert (root / "sync" / "latest").read_text() == "t5"
+    assert (root / "async" / "latest").read_text() == "t6"
+    names = sorted(p.name for p in (root / "sync" / "t5").iterdir())
+    assert names == sorted(p.name for p in (root / "async" / "t5").iterdir())
+    for name in names:
+        if name == MANIFEST_NAME:
+            continue
+        assert _kind(root / "async" / "t5" / name) == NVCOMP
+        assert_tree_equal(_comparable(load_deepspeed_file(root / "sync" / "t5" / name)), _comparable(load_deepspeed_file(root / "async" / "t5" / name)))
+
+
+def test_flat_master_weights_and_moments_are_classified(run: tuple[int, Path]) -> None:
+    stage, root = run
+    optim = root / "ours" / "t3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with nc.open(optim) as reader:
+        components = {t.key: t.component for t in reader.index.tensors}
+    flat = "optimizer_state_dict/single_partition_of_fp32_groups/0" if stage == 2 else "optimizer_state_dict/fp32_flat_groups/0"
+    state = "optimizer_state_dict/base_optimizer_state/state/0" if stage == 2 else "optimizer_state_dict/optimizer_state_dict/state/0"
+    assert components[flat] == "weights"
+    assert components[f"{state}/exp_avg"] == "exp_avg"
+    assert components[f"{state}/exp_avg_sq"] == "exp_avg_sq"
+
+
+def test_deepspeed_classes_are_allowed_only_during_the_load(run: tuple[int, Path]) -> None:
+    _, root = run
+    plain = root / "plain" / "t3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = load_deepspeed_file(plain)
+    assert type(state["optimizer_state_dict"]["loss_scaler"]).__name__ == "LossScaler"
+    assert_tree_equal(_comparable(state), _comparable(load_deepspeed_file(root / "ours" / "t3" / plain.name)))
+    # The process-wide allow-list is not left widened.
+    with pytest.raises(pickle.UnpicklingError, match=r"deepspeed\.runtime\."):
+        torch.load(plain, weights_only=True)
+
+
+@pytest.mark.slow
+def test_zero0_zero1_and_bf16_resume_with_identical_losses(tmp_path: Path) -> None:
+    run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT), "matrix", "0", str(tmp_path), cwd=tmp_path, **ENV)
+    results = json.loads((tmp_path / "matrix.json").read_text())
+    assert sorted(results) == ["zero0", "zero0-bf16", "zero1-bf16", "zero2-bf16"]
+    for name, r in results.items():
+        assert r["resumed"] == r["ref"], name
+        for f in r["files"]:
+            assert f == MANIFEST_NAME or _kind(tmp_path / name / "a" / f) == NVCOMP, (name, f)
+    assert "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt" in results["zero2-bf16"]["files"]
+    with nc.open(tmp_path / "zero2-bf16" / "a" / "mp_rank_00_model_states.pt") as reader:
+        weights = [t for t in reader.index.tensors if t.key.startswith("module/")]
+    assert weights and all(t.component == "weights" and t.dtype == torch.bfloat16 for t in weights)
+
+
+class Smuggled:
+    """A class no DeepSpeed checkpoint holds; unpickling it would call ``print``."""
+
+    def __reduce__(self):  # noqa: ANN204
+        return (print, ("unpickled",))
+
+
+def _ds_like(extra: object) -> dict:
+    return {"optimizer_state_dict": {"state": {0: {"exp_avg": torch.ones(8)}}, "loss_scaler": extra}, "ds_version": "0.19"}
+
+
+@pytest.mark.parametrize("fmt", ["plain", "ours"])
+@pytest.mark.parametrize("extra", [Smuggled(), Path("/etc")], ids=["reduce-to-print", "pathlib"])
+def test_unknown_class_is_refused_naming_it(tmp_path: Path, fmt: str, extra: object, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t1" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    path.parent.mkdir()
+    if fmt == "plain":
+        torch.save(_ds_like(extra), path)
+    else:
+        nc.save(_ds_like(extra), path)
+        (path.parent / MANIFEST_NAME).write_text(json.dumps({"format": "nvcomp-checkpoint deepspeed tag v1", "tag": "t1", "files": {path.name: path.stat().st_size}}))
+    name = "print" if isinstance(extra, Smuggled) else "PosixPath"
+    with pytest.raises(UnsafeCheckpointError, match=name):
+        load_deepspeed_file(path)
+    assert "unpickled" not in capsys.readouterr().out
+
+
+def _committed(tmp_path: Path) -> Path:
+    tag = tmp_path / "t1"
+    tag.mkdir()
+    for rank in range(2):
+        nc.save(_ds_like(None), tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    files = {p.name: p.stat().st_size for p in tag.iterdir()}
+    (tag / MANIFEST_NAME).write_text(json.dumps({"format": "nvcomp-checkpoint deepspeed tag v1", "tag": "t1", "files": files}))
+    return tag
+
+
+def test_tag_missing_a_rank_file_names_it(tmp_path: Path) -> None:
+    tag = _committed(tmp_path)
+    assert check_tag_complete(str(tag))
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointNotFoundError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        load_deepspeed_file(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        lambda m: m["files"].update({"zero_pp_rank_1_mp_rank_00_optim_states.pt": 7}),  # size changed
+        lambda m: m["files"].update({"../latest": 2}),  # a path out of the tag
+        lambda m: m["files"].update({"/etc/passwd": 2}),
+        lambda m: m.update({"files": ["x"]}),
+        lambda m: m.update({"format": "something else"}),
+    ],
+    ids=["size", "dotdot", "absolute", "files-not-a-dict", "format"],
+)
+def test_forged_manifest_is_refused(tmp_path: Path, forge) -> None:  # noqa: ANN001
+    tag = _committed(tmp_path)
+    manifest = json.loads((tag / MANIFEST_NAME).read_text())
+    forge(manifest)
+    (tag / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(FormatError):
+        load_deepspeed_file(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+
+def test_manifest_that_is_not_json_is_refused(tmp_path: Path) -> None:
+    tag = _committed(tmp_path)
+    (tag / MANIFEST_NAME).write_bytes(b"\x00{not json")
+    with pytest.raises(FormatError, match="unreadable tag manifest"):
+        load_deepspeed_file(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
