@@ -283,3 +283,14 @@ def test_integrations_use_the_protected_interface_of_their_base_only() -> None:
             if isinstance(node, ast.Attribute) and node.attr in private:
                 bad.append(f"{_module_name(path)}:{node.lineno} reads {node.attr} of SaveEntryPoint; use its protected methods")
     assert not bad, "\n".join(bad)
+
+
+def _exists(module: str) -> bool:
+    return _is_package(module) or (ROOT.parent / Path(*module.split("."))).with_suffix(".py").is_file()
+
+
+def test_every_import_of_ours_resolves() -> None:
+    # An import inside a function fails only when it runs (a moved module's `from .dcp import ...`),
+    # and may be caught there as any other error: check every one here.
+    missing = [f"{i.source}:{i.line} imports {i.target}, which does not exist" for i in OURS if not _exists(i.target)]
+    assert not missing, "\n".join(missing)

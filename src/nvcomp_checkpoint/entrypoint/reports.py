@@ -29,7 +29,7 @@ def checkpoint_report(
     parts = list(given)
     try:
         if dcp_dirs:
-            from .dcp import dcp_report  # torch.distributed.checkpoint: only for the integrations that write DCP
+            from ..dcp import dcp_report  # torch.distributed.checkpoint: only for the integrations that write DCP
 
             parts += [dcp_report(os.fspath(d)) for d in dcp_dirs]
         return merge_reports(os.fspath(path), parts, seconds, seconds_blocked) if parts else None
