@@ -180,7 +180,9 @@ def _zipnn_save(obj: Any, path: Path) -> dict[str, int]:
         if t.dtype not in _ZIPNN_DTYPES or t.numel() * t.element_size() < 2048:
             sizes[comp] = sizes.get(comp, 0) + t.numel() * t.element_size()
             return t
-        data = znn.compress(t.detach().contiguous())
+        # ZipNN 0.5.4 reorders the bits of its input in place (bit_reorder): it gets a copy, whose
+        # cost is part of its save time, and the caller's tensor stays as it was.
+        data = znn.compress(t.detach().clone().contiguous())
         sizes[comp] = sizes.get(comp, 0) + len(data)
         # Compressed bytes go in a uint8 tensor: pickled `bytes` would grow ~1.5x (docs/facts.md, Pickle).
         return {"__zipnn__": torch.frombuffer(bytearray(data), dtype=torch.uint8)}

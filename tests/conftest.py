@@ -53,6 +53,14 @@ def tree_equal():
 
 
 @pytest.fixture(autouse=True)
+def _wide_cli_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's tables are as wide as a 200-column terminal unless a test says otherwise
+    (tests/test_cli_width.py): whether a pytest worker's output counts as a terminal, and how
+    wide, depends on how pytest was started."""
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+@pytest.fixture(autouse=True)
 def _torch_threads_restored():
     """Puts back the number of CPU threads torch computes with, if a test changed it.
 

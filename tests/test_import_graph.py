@@ -3,12 +3,15 @@
 Every import counts, also those inside functions. Layers, lowest first (a module may import its own
 layer and those below):
 
-    base        errors, version, tensors, workers, codecs/*, filters/*, metrics
+    base        errors, version, tensors, workers, codecs/*, filters/*, metrics, failures
     format      format/*, policy, storage, report, filetype, pending, dirstore, delta
     pipeline    writer, reader, snapshot
-    api         api, async_save, savegroup, entrypoint/* (base, options, loading, reports), dirconvert, tiers, incremental,
-                dcp/*, broadcast, the package __init__
+    api         api, async_save, savegroup, entrypoint/* (base, options, loading, reports), dirconvert, tiers/*,
+                incremental, dcp/*, broadcast, the package __init__
     adapters    cli/*, integrations/*, the short-name shims lightning/accelerate/transformers/deepspeed
+
+Inside the ``tiers`` package the modules run one way too (TIERS, lowest first), and nothing outside
+it imports its modules, only the package (``nvcomp_checkpoint.tiers``) and its public names.
 
 The core never imports Lightning, Accelerate, Transformers or DeepSpeed; an integration imports its own
 framework only, never another integration.
@@ -26,12 +29,16 @@ PACKAGE = "nvcomp_checkpoint"
 ROOT = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("errors", "version", "tensors", "workers", "codecs", "filters", "metrics")),
+    ("base", ("errors", "version", "tensors", "workers", "codecs", "filters", "metrics", "failures")),
     ("format", ("format", "policy", "storage", "report", "filetype", "pending", "dirstore", "delta")),
     ("pipeline", ("writer", "reader", "snapshot")),
     ("api", ("api", "async_save", "savegroup", "entrypoint", "dirconvert", "tiers", "incremental", "dcp", "broadcast", "")),
     ("adapters", ("cli", "integrations", "lightning", "accelerate", "transformers", "deepspeed")),
 ]
+# The tiers package, one module per job, lowest first: a module imports only those before it.
+TIERS = (
+    "schedule", "units", "transfer", "chains", "retention", "light", "restore", "tier0", "copier", "saving", "manager", "tiercopies",
+)
 FRAMEWORKS = {
     "lightning": ("lightning", "pytorch_lightning", "lightning_fabric"),
     "accelerate": ("accelerate",),
@@ -294,3 +301,33 @@ def test_every_import_of_ours_resolves() -> None:
     # and may be caught there as any other error: check every one here.
     missing = [f"{i.source}:{i.line} imports {i.target}, which does not exist" for i in OURS if not _exists(i.target)]
     assert not missing, "\n".join(missing)
+
+
+def _tiers_module(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "tiers" else None
+
+
+def test_every_tiers_module_is_in_the_order() -> None:
+    found = {p.stem for p in (ROOT / "tiers").glob("*.py") if p.stem != "__init__"}
+    assert found == set(TIERS), f"add {sorted(found - set(TIERS))} to TIERS (or remove {sorted(set(TIERS) - found)})"
+
+
+def test_tiers_modules_import_down() -> None:
+    bad = [
+        f"{i.source}:{i.line} imports {i.target} (later in TIERS)"
+        for i in OURS
+        if _tiers_module(i.source) and _tiers_module(i.target)
+        and TIERS.index(_tiers_module(i.target)) >= TIERS.index(_tiers_module(i.source))
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_tiers_package_imports_its_modules() -> None:
+    # Everything else takes the package's public names, so the modules inside can be split or merged freely.
+    bad = [
+        f"{i.source}:{i.line} imports {i.target}"
+        for i in OURS
+        if _tiers_module(i.target) and _top(i.source) != "tiers"
+    ]
+    assert not bad, "\n".join(bad)

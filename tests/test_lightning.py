@@ -884,7 +884,12 @@ def test_async_saves_with_repeating_names_keep_every_version(tmp_path, callback)
     # looking for the file on disk, where a save in flight is not yet. The plain callback then
     # reuses a name and overwrites the best checkpoint; NvcompModelCheckpoint sees pending saves.
     ckpts = tmp_path / "ckpts"
-    plugin = NvcompCheckpointIO(async_save=True, max_pending=4, stream_wrapper=slow(0.2))
+    # The first save is held 5 s (then the rest run): the next names are chosen while it is in flight,
+    # however slow the machine is.
+    gate = threading.Event()
+    release = threading.Timer(5.0, gate.set)
+    release.start()
+    plugin = NvcompCheckpointIO(async_save=True, max_pending=4, stream_wrapper=held(gate))
     ck = callback(dirpath=str(ckpts), filename="ckpt", monitor="step_metric", mode="min", save_top_k=-1,
                   every_n_train_steps=1)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

@@ -186,8 +186,12 @@ def test_fit_then_resume_in_fresh_processes_gives_the_same_losses(tmp_path: Path
     assert main(["verify", "-q", str(ours)]) == 0
     assert main(["verify", "-q", str(plain)]) == 0
     _check_reports(tmp_path)
-    assert _tier_steps(tmp_path) == [3]
+    assert _tier_steps(tmp_path) == [3, 6]  # the first save, due at once; the newest at the end of the run
     shutil.rmtree(tmp_path / "ours")  # the local checkpoints, as on a fresh node
+    # The copy of the last step is lost too, so the fresh node resumes mid-run, from step 3.
+    from nvcomp_checkpoint.tiers import open_tier
+
+    open_tier(str(tmp_path / "tier")).remove_unit(6, directory=True)
 
     _run(script, "resume", tmp_path)
     full = json.loads((tmp_path / "full.json").read_text())

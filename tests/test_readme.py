@@ -433,22 +433,22 @@ def check_lightning_async(s: Snippet, tmp_path: Path) -> None:
 
 def check_lightning_tiers(s: Snippet, tmp_path: Path) -> None:
     # A first run copies its first checkpoint (step 4: the first one is due at once, the next only
-    # after 30 / 60 minutes) to the folder and to S3; the node is then lost, and the same snippet
-    # on a fresh node resumes from the shared copy and ends with the weights of the first run.
+    # after 30 / 60 minutes) to the folder and to S3, and at its end the newest (step 12: the end of a
+    # run has no next due save); the node is then lost, and the same snippet on a fresh node resumes
+    # from the shared copy of step 12 and ends with the weights of the first run.
     from nvcomp_checkpoint.tiers import open_tier
 
     with s3_endpoint() as (env, client):
         first = _result(_ok(run_snippet(s, tmp_path, README_RUN="1", **env), s))
         assert first == {"ckpt_path": None, "global_step": 12}, first
         assert len(list((tmp_path / "nvme" / "ckpt").glob("*.ckpt"))) == 2  # ModelCheckpoint's top-k
-        assert open_tier(str(tmp_path / "fsx" / "run1")).steps() == [4]
-        assert _keys(client, "bucket", "") == _unit_keys("run1/", [4])
+        assert open_tier(str(tmp_path / "fsx" / "run1")).steps() == [4, 12]
+        assert _keys(client, "bucket", "") == _unit_keys("run1/", [4, 12])
         shutil.rmtree(tmp_path / "nvme")
         second = _result(_ok(run_snippet(s, tmp_path, README_RUN="2", **env), s))
-        assert second == {"ckpt_path": "fsx/run1/step-0000000004.nvc", "global_step": 12}, second
-        # The resumed process copies its first checkpoint (step 8) at once.
-        assert open_tier(str(tmp_path / "fsx" / "run1")).steps() == [4, 8]
-        assert _keys(client, "bucket", "") == _unit_keys("run1/", [4, 8])
+        assert second == {"ckpt_path": "fsx/run1/step-0000000012.nvc", "global_step": 12}, second
+        assert open_tier(str(tmp_path / "fsx" / "run1")).steps() == [4, 12]
+        assert _keys(client, "bucket", "") == _unit_keys("run1/", [4, 12])
     a, b = torch.load(tmp_path / "final-1.pt"), torch.load(tmp_path / "final-2.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

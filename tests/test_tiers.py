@@ -5,6 +5,7 @@ The S3 tier (a real moto server) is covered in test_tiers_s3.py.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import subprocess
 import threading
@@ -17,8 +18,10 @@ import torch
 
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
-from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, CopyTimeoutError
-from nvcomp_checkpoint.tiers import light_tree, retained_steps
+from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, CopySourceError, CopyTimeoutError
+from nvcomp_checkpoint.tiers import TierStore, UnitManifest, light_tree, open_tier, retained_steps
+from nvcomp_checkpoint.tiers.retention import newer_steps, steps_to_remove
+from nvcomp_checkpoint.tiers.transfer import copy_with_retries
 from nvcomp_checkpoint.storage import is_temp_name, temp_prefix
 
 
@@ -489,3 +492,38 @@ def test_restore_says_which_newer_steps_the_next_save_removes(tmp_path, caplog):
     mgr.close()
     assert mgr.steps(0) == [1, 2, 3, 4, 5] and mgr.steps(1) == [1, 2, 3, 4, 5]
     assert not mgr.manifest(5).light
+
+
+def test_restore_takes_no_private_flags():
+    # locate() and resume_path() are operations of their own, not restore() behind private keywords.
+    for method in (nc.CheckpointManager.restore, nc.CheckpointManager.locate, nc.CheckpointManager.resume_path):
+        assert not [p for p in inspect.signature(method).parameters if p.startswith("_")], method.__name__
+
+
+def test_a_copy_whose_source_changed_is_not_retried(tmp_path):
+    src = open_tier(str(tmp_path / "a"), name="a")
+    dst = TierStore(nc.Tier(tmp_path / "b", retries=5, backoff_s=60), "b")
+    path = tmp_path / "a" / "step-0000000001.nvc"
+    nc.save({"w": torch.arange(1000.0)}, path)
+    manifest = src.describe(1, False, False)
+    with open(path, "ab") as f:
+        f.write(b"later bytes")  # the unit changed after its manifest was taken
+    started = time.monotonic()
+    with pytest.raises(CheckpointWriteError, match=r"failed after 1 attempt\(s\)") as err:
+        copy_with_retries(src, dst, manifest)
+    assert isinstance(err.value.__cause__, CopySourceError) and time.monotonic() - started < 30
+    assert dst.steps() == []
+
+
+def test_steps_to_remove_is_a_pure_policy():
+    def unit(step: int, *, light: bool = False, base: int | None = None) -> UnitManifest:
+        return UnitManifest(step, False, light, (), 0.0, base=base)
+
+    # 1 full, 2..4 deltas chained on it, 5 full, 6 light: keep=1 keeps 6 (newest), 5 (newest full).
+    tier = {1: unit(1), 2: unit(2, base=1), 3: unit(3, base=2), 4: unit(4, base=3), 5: unit(5), 6: unit(6, light=True)}
+    assert steps_to_remove(tier, 1, None) == [1, 2, 3, 4]
+    # Protecting 4 (a copy still reads it) keeps its whole chain.
+    assert steps_to_remove(tier, 1, None, protect={4}) == []
+    # keep=2 and every 3rd: 5, 6 and 3, which needs 2 and 1; only 4 goes.
+    assert steps_to_remove(tier, 2, 3) == [4] and steps_to_remove(tier, None, None) == []
+    assert newer_steps([1, 5, 7, 9], 5, replaceable={7}) == ([7], [9])

@@ -87,6 +87,17 @@ def test_delta_base_full_and_first_save_of_a_manager_is_full(tmp_path):
     assert mgr2.manifest(70).base is None and mgr2.manifest(80).base == 70
 
 
+def test_incremental_takes_a_chain_policy(tmp_path):
+    run = _Run()
+    policy = nc.ChainPolicy(full_every=3, base="full")
+    with nc.CheckpointManager([nc.Tier(tmp_path / "local")], incremental=policy, async_save=False) as mgr:
+        assert mgr.chain_policy is policy and mgr.incremental
+        for step in range(1, 6):
+            mgr.save(step, run.state(step))
+    assert _bases(mgr) == {1: None, 2: 1, 3: 1, 4: None, 5: 4}
+    with pytest.raises(ValueError, match="in the ChainPolicy only"):
+        nc.CheckpointManager([nc.Tier(tmp_path / "other")], incremental=policy, full_every=5)
+
 def test_a_delta_is_not_committed_where_its_base_copy_failed(tmp_path, caplog):
     run = _Run()
     tiers = [nc.Tier(tmp_path / "local"), nc.Tier(tmp_path / "shared", name="shared", retries=0, backoff_s=0)]
@@ -238,7 +249,7 @@ def _framework_chain(tmp_path: Path, damage_base: bool = False) -> tuple[Path, d
 
 def _resume_at_once(shared: str, local_dir: str, barrier: Any, out: Any, lock: bool) -> None:
     if not lock:  # a file system that does not honour flock: only the rename keeps the folder whole
-        nc.tiers.local_lock = contextlib.nullcontext
+        nc.tiers.restore.local_lock = contextlib.nullcontext
     mgr = nc.CheckpointManager([nc.Tier(shared + "-fw"), nc.Tier(shared, name="shared")], tier0_external=True, clean=False)
     barrier.wait(30)
     try:

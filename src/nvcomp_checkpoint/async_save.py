@@ -19,6 +19,7 @@ from . import pending
 from .api import log_report, write_checkpoint
 from .codecs import gpu_available
 from .errors import CheckpointError, CheckpointWriteError
+from .failures import FailureLog
 from .policy import CodecPolicy
 from .report import SaveReport
 from .snapshot import Snapshot, SnapshotBuffers
@@ -215,7 +216,7 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._live: list[AsyncSaveHandle] = []  # not yet finished
-        self._errors: list[AsyncSaveHandle] = []  # failed, error not yet seen by anyone
+        self._failures = FailureLog()  # failed saves whose error nobody has seen yet
         pending.register_saver(self)
 
     # -- saving ------------------------------------------------------------------------------
@@ -335,7 +336,7 @@ class AsyncSaver:
         self._lock = threading.Lock()
         self._thread = None
         self._live = []
-        self._errors = []
+        self._failures = FailureLog()
         self.buffers.reset_after_fork()
 
     def _acquire_slot(self) -> None:
@@ -381,7 +382,7 @@ class AsyncSaver:
             with self._lock:
                 self._live.remove(handle)
                 if error is not None and self.report_errors and not callers:
-                    self._errors.append(handle)
+                    self._failures.record(error, key=handle.key, source=handle, what=f"{handle.path}: async save failed")
             pending.unregister(handle)
             if callers:
                 _LOG.debug("%s: async save stopped: its snapshot failed (raised by save_async): %s", handle.path, error)
@@ -425,19 +426,12 @@ class AsyncSaver:
         self.raise_errors(key)
 
     def raise_errors(self, key: str | None = None) -> None:
-        """Raise the oldest error nobody has seen yet (of saves to path ``key``, if given)."""
-        with self._lock:
-            failed = [h for h in self._errors if key is None or h.key == key]
-        if not failed:
-            return
-        first = failed[0]
-        first._mark_seen()
-        others = len(failed) - 1
-        more = f" ({others} more failed saves are logged)" if others else ""
-        for h in failed[1:]:
-            _LOG.error("%s: async save failed: %s", h.path, h._error)
-            h._mark_seen()
-        raise CheckpointWriteError(f"an earlier async save failed{more}: {first._error}") from first._error
+        """Raise the oldest error nobody has seen yet (of saves to path ``key``, if given); log the others."""
+        def wrap(error: BaseException, others: int) -> CheckpointWriteError:
+            more = f" ({others} more failed saves are logged)" if others else ""
+            return CheckpointWriteError(f"an earlier async save failed{more}: {error}")
+
+        self._failures.raise_oldest(key, wrap=wrap)
 
     def is_worker_thread(self) -> bool:
         """True on this saver's worker thread, where its done callbacks run."""
@@ -445,13 +439,10 @@ class AsyncSaver:
 
     def has_unseen_error(self, key: str) -> bool:
         """True if a save to the file ``key`` (see :func:`pending.path_key`) failed and nobody saw it."""
-        with self._lock:
-            return any(h.key == key for h in self._errors)
+        return self._failures.has(key)
 
     def _forget_error(self, handle: AsyncSaveHandle) -> None:
-        with self._lock:
-            if handle in self._errors:
-                self._errors.remove(handle)
+        self._failures.forget(handle)
 
     def release_buffers(self) -> None:
         """Free the host memory kept for the next snapshot."""

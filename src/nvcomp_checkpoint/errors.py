@@ -25,6 +25,8 @@ __all__ = [
     "TierUnavailableError",
     "TierNotFoundError",
     "CopyTimeoutError",
+    "CopySourceError",
+    "CopySourceGoneError",
     "MixedSaveError",
 ]
 
@@ -127,6 +129,17 @@ class CopyTimeoutError(CheckpointError, TimeoutError):
         super().__init__(message)
         self.pending = pending
 
+
+class CopySourceError(FormatError):
+    """The unit a copy to a tier reads changed during the copy or does not match its manifest.
+
+    A retry would read the same bytes, so none is made; the tier's previous copies are untouched.
+    """
+
+
+class CopySourceGoneError(CopySourceError):
+    """An adopted unit (a framework's own checkpoint) was removed or replaced by the framework's
+    rotation before its copy was done: the copy is skipped, which is not a failure of the run."""
 
 class MixedSaveError(FormatError):
     """A file of a checkpoint directory was written by another save than the rest of it (a file

@@ -103,12 +103,19 @@ class CodecSpec:
         chunk_bytes: Raw bytes per chunk; chunks compress in parallel and stream to storage.
             None (the default): the codec's default from the facts table (codecs/registry.py),
             4 MiB for all but ``gdeflate``, whose nvCOMP chunks are 64 KiB at most.
+        adaptive: ``zstd`` on the CPU only: each frame (byte plane) of 256 KiB or more is
+            compressed with whichever of level 1's parameters and ``level``'s compresses a
+            32 KiB sample of it smallest. Strong levels gain most on exponent planes and
+            nothing on noise planes, so this buys most of ``level``'s ratio for part of its
+            time (:meth:`CodecPolicy.max_ratio`). Frames are standard Zstd frames either way;
+            the GPU writer ignores it (nvCOMP's Zstd has no levels).
     """
 
     codec: str = "zstd"
     level: int | None = 1
     filter: str = "byteplane"
     chunk_bytes: int | None = None  # an int once the spec is built
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.codec not in CODEC_IDS:
@@ -127,6 +134,10 @@ class CodecSpec:
                 f"chunk_bytes must be between {MIN_CHUNK_BYTES >> 10} KiB and {CHUNK_CAP_BYTES >> 20} MiB, got {self.chunk_bytes}"
             )
         check_level(self.codec, self.level)
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be a bool, got {type(self.adaptive).__name__} {self.adaptive!r}")
+        if self.adaptive and self.codec != "zstd":
+            raise ValueError(f"adaptive applies to codec 'zstd' only, not {self.codec!r}")
         if self.chunk_bytes > facts.max_chunk_bytes:
             # GPU-only codecs cannot cut a chunk on another device, so their nvCOMP limit is the
             # policy's (ans, bitcomp, cascaded: 16 MiB; gdeflate: 64 KiB; codecs/registry.py).
@@ -170,7 +181,7 @@ class CodecSpec:
             return data
         if isinstance(data, str):
             return cls.parse(data)
-        unknown = set(data) - {"codec", "level", "filter", "chunk_bytes"}
+        unknown = set(data) - {"codec", "level", "filter", "chunk_bytes", "adaptive"}
         if unknown:
             raise ValueError(f"unknown codec spec keys {sorted(unknown)}")
         return cls(**dict(data))
@@ -180,6 +191,8 @@ class CodecSpec:
 
 
 _DEFAULT = CodecSpec()
+#: libzstd level of :meth:`CodecPolicy.max_ratio` (chosen in benchmarks/README.md, "Peer coders").
+MAX_RATIO_LEVEL = 19
 _RAW = CodecSpec(codec="none", level=None, filter="none")
 
 #: The type each key of a spec written as a dict must have, and how to say it.
@@ -188,6 +201,7 @@ _SPEC_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "level": ((int, type(None)), "an int or None"),
     "filter": ((str,), "a str ('byteplane' or 'none')"),
     "chunk_bytes": ((int, type(None)), "an int (bytes) or None"),
+    "adaptive": ((bool,), "a bool"),
 }
 
 
@@ -290,6 +304,21 @@ class CodecPolicy:
     def uniform(cls, spec: CodecSpec | Mapping[str, Any] | str, **kwargs: Any) -> "CodecPolicy":
         """The same spec for every component (a spec, its dict, or a shorthand such as ``"zstd:3"``)."""
         spec = _spec_field("policy", spec)
+        return cls(**{c.value: spec for c in Component}, **kwargs)
+
+    @classmethod
+    def max_ratio(cls, level: int = MAX_RATIO_LEVEL, **kwargs: Any) -> "CodecPolicy":
+        """The smallest files this library writes on the CPU, at a cost in save time.
+
+        Every component is ``zstd`` over byte planes with ``adaptive=True`` at ``level``: each
+        plane takes libzstd ``level`` where a sample says it saves 1% over level 1. On the
+        checkpoints of ``benchmarks/bench_peers.py`` the files are 1.5-2% smaller than the
+        default's (gradients 7%), and saves take 15-50x as long (loads are as fast); a lower
+        ``level`` trades ratio for time (table in benchmarks/README.md, "Peer coders"). The
+        default policy stays level 1, which saves faster than ``torch.save`` + ``zstd -1``.
+        Files load anywhere, like the default's.
+        """
+        spec = CodecSpec(codec="zstd", level=level, filter="byteplane", adaptive=True)
         return cls(**{c.value: spec for c in Component}, **kwargs)
 
     @classmethod

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 
 from .async_save import AsyncSaveHandle, AsyncSaver, run_callback
 from .errors import CheckpointWriteError
+from .failures import FailureLog
 from .api import log_report
 from .report import SaveReport, merge_reports
 
@@ -102,6 +103,8 @@ class SaveSequence:
         workers: Compression threads per file.
         on_saved: Called with the report of each completed group (also on a background thread).
         log_as: The verb of the INFO line logged per completed group (``None``: not logged).
+        failures: Where failed groups are recorded (a :class:`~nvcomp_checkpoint.failures.FailureLog` the
+            entry point shares with its other background work); a log of its own by default.
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class SaveSequence:
         workers: int | None = None,
         on_saved: SavedCallback | None = None,
         log_as: str | None = None,
+        failures: FailureLog | None = None,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"{label}: max_pending must be at least 1, got {max_pending}")
@@ -125,9 +129,9 @@ class SaveSequence:
         self.last_report: SaveReport | None = None
         self._lock = threading.Lock()
         self._groups: list[SaveGroup] = []  # begun, not yet finished
-        self._unreported: list[SaveGroup] = []  # failed, error not yet raised to anyone
+        self.failures = failures if failures is not None else FailureLog()  # failed groups not yet reported
         self._kept: list[str] = []  # actions skipped because a save before them failed
-        self._failures = 0
+        self._failed_count = 0
         self._saver: AsyncSaver | None = None
         self._jobs: concurrent.futures.ThreadPoolExecutor | None = None
         self._threads = threading.local()  # .completing: this thread runs a completion and must not wait
@@ -213,9 +217,7 @@ class SaveSequence:
         self.guard("result()")
         group.finished.wait()
         if group.error is not None:
-            with self._lock:
-                if group in self._unreported:
-                    self._unreported.remove(group)
+            self.failures.forget(group)
             raise group.error
         assert group.report is not None
         return group.report
@@ -232,11 +234,11 @@ class SaveSequence:
             open_groups = [g for g in self._groups if not g.finished.is_set()]
             if not open_groups:
                 return False
-            last, before = open_groups[-1], self._failures
+            last, before = open_groups[-1], self._failed_count
             if last._after is not None:
                 last._after.append((action, before, what))
                 return True
-            # The last group has just taken its actions (its outcome, counted in _failures, is set).
+            # The last group has just taken its actions (its outcome, counted in _failed_count, is set).
             if last.error is not None:
                 before -= 1
         self.wait()
@@ -272,34 +274,30 @@ class SaveSequence:
 
     def failed_group(self) -> SaveGroup | None:
         """The oldest finished group whose error nobody has been told of yet."""
-        with self._lock:
-            return self._unreported[0] if self._unreported else None
+        oldest = self.failures.oldest()
+        return None if oldest is None else oldest.source
 
     def raise_errors(self, when: str, consequence: str = "") -> None:
         """Raise the oldest unreported failure (once), naming ``when`` as the reporter; log the others."""
         with self._lock:
-            failed, self._unreported = self._unreported, []
             kept, self._kept = self._kept, []
-        if not failed:
+        if not self.failures:
             return
-        for later in failed[1:]:
-            _LOG.error("an async checkpoint save failed: %s", later.error)
-        more = f" ({len(failed) - 1} more failed saves are logged)" if len(failed) > 1 else ""
         if kept:
             consequence = f"{consequence} Not removed, so that the run keeps its newest complete checkpoint: {', '.join(kept)}.".strip()
-        error = failed[0].error
-        assert error is not None
-        raise CheckpointWriteError(
-            f"{str(error).rstrip('.')} (saved in the background; reported by {when}){more}."
-            f"{' ' + consequence if consequence else ''}"
-        ) from error
+
+        def wrap(error: BaseException, others: int) -> CheckpointWriteError:
+            more = f" ({others} more failed saves are logged)" if others else ""
+            return CheckpointWriteError(
+                f"{str(error).rstrip('.')} (saved in the background; reported by {when}){more}."
+                f"{' ' + consequence if consequence else ''}"
+            )
+
+        self.failures.raise_oldest(wrap=wrap)
 
     def log_errors(self) -> None:
         """Log unreported failures instead of raising them (while another error propagates)."""
-        with self._lock:
-            failed, self._unreported = self._unreported, []
-        for group in failed:
-            _LOG.error("an async checkpoint save failed: %s", group.error)
+        self.failures.log_all()
 
     def close(self) -> None:
         """Wait for everything, stop the background threads (a later save starts them again)."""
@@ -355,8 +353,8 @@ class SaveSequence:
                     error = error or exc
             with self._lock:
                 if error is not None:
-                    self._failures += 1
-                    self._unreported.append(group)
+                    self._failed_count += 1
+                    self.failures.record(error, source=group, what="an async checkpoint save failed")
                 actions, group._after = group._after or [], None
                 group.error = error
             if error is None:
@@ -374,7 +372,7 @@ class SaveSequence:
 
     def _run_actions(self, actions: Iterable[tuple[Callable[[], None], int, str]]) -> None:
         for action, failures_before, what in actions:
-            if self._failures != failures_before:
+            if self._failed_count != failures_before:
                 with self._lock:
                     self._kept.append(what)
                 _LOG.warning("%s: not removed, because a checkpoint save before its removal failed", what)

@@ -202,7 +202,7 @@ _Encoded = list[tuple[bytes | memoryview | np.ndarray, int, int, str]]
 def _encode_cpu_chunk(data: np.ndarray, item: PlannedTensor) -> _Encoded:
     filt = ByteplaneFilter(item.width)
     parts = filt.split(data) if item.spec.filter == "byteplane" else [data]
-    codec = cpu_codec(item.spec.codec, item.spec.level)
+    codec = cpu_codec(item.spec.codec, item.spec.level, item.spec.adaptive)
     out: _Encoded = []
     for part in parts:
         if item.spec.codec == "none":

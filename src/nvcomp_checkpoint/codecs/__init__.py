@@ -58,8 +58,11 @@ def has_cpu_decoder(codec_id: str) -> bool:
 
 
 @lru_cache(maxsize=None)
-def cpu_codec(codec_id: str, level: int | None = None) -> CpuCodec:
+def cpu_codec(codec_id: str, level: int | None = None, adaptive: bool = False) -> CpuCodec:
     """The CPU implementation of ``codec_id`` (cached; instances are thread-safe).
+
+    ``adaptive`` (zstd only): each large frame takes the parameter set, of level 1's and
+    ``level``'s, that compresses a sample of it smallest (:class:`.cpu.ZstdCpuCodec`).
 
     Raises:
         CodecUnavailableError: ``codec_id`` has no CPU implementation.
@@ -73,6 +76,8 @@ def cpu_codec(codec_id: str, level: int | None = None) -> CpuCodec:
                 f"Portable codecs are: {', '.join(PORTABLE_CODECS)}"
             )
         raise CodecUnavailableError(f"unknown codec {codec_id!r}; known codecs: {', '.join(CODEC_IDS)}")
+    if adaptive and codec_id == "zstd":
+        return ZstdCpuCodec(1 if level is None else level, adaptive=True)
     return cls(level) if level is not None else cls()
 
 

@@ -13,33 +13,60 @@ import zstandard
 from ..errors import FormatError
 from .registry import CHUNK_CAP_BYTES
 
-__all__ = ["ZstdCpuCodec", "NoneCpuCodec", "LARGE_FRAME_BYTES", "ZSTD_MAX_LEVEL"]
+__all__ = ["ZstdCpuCodec", "NoneCpuCodec", "LARGE_FRAME_BYTES", "PICK_SAMPLE_BYTES", "ZSTD_MAX_LEVEL"]
 
 #: Level-1 frames at least this large (libzstd's largest source-size class) are compressed with
-#: libzstd's level-1 parameters for that class except for a 2**10-entry hash table (instead of
-#: 2**14). On the byte planes of real checkpoints that compresses exponent planes about 40%
-#: faster and 2-3% smaller: their short matches cost more than they save, and a small table
-#: finds fewer of them (benchmarks/README.md). Frames stay standard Zstd frames; smaller
-#: frames keep libzstd's own level-1 parameters.
+#: libzstd's level-1 parameters for that class except for a small hash table, of 2**10 or 2**6
+#: entries (instead of 2**14), whichever compresses a sample of the frame smaller. Exponent
+#: planes have short matches that cost more than they save; a small table finds fewer of them:
+#: 2**10 is about 40% faster than 2**14 and 2-3% smaller, and 2**6 is faster again and leaves
+#: a bf16 weight's exponent plane within 0.1% of a Huffman-only coding of it, while the zero runs
+#: of optimizer moments and gradients still need 2**10 (benchmarks/README.md, "Peer coders").
+#: Frames stay standard Zstd frames; smaller frames keep libzstd's own level-1 parameters.
 LARGE_FRAME_BYTES = 256 << 10
+#: Bytes of a large frame compressed with each candidate parameter set to choose one (four
+#: pieces spread over the frame): on the checkpoints of benchmarks/ a 32 KiB sample picks what
+#: compressing whole planes would.
+PICK_SAMPLE_BYTES = 32 << 10
+#: An adaptive frame takes the strong level only where it saves at least this share of the
+#: sample over the better fast set: smaller gains (a bf16 weight's exponent plane, 0.1%) cost
+#: 100x the time of level 1 for almost nothing (benchmarks/README.md, "Peer coders").
+ADAPTIVE_MIN_GAIN = 0.01
 #: Highest level libzstd accepts (negative levels, faster than 1, are accepted too).
 ZSTD_MAX_LEVEL = zstandard.MAX_COMPRESSION_LEVEL
-_LARGE_LEVEL1 = zstandard.ZstdCompressionParameters(
-    window_log=19, chain_log=13, hash_log=10, search_log=1, min_match=7, target_length=0,
-    strategy=zstandard.STRATEGY_FAST, write_content_size=1, write_checksum=0,
-)
+
+
+def _fast_params(hash_log: int) -> zstandard.ZstdCompressionParameters:
+    return zstandard.ZstdCompressionParameters(
+        window_log=19, chain_log=13, hash_log=hash_log, search_log=1, min_match=7, target_length=0,
+        strategy=zstandard.STRATEGY_FAST, write_content_size=1, write_checksum=0,
+    )
+
+
+#: The level-1 parameter sets a large frame chooses from, fastest first (a tie keeps the first).
+_LARGE_LEVEL1 = {"fast6": _fast_params(6), "fast10": _fast_params(10)}
+_LARGE_LEVEL1_ORDER = ("fast6", "fast10")
 
 
 class ZstdCpuCodec:
     """Zstandard on the CPU; one compressor per thread (they are not thread-safe).
 
     ``zstandard`` releases the GIL while it compresses, so a thread pool scales across cores.
+
+    Args:
+        level: libzstd's level. Level 1 compresses frames of :data:`LARGE_FRAME_BYTES` or more
+            with the better of two fast parameter sets on a sample.
+        adaptive: Each frame of :data:`LARGE_FRAME_BYTES` or more is compressed with ``level``
+            where that compresses a sample of it at least :data:`ADAPTIVE_MIN_GAIN` smaller
+            than the better level-1 set does, else like level 1 (``CodecPolicy.max_ratio``): libzstd's strong levels win big on exponent planes
+            with structure and lose on others, and they cost far more time than level 1.
     """
 
     id = "zstd"
 
-    def __init__(self, level: int = 1) -> None:
+    def __init__(self, level: int = 1, adaptive: bool = False) -> None:
         self.level = level
+        self.adaptive = adaptive
         self._local = threading.local()
 
     def _cctx(self) -> zstandard.ZstdCompressor:
@@ -50,11 +77,13 @@ class ZstdCpuCodec:
             self._local.cctx = cctx
         return cctx
 
-    def _cctx_large(self) -> zstandard.ZstdCompressor:
-        cctx = getattr(self._local, "cctx_large", None)
+    def _cctx_named(self, name: str) -> zstandard.ZstdCompressor:
+        named = getattr(self._local, "named", None)
+        if named is None:
+            named = self._local.named = {}
+        cctx = named.get(name)
         if cctx is None:
-            cctx = zstandard.ZstdCompressor(compression_params=_LARGE_LEVEL1)
-            self._local.cctx_large = cctx
+            cctx = named[name] = zstandard.ZstdCompressor(compression_params=_LARGE_LEVEL1[name])
         return cctx
 
     def _dctx(self) -> zstandard.ZstdDecompressor:
@@ -65,8 +94,17 @@ class ZstdCpuCodec:
         return dctx
 
     def encode(self, data: memoryview) -> bytes:
-        if self.level == 1 and memoryview(data).nbytes >= LARGE_FRAME_BYTES:
-            return self._cctx_large().compress(data)
+        data = memoryview(data)
+        if data.nbytes >= LARGE_FRAME_BYTES and (self.level == 1 or self.adaptive):
+            sample = _sample(data.cast("B"))
+            fast = [self._cctx_named(name) for name in _LARGE_LEVEL1_ORDER]
+            sizes = [len(c.compress(sample)) for c in fast]
+            best = min(range(len(fast)), key=lambda i: (sizes[i], i))
+            if self.adaptive and self.level != 1:
+                strong = self._cctx()
+                if len(strong.compress(sample)) <= sizes[best] * (1 - ADAPTIVE_MIN_GAIN):
+                    return strong.compress(data)
+            return fast[best].compress(data)
         return self._cctx().compress(data)
 
     def decode(self, frame: memoryview, raw_size: int) -> bytes | bytearray:
@@ -90,6 +128,14 @@ class ZstdCpuCodec:
         if len(out) != raw_size:
             raise FormatError(f"zstd frame decoded to {len(out)} bytes, the index says {raw_size}")
         return out
+
+
+def _sample(data: memoryview) -> bytes:
+    """:data:`PICK_SAMPLE_BYTES` of ``data`` in four pieces spread over it: planes change along
+    a tensor (the zero rows of an embedding's moments may all lie past its first rows)."""
+    piece = PICK_SAMPLE_BYTES // 4
+    step = (len(data) - piece) // 3
+    return b"".join(data[i * step : i * step + piece] for i in range(4))
 
 
 #: Largest output decoded in one call without a size from the frame header: a chunk's cap.

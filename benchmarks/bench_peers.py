@@ -1,0 +1,492 @@
+"""nvcomp-checkpoint against the peer coders, on the same training states, in one run.
+
+Peers: ZipNN (Huffman on byte groups, its exponent byte cleaned by a bit rotation), OpenZL (its
+byte-plane graph, a struct transpose then its generic ``Compress`` graph, and its float graph,
+``Float32Deconstruct`` / ``BFloat16Deconstruct`` then ``Compress``), blosc2 (shuffle, bitshuffle
+and shuffle+bytedelta, each with zstd at clevel 1 and 5), safetensors + zstd -1 and torch.save +
+zstd -1. Every method's ratio is given per component (bf16 weights, fp32 AdamW moments, bf16
+gradients) and for the whole file; save and load are wall times (best of ``--repeat``), and
+every method's load is checked bit for bit against the saved state.
+
+The peers are optional (``pip install 'nvcomp-checkpoint[bench]'``); a peer that does not import
+is named and skipped. Run ``python benchmarks/bench_peers.py``; ``--max-mb`` keeps a subset of
+the parameters (the same ones in weights, moments and gradients) so that a run stays short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import checkpoints  # noqa: E402  (benchmarks/ is not a package)
+from methods import map_tensors  # noqa: E402
+
+import nvcomp_checkpoint as nc  # noqa: E402
+from nvcomp_checkpoint.report import format_table  # noqa: E402
+
+__all__ = ["main", "subset_state", "PEER_METHODS"]
+
+COMPONENTS = ("weights", "exp_avg", "exp_avg_sq", "gradients")
+#: Peers compress floating tensors at least this large (as our policy's min_compress_bytes).
+MIN_BYTES = 2048
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_THREADS = os.cpu_count() or 1
+
+
+# -- the states -------------------------------------------------------------------------------
+def subset_state(state: dict[str, Any], max_bytes: int) -> dict[str, Any]:
+    """``state`` with every k-th parameter kept (weights, optimizer state and gradient alike).
+
+    A parameter is kept in full or not at all, so every kept tensor is a real trained tensor;
+    k is the smallest step that brings the tensor bytes under ``max_bytes``.
+    """
+    model, opt, grads = state["model"], state["optimizer"], state["gradients"]
+    params = [k for k, v in model.items() if v.is_floating_point()]
+    indices = [i for g in opt["param_groups"] for i in g["params"]]
+    if indices != list(range(len(params))):
+        raise ValueError(f"{len(params)} float model tensors but optimizer indices {indices[:3]}...: cannot pair them")
+
+    def size(keep: list[int]) -> int:
+        total = 0
+        for i in keep:
+            total += model[params[i]].nbytes + sum(t.nbytes for t in opt["state"].get(i, {}).values() if isinstance(t, torch.Tensor))
+            total += grads[params[i]].nbytes if params[i] in grads else 0
+        return total
+
+    step = 1
+    while size(list(range(0, len(params), step))) > max_bytes and step < len(params):
+        step += 1
+    keep = list(range(0, len(params), step))
+    kept = {params[i] for i in keep}
+    return {
+        "model": {k: v for k, v in model.items() if k in kept or not v.is_floating_point()},
+        "optimizer": {
+            "state": {i: opt["state"][i] for i in keep if i in opt["state"]},
+            "param_groups": [{**g, "params": [i for i in g["params"] if i in set(keep)]} for g in opt["param_groups"]],
+        },
+        "gradients": {k: v for k, v in grads.items() if k in kept},
+    }
+
+
+def tensor_bytes_by_component(state: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+
+    def add(p: tuple[str, ...], t: torch.Tensor) -> None:
+        if t.dtype in _FLOATS and t.nbytes >= MIN_BYTES:
+            comp = nc.classify(p).value
+            out[comp] = out.get(comp, 0) + t.nbytes
+
+    map_tensors(state, add)
+    return out
+
+
+def all_tensor_bytes(state: Any) -> int:
+    total = 0
+
+    def add(_p: tuple[str, ...], t: torch.Tensor) -> None:
+        nonlocal total
+        total += t.nbytes
+
+    map_tensors(state, add)
+    return total
+
+
+def identical(a: Any, b: Any, where: str) -> None:
+    """Raise unless every tensor of ``a`` is in ``b`` at the same path with the same bytes."""
+
+    def check(p: tuple[str, ...], t: torch.Tensor) -> None:
+        node = b
+        for k in p:
+            node = node[int(k)] if isinstance(node, (list, tuple)) else node[k if k in node else int(k)]
+        same = isinstance(node, torch.Tensor) and node.dtype == t.dtype and node.shape == t.shape
+        if not same or not torch.equal(node.contiguous().view(-1).view(torch.uint8), t.contiguous().view(-1).view(torch.uint8)):
+            raise AssertionError(f"{where}: tensor {'/'.join(p)} did not round-trip bit for bit")
+
+    map_tensors(a, check)
+
+
+# -- the container for per-tensor peers -------------------------------------------------------
+def _fsync_write(path: Path, write: Callable[[Any], None]) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def per_tensor_save(encode: Callable[[torch.Tensor], bytes]) -> Callable[[Any, Path], dict[str, int]]:
+    """A save that compresses every float tensor with ``encode`` (on a thread per core) into a
+    uint8 tensor of a torch.save tree; returns the compressed bytes per component."""
+
+    def save(obj: Any, path: Path) -> dict[str, int]:
+        jobs: list[tuple[tuple[str, ...], torch.Tensor]] = []
+        map_tensors(obj, lambda p, t: jobs.append((p, t)) if t.dtype in _FLOATS and t.nbytes >= MIN_BYTES else None)
+        with ThreadPoolExecutor(_THREADS) as pool:
+            encoded = dict(zip((p for p, _ in jobs), pool.map(lambda j: encode(j[1]), jobs)))
+        sizes: dict[str, int] = {}
+
+        def swap(p: tuple[str, ...], t: torch.Tensor) -> Any:
+            data = encoded.get(p)
+            if data is None:
+                return t
+            comp = nc.classify(p).value
+            sizes[comp] = sizes.get(comp, 0) + len(data)
+            # In a uint8 tensor: pickled `bytes` would grow ~1.5x.
+            return {"__peer__": torch.frombuffer(bytearray(data), dtype=torch.uint8), "dtype": str(t.dtype), "shape": list(t.shape)}
+
+        tree = map_tensors(obj, swap)
+        _fsync_write(path, lambda f: torch.save(tree, f))
+        return sizes
+
+    return save
+
+
+def per_tensor_load(decode: Callable[[bytes, torch.dtype, list[int]], torch.Tensor]) -> Callable[[Path], Any]:
+    def load(path: Path) -> Any:
+        tree = torch.load(path, map_location="cpu", weights_only=True)
+        found: list[dict[str, Any]] = []
+
+        def collect(node: Any) -> None:
+            if isinstance(node, dict):
+                if "__peer__" in node:
+                    found.append(node)
+                    return
+                for v in node.values():
+                    collect(v)
+            elif isinstance(node, (list, tuple)):
+                for v in node:
+                    collect(v)
+
+        collect(tree)
+        with ThreadPoolExecutor(_THREADS) as pool:
+            out = list(pool.map(lambda n: decode(n["__peer__"].numpy().tobytes(), getattr(torch, n["dtype"].split(".")[-1]), n["shape"]), found))
+        by_id = {id(n): t for n, t in zip(found, out)}
+
+        def rebuild(node: Any) -> Any:
+            if isinstance(node, dict):
+                if "__peer__" in node:
+                    return by_id[id(node)]
+                return {k: rebuild(v) for k, v in node.items()}
+            if isinstance(node, (list, tuple)):
+                return type(node)(rebuild(v) for v in node)
+            return node
+
+        return rebuild(tree)
+
+    return load
+
+
+def _uint_view(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().view(-1).view({2: torch.int16, 4: torch.int32}[t.element_size()]).numpy().view(
+        {2: np.uint16, 4: np.uint32}[t.element_size()]
+    )
+
+
+def _from_bytes(data: bytes | np.ndarray, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    buf = bytearray(data) if not isinstance(data, np.ndarray) else bytearray(data.tobytes())
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+# -- ZipNN ------------------------------------------------------------------------------------
+def zipnn_method() -> tuple[Callable[[Any, Path], dict[str, int]], Callable[[Path], Any]]:
+    from zipnn import ZipNN
+
+    def encode(t: torch.Tensor) -> bytes:
+        # ZipNN 0.5.4 rotates the bits of its input in place: it gets a copy (timed with it).
+        return bytes(ZipNN(input_format="torch", threads=1).compress(t.detach().clone().contiguous()))
+
+    def decode(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        return ZipNN(input_format="torch", threads=1).decompress(data).view(dtype).reshape(shape)
+
+    return per_tensor_save(encode), per_tensor_load(decode)
+
+
+# -- OpenZL -----------------------------------------------------------------------------------
+def openzl_method(graph: str) -> tuple[Callable[[Any, Path], dict[str, int]], Callable[[Path], Any]]:
+    """``graph``: "byteplane" (struct transpose, then Compress per plane) or "float" (exponent
+    split from sign+fraction, then Compress on each)."""
+    import openzl.ext as zl
+
+    class Planes(zl.FunctionGraph):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.width = width
+
+        def function_graph_description(self) -> Any:
+            return zl.FunctionGraphDescription(name=f"nvckpt_bench_{graph}_{self.width}", input_type_masks=[zl.TypeMask.Numeric])
+
+        def graph(self, state: Any) -> None:
+            edge = state.edges[0]
+            if graph == "byteplane":
+                outs = zl.nodes.TransposeSplit().run(zl.nodes.ConvertNumToStructLE().run(edge)[0])
+            elif self.width == 4:
+                outs = zl.nodes.Float32Deconstruct().run(edge)
+            else:
+                outs = zl.nodes.BFloat16Deconstruct().run(edge)
+            for out in outs:
+                zl.graphs.Compress().set_destination(out)
+
+    compressors: dict[int, Any] = {}
+    for width in (2, 4):
+        comp = zl.Compressor()
+        comp.select_starting_graph(comp.register_function_graph(Planes(width)))
+        compressors[width] = comp
+
+    def encode(t: torch.Tensor) -> bytes:
+        if t.dtype == torch.float16 and graph == "float":
+            raise ValueError("no float16 graph used here")
+        cctx = zl.CCtx()
+        cctx.ref_compressor(compressors[t.element_size()])
+        cctx.set_parameter(zl.CParam.FormatVersion, zl.MAX_FORMAT_VERSION)
+        return cctx.compress([zl.Input(zl.Type.Numeric, _uint_view(t))])
+
+    def decode(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        return _from_bytes(zl.DCtx().decompress(data)[0].content.as_nparray(), dtype, shape)
+
+    return per_tensor_save(encode), per_tensor_load(decode)
+
+
+# -- blosc2 -----------------------------------------------------------------------------------
+def blosc2_method(filt: str, clevel: int) -> tuple[Callable[[Any, Path], dict[str, int]], Callable[[Path], Any]]:
+    import blosc2
+
+    filters = {
+        "shuffle": [blosc2.Filter.SHUFFLE],
+        "bitshuffle": [blosc2.Filter.BITSHUFFLE],
+        "bytedelta": [blosc2.Filter.SHUFFLE, blosc2.Filter.BYTEDELTA],
+    }[filt]
+
+    def encode(t: torch.Tensor) -> bytes:
+        data = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+        cparams = {"codec": blosc2.Codec.ZSTD, "clevel": clevel, "typesize": t.element_size(), "filters": filters, "nthreads": 1}
+        return blosc2.SChunk(chunksize=4 << 20, data=data, cparams=cparams).to_cframe()
+
+    def decode(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        return _from_bytes(blosc2.schunk_from_cframe(data)[:], dtype, shape)
+
+    return per_tensor_save(encode), per_tensor_load(decode)
+
+
+# -- file formats + the zstd command-line tool ------------------------------------------------
+def _zstd_file(raw: Path, out: Path) -> None:
+    subprocess.run(["zstd", "-q", "-f", "-T0", "-1", str(raw), "-o", str(out)], check=True)
+    with open(out, "rb+") as f:
+        os.fsync(f.fileno())
+    raw.unlink()
+
+
+def _unzstd_file(path: Path) -> Path:
+    raw = path.with_name(path.name + ".raw")
+    subprocess.run(["zstd", "-q", "-f", "-d", str(path), "-o", str(raw)], check=True)
+    return raw
+
+
+def torch_zstd_method() -> tuple[Callable[[Any, Path], None], Callable[[Path], Any]]:
+    def save(obj: Any, path: Path) -> None:
+        raw = path.with_name(path.name + ".raw")
+        with open(raw, "wb") as f:
+            torch.save(obj, f)
+        _zstd_file(raw, path)
+
+    def load(path: Path) -> Any:
+        raw = _unzstd_file(path)
+        try:
+            return torch.load(raw, map_location="cpu", weights_only=True)
+        finally:
+            raw.unlink()
+
+    return save, load
+
+
+def safetensors_zstd_method() -> tuple[Callable[[Any, Path], None], Callable[[Path], Any]]:
+    from safetensors.torch import load_file, save_file
+
+    def flat(obj: Any) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        map_tensors(obj, lambda p, t: out.__setitem__("/".join(p), t.contiguous()))
+        return out
+
+    def save(obj: Any, path: Path) -> None:
+        raw = path.with_name(path.name + ".raw")
+        save_file(flat(obj), str(raw))  # tensors only: what safetensors stores
+        _zstd_file(raw, path)
+
+    def load(path: Path) -> Any:
+        raw = _unzstd_file(path)
+        try:
+            tensors = load_file(str(raw))
+        finally:
+            raw.unlink()
+        return _unflatten(tensors)
+
+    return save, load
+
+
+def _unflatten(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
+    root: dict[str, Any] = {}
+    for key, t in flat.items():
+        node = root
+        parts = key.split("/")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = t
+    return _int_keys(root)
+
+
+def _int_keys(node: Any) -> Any:
+    # optimizer state is keyed by int; safetensors keys are str.
+    if isinstance(node, dict):
+        return {(int(k) if k.isdigit() else k): _int_keys(v) for k, v in node.items()}
+    return node
+
+
+# -- ours -------------------------------------------------------------------------------------
+def ours_method(policy: Any) -> tuple[Callable[[Any, Path], dict[str, int]], Callable[[Path], Any]]:
+    def save(obj: Any, path: Path) -> dict[str, int]:
+        nc.save(obj, path, policy=policy)
+        with nc.open(path) as reader:
+            return {name: s.stored_bytes for name, s in reader.summary().items()}
+
+    return save, lambda path: nc.load(path)
+
+
+@dataclass
+class Peer:
+    name: str
+    build: Callable[[], tuple[Callable[[Any, Path], Any], Callable[[Path], Any]]]
+    needs: str = ""
+
+
+def _peers() -> list[Peer]:
+    peers = [
+        Peer("ours (default)", lambda: ours_method(None)),
+        Peer("ours (max_ratio)", lambda: ours_method(nc.CodecPolicy.max_ratio()), "max_ratio"),
+        Peer("torch.save+zstd -1", torch_zstd_method, "zstd"),
+        Peer("safetensors+zstd -1", safetensors_zstd_method, "safetensors"),
+        Peer("ZipNN", zipnn_method, "zipnn"),
+        Peer("OpenZL byte-plane", lambda: openzl_method("byteplane"), "openzl"),
+        Peer("OpenZL float", lambda: openzl_method("float"), "openzl"),
+    ]
+    for filt in ("shuffle", "bitshuffle", "bytedelta"):
+        for clevel in (1, 5):
+            peers.append(Peer(f"blosc2 {filt}+zstd-{clevel}", lambda f=filt, c=clevel: blosc2_method(f, c), "blosc2"))
+    return peers
+
+
+PEER_METHODS = [p.name for p in _peers()]
+
+
+# -- the run ----------------------------------------------------------------------------------
+def measure(peer: Peer, state: Any, workdir: Path, repeat: int) -> dict[str, Any]:
+    save, load = peer.build()
+    path = workdir / "out.bin"
+    saves, loads = [], []
+    sizes: dict[str, int] | None = None
+    for _ in range(repeat):
+        for leftover in workdir.iterdir():
+            leftover.unlink()
+        start = time.perf_counter()
+        out = save(state, path)
+        saves.append(time.perf_counter() - start)
+        sizes = out if isinstance(out, dict) else None
+        start = time.perf_counter()
+        back = load(path)
+        loads.append(time.perf_counter() - start)
+        identical(state, back, peer.name)
+        del back
+    return {"file_bytes": path.stat().st_size, "components": sizes, "save_s": min(saves), "load_s": min(loads)}
+
+
+def run(name: str, max_mb: float, repeat: int, only: list[str] | None) -> dict[str, Any]:
+    state = checkpoints.load_pair(name)["later"]
+    if max_mb:
+        state = subset_state(state, int(max_mb * 1e6))
+    raw_by_comp = tensor_bytes_by_component(state)
+    total = all_tensor_bytes(state)
+    results: dict[str, Any] = {"checkpoint": name, "tensor_bytes": total, "raw_by_component": raw_by_comp, "methods": {}}
+    with tempfile.TemporaryDirectory(prefix="nvckpt-peers-", dir=os.environ.get("BENCH_DIR")) as tmp:
+        for peer in _peers():
+            if only and peer.name not in only:
+                continue
+            if peer.needs == "max_ratio" and not hasattr(nc.CodecPolicy, "max_ratio"):
+                print(f"skipped {peer.name}: this nvcomp_checkpoint has no CodecPolicy.max_ratio", flush=True)
+                continue
+            if peer.needs and peer.needs not in ("zstd", "max_ratio"):
+                try:
+                    __import__(peer.needs)
+                except ImportError:
+                    print(f"skipped {peer.name}: {peer.needs} does not import (pip install 'nvcomp-checkpoint[bench]')", flush=True)
+                    continue
+            if peer.needs == "zstd" and shutil.which("zstd") is None:
+                print(f"skipped {peer.name}: no zstd command-line tool", flush=True)
+                continue
+            res = measure(peer, state, Path(tmp), repeat)
+            results["methods"][peer.name] = res
+            print(f"  {name}: {peer.name}: {total / res['file_bytes']:.4f}  save {res['save_s']:.2f}s  load {res['load_s']:.2f}s", flush=True)
+    return results
+
+
+def tables(results: dict[str, Any]) -> str:
+    raw = results["raw_by_component"]
+    comps = [c for c in COMPONENTS if c in raw]
+    ref = results["methods"].get("torch.save+zstd -1")
+    rows = []
+    for name, res in results["methods"].items():
+        per = res["components"] or {}
+        cells = [f"{raw[c] / per[c]:.4f}" if per.get(c) else "-" for c in comps]
+        rel_save = f"{res['save_s'] / ref['save_s']:.2f}x" if ref else "-"
+        rel_load = f"{res['load_s'] / ref['load_s']:.2f}x" if ref else "-"
+        rows.append([name, *cells, f"{results['tensor_bytes'] / res['file_bytes']:.4f}", f"{res['save_s']:.2f}", rel_save, f"{res['load_s']:.2f}", rel_load])
+    # The best peer on each component, and what a file of those would weigh.
+    peers = {n: r for n, r in results["methods"].items() if not n.startswith("ours") and r["components"]}
+    if peers:
+        best = []
+        stored = 0
+        for c in comps:
+            name, size = min(((n, r["components"][c]) for n, r in peers.items() if r["components"].get(c)), key=lambda x: x[1])
+            best.append(f"{raw[c] / size:.4f} ({name})")
+            stored += size
+        other = results["tensor_bytes"] - sum(raw[c] for c in comps)
+        rows.append(["best peer per component", *best, f"{results['tensor_bytes'] / (stored + other):.4f}", "", "", "", ""])
+    header = ["method", *comps, "whole", "save s", "vs zstd", "load s", "vs zstd"]
+    return format_table(header, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoints", nargs="+", default=["dense", "moe"], choices=sorted(checkpoints.PAIRS))
+    ap.add_argument("--max-mb", type=float, default=100.0, help="keep a subset of the parameters under this many MB (0: all)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--only", nargs="*", help="method names to run (default: all)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(_THREADS)
+    all_results = []
+    for name in args.checkpoints:
+        res = run(name, args.max_mb, args.repeat, args.only)
+        all_results.append(res)
+        print(f"\n{name}: {res['tensor_bytes'] / 1e6:.1f} MB of tensors, ratio = tensor bytes / stored bytes; "
+              f"save and load best of {args.repeat}, 'vs zstd' = time / torch.save+zstd -1's")
+        print(tables(res))
+    if args.json:
+        args.json.write_text(json.dumps(all_results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
