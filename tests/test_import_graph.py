@@ -236,11 +236,6 @@ def test_adapters_use_the_public_api_only() -> None:
     assert not bad, "\n".join(bad)
 
 
-#: tiers.py decides on its own FormatError's text (`"source" in str(exc)`); it is being turned into a
-#: package in parallel, and gets an error type of its own there. Remove it from here then.
-_TEXT_DECISIONS_PENDING = {"tiers"}
-
-
 def _text_decisions(source: str) -> list[int]:
     """Lines of ``"..." in str(x)`` (or ``not in``) not marked as a decision on torch's own text."""
     lines = source.splitlines()
@@ -261,7 +256,7 @@ def test_no_decisions_on_our_own_error_text() -> None:
     # library's text, where it has no types (torch's weights-only refusal), may be read, and says so.
     bad = [
         f"{_module_name(path)}:{line} decides on an error's text; give the case its own exception type"
-        for path in sorted(ROOT.rglob("*.py")) if _top(_module_name(path)) not in _TEXT_DECISIONS_PENDING
+        for path in sorted(ROOT.rglob("*.py"))
         for line in _text_decisions(path.read_text())
     ]
     assert not bad, "\n".join(bad)

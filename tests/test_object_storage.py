@@ -188,6 +188,7 @@ def test_s3_storage_implements_every_operation(s3, tmp_path):
     storage, root = storage_for(f"s3://{BUCKET}/interface", s3["options"])
     assert storage.is_object_store and not storage.is_local
     exercise_every_operation(storage, root)
+    assert storage.bucket_exists("s3://no-such-bucket/run") is False
     # What only an object store does: a parallel multipart upload, and aborting one a killed process left.
     local = tmp_path / "big.bin"
     local.write_bytes(os.urandom(11 << 20))

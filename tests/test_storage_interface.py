@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "nvcomp_checkpoint"
 #: What a directory commit, a reader, a writer and a tier copy need of any storage.
 OPERATIONS = {
     "is_local", "is_object_store", "open_write", "open_read", "size", "exists", "remove", "makedirs", "listdir",
-    "list_entries", "isdir", "rename", "exchange", "fsync", "copy", "write_bytes", "remove_stale_temp_files",
+    "list_entries", "isdir", "rename", "exchange", "fsync", "copy", "write_bytes", "bucket_exists", "remove_stale_temp_files",
     "abort_unfinished_uploads", "upload_file",
 }
 
@@ -83,6 +83,7 @@ def exercise_every_operation(storage: Storage, root: str) -> None:
     storage.fsync(f"{folder}/copied.bin")
     storage.fsync(folder)
     assert storage.remove_stale_temp_files(folder) == []  # no killed save here
+    assert storage.bucket_exists(folder) is (True if storage.is_object_store else None)
     assert storage.abort_unfinished_uploads(folder) == [] == abort_unfinished_uploads(storage, folder)
     if not storage.is_object_store:
         assert not storage.upload_file("/nonexistent", f"{folder}/up.bin", 5 << 20, 2)

@@ -160,6 +160,14 @@ class Storage(abc.ABC):
         """Write a small file atomically and durably."""
 
     @abc.abstractmethod
+    def bucket_exists(self, path: str) -> bool | None:
+        """Whether the bucket holding ``path`` exists, on an object store that can tell (S3); None elsewhere.
+
+        An empty listing of an S3 prefix is the same for a missing bucket and an empty prefix: this
+        tells a typo in a bucket's name from a fresh one.
+        """
+
+    @abc.abstractmethod
     def remove_stale_temp_files(self, directory: str) -> list[str]:
         """Remove the temporary files that killed saves left in ``directory`` (see :func:`stale_temp_files`);
         returns their paths. Only a storage whose writers can be told dead (:attr:`is_local`) has any."""
@@ -270,6 +278,9 @@ class LocalStorage(Storage):
     def write_bytes(self, path: str, data: bytes) -> None:
         with self.open_write(path) as f:
             f.write(data)
+
+    def bucket_exists(self, path: str) -> bool | None:
+        return None
 
     def remove_stale_temp_files(self, directory: str) -> list[str]:
         return stale_temp_files(os.path.abspath(directory), remove=True)
@@ -525,6 +536,16 @@ class FsspecStorage(Storage):
     def write_bytes(self, path: str, data: bytes) -> None:
         with self.open_write(path) as f:
             f.write(data)
+
+    def bucket_exists(self, path: str) -> bool | None:
+        if not hasattr(self.fs, "call_s3"):  # s3fs only: other stores' buckets cannot be told apart this way
+            return None
+        bucket = self._path(path).split("/", 1)[0]
+        try:
+            self.fs.call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            return False
+        return True
 
     def remove_stale_temp_files(self, directory: str) -> list[str]:
         # Temporary names here carry no host tag (hosts share the store without sharing PIDs): a dead
