@@ -107,9 +107,9 @@ def test_capabilities(tmp_path: Path) -> None:
 
 # -- nothing outside `storage` asks which backend it holds -----------------------------------------
 
-#: tiers.py probes storage types on three lines (isinstance(.., LocalStorage), `storage.fs.isdir`,
-#: getattr(.., "object_store")): it is being turned into a package in parallel; the lead switches those
-#: lines to `is_local`, `isdir` and `is_object_store` after merging, then removes it from here.
+#: The tiers package still probes storage types (tier0.py, transfer.py, units.py: isinstance(.., LocalStorage),
+#: `.fs`, getattr(.., "object_store")); it was reworked in parallel, and its lines switch to `is_local`,
+#: `isdir`, `is_object_store` and `bucket_exists` after the merge. Remove it from here then.
 _PENDING = {"tiers"}
 _BACKENDS = {"LocalStorage", "FsspecStorage"}
 
