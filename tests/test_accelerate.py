@@ -672,6 +672,29 @@ def test_failed_save_into_the_working_directory_leaves_previous_checkpoint(
     assert_tree_equal(state, module.snapshot(fresh))
 
 
+def test_a_failed_save_is_explained_whatever_the_directory_is_called(
+    script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whether a failure is already save_state's explained error is decided by its type: a path that
+    # reads like that error's text must not keep a file's error from being explained.
+    from nvcomp_checkpoint.errors import StateSaveError
+
+    module = _module(script)
+    work = tmp_path / "save_state failed (disk)"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    objs = module.build(stream_wrapper=module.FailFiles(3))  # the second save's model file hits a full disk
+    acc = objs[0]
+    module.train(objs, 1)
+    acc.save_state(str(work / "ckpt"))
+    with pytest.raises(StateSaveError) as info:
+        acc.save_state(str(work / "ckpt"))
+    assert isinstance(info.value, nc.errors.CheckpointWriteError)  # what callers catch
+    message = str(info.value)
+    assert message.startswith(f"{work / 'ckpt'}: save_state failed") and "Nothing was committed" in message
+    assert "disk is full" in message
+
+
 def test_directory_with_files_of_your_own_is_updated_in_place(
     script: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -18,6 +19,7 @@ from nvcomp_checkpoint.entrypoint import (
     report_metrics, torch_weights_only,
 )
 from nvcomp_checkpoint.errors import CheckpointWriteError
+from nvcomp_checkpoint.tiers import TierCopies
 
 
 class Full:
@@ -30,16 +32,43 @@ class Full:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+class Gated:
+    """Stream wrapper: each write waits for ``gate``; with ``fail``, then fails as a full disk."""
+
+    def __init__(self, gate: threading.Event, fail: bool = False) -> None:
+        self.gate, self.fail = gate, fail
+
+    def __call__(self, stream: IO[bytes]) -> "Gated":
+        self.stream = stream
+        return self
+
+    def write(self, data: Any) -> int:
+        assert self.gate.wait(60)
+        if self.fail:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.stream.write(data)
+
+
 class Saver(SaveEntryPoint):
-    """The smallest integration: saves a tree to a file, as the Lightning plugin does."""
+    """The smallest integration: saves a tree to a file and removes old ones, as the Lightning plugin does."""
 
     def save(self, tree: Any, path: Path, step: int) -> None:
         started = time.perf_counter()
         after = self._after_durable(step, path)
+        base = None if self.incremental is None else self.incremental.base_for(path)
         if not self.async_save:
-            self._saved(nc.save(tree, path, self.policy, stream_wrapper=self.stream_wrapper), after)
+            self._saved(nc.save(tree, path, self.policy, stream_wrapper=self.stream_wrapper, base=base), after)
             return
-        self._save_group(path, started, after, lambda g: self._saves.save(g, "file", tree, path, self.policy, stream_wrapper=self.stream_wrapper))
+        self._save_group(
+            path, started, after, lambda g: self._save_file(g, "file", tree, path, self.policy, stream_wrapper=self.stream_wrapper, base=base),
+        )
+
+    def remove(self, path: Path, deleted: list[str]) -> None:
+        def delete(p: str) -> None:
+            deleted.append(p)
+            os.remove(p)
+
+        self._remove_checkpoint(path, delete)
 
 
 def _tree() -> dict[str, torch.Tensor]:
@@ -158,3 +187,58 @@ def test_checks_before_a_collective_load_without_a_process_group_are_the_checks_
 
     with pytest.raises(FileNotFoundError, match="x.ckpt"):
         checked_on_every_rank(fails, "where", leader_load=True)
+
+
+def test_a_removal_waits_for_the_saves_pending_and_is_skipped_if_one_fails(tmp_path: Path) -> None:
+    # The checkpoint removed is the one the pending save replaces: it must outlive that save.
+    for fail in (False, True):
+        gate, deleted = threading.Event(), []
+        saver = Saver("Saver", async_save=True, stream_wrapper=Gated(gate, fail))
+        old = tmp_path / f"old-{fail}.nvc"
+        nc.save(_tree(), old)
+        saver.save(_tree(), tmp_path / f"new-{fail}.nvc", step=2)
+        saver.remove(old, deleted)
+        assert deleted == [] and old.exists()
+        gate.set()
+        if not fail:
+            saver.wait()
+            assert deleted == [str(old)] and not old.exists()
+            continue
+        with pytest.raises(CheckpointWriteError, match=rf"Not removed, so that the run keeps its newest complete checkpoint: {old}"):
+            saver.wait()
+        assert deleted == [] and old.exists()
+
+
+def test_a_removal_waits_for_the_deltas_that_need_it(tmp_path: Path) -> None:
+    deleted: list[str] = []
+    saver = Saver("Saver")
+    saver.incremental = incremental_files("Saver", True, None, "previous")
+    full, delta = tmp_path / "step-1.nvc", tmp_path / "step-2.nvc"
+    saver.save(_tree(), full, step=1)
+    saver.save(_tree(), delta, step=2)  # a delta against step 1
+    saver.remove(full, deleted)
+    assert deleted == [] and full.exists()  # step 2 needs it
+    saver.remove(delta, deleted)
+    assert sorted(deleted) == [str(full), str(delta)] and not full.exists()
+
+
+def test_a_removal_waits_for_the_copies_to_the_tiers(tmp_path: Path) -> None:
+    gate, copying, deleted = threading.Event(), threading.Event(), []
+
+    def hold(tier: str, step: int, nbytes: int) -> None:
+        copying.set()
+        assert gate.wait(60)
+
+    (tmp_path / "ckpt").mkdir()
+    saver = Saver("Saver")
+    saver.tiers = TierCopies([nc.Tier(tmp_path / "copies")], "Saver", on_copy_progress=hold)
+    first = tmp_path / "ckpt" / "step-1.nvc"
+    saver.save(_tree(), first, step=1)  # durable: its copy starts, held
+    assert copying.wait(60)
+    saver.remove(first, deleted)
+    assert deleted == [] and first.exists()
+    gate.set()
+    saver.wait()
+    assert deleted == [str(first)] and not first.exists()
+    found = saver.resume_path()
+    assert found is not None and torch.equal(nc.load(found)["w"], _tree()["w"])

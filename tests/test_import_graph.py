@@ -6,7 +6,8 @@ layer and those below):
     base        errors, version, tensors, workers, codecs/*, filters/*, metrics, failures
     format      format/*, policy, storage, report, filetype, pending, dirstore, delta
     pipeline    writer, reader, snapshot
-    api         api, async_save, savegroup, entrypoint, dirconvert, tiers/*, incremental, dcp/*, broadcast, the package __init__
+    api         api, async_save, savegroup, entrypoint/* (base, options, loading, reports), dirconvert, tiers/*,
+                incremental, dcp/*, broadcast, the package __init__
     adapters    cli/*, integrations/*, the short-name shims lightning/accelerate/transformers/deepspeed
 
 Inside the ``tiers`` package the modules run one way too (TIERS, lowest first), and nothing outside
@@ -233,6 +234,68 @@ def test_adapters_use_the_public_api_only() -> None:
         if _top(i.source) in ADAPTERS and _top(i.target) in internal
     ]
     assert not bad, "\n".join(bad)
+
+
+def _text_decisions(source: str) -> list[int]:
+    """Lines of ``"..." in str(x)`` (or ``not in``) not marked as a decision on torch's own text."""
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)):
+            continue
+        right = node.comparators[0]
+        if isinstance(node.left, ast.Constant) and isinstance(right, ast.Call) and isinstance(right.func, ast.Name) and right.func.id == "str":
+            above = "\n".join(lines[max(0, node.lineno - 4): node.lineno])
+            if "torch's own text" not in above:
+                found.append(node.lineno)
+    return found
+
+
+def test_no_decisions_on_our_own_error_text() -> None:
+    # A reworded message must not change behaviour: our errors are told apart by type. Only another
+    # library's text, where it has no types (torch's weights-only refusal), may be read, and says so.
+    bad = [
+        f"{_module_name(path)}:{line} decides on an error's text; give the case its own exception type"
+        for path in sorted(ROOT.rglob("*.py"))
+        for line in _text_decisions(path.read_text())
+    ]
+    assert not bad, "\n".join(bad)
+    assert _text_decisions('if "save_state failed" in str(exc):\n    pass\n') == [1]  # the rule sees one
+
+
+def _private_state_of_the_base() -> set[str]:
+    """The private attributes ``SaveEntryPoint`` sets on itself (``self._saves = ...``)."""
+    tree = ast.parse((ROOT / "entrypoint" / "base.py").read_text())
+    return {
+        target.attr
+        for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+        and target.attr.startswith("_") and not target.attr.startswith("__")
+    }
+
+
+def test_integrations_use_the_protected_interface_of_their_base_only() -> None:
+    # SaveEntryPoint's sequence of saves is its own: the integrations call its named protected methods.
+    private = _private_state_of_the_base()
+    assert "_saves" in private  # the rule sees what it guards
+    bad = []
+    for path in sorted((ROOT / "integrations").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                bad.append(f"{_module_name(path)}:{node.lineno} reads {node.attr} of SaveEntryPoint; use its protected methods")
+    assert not bad, "\n".join(bad)
+
+
+def _exists(module: str) -> bool:
+    return _is_package(module) or (ROOT.parent / Path(*module.split("."))).with_suffix(".py").is_file()
+
+
+def test_every_import_of_ours_resolves() -> None:
+    # An import inside a function fails only when it runs (a moved module's `from .dcp import ...`),
+    # and may be caught there as any other error: check every one here.
+    missing = [f"{i.source}:{i.line} imports {i.target}, which does not exist" for i in OURS if not _exists(i.target)]
+    assert not missing, "\n".join(missing)
 
 
 def _tiers_module(name: str) -> str | None:

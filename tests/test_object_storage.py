@@ -179,3 +179,22 @@ def test_memory_filesystem_roundtrip():
     assert fs.cat_file("/nvckpt-tests/run/ckpt.nvc") == before
     assert fs.ls("/nvckpt-tests/run", detail=False) == ["/nvckpt-tests/run/ckpt.nvc"]
     fs.rm("/nvckpt-tests", recursive=True)
+
+
+def test_s3_storage_implements_every_operation(s3, tmp_path):
+    from nvcomp_checkpoint.storage import storage_for
+    from test_storage_interface import exercise_every_operation
+
+    storage, root = storage_for(f"s3://{BUCKET}/interface", s3["options"])
+    assert storage.is_object_store and not storage.is_local
+    exercise_every_operation(storage, root)
+    assert storage.bucket_exists("s3://no-such-bucket/run") is False
+    # What only an object store does: a parallel multipart upload, and aborting one a killed process left.
+    local = tmp_path / "big.bin"
+    local.write_bytes(os.urandom(11 << 20))
+    seen: list[int] = []
+    assert storage.upload_file(os.fspath(local), f"{root}/big.bin", 5 << 20, 2, seen.append)
+    assert _object(s3, "interface/big.bin") == local.read_bytes() and sum(seen) == local.stat().st_size
+    killed = s3["client"].create_multipart_upload(Bucket=BUCKET, Key="interface/killed.bin")["UploadId"]
+    assert storage.abort_unfinished_uploads(root) == [f"{BUCKET}/interface/killed.bin"]
+    assert killed not in [u["UploadId"] for u in _pending_uploads(s3)]

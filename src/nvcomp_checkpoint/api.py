@@ -21,7 +21,7 @@ from .pending import wait_for_path
 from .policy import CodecPolicy
 from .reader import CheckpointReader, MapLocation
 from .report import SaveReport
-from .storage import LocalStorage, open_checkpoint_stream, stale_temp_files, storage_for, write_errors
+from .storage import open_checkpoint_stream, storage_for, write_errors
 from .writer import CheckpointWriter, TreePlan
 
 __all__ = ["save", "load", "open", "verify", "is_nvcomp_checkpoint", "VerifyResult", "VerifyProblem", "write_checkpoint", "log_report"]
@@ -104,9 +104,8 @@ def write_checkpoint(
     where = os.fspath(path)
     storage, spath = storage_for(path, storage_options)
     start = time.perf_counter()
-    if isinstance(storage, LocalStorage):
-        # Temporary files of saves killed in this directory (same host, process gone).
-        stale_temp_files(os.path.dirname(os.path.abspath(spath)), remove=True)
+    # Temporary files of saves killed in this directory (where their writers can be told dead).
+    storage.remove_stale_temp_files(os.path.dirname(spath))
     if base is not None:
         wait_for_path(base)
     source = (

@@ -19,6 +19,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedObjectError",
     "CheckpointWriteError",
+    "StateSaveError",
     "BaseCheckpointError",
     "SizeLimitError",
     "TierUnavailableError",
@@ -78,6 +79,11 @@ class UnsupportedObjectError(CheckpointError):
 
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint failed; the previous file at the target path is untouched."""
+
+
+class StateSaveError(CheckpointWriteError):
+    """A save of a whole checkpoint directory (Accelerate's ``save_state``) failed: names the directory
+    and what is left there. The final error of that save, never wrapped again."""
 
 
 class BaseCheckpointError(CheckpointError):

@@ -15,7 +15,7 @@ from typing import Collection, Mapping
 
 from .errors import FormatError
 from .format.layout import MAGIC
-from .storage import LocalStorage, Storage, list_names, open_checkpoint_stream
+from .storage import Storage, list_names, open_checkpoint_stream
 
 __all__ = [
     "NVCOMP", "TORCH", "SAFETENSORS", "OTHER", "HEAD_BYTES", "ZIP_HEAD", "kind_of",
@@ -116,7 +116,7 @@ def path_contents(storage: Storage, spath: str, where: str) -> PathContents:
         return PathContents(True, names=names)
     if not storage.exists(spath):
         return PathContents(False)
-    if isinstance(storage, LocalStorage) and storage.isdir(spath):
+    if storage.isdir(spath):
         return PathContents(True, names={})
     try:
         with open_checkpoint_stream(storage, spath, where) as f:

@@ -144,6 +144,12 @@ class IncrementalFiles:
             The paths deleted now.
         """
         path = _norm(path)
+        storage, spath = storage_for(path, self.storage_options)
+        if storage.isdir(spath):
+            # A folder unit (Accelerate's save_state): its rotation already kept the folders that kept
+            # deltas need (keep_with_bases), so it goes now.
+            delete(path)
+            return [path]
         with self._lock:
             self._load_deferred(_dirname(path))
             self._doomed.add(path)

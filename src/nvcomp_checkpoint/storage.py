@@ -7,6 +7,7 @@ a failed upload is aborted; elsewhere a temporary path is moved into place.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import ctypes
 import errno
@@ -74,51 +75,136 @@ def is_url(path: str | os.PathLike[str]) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
-class Storage:
-    """The handful of operations a checkpoint writer and reader need."""
+class Storage(abc.ABC):
+    """The operations a checkpoint writer, reader, directory commit and tier copy need.
 
+    Every operation is abstract, as in DCP's ``FileSystemBase``: a backend implements all of them
+    (a class that misses one cannot be instantiated), so callers never ask which backend they hold.
+    What differs between backends is asked through the capability properties (:attr:`is_local`,
+    :attr:`is_object_store`), never by type.
+    """
+
+    @property
+    @abc.abstractmethod
+    def is_local(self) -> bool:
+        """Whether paths are this machine's OS paths (``os.path`` applies; a process's files can be
+        told apart by host and PID, see :func:`stale_temp_files`)."""
+
+    @property
+    @abc.abstractmethod
+    def is_object_store(self) -> bool:
+        """Whether this is an object store (S3, GCS, Azure ...): no directories, no rename; an object
+        appears whole when its upload completes."""
+
+    @abc.abstractmethod
     def open_write(self, path: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         """A binary stream whose bytes appear at ``path`` only if the block exits cleanly."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def open_read(self, path: str) -> IO[bytes]:
         """A seekable binary stream of the file at ``path``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def size(self, path: str) -> int:
-        raise NotImplementedError
+        """The size in bytes of the file at ``path``."""
 
+    @abc.abstractmethod
     def exists(self, path: str) -> bool:
-        raise NotImplementedError
+        """Whether anything (a file, a directory, an object prefix) is at ``path``."""
 
+    @abc.abstractmethod
     def remove(self, path: str) -> None:
-        raise NotImplementedError
+        """Remove the file or the whole directory at ``path``; nothing there is not an error."""
 
+    @abc.abstractmethod
     def makedirs(self, path: str) -> None:
-        raise NotImplementedError
+        """Create the directory ``path`` and its parents (a no-op where there are no directories)."""
 
     # Directory operations: what a directory commit (stage, fsync, rename into place) needs.
+    @abc.abstractmethod
     def listdir(self, path: str) -> list[str]:
-        """Names of the entries of the directory ``path``, sorted."""
-        raise NotImplementedError
+        """Names of the entries of the directory ``path``, sorted.
 
+        Raises:
+            FileNotFoundError: Nothing is at ``path``.
+        """
+
+    @abc.abstractmethod
+    def list_entries(self, path: str) -> dict[str, bool]:
+        """The entries of the directory (or object prefix) ``path``: ``{name: is_directory}``; empty if
+        it does not exist. Object-store listings are fetched afresh (another process may have
+        changed them since this one last looked)."""
+
+    @abc.abstractmethod
     def isdir(self, path: str) -> bool:
-        raise NotImplementedError
+        """Whether ``path`` is a directory (on an object store: a prefix with objects below it)."""
 
+    @abc.abstractmethod
     def rename(self, src: str, dst: str) -> None:
         """Move ``src`` to ``dst``, replacing a file there (atomic where the storage allows it)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def exchange(self, a: str, b: str) -> bool:
         """Swap two paths atomically; False where the storage cannot (then rename twice)."""
-        return False
 
+    @abc.abstractmethod
     def fsync(self, path: str) -> None:
         """Make a file's bytes, or a directory's entries, durable (a no-op where not needed)."""
+
+    @abc.abstractmethod
+    def copy(self, src: str, dst: str) -> None:
+        """Copy the file ``src`` to ``dst`` on this storage, byte for byte, made durable."""
+
+    @abc.abstractmethod
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write a small file atomically and durably."""
+
+    @abc.abstractmethod
+    def bucket_exists(self, path: str) -> bool | None:
+        """Whether the bucket holding ``path`` exists, on an object store that can tell (S3); None elsewhere.
+
+        An empty listing of an S3 prefix is the same for a missing bucket and an empty prefix: this
+        tells a typo in a bucket's name from a fresh one.
+        """
+
+    @abc.abstractmethod
+    def remove_stale_temp_files(self, directory: str) -> list[str]:
+        """Remove the temporary files that killed saves left in ``directory`` (see :func:`stale_temp_files`);
+        returns their paths. Only a storage whose writers can be told dead (:attr:`is_local`) has any."""
+
+    @abc.abstractmethod
+    def abort_unfinished_uploads(self, prefix: str) -> list[str]:
+        """Abort the unfinished multipart uploads under ``prefix`` (a killed upload's parts); returns their keys.
+
+        Only S3-compatible stores keep such uploads; elsewhere this does nothing.
+        """
+
+    @abc.abstractmethod
+    def upload_file(
+        self, local_path: str, path: str, part_size: int, max_concurrency: int, progress: Callable[[int], None] | None = None,
+    ) -> bool:
+        """Upload the local file ``local_path`` to ``path`` in ``part_size`` parts, ``max_concurrency`` at a time.
+
+        The object appears only when the upload completes (a failed multipart upload is aborted by
+        the back end; a killed one is left for :meth:`abort_unfinished_uploads`). Memory in flight
+        is at most ``part_size * max_concurrency``.
+
+        Returns:
+            False (nothing done) where this storage has no parallel upload (not an object store);
+            the caller then streams the file through :meth:`open_write`.
+        """
 
 
 class LocalStorage(Storage):
     """Local and mounted file systems (NFS, Lustre, GPFS) through the OS."""
+
+    @property
+    def is_local(self) -> bool:
+        return True
+
+    @property
+    def is_object_store(self) -> bool:
+        return False
 
     @contextlib.contextmanager
     def open_write(self, path: str) -> Iterator[IO[bytes]]:
@@ -164,6 +250,13 @@ class LocalStorage(Storage):
     def listdir(self, path: str) -> list[str]:
         return sorted(os.listdir(path))
 
+    def list_entries(self, path: str) -> dict[str, bool]:
+        try:
+            with os.scandir(path) as it:
+                return {e.name: e.is_dir() for e in it}
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+
     def isdir(self, path: str) -> bool:
         return os.path.isdir(path)
 
@@ -182,14 +275,31 @@ class LocalStorage(Storage):
         if not os.path.islink(dst):
             fsync_path(dst)
 
-    def set_times(self, path: str, stat: os.stat_result) -> None:
-        """Give ``path`` the access and modification times of ``stat`` (rotation orders by them)."""
-        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-
     def write_bytes(self, path: str, data: bytes) -> None:
-        """Write a small file atomically and durably."""
         with self.open_write(path) as f:
             f.write(data)
+
+    def bucket_exists(self, path: str) -> bool | None:
+        return None
+
+    def remove_stale_temp_files(self, directory: str) -> list[str]:
+        return stale_temp_files(os.path.abspath(directory), remove=True)
+
+    def abort_unfinished_uploads(self, prefix: str) -> list[str]:
+        return []  # a local write has no parts left behind: a killed one leaves a temporary file
+
+    def upload_file(
+        self, local_path: str, path: str, part_size: int, max_concurrency: int, progress: Callable[[int], None] | None = None,
+    ) -> bool:
+        return False
+
+    def set_times(self, path: str, stat: os.stat_result) -> None:
+        """Give ``path`` the access and modification times of ``stat`` (rotation orders by them).
+
+        Local only, so not part of :class:`Storage`: the folders whose times a rotation orders by
+        (a Trainer's ``checkpoint-N``) are local; object stores have no settable times.
+        """
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
 def exchange_paths(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
@@ -286,7 +396,12 @@ def stale_temp_files(directory: str | os.PathLike[str], *, remove: bool = False)
 
 
 class FsspecStorage(Storage):
-    """Any fsspec file system, addressed by URL (``s3://bucket/key``, ``memory://x``)."""
+    """Any fsspec file system, addressed by URL (``s3://bucket/key``, ``memory://x``).
+
+    Attributes:
+        fs: The fsspec file system (for this module; callers use the :class:`Storage` operations).
+        object_store: Same as :attr:`is_object_store` (kept for callers of earlier releases).
+    """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         import fsspec
@@ -294,6 +409,15 @@ class FsspecStorage(Storage):
         self.fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         self.object_store = any(p in _OBJECT_STORES for p in protocols)
+
+    @property
+    def is_local(self) -> bool:
+        # Even fsspec's "file" protocol: its temporary names carry no host tag (see temp_name).
+        return False
+
+    @property
+    def is_object_store(self) -> bool:
+        return self.object_store
 
     def _path(self, url: str) -> str:
         return self.fs._strip_protocol(url)
@@ -350,6 +474,111 @@ class FsspecStorage(Storage):
     def makedirs(self, path: str) -> None:
         if not self.object_store:
             self.fs.makedirs(self._path(path), exist_ok=True)
+
+    def _ls(self, p: str) -> list[dict[str, Any]]:
+        try:
+            return self.fs.ls(p, detail=True, refresh=True) if self.object_store else self.fs.ls(p, detail=True)
+        finally:
+            # A cached listing would make later size/exists calls miss objects written since
+            # (by another process, or another client of this one).
+            if self.object_store:
+                self.fs.invalidate_cache(p)
+
+    def list_entries(self, path: str) -> dict[str, bool]:
+        p = self._path(path).rstrip("/")
+        try:
+            entries = self._ls(p)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        out = {}
+        for e in entries:
+            name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+            if name and str(e["name"]).rstrip("/") != p:
+                out[name] = e.get("type") == "directory"
+        return out
+
+    def listdir(self, path: str) -> list[str]:
+        p = self._path(path).rstrip("/")
+        if not self.fs.isdir(p):
+            # fsspec lists a file as itself; os.listdir's contract is an error.
+            if self.fs.exists(p):
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        return sorted(self.list_entries(path))
+
+    def isdir(self, path: str) -> bool:
+        return bool(self.fs.isdir(self._path(path)))
+
+    def rename(self, src: str, dst: str) -> None:
+        # Atomic on file systems that rename a file; on object stores a copy and a delete.
+        s, d = self._path(src).rstrip("/"), self._path(dst).rstrip("/")
+        if not self.fs.isdir(s):
+            self.fs.mv(s, d)
+            return
+        # A folder file by file: fsspec's recursive mv also copies the prefix itself, which s3fs refuses.
+        for file in self.fs.find(s):
+            moved = d + file[len(s):]
+            if not self.object_store:
+                self.fs.makedirs(moved.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.mv(file, moved)
+        if self.fs.exists(s):  # the emptied folders, where the file system has folders
+            self.fs.rm(s, recursive=True)
+
+    def exchange(self, a: str, b: str) -> bool:
+        return False  # fsspec has no atomic swap: the caller renames twice
+
+    def fsync(self, path: str) -> None:
+        pass  # fsspec's close() (the upload's completion) is what makes bytes durable there
+
+    def copy(self, src: str, dst: str) -> None:
+        self.fs.copy(self._path(src), self._path(dst))
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        with self.open_write(path) as f:
+            f.write(data)
+
+    def bucket_exists(self, path: str) -> bool | None:
+        if not hasattr(self.fs, "call_s3"):  # s3fs only: other stores' buckets cannot be told apart this way
+            return None
+        bucket = self._path(path).split("/", 1)[0]
+        try:
+            self.fs.call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def remove_stale_temp_files(self, directory: str) -> list[str]:
+        # Temporary names here carry no host tag (hosts share the store without sharing PIDs): a dead
+        # writer's file cannot be told from a live one's, so none is removed.
+        return []
+
+    def abort_unfinished_uploads(self, prefix: str) -> list[str]:
+        if not hasattr(self.fs, "list_multipart_uploads"):  # an fsspec back end other than s3fs
+            return []
+        p = self._path(prefix).strip("/")
+        bucket, _, key_prefix = p.partition("/")
+        aborted = []
+        for upload in self.fs.list_multipart_uploads(bucket):
+            key = upload.get("Key", "")
+            if key.startswith(key_prefix):
+                self.fs.abort_mpu(bucket, key, upload["UploadId"])
+                aborted.append(f"{bucket}/{key}")
+        return aborted
+
+    def upload_file(
+        self, local_path: str, path: str, part_size: int, max_concurrency: int, progress: Callable[[int], None] | None = None,
+    ) -> bool:
+        if not self.object_store or not hasattr(self.fs, "_upload_file_part_concurrent"):  # s3fs's parallel upload only
+            return False
+        from fsspec.callbacks import Callback
+
+        class _Progress(Callback):
+            def relative_update(self, inc: int = 1) -> None:
+                if progress is not None:
+                    progress(inc)
+
+        self.fs.put_file(local_path, self._path(path), callback=_Progress(), chunksize=part_size, max_concurrency=max_concurrency)
+        return True
 
 
 LOCAL = _LOCAL = LocalStorage()
@@ -428,78 +657,21 @@ def open_checkpoint_stream(storage: Storage, path: str, where: str) -> IO[bytes]
 
 
 def list_names(storage: Storage, path: str) -> dict[str, bool]:
-    """The entries of the folder (or object prefix) ``path``: ``{name: is_folder}``; empty if it does not exist.
-
-    Object-store listings are fetched afresh: another process (a killed save, another node)
-    may have changed them since this process last looked.
-    """
-    if isinstance(storage, FsspecStorage):
-        p = storage._path(path).rstrip("/")
-        try:
-            entries = storage.fs.ls(p, detail=True, refresh=True) if storage.object_store else storage.fs.ls(p, detail=True)
-        except (FileNotFoundError, NotADirectoryError):
-            return {}
-        finally:
-            # A cached listing would make later size/exists calls miss objects written since
-            # (by another process, or another client of this one).
-            if storage.object_store:
-                storage.fs.invalidate_cache(p)
-        out = {}
-        for e in entries:
-            name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
-            if name and str(e["name"]).rstrip("/") != p:
-                out[name] = e.get("type") == "directory"
-        return out
-    try:
-        with os.scandir(path) as it:
-            return {e.name: e.is_dir() for e in it}
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
+    """``storage.list_entries(path)`` (see :meth:`Storage.list_entries`)."""
+    return storage.list_entries(path)
 
 
 def abort_unfinished_uploads(storage: Storage, prefix: str) -> list[str]:
-    """Abort the unfinished multipart uploads under ``prefix`` (a killed upload's parts); returns their keys.
-
-    Only S3-compatible stores keep such uploads; elsewhere this does nothing.
-    """
-    if not isinstance(storage, FsspecStorage) or not hasattr(storage.fs, "list_multipart_uploads"):
-        return []
-    p = storage._path(prefix).strip("/")
-    bucket, _, key_prefix = p.partition("/")
-    aborted = []
-    for upload in storage.fs.list_multipart_uploads(bucket):
-        key = upload.get("Key", "")
-        if key.startswith(key_prefix):
-            storage.fs.abort_mpu(bucket, key, upload["UploadId"])
-            aborted.append(f"{bucket}/{key}")
-    return aborted
+    """``storage.abort_unfinished_uploads(prefix)`` (see :meth:`Storage.abort_unfinished_uploads`)."""
+    return storage.abort_unfinished_uploads(prefix)
 
 
 def upload_file(
     storage: Storage, local_path: str, path: str, part_size: int, max_concurrency: int,
     progress: Callable[[int], None] | None = None,
 ) -> bool:
-    """Upload a local file to an object store in ``part_size`` parts, ``max_concurrency`` at a time.
-
-    The object appears only when the upload completes (a failed multipart upload is aborted by
-    the back end; a killed one is left for :func:`abort_unfinished_uploads`). Memory in flight
-    is at most ``part_size * max_concurrency``.
-
-    Returns:
-        False (nothing done) where ``storage`` is not an object store with a parallel upload;
-        the caller then streams the file through :meth:`Storage.open_write`.
-    """
-    if not isinstance(storage, FsspecStorage) or not storage.object_store or not hasattr(storage.fs, "_upload_file_part_concurrent"):
-        return False
-    from fsspec.callbacks import Callback
-
-    class _Progress(Callback):
-        def relative_update(self, inc: int = 1) -> None:
-            if progress is not None:
-                progress(inc)
-
-    storage.fs.put_file(local_path, storage._path(path), callback=_Progress(), chunksize=part_size, max_concurrency=max_concurrency)
-    return True
+    """``storage.upload_file(...)`` (see :meth:`Storage.upload_file`)."""
+    return storage.upload_file(local_path, path, part_size, max_concurrency, progress)
 
 
 @contextlib.contextmanager

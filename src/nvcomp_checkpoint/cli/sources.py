@@ -247,6 +247,8 @@ class TorchSource(Source):
             # mmap: a checkpoint larger than memory is listed and converted from the page cache.
             return torch.load(self.path, map_location="cpu", weights_only=weights_only, mmap=True)
         except pickle.UnpicklingError as exc:
+            # torch's own text, not ours: torch raises a plain UnpicklingError for a refused object and
+            # for a damaged pickle alike, with no type to tell them apart.
             if "Weights only load failed" in str(exc):
                 raise UnsafeCheckpointError(
                     f"{self.path}: holds Python objects that a weights-only load refuses "
@@ -254,6 +256,8 @@ class TorchSource(Source):
                 ) from exc
             raise FormatError(f"{self.path}: not a readable torch.save file ({_one_line(exc)})") from exc
         except (RuntimeError, EOFError, ValueError, OSError) as exc:
+            # torch's own text, not ours: torch.load(mmap=True) refuses a legacy file with a plain
+            # RuntimeError, with no type of its own.
             if "mmap" in str(exc):
                 # Legacy (non-zip) files cannot be memory-mapped; read them whole.
                 return nc.load(self.path, map_location="cpu", weights_only=weights_only)

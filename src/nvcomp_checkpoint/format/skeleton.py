@@ -456,6 +456,8 @@ def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except pickle.UnpicklingError as exc:
+        # torch's own text, not ours: torch raises a plain UnpicklingError both for an object a weights-only
+        # load refuses and for a damaged pickle ("Unsupported operand"), with no types to tell them apart.
         if weights_only and "Weights only load failed" in str(exc) and "Unsupported operand" not in str(exc):
             detail = weights_only_detail(exc)
             raise UnsafeCheckpointError(

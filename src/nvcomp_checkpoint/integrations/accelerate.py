@@ -41,7 +41,7 @@ except ImportError as exc:
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate
-from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError
+from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError, StateSaveError
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, incremental_files, load_tree
 from nvcomp_checkpoint.incremental import keep_with_bases
 from nvcomp_checkpoint.savegroup import SaveGroup
@@ -286,10 +286,10 @@ class NvcompStateHooks(SaveEntryPoint):
             del acc.__dict__["_nvcomp_state_hooks"]
 
     def _raise_errors(self, when: str, consequence: str = "") -> None:
-        failed = self._saves.failed_group()
+        failed = self._failed_save_info()
         if failed is not None:
             # As after a synchronous failure: the next save_state reuses the failed one's number.
-            self.accelerator.project_configuration.iteration = failed.info["iteration"]
+            self.accelerator.project_configuration.iteration = failed["iteration"]
         super()._raise_errors(when, consequence)
 
     # -- saving ----------------------------------------------------------------------------
@@ -368,7 +368,8 @@ class NvcompStateHooks(SaveEntryPoint):
                 self.incremental.failed()  # the next save is a full one
             if writes:
                 remove_quietly(call.staging)  # once its files have stopped writing into it
-            if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)) and not _is_save_failure(exc):
+            # A StateSaveError is already the explained failure (a commit that failed, raised by the group).
+            if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)) and not isinstance(exc, StateSaveError):
                 raise _save_failed(target, exc) from exc
             raise
         if not self.async_save:
@@ -408,9 +409,10 @@ class NvcompStateHooks(SaveEntryPoint):
             if self.incremental is not None:  # a chain goes as a whole: the folders kept ones need stay
                 needed = keep_with_bases([os.fspath(p) for p in [*ordered[-limit:], target]])
                 ordered, limit = [p for p in ordered if os.fspath(p) not in needed], 0
-            # A folder whose copies to the tiers are pending goes once they are done.
-            when = None if self.tiers is None else self.tiers.remove_after_copies
-            rotate(ordered, limit, keep=target, trash=checkpoints.parent, when=when)
+            # Each folder goes once nothing needs it (SaveEntryPoint._remove_checkpoint): after this commit,
+            # and after its copies to the tiers.
+            rotate(ordered, limit, keep=target, trash=checkpoints.parent,
+                   when=lambda old, delete: self._remove_checkpoint(old, lambda _: delete()))
 
     def _failed(self, call: _SaveCall, exc: BaseException) -> BaseException:
         remove_quietly(call.staging)
@@ -460,7 +462,7 @@ class NvcompStateHooks(SaveEntryPoint):
             if self.incremental is not None and call.staging.parent == call.target.parent:
                 kwargs["base"] = self.incremental.base_for(call.target / name, slot=name)
             if call.background:
-                self._saves.save(call.group, name, state, call.staging / name, self.policy, **kwargs)
+                self._save_file(call.group, name, state, call.staging / name, self.policy, **kwargs)
             else:
                 call.group.add_report(name, nc.save(state, call.staging / name, self.policy, **kwargs))
             (call.models if kind == "model" else call.optimizer_files).append(name)
@@ -486,7 +488,7 @@ class NvcompStateHooks(SaveEntryPoint):
         acc = self.accelerator
         if self.async_save:
             # The directory to load may be the one a pending save is about to commit.
-            self._saves.wait()
+            self._settle_saves()
             if acc.num_processes > 1:
                 acc.wait_for_everyone()  # the other ranks wait for the main process's commit
         if input_dir is None and not acc.project_configuration.automatic_checkpoint_naming:
@@ -580,22 +582,17 @@ def _numbered(stem: str, i: int) -> str:
     return f"{stem}.nvc" if i == 0 else f"{stem}_{i}.nvc"
 
 
-def _save_failed(target: Path, exc: BaseException) -> CheckpointWriteError:
+def _save_failed(target: Path, exc: BaseException) -> StateSaveError:
     if isinstance(exc, InstallError):
-        return CheckpointWriteError(
+        return StateSaveError(
             f"{target}: save_state failed while moving the new files into this directory ({exc.__cause__}). It "
             f"now holds part of them and no {MANIFEST_NAME}, so load_state refuses it as incomplete. Fix the "
             "cause and save again, or load another checkpoint."
         )
-    return CheckpointWriteError(
+    return StateSaveError(
         f"{target}: save_state failed ({exc}). Nothing was committed: the checkpoint directory "
         f"that was at {target}, if any, is untouched. Free space or fix the cause and save again."
     )
-
-
-def _is_save_failure(exc: BaseException) -> bool:
-    """Already :func:`_save_failed`'s error (a failed commit, raised by the group)."""
-    return isinstance(exc, CheckpointWriteError) and "save_state failed" in str(exc)
 
 
 def _is_state_file(name: str) -> bool:

@@ -201,11 +201,11 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
                 base = self.incremental.base_for(path) if self.incremental is not None else None
                 self._saved(nc.save(checkpoint, path, policy, workers=self.workers, base=base, **kwargs), after)
                 return
-            self._saves.wait_for_slot()
+            self._wait_for_slot()
             self._raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
             base = self.incremental.base_for(path) if self.incremental is not None else None
             self._save_group(
-                path, started, after, lambda group: self._saves.save(group, "checkpoint", checkpoint, path, policy, base=base, **kwargs),
+                path, started, after, lambda group: self._save_file(group, "checkpoint", checkpoint, path, policy, base=base, **kwargs),
                 failed=lambda exc: self._save_failed(path),  # in the background: whoever raises the error later
             )
         except BaseException:
@@ -285,21 +285,8 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         if self.async_save:
             where = os.fspath(path)
             self._raise_errors(f"remove_checkpoint({where!r})", f"{where} was not removed: it may be the newest complete checkpoint.")
-            if self._saves.after_pending(lambda: self._remove_now(path), where):
-                return
-        self._remove_now(path)
-
-    def _remove_now(self, path: Any) -> None:
-        delete = self._delete if self.tiers is None else self._delete_after_copies
-        if self.incremental is not None:  # a file a kept delta needs waits for that delta's removal
-            self.incremental.remove(os.fspath(path), delete)
-            return
-        delete(os.fspath(path))
-
-    def _delete_after_copies(self, path: str) -> None:
-        # A file whose copies to the tiers (or those of a delta needing it) are pending goes once they are done.
-        assert self.tiers is not None
-        self.tiers.remove_after_copies(path, lambda: self._delete(path))
+        # After the pending saves, the deltas that need it and its copies to the tiers (SaveEntryPoint._remove_checkpoint).
+        self._remove_checkpoint(path, self._delete)
 
     def _delete(self, path: str) -> None:
         storage, spath = storage_for(path, self.fsspec_options or None)

@@ -462,7 +462,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         if not self.async_save:
             self._saved(convert(), after)
             return
-        self._save_group(directory, entered, after, lambda group: self._saves.run(group, directory.name, convert))
+        self._save_group(directory, entered, after, lambda group: self._run_job(group, directory.name, convert))
         if control.should_training_stop:
             # The last save: nothing left to overlap with, and what follows (loading the best
             # model, the final rotation, the end of the process) must see a finished directory.
@@ -499,7 +499,7 @@ def _wait_for_conversions() -> None:
     """Wait for every background conversion of this process (their errors stay for their callback)."""
     for callback in list(_CALLBACKS):
         if callback.pending():
-            callback._saves.wait()
+            callback._settle_saves()
 
 
 _T = TypeVar("_T")
