@@ -53,8 +53,12 @@ def _config() -> Any:
     from transformers import BertConfig
 
     return BertConfig(
-        vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
-        intermediate_size=1536, max_position_embeddings=512,
+        vocab_size=30522,
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        intermediate_size=1536,
+        max_position_embeddings=512,
     )
 
 
@@ -345,8 +349,10 @@ def report_paired(result: dict[str, Any], state_kind: str, src: str) -> None:
     samples: dict[str, list[tuple[float, float, float]]] = result["samples"]
     rounds = len(next(iter(samples.values())))
     what = "fp32 weights + AdamW state" if state_kind == "fp32" else "bf16 weights + fp32 AdamW state + bf16 gradients"
-    print(f"checkpoint: BERT (6 x 384, config-built), {what}, {format_bytes(result['raw_bytes'])} raw; "
-          f"{os.cpu_count()} CPUs; {rounds} rounds, methods in turn in one process; library {src}")
+    print(
+        f"checkpoint: BERT (6 x 384, config-built), {what}, {format_bytes(result['raw_bytes'])} raw; "
+        f"{os.cpu_count()} CPUs; {rounds} rounds, methods in turn in one process; library {src}"
+    )
 
     def med(xs: list[float]) -> float:
         return statistics.median(xs)
@@ -356,17 +362,29 @@ def report_paired(result: dict[str, Any], state_kind: str, src: str) -> None:
     for method, runs in samples.items():
         blocked, durable, cpu = ([r[i] for r in runs] for i in range(3))
         ratios = [d / s for d, s in zip(durable, sync)] if sync else []
-        rows.append([
-            METHODS[method], f"{min(blocked):.3f} / {med(blocked):.3f}", f"{min(durable):.3f} / {med(durable):.3f}",
-            f"{med(cpu):.2f}",
-            f"{min(durable) / min(sync):.3f}x / {med(ratios):.3f}x" if sync else "-",
-            format_bytes(result["stored_bytes"][method]),
-        ])
-    print(format_table(
-        ["method", "blocked s (best / median)", "to durable s (best / median)", "CPU s per save (median)",
-         "durable vs nc_sync (best/best / median of pairs)", "file"],
-        rows,
-    ))
+        rows.append(
+            [
+                METHODS[method],
+                f"{min(blocked):.3f} / {med(blocked):.3f}",
+                f"{min(durable):.3f} / {med(durable):.3f}",
+                f"{med(cpu):.2f}",
+                f"{min(durable) / min(sync):.3f}x / {med(ratios):.3f}x" if sync else "-",
+                format_bytes(result["stored_bytes"][method]),
+            ]
+        )
+    print(
+        format_table(
+            [
+                "method",
+                "blocked s (best / median)",
+                "to durable s (best / median)",
+                "CPU s per save (median)",
+                "durable vs nc_sync (best/best / median of pairs)",
+                "file",
+            ],
+            rows,
+        )
+    )
     if "nc_async" in samples and sync:
         durable = [d for _, d, _ in samples["nc_async"]]
         ratios = sorted(d / s for d, s in zip(durable, sync))
@@ -374,8 +392,10 @@ def report_paired(result: dict[str, Any], state_kind: str, src: str) -> None:
         print()
         print(f"async/sync per round: {', '.join(f'{x:.2f}' for x in ratios)}")
         print(f"[{'PASS' if best <= 1.15 else 'FAIL'}] async to durable, best against best: {best:.3f}x <= 1.15x")
-        print(f"[{'PASS' if med(ratios) <= 1.15 else 'FAIL'}] async to durable, median of paired ratios: "
-              f"{med(ratios):.3f}x <= 1.15x")
+        print(
+            f"[{'PASS' if med(ratios) <= 1.15 else 'FAIL'}] async to durable, median of paired ratios: "
+            f"{med(ratios):.3f}x <= 1.15x"
+        )
 
 
 # -- driver --------------------------------------------------------------------------------------
@@ -386,10 +406,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds over all methods, one process each")
     parser.add_argument("--rate", type=float, default=200e6, help="throttled storage rate, bytes/s")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
-    parser.add_argument("--state", choices=("fp32", "bf16"), default="fp32",
-                        help="fp32: weights and AdamW moments; bf16: bf16 weights, fp32 moments, bf16 gradients")
-    parser.add_argument("--paired", type=int, default=0, metavar="N",
-                        help="N rounds of --methods (torch_save, nc_sync, nc_async) in turns, in one process")
+    parser.add_argument(
+        "--state",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="fp32: weights and AdamW moments; bf16: bf16 weights, fp32 moments, bf16 gradients",
+    )
+    parser.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N rounds of --methods (torch_save, nc_sync, nc_async) in turns, in one process",
+    )
     parser.add_argument("--src", default=_SRC, help=argparse.SUPPRESS)
     args = parser.parse_args()
     workdir = OUT / "bench_async"
@@ -410,8 +439,21 @@ def main() -> None:
     for _ in range(args.rounds):
         for method in args.methods.split(","):
             proc = subprocess.run(
-                [sys.executable, __file__, "--method", method, "--reps", str(args.reps), "--state", args.state, "--src", args.src],
-                capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                [
+                    sys.executable,
+                    __file__,
+                    "--method",
+                    method,
+                    "--reps",
+                    str(args.reps),
+                    "--state",
+                    args.state,
+                    "--src",
+                    args.src,
+                ],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "PYTHONWARNINGS": "ignore"},
             )
             if proc.returncode != 0:
                 print(f"{method}: failed\n{proc.stderr[-3000:]}", file=sys.stderr)
@@ -438,43 +480,70 @@ def _merge(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
 def report(results: dict[str, dict[str, Any]], reps: int, state_kind: str = "fp32") -> None:
     any_result = next(iter(results.values()))
     what = "fp32 weights + AdamW state" if state_kind == "fp32" else "bf16 weights + fp32 AdamW state + bf16 gradients"
-    print(f"checkpoint: BERT (6 x 384, config-built), {what}, {format_bytes(any_result['raw_bytes'])} raw; "
-          f"{os.cpu_count()} CPUs; best of {reps}")
+    print(
+        f"checkpoint: BERT (6 x 384, config-built), {what}, {format_bytes(any_result['raw_bytes'])} raw; "
+        f"{os.cpu_count()} CPUs; best of {reps}"
+    )
     rows = []
     for method, r in results.items():
         durable = sorted(d for _, d in r["runs"])
-        rows.append([
-            METHODS[method], f"{r['blocked_s']:.3f}", f"{r['durable_s']:.3f}", f"{durable[len(durable) // 2]:.3f}",
-            format_bytes(r["stored_bytes"]), f"{r['raw_bytes'] / r['stored_bytes']:.3f}x",
-            format_bytes(r["peak_extra_rss_bytes"]),
-        ])
+        rows.append(
+            [
+                METHODS[method],
+                f"{r['blocked_s']:.3f}",
+                f"{r['durable_s']:.3f}",
+                f"{durable[len(durable) // 2]:.3f}",
+                format_bytes(r["stored_bytes"]),
+                f"{r['raw_bytes'] / r['stored_bytes']:.3f}x",
+                format_bytes(r["peak_extra_rss_bytes"]),
+            ]
+        )
     print(format_table(["method", "blocked s", "to durable s", "median durable s", "file", "ratio", "peak extra RSS"], rows))
 
     checks = []
     if "nc_sync" in results and "nc_async" in results:
         s, a = results["nc_sync"], results["nc_async"]
-        checks.append((f"async blocked {a['blocked_s']:.3f} s <= 0.3 x sync save {s['durable_s']:.3f} s",
-                       a["blocked_s"] <= 0.3 * s["durable_s"]))
-        checks.append((f"async to durable {a['durable_s']:.3f} s <= 1.15 x sync save {s['durable_s']:.3f} s "
-                       f"({a['durable_s'] / s['durable_s']:.2f}x)", a["durable_s"] <= 1.15 * s["durable_s"]))
+        checks.append(
+            (
+                f"async blocked {a['blocked_s']:.3f} s <= 0.3 x sync save {s['durable_s']:.3f} s",
+                a["blocked_s"] <= 0.3 * s["durable_s"],
+            )
+        )
+        checks.append(
+            (
+                f"async to durable {a['durable_s']:.3f} s <= 1.15 x sync save {s['durable_s']:.3f} s "
+                f"({a['durable_s'] / s['durable_s']:.2f}x)",
+                a["durable_s"] <= 1.15 * s["durable_s"],
+            )
+        )
         if "dcp_async" in results:
             d = results["dcp_async"]
-            checks.append((f"async blocked {a['blocked_s']:.3f} s <= DCP async blocked {d['blocked_s']:.3f} s",
-                           a["blocked_s"] <= d["blocked_s"]))
+            checks.append(
+                (
+                    f"async blocked {a['blocked_s']:.3f} s <= DCP async blocked {d['blocked_s']:.3f} s",
+                    a["blocked_s"] <= d["blocked_s"],
+                )
+            )
     if "nc_sync" in results and "throttled_s" in results["nc_sync"]:
         p = results["nc_sync"]
         print()
-        print(format_table(
-            ["pipeline (nc.save, sync)", "seconds"],
-            [
-                ["compress only (storage discards bytes)", f"{p['compress_only_s']:.3f}"],
-                [f"write only (stored bytes / {p['rate'] / 1e6:.0f} MB/s)", f"{p['write_only_s']:.3f}"],
-                ["sum, if nothing overlapped", f"{p['compress_only_s'] + p['write_only_s']:.3f}"],
-                ["measured, throttled storage", f"{p['throttled_s']:.3f}"],
-            ],
-        ))
-        checks.append((f"throttled sync save {p['throttled_s']:.3f} s <= 1.1 x write only {p['write_only_s']:.3f} s",
-                       p["throttled_s"] <= 1.1 * p["write_only_s"]))
+        print(
+            format_table(
+                ["pipeline (nc.save, sync)", "seconds"],
+                [
+                    ["compress only (storage discards bytes)", f"{p['compress_only_s']:.3f}"],
+                    [f"write only (stored bytes / {p['rate'] / 1e6:.0f} MB/s)", f"{p['write_only_s']:.3f}"],
+                    ["sum, if nothing overlapped", f"{p['compress_only_s'] + p['write_only_s']:.3f}"],
+                    ["measured, throttled storage", f"{p['throttled_s']:.3f}"],
+                ],
+            )
+        )
+        checks.append(
+            (
+                f"throttled sync save {p['throttled_s']:.3f} s <= 1.1 x write only {p['write_only_s']:.3f} s",
+                p["throttled_s"] <= 1.1 * p["write_only_s"],
+            )
+        )
     print()
     for text, ok in checks:
         print(f"[{'PASS' if ok else 'FAIL'}] {text}")

@@ -35,7 +35,6 @@ sys.path.insert(0, str(HERE))
 
 import checkpoints  # noqa: E402  (benchmarks/ is not a package)
 import methods  # noqa: E402
-
 import nvcomp_checkpoint as nc  # noqa: E402
 from nvcomp_checkpoint.filters import ByteplaneFilter, plane_width  # noqa: E402
 from nvcomp_checkpoint.report import format_table  # noqa: E402
@@ -108,21 +107,48 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(ckpt, args.workers)
         best = sum(a["best"] for a in r["components"].values())
         z1 = r["raw"] / r["zstd1_file"]
-        rows.append([
-            ckpt, f"{r['raw'] / 1e6:.1f}", f"{z1:.3f}", f"{1.15 * z1:.3f}",
-            f"{r['raw'] / r['ours']:.3f} ({r['raw'] / r['ours'] / z1:.3f}x)",
-            f"{r['raw'] / best:.3f} ({r['raw'] / best / z1:.3f}x)",
-        ])
+        rows.append(
+            [
+                ckpt,
+                f"{r['raw'] / 1e6:.1f}",
+                f"{z1:.3f}",
+                f"{1.15 * z1:.3f}",
+                f"{r['raw'] / r['ours']:.3f} ({r['raw'] / r['ours'] / z1:.3f}x)",
+                f"{r['raw'] / best:.3f} ({r['raw'] / best / z1:.3f}x)",
+            ]
+        )
         for comp, a in r["components"].items():
-            comp_rows.append([ckpt, comp, f"{a['raw'] / 1e6:.1f}", f"{a['raw'] / a['xz']:.3f}",
-                              f"{a['raw'] / a['zstd19']:.3f}", f"{a['raw'] / a['best']:.3f}"])
+            comp_rows.append(
+                [
+                    ckpt,
+                    comp,
+                    f"{a['raw'] / 1e6:.1f}",
+                    f"{a['raw'] / a['xz']:.3f}",
+                    f"{a['raw'] / a['zstd19']:.3f}",
+                    f"{a['raw'] / a['best']:.3f}",
+                ]
+            )
         print(f"[{time.perf_counter() - started:5.0f}s] {ckpt} done", flush=True)
     print()
-    print(format_table(["checkpoint", "tensor MB", "zstd -1 on torch.save file", "1.15x of that (target)",
-                        "nvcomp-checkpoint (x zstd -1)", "best of xz -9e / zstd -19 per plane (x zstd -1)"], rows))
+    print(
+        format_table(
+            [
+                "checkpoint",
+                "tensor MB",
+                "zstd -1 on torch.save file",
+                "1.15x of that (target)",
+                "nvcomp-checkpoint (x zstd -1)",
+                "best of xz -9e / zstd -19 per plane (x zstd -1)",
+            ],
+            rows,
+        )
+    )
     print()
-    print(format_table(["checkpoint", "component", "raw MB", "xz -9e per plane", "zstd -19 --long per plane", "best per plane"],
-                       comp_rows))
+    print(
+        format_table(
+            ["checkpoint", "component", "raw MB", "xz -9e per plane", "zstd -19 --long per plane", "best per plane"], comp_rows
+        )
+    )
     return 0
 
 

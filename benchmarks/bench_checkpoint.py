@@ -26,7 +26,6 @@ sys.path.insert(0, str(HERE))
 
 import checkpoints  # noqa: E402  (benchmarks/ is not a package)
 import methods  # noqa: E402
-
 import nvcomp_checkpoint as nc  # noqa: E402
 from nvcomp_checkpoint.report import format_table  # noqa: E402
 
@@ -178,7 +177,13 @@ def worker_throughput(ckpt: str, repeat: int) -> dict[str, Any]:
         for t in threads:
             t.join()
 
-    runs = {"zstd1_t1": (zstd(0), 1), "zstd1_t2": (zstd(2), 1), "zstd1_2x1": (two_zstd, 2), "ours_w1": (ours(1), 1), "ours_w2": (ours(2), 1)}
+    runs = {
+        "zstd1_t1": (zstd(0), 1),
+        "zstd1_t2": (zstd(2), 1),
+        "zstd1_2x1": (two_zstd, 2),
+        "ours_w1": (ours(1), 1),
+        "ours_w2": (ours(2), 1),
+    }
     best = {name: math.inf for name in runs}
     for _ in range(max(repeat, 5)):  # interleaved rounds, so a burst of load elsewhere hits all alike
         for name, (fn, _) in runs.items():
@@ -320,26 +325,59 @@ def _targets(r: dict[str, Any], memory_bound: int) -> list[list[str]]:
     want = 1.15 * zstd["ratio"]
     an = r["analysis"]["components"]
     ceiling = sum(a["raw"] for a in an.values()) / sum(a["entropy"] for a in an.values())
-    rows.append(["ratio >= 1.15x ratio of zstd -1 on the torch.save file",
-                 f"{ours['ratio']:.3f} vs {want:.3f} (= 1.15 x {zstd['ratio']:.3f}; ours is {ours['ratio'] / zstd['ratio']:.3f}x; "
-                 f"order-0 entropy of the planes: {ceiling:.3f})",
-                 _verdict(ours["ratio"] >= want)])
-    rows.append(["save <= torch.save + zstd -T0 -1", f"{ours['save_s']:.2f} s vs {zstd['save_s']:.2f} s",
-                 _verdict(ours["save_s"] <= zstd["save_s"])])
-    rows.append(["save <= 0.5x DCP + ZStandard", f"{ours['save_s']:.2f} s vs 0.5 x {dcp['save_s']:.2f} = {0.5 * dcp['save_s']:.2f} s",
-                 _verdict(ours["save_s"] <= 0.5 * dcp["save_s"])])
+    rows.append(
+        [
+            "ratio >= 1.15x ratio of zstd -1 on the torch.save file",
+            f"{ours['ratio']:.3f} vs {want:.3f} (= 1.15 x {zstd['ratio']:.3f}; ours is {ours['ratio'] / zstd['ratio']:.3f}x; "
+            f"order-0 entropy of the planes: {ceiling:.3f})",
+            _verdict(ours["ratio"] >= want),
+        ]
+    )
+    rows.append(
+        [
+            "save <= torch.save + zstd -T0 -1",
+            f"{ours['save_s']:.2f} s vs {zstd['save_s']:.2f} s",
+            _verdict(ours["save_s"] <= zstd["save_s"]),
+        ]
+    )
+    rows.append(
+        [
+            "save <= 0.5x DCP + ZStandard",
+            f"{ours['save_s']:.2f} s vs 0.5 x {dcp['save_s']:.2f} = {0.5 * dcp['save_s']:.2f} s",
+            _verdict(ours["save_s"] <= 0.5 * dcp["save_s"]),
+        ]
+    )
     one = tp["ours_w1_mb_s"] / tp["zstd1_t1_mb_s"]
     two = tp["ours_w2_mb_s"] / tp["zstd1_t1_mb_s"]
-    rows.append(["per-core throughput >= 0.9x zstd -1 (1 thread)",
-                 f"{tp['ours_w1_mb_s']:.0f} vs {tp['zstd1_t1_mb_s']:.0f} MB/s ({one:.2f}x)", _verdict(one >= 0.9)])
+    rows.append(
+        [
+            "per-core throughput >= 0.9x zstd -1 (1 thread)",
+            f"{tp['ours_w1_mb_s']:.0f} vs {tp['zstd1_t1_mb_s']:.0f} MB/s ({one:.2f}x)",
+            _verdict(one >= 0.9),
+        ]
+    )
     capacity = tp["zstd1_2x1_mb_s"] / tp["zstd1_t1_mb_s"]
-    rows.append(["2 threads close to 2x zstd -1 (1 thread)",
-                 f"{tp['ours_w2_mb_s']:.0f} MB/s = {two:.2f}x (two zstd -1 at once: {capacity:.2f}x)", _verdict(two >= 1.8)])
-    rows.append(["load <= zstd -d + torch.load", f"{ours['load_s']:.2f} s vs {zstd['load_s']:.2f} s",
-                 _verdict(ours["load_s"] <= zstd["load_s"])])
-    rows.append([f"save peak extra memory <= {MEMORY_CHUNKS} chunks ({memory_bound >> 20} MiB)",
-                 f"{_mb(ours['save_peak_extra'])} MB for a {_mb(ours['raw_bytes'])} MB checkpoint",
-                 _verdict(ours["save_peak_extra"] <= memory_bound)])
+    rows.append(
+        [
+            "2 threads close to 2x zstd -1 (1 thread)",
+            f"{tp['ours_w2_mb_s']:.0f} MB/s = {two:.2f}x (two zstd -1 at once: {capacity:.2f}x)",
+            _verdict(two >= 1.8),
+        ]
+    )
+    rows.append(
+        [
+            "load <= zstd -d + torch.load",
+            f"{ours['load_s']:.2f} s vs {zstd['load_s']:.2f} s",
+            _verdict(ours["load_s"] <= zstd["load_s"]),
+        ]
+    )
+    rows.append(
+        [
+            f"save peak extra memory <= {MEMORY_CHUNKS} chunks ({memory_bound >> 20} MiB)",
+            f"{_mb(ours['save_peak_extra'])} MB for a {_mb(ours['raw_bytes'])} MB checkpoint",
+            _verdict(ours["save_peak_extra"] <= memory_bound),
+        ]
+    )
     return rows
 
 
@@ -349,11 +387,26 @@ def _tables(results: dict[str, Any], repeat: int) -> list[tuple[str, list[str], 
     for ckpt, r in results.items():
         rows = []
         for name, m in r["methods"].items():
-            rows.append([name, _mb(m["stored_bytes"]), f"{m['ratio']:.3f}", f"{m['save_s']:.2f}", f"{m['raw_bytes'] / m['save_s'] / 1e6:.0f}",
-                         f"{m['load_s']:.2f}", _mb(m["save_peak_extra"]), _mb(m["load_peak_extra"])])
+            rows.append(
+                [
+                    name,
+                    _mb(m["stored_bytes"]),
+                    f"{m['ratio']:.3f}",
+                    f"{m['save_s']:.2f}",
+                    f"{m['raw_bytes'] / m['save_s'] / 1e6:.0f}",
+                    f"{m['load_s']:.2f}",
+                    _mb(m["save_peak_extra"]),
+                    _mb(m["load_peak_extra"]),
+                ]
+            )
         raw = next(iter(r["methods"].values()))["raw_bytes"]
-        out.append((f"{ckpt}: {_mb(raw)} MB of tensors (best of {repeat}; wall time, fsync included)",
-                    ["method", "stored MB", "ratio", "save s", "save MB/s", "load s", "save peak extra MB", "load peak extra MB"], rows))
+        out.append(
+            (
+                f"{ckpt}: {_mb(raw)} MB of tensors (best of {repeat}; wall time, fsync included)",
+                ["method", "stored MB", "ratio", "save s", "save MB/s", "load s", "save peak extra MB", "load peak extra MB"],
+                rows,
+            )
+        )
         comp_rows = []
         an = r["analysis"]["components"]
         for comp in COMPONENTS:
@@ -366,22 +419,42 @@ def _tables(results: dict[str, Any], repeat: int) -> list[tuple[str, list[str], 
                 row.append(f"{a['raw'] / stored:.3f}" if stored else "-")
             row.append(f"{a['raw'] / a['entropy']:.3f}")
             comp_rows.append(row)
-        out.append((f"{ckpt}: ratio per component",
-                    ["component", "raw MB", "zstd -1 per tensor", OURS, DCP, "ZipNN", "order-0 entropy of planes"], comp_rows))
+        out.append(
+            (
+                f"{ckpt}: ratio per component",
+                ["component", "raw MB", "zstd -1 per tensor", OURS, DCP, "ZipNN", "order-0 entropy of planes"],
+                comp_rows,
+            )
+        )
         if OURS in r["methods"] and ZSTD in r["methods"] and DCP in r["methods"] and "throughput" in r:
             out.append((f"{ckpt}: targets", ["target", "measured", "verdict"], _targets(r, memory_bound)))
     keys = ("zstd1_t1_mb_s", "zstd1_t2_mb_s", "zstd1_2x1_mb_s", "ours_w1_mb_s", "ours_w2_mb_s")
-    out.append(("compression throughput, MB/s of tensor bytes (in memory, no disk)",
-                ["checkpoint", "zstd -1, 1 thread", "zstd -1 -T2", "2 x zstd -1 at once", "ours, 1 worker", "ours, 2 workers"],
-                [[c, *(f"{r['throughput'][k]:.0f}" for k in keys)] for c, r in results.items()]))
+    out.append(
+        (
+            "compression throughput, MB/s of tensor bytes (in memory, no disk)",
+            ["checkpoint", "zstd -1, 1 thread", "zstd -1 -T2", "2 x zstd -1 at once", "ours, 1 worker", "ours, 2 workers"],
+            [[c, *(f"{r['throughput'][k]:.0f}" for k in keys)] for c, r in results.items()],
+        )
+    )
     return out
 
 
 def _filter_table(f: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
-    rows = [[f"{w} bytes", f"{f[f'split_w{w}']:.0f}", f"{f[f'transpose_w{w}']:.0f}", f"{f[f'join_w{w}']:.0f}", f"{f[f'strided_w{w}']:.0f}"]
-            for w in (2, 4, 8)]
-    return ("byte-plane filter, MB/s per core (CPU time, 4 MiB chunks not in cache)",
-            ["element", "split", "numpy transpose copy", "join", "strided write per plane"], rows)
+    rows = [
+        [
+            f"{w} bytes",
+            f"{f[f'split_w{w}']:.0f}",
+            f"{f[f'transpose_w{w}']:.0f}",
+            f"{f[f'join_w{w}']:.0f}",
+            f"{f[f'strided_w{w}']:.0f}",
+        ]
+        for w in (2, 4, 8)
+    ]
+    return (
+        "byte-plane filter, MB/s per core (CPU time, 4 MiB chunks not in cache)",
+        ["element", "split", "numpy transpose copy", "join", "strided write per plane"],
+        rows,
+    )
 
 
 def _markdown(title: str, header: list[str], rows: list[list[str]]) -> str:
@@ -430,8 +503,13 @@ def main(argv: list[str] | None = None) -> int:
     tables = _tables(results, args.repeat) + [_filter_table(filters)]
     for title, header, rows in tables:
         print(f"\n{title}\n{format_table(header, rows)}")
-    meta = {"torch": torch.__version__, "nvcomp_checkpoint": nc.__version__, "cpus": os.cpu_count(), "repeat": args.repeat,
-            "zstd_cli": subprocess.run(["zstd", "--version"], capture_output=True, text=True).stdout.strip()}
+    meta = {
+        "torch": torch.__version__,
+        "nvcomp_checkpoint": nc.__version__,
+        "cpus": os.cpu_count(),
+        "repeat": args.repeat,
+        "zstd_cli": subprocess.run(["zstd", "--version"], capture_output=True, text=True).stdout.strip(),
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"meta": meta, "results": results, "filters": filters}, indent=1))
     if args.markdown:

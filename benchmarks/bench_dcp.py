@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import socket
 import sys
@@ -26,7 +25,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import checkpoints  # noqa: E402  (benchmarks/ is not a package)
-
 import nvcomp_checkpoint as nc  # noqa: E402
 
 __all__ = ["main"]
@@ -86,7 +84,11 @@ def _local_equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         la, lb = a.to_local(), b.to_local()
         # Compared as bytes: NaN == NaN, and -0.0 differs from 0.0.
-        return la.dtype == lb.dtype and la.shape == lb.shape and torch.equal(la.reshape(-1).view(torch.uint8), lb.reshape(-1).view(torch.uint8))
+        return (
+            la.dtype == lb.dtype
+            and la.shape == lb.shape
+            and torch.equal(la.reshape(-1).view(torch.uint8), lb.reshape(-1).view(torch.uint8))
+        )
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_local_equal(a[k], b[k]) for k in a)
     if isinstance(a, list):
@@ -115,7 +117,9 @@ def _rank(rank: int, world: int, port: int, source: str, out: str, rounds: int, 
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(minutes=10))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(minutes=10)
+    )
     mesh = init_device_mesh("cpu", (world,))
     state = _shard(torch.load(source, map_location="cpu", weights_only=True), mesh)
     root = Path(out)
@@ -200,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for m in METHODS:
         lines.append(f"| {m} | {sizes[m] / 1e6:.1f} | {raw / sizes[m]:.3f} | {best[m]['save']:.2f} | {best[m]['load']:.2f} |")
-    lines.append(f"| nc.save, unsharded (1 process) | {unsharded.stored_bytes / 1e6:.1f} | {unsharded.ratio:.3f} | {unsharded.seconds:.2f} | |")
+    lines.append(
+        f"| nc.save, unsharded (1 process) | {unsharded.stored_bytes / 1e6:.1f} | {unsharded.ratio:.3f} | {unsharded.seconds:.2f} | |"
+    )
     lines += ["", "| component | raw MB | DCP+NvcompWriter ratio |", "|---|---|---|"]
     for comp, (r, s) in data["components"].items():
         lines.append(f"| {comp} | {r / 1e6:.1f} | {r / s:.3f} |")

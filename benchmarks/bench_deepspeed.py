@@ -71,10 +71,22 @@ def _worker(args: argparse.Namespace) -> None:
     results = {}
     for stage in args.stages:
         torch.manual_seed(0)
-        model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=max(1, args.hidden // 64), vocab_size=args.vocab, n_positions=args.seq))
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=args.layers,
+                n_embd=args.hidden,
+                n_head=max(1, args.hidden // 64),
+                vocab_size=args.vocab,
+                n_positions=args.seq,
+            )
+        )
         params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+        }
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         g = torch.Generator().manual_seed(rank)
         for _ in range(args.steps):
@@ -109,8 +121,12 @@ def _worker(args: argparse.Namespace) -> None:
             zbytes = sum(p.stat().st_size for p in (plain / "t").glob("*.zst"))
             obytes = sum(p.stat().st_size for p in _files(ours))
             results[stage] = {
-                "raw": raw, "zstd": zbytes, "ours": obytes,
-                "t_plain": max(t[0] for t in times), "t_zstd": max(t[1] for t in times), "t_ours": max(t[2] for t in times),
+                "raw": raw,
+                "zstd": zbytes,
+                "ours": obytes,
+                "t_plain": max(t[0] for t in times),
+                "t_zstd": max(t[1] for t in times),
+                "t_ours": max(t[2] for t in times),
                 "params": params,
             }
         dist.barrier()
@@ -125,7 +141,9 @@ def _table(results: dict) -> str:
         lines.append(f"\nZeRO-{stage}, 2 ranks, GPT-2 of {r['params'] / 1e6:.1f}M parameters")
         lines.append(f"{'method':<26}{'bytes':>14}{'ratio':>9}{'save s':>9}")
         lines.append(f"{'DeepSpeed':<26}{r['raw']:>14,}{1.0:>9.3f}{r['t_plain']:>9.2f}")
-        lines.append(f"{'DeepSpeed + zstd -T0 -1':<26}{r['zstd']:>14,}{r['raw'] / r['zstd']:>9.3f}{r['t_plain'] + r['t_zstd']:>9.2f}")
+        lines.append(
+            f"{'DeepSpeed + zstd -T0 -1':<26}{r['zstd']:>14,}{r['raw'] / r['zstd']:>9.3f}{r['t_plain'] + r['t_zstd']:>9.2f}"
+        )
         lines.append(f"{'attach (nvcomp-checkpoint)':<26}{r['ours']:>14,}{r['raw'] / r['ours']:>9.3f}{r['t_ours']:>9.2f}")
         checks = [
             ("ratio >= 1.15x DeepSpeed's files", r["raw"] / r["ours"], 1.15),
@@ -134,7 +152,9 @@ def _table(results: dict) -> str:
         for what, got, want in checks:
             lines.append(f"  {what}: {got:.3f}x -> {'met' if got >= want else 'NOT met'}")
         budget = r["t_plain"] + r["t_zstd"]
-        lines.append(f"  save time <= DeepSpeed + zstd ({budget:.2f} s): {r['t_ours']:.2f} s -> {'met' if r['t_ours'] <= budget else 'NOT met'}")
+        lines.append(
+            f"  save time <= DeepSpeed + zstd ({budget:.2f} s): {r['t_ours']:.2f} s -> {'met' if r['t_ours'] <= budget else 'NOT met'}"
+        )
     return "\n".join(lines)
 
 
@@ -157,8 +177,30 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("the zstd command-line tool is needed (apt-get install zstd)")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_ds_"))
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, "--worker", "--out", str(out)]
-    cmd += ["--layers", str(args.layers), "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--seq", str(args.seq), "--steps", str(args.steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        __file__,
+        "--worker",
+        "--out",
+        str(out),
+    ]
+    cmd += [
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--vocab",
+        str(args.vocab),
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.steps),
+    ]
     cmd += ["--stages", *map(str, args.stages)] + (["--workers", str(args.workers)] if args.workers else [])
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -30,7 +30,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import checkpoints  # noqa: E402  (benchmarks/ is not a package)
-
 import nvcomp_checkpoint as nc  # noqa: E402
 from nvcomp_checkpoint import delta as delta_module  # noqa: E402
 from nvcomp_checkpoint.filters import ByteplaneFilter, plane_width  # noqa: E402
@@ -92,15 +91,34 @@ def measure(name: str, repeat: int, tmp: Path) -> dict[str, Any]:
     t_load_delta, back = _best(lambda: nc.load(delta_path), repeat)
     _, tensors = flatten(later)
     _, back_tensors = flatten(back)
-    exact = all(torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)) for (_, a), (_, b) in zip(tensors, back_tensors) if a.numel())
+    exact = all(
+        torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+        for (_, a), (_, b) in zip(tensors, back_tensors)
+        if a.numel()
+    )
     return {
-        "raw": full.raw_bytes, "full": full.stored_bytes, "delta": delta.stored_bytes, "exact": exact,
-        "delta_every": delta_every.stored_bytes, "t_delta_every": t_delta_every, "t_load_every": t_load_every,
-        "delta_whole": delta_whole.stored_bytes, "t_delta_whole": t_delta_whole,
-        "delta_xor": delta_xor.stored_bytes, "t_delta_xor": t_delta_xor, "t_load_xor": t_load_xor, "xor_comp": _component_ratios(xor_path),
-        "t_full": t_full, "t_delta": t_delta, "t_delta_state": t_delta_state, "t_load_full": t_load_full, "t_load_delta": t_load_delta,
-        "full_comp": _component_ratios(full_path), "delta_comp": _component_ratios(delta_path),
-        "base": base, "later": later,
+        "raw": full.raw_bytes,
+        "full": full.stored_bytes,
+        "delta": delta.stored_bytes,
+        "exact": exact,
+        "delta_every": delta_every.stored_bytes,
+        "t_delta_every": t_delta_every,
+        "t_load_every": t_load_every,
+        "delta_whole": delta_whole.stored_bytes,
+        "t_delta_whole": t_delta_whole,
+        "delta_xor": delta_xor.stored_bytes,
+        "t_delta_xor": t_delta_xor,
+        "t_load_xor": t_load_xor,
+        "xor_comp": _component_ratios(xor_path),
+        "t_full": t_full,
+        "t_delta": t_delta,
+        "t_delta_state": t_delta_state,
+        "t_load_full": t_load_full,
+        "t_load_delta": t_load_delta,
+        "full_comp": _component_ratios(full_path),
+        "delta_comp": _component_ratios(delta_path),
+        "base": base,
+        "later": later,
     }
 
 
@@ -114,7 +132,12 @@ def _plane_sizes(data: np.ndarray, width: int, cctx: zstandard.ZstdCompressor) -
     """Stored size of every plane (raw or zstd, whichever is smaller), chunk by chunk."""
     out = []
     for start in range(0, data.size, _CHUNK):
-        out.append([min(len(cctx.compress(plane.tobytes())), plane.size) for plane in ByteplaneFilter(width).split(data[start : start + _CHUNK])])
+        out.append(
+            [
+                min(len(cctx.compress(plane.tobytes())), plane.size)
+                for plane in ByteplaneFilter(width).split(data[start : start + _CHUNK])
+            ]
+        )
     return out
 
 
@@ -161,40 +184,116 @@ def main(argv: list[str] | None = None) -> int:
             full_ratio, delta_ratio = r["raw"] / r["full"], r["raw"] / r["delta"]
             target = TARGETS.get(name)
             met = target is not None and delta_ratio >= target and delta_ratio / full_ratio >= TARGET_GAIN
-            rows.append([name, f"{r['raw'] / 1e6:.1f}", f"{full_ratio:.3f}", f"{r['raw'] / r['delta_xor']:.3f}", f"{r['raw'] / r['delta_whole']:.3f}",
-                         f"{delta_ratio:.3f}",
-                         f"{r['raw'] / r['delta_every']:.3f}",
-                         f"{delta_ratio / full_ratio:.3f}",
-                         f"{target}x, 1.10x" if target else "-", "yes" if met else "NO", "yes" if r["exact"] else "NO"])
+            rows.append(
+                [
+                    name,
+                    f"{r['raw'] / 1e6:.1f}",
+                    f"{full_ratio:.3f}",
+                    f"{r['raw'] / r['delta_xor']:.3f}",
+                    f"{r['raw'] / r['delta_whole']:.3f}",
+                    f"{delta_ratio:.3f}",
+                    f"{r['raw'] / r['delta_every']:.3f}",
+                    f"{delta_ratio / full_ratio:.3f}",
+                    f"{target}x, 1.10x" if target else "-",
+                    "yes" if met else "NO",
+                    "yes" if r["exact"] else "NO",
+                ]
+            )
             for comp, ratio in r["full_comp"].items():
-                comp_rows.append([name, comp, f"{ratio:.3f}", f"{r['xor_comp'].get(comp, float('nan')):.3f}",
-                                  f"{r['delta_comp'].get(comp, float('nan')):.3f}"])
-            time_rows.append([name, f"{r['t_full']:.2f}", f"{r['t_delta_xor']:.2f} ({r['t_delta_xor'] / r['t_full']:.2f}x)",
-                              f"{r['t_delta_whole']:.2f} ({r['t_delta_whole'] / r['t_full']:.2f}x)",
-                              f"{r['t_delta']:.2f} ({r['t_delta'] / r['t_full']:.2f}x)",
-                              f"{r['t_delta_state']:.2f} ({r['t_delta_state'] / r['t_full']:.2f}x)",
-                              f"{r['t_delta_every']:.2f} ({r['t_delta_every'] / r['t_full']:.2f}x)",
-                              f"{r['t_load_full']:.2f}", f"{r['t_load_xor']:.2f} ({r['t_load_xor'] / r['t_load_full']:.2f}x)",
-                              f"{r['t_load_delta']:.2f} ({r['t_load_delta'] / r['t_load_full']:.2f}x)",
-                              f"{r['t_load_every']:.2f} ({r['t_load_every'] / r['t_load_full']:.2f}x)"])
+                comp_rows.append(
+                    [
+                        name,
+                        comp,
+                        f"{ratio:.3f}",
+                        f"{r['xor_comp'].get(comp, float('nan')):.3f}",
+                        f"{r['delta_comp'].get(comp, float('nan')):.3f}",
+                    ]
+                )
+            time_rows.append(
+                [
+                    name,
+                    f"{r['t_full']:.2f}",
+                    f"{r['t_delta_xor']:.2f} ({r['t_delta_xor'] / r['t_full']:.2f}x)",
+                    f"{r['t_delta_whole']:.2f} ({r['t_delta_whole'] / r['t_full']:.2f}x)",
+                    f"{r['t_delta']:.2f} ({r['t_delta'] / r['t_full']:.2f}x)",
+                    f"{r['t_delta_state']:.2f} ({r['t_delta_state'] / r['t_full']:.2f}x)",
+                    f"{r['t_delta_every']:.2f} ({r['t_delta_every'] / r['t_full']:.2f}x)",
+                    f"{r['t_load_full']:.2f}",
+                    f"{r['t_load_xor']:.2f} ({r['t_load_xor'] / r['t_load_full']:.2f}x)",
+                    f"{r['t_load_delta']:.2f} ({r['t_load_delta'] / r['t_load_full']:.2f}x)",
+                    f"{r['t_load_every']:.2f} ({r['t_load_every'] / r['t_load_full']:.2f}x)",
+                ]
+            )
             if args.transforms:
                 for comp, s in transform_sizes(r["base"], r["later"]).items():
-                    tr_rows.append([name, comp, f"{s['raw'] / s['plain']:.3f}", f"{s['raw'] / s['xor']:.3f}",
-                                    f"{s['raw'] / s['sub']:.3f}", f"{s['raw'] / s['chunk']:.3f}", f"{s['raw'] / s['best']:.3f}"])
+                    tr_rows.append(
+                        [
+                            name,
+                            comp,
+                            f"{s['raw'] / s['plain']:.3f}",
+                            f"{s['raw'] / s['xor']:.3f}",
+                            f"{s['raw'] / s['sub']:.3f}",
+                            f"{s['raw'] / s['chunk']:.3f}",
+                            f"{s['raw'] / s['best']:.3f}",
+                        ]
+                    )
             print(f"{name} done", flush=True)
     print()
-    print(format_table(["pair", "tensor MB", "full save", "delta, XOR only", "delta, XOR + sub, every form whole", "delta (XOR + sub)", "delta, every component tried",
-                        "delta / full", "target", "met", "bit-exact load"], rows))
+    print(
+        format_table(
+            [
+                "pair",
+                "tensor MB",
+                "full save",
+                "delta, XOR only",
+                "delta, XOR + sub, every form whole",
+                "delta (XOR + sub)",
+                "delta, every component tried",
+                "delta / full",
+                "target",
+                "met",
+                "bit-exact load",
+            ],
+            rows,
+        )
+    )
     print()
     print(format_table(["pair", "component", "full ratio", "delta ratio, XOR only", "delta ratio (XOR + sub)"], comp_rows))
     print()
-    print(format_table(["pair", "full save s", "delta save s, XOR only", "delta save s, XOR + sub whole", "delta save s (base file)", "delta save s (base_state)",
-                        "delta save s, every component", "full load s", "delta load s, XOR only", "delta load s",
-                        "delta load s, every component"], time_rows))
+    print(
+        format_table(
+            [
+                "pair",
+                "full save s",
+                "delta save s, XOR only",
+                "delta save s, XOR + sub whole",
+                "delta save s (base file)",
+                "delta save s (base_state)",
+                "delta save s, every component",
+                "full load s",
+                "delta load s, XOR only",
+                "delta load s",
+                "delta load s, every component",
+            ],
+            time_rows,
+        )
+    )
     if tr_rows:
         print()
-        print(format_table(["pair", "component", "plain planes", "best of plain/XOR", "best of plain/sub",
-                            "per chunk: XOR planes or all sub", "best of all three per plane"], tr_rows))
+        print(
+            format_table(
+                [
+                    "pair",
+                    "component",
+                    "plain planes",
+                    "best of plain/XOR",
+                    "best of plain/sub",
+                    "per chunk: XOR planes or all sub",
+                    "best of all three per plane",
+                ],
+                tr_rows,
+            )
+        )
     return 0
 
 

@@ -24,7 +24,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import checkpoints  # noqa: E402  (benchmarks/ is not a package)
-
 import nvcomp_checkpoint as nc  # noqa: E402
 from nvcomp_checkpoint.report import format_table  # noqa: E402
 
@@ -46,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         managers = {
-            name: nc.CheckpointManager([nc.Tier(root / str(i))], async_save=False, full_every=args.full_every if kw else None, **kw)
+            name: nc.CheckpointManager(
+                [nc.Tier(root / str(i))], async_save=False, full_every=args.full_every if kw else None, **kw
+            )
             for i, (name, kw) in enumerate(VARIANTS.items())
         }
         raw = {n: 0 for n in VARIANTS}
@@ -78,12 +79,20 @@ def main(argv: list[str] | None = None) -> int:
             while m is not None and m.base is not None:
                 chain += 1
                 m = mgr.manifest(m.base)
-            rows.append([
-                name, str(len(seconds[name])), f"{stored[name] / 1e6:.1f}", f"{raw[name] / stored[name]:.3f}x",
-                f"{stored['full saves'] / stored[name]:.3f}x", f"{sum(seconds[name]) / len(seconds[name]):.2f}",
-                f"{restore_s:.2f} (chain {chain})",
-            ])
-    print(f"MiniLM fine-tune, {args.steps} steps, a save every {args.every}, full_every={args.full_every}; bf16 weights, fp32 AdamW, bf16 grads")
+            rows.append(
+                [
+                    name,
+                    str(len(seconds[name])),
+                    f"{stored[name] / 1e6:.1f}",
+                    f"{raw[name] / stored[name]:.3f}x",
+                    f"{stored['full saves'] / stored[name]:.3f}x",
+                    f"{sum(seconds[name]) / len(seconds[name]):.2f}",
+                    f"{restore_s:.2f} (chain {chain})",
+                ]
+            )
+    print(
+        f"MiniLM fine-tune, {args.steps} steps, a save every {args.every}, full_every={args.full_every}; bf16 weights, fp32 AdamW, bf16 grads"
+    )
     print(format_table(["manager", "saves", "stored MB", "ratio", "vs full saves", "save s (mean)", "restore last s"], rows))
     return 0
 

@@ -19,7 +19,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from nvcomp_checkpoint.format.skeleton import (  # noqa: E402
-    _archive_pickle, _check_weights_only_pickle, check_skeleton, decode_skeleton, encode_skeleton, flatten,
+    _archive_pickle,
+    _check_weights_only_pickle,
+    check_skeleton,
+    decode_skeleton,
+    encode_skeleton,
+    flatten,
 )
 from nvcomp_checkpoint.report import format_table  # noqa: E402
 

@@ -35,9 +35,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import checkpoints  # noqa: E402  (benchmarks/ is not a package)
-from methods import map_tensors  # noqa: E402
-
 import nvcomp_checkpoint as nc  # noqa: E402
+from methods import map_tensors  # noqa: E402
 from nvcomp_checkpoint.report import format_table  # noqa: E402
 
 __all__ = ["main", "subset_state", "PEER_METHODS"]
@@ -65,7 +64,9 @@ def subset_state(state: dict[str, Any], max_bytes: int) -> dict[str, Any]:
     def size(keep: list[int]) -> int:
         total = 0
         for i in keep:
-            total += model[params[i]].nbytes + sum(t.nbytes for t in opt["state"].get(i, {}).values() if isinstance(t, torch.Tensor))
+            total += model[params[i]].nbytes + sum(
+                t.nbytes for t in opt["state"].get(i, {}).values() if isinstance(t, torch.Tensor)
+            )
             total += grads[params[i]].nbytes if params[i] in grads else 0
         return total
 
@@ -147,7 +148,11 @@ def per_tensor_save(encode: Callable[[torch.Tensor], bytes]) -> Callable[[Any, P
             comp = nc.classify(p).value
             sizes[comp] = sizes.get(comp, 0) + len(data)
             # In a uint8 tensor: pickled `bytes` would grow ~1.5x.
-            return {"__peer__": torch.frombuffer(bytearray(data), dtype=torch.uint8), "dtype": str(t.dtype), "shape": list(t.shape)}
+            return {
+                "__peer__": torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                "dtype": str(t.dtype),
+                "shape": list(t.shape),
+            }
 
         tree = map_tensors(obj, swap)
         _fsync_write(path, lambda f: torch.save(tree, f))
@@ -174,7 +179,12 @@ def per_tensor_load(decode: Callable[[bytes, torch.dtype, list[int]], torch.Tens
 
         collect(tree)
         with ThreadPoolExecutor(_THREADS) as pool:
-            out = list(pool.map(lambda n: decode(n["__peer__"].numpy().tobytes(), getattr(torch, n["dtype"].split(".")[-1]), n["shape"]), found))
+            out = list(
+                pool.map(
+                    lambda n: decode(n["__peer__"].numpy().tobytes(), getattr(torch, n["dtype"].split(".")[-1]), n["shape"]),
+                    found,
+                )
+            )
         by_id = {id(n): t for n, t in zip(found, out)}
 
         def rebuild(node: Any) -> Any:
@@ -192,8 +202,13 @@ def per_tensor_load(decode: Callable[[bytes, torch.dtype, list[int]], torch.Tens
 
 
 def _uint_view(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().view(-1).view({2: torch.int16, 4: torch.int32}[t.element_size()]).numpy().view(
-        {2: np.uint16, 4: np.uint32}[t.element_size()]
+    return (
+        t.detach()
+        .contiguous()
+        .view(-1)
+        .view({2: torch.int16, 4: torch.int32}[t.element_size()])
+        .numpy()
+        .view({2: np.uint16, 4: np.uint32}[t.element_size()])
     )
 
 
@@ -430,14 +445,19 @@ def run(name: str, max_mb: float, repeat: int, only: list[str] | None) -> dict[s
                 try:
                     __import__(peer.needs)
                 except ImportError:
-                    print(f"skipped {peer.name}: {peer.needs} does not import (pip install 'nvcomp-checkpoint[bench]')", flush=True)
+                    print(
+                        f"skipped {peer.name}: {peer.needs} does not import (pip install 'nvcomp-checkpoint[bench]')", flush=True
+                    )
                     continue
             if peer.needs == "zstd" and shutil.which("zstd") is None:
                 print(f"skipped {peer.name}: no zstd command-line tool", flush=True)
                 continue
             res = measure(peer, state, Path(tmp), repeat)
             results["methods"][peer.name] = res
-            print(f"  {name}: {peer.name}: {total / res['file_bytes']:.4f}  save {res['save_s']:.2f}s  load {res['load_s']:.2f}s", flush=True)
+            print(
+                f"  {name}: {peer.name}: {total / res['file_bytes']:.4f}  save {res['save_s']:.2f}s  load {res['load_s']:.2f}s",
+                flush=True,
+            )
     return results
 
 
@@ -451,7 +471,17 @@ def tables(results: dict[str, Any]) -> str:
         cells = [f"{raw[c] / per[c]:.4f}" if per.get(c) else "-" for c in comps]
         rel_save = f"{res['save_s'] / ref['save_s']:.2f}x" if ref else "-"
         rel_load = f"{res['load_s'] / ref['load_s']:.2f}x" if ref else "-"
-        rows.append([name, *cells, f"{results['tensor_bytes'] / res['file_bytes']:.4f}", f"{res['save_s']:.2f}", rel_save, f"{res['load_s']:.2f}", rel_load])
+        rows.append(
+            [
+                name,
+                *cells,
+                f"{results['tensor_bytes'] / res['file_bytes']:.4f}",
+                f"{res['save_s']:.2f}",
+                rel_save,
+                f"{res['load_s']:.2f}",
+                rel_load,
+            ]
+        )
     # The best peer on each component, and what a file of those would weigh.
     peers = {n: r for n, r in results["methods"].items() if not n.startswith("ours") and r["components"]}
     if peers:
@@ -480,8 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.checkpoints:
         res = run(name, args.max_mb, args.repeat, args.only)
         all_results.append(res)
-        print(f"\n{name}: {res['tensor_bytes'] / 1e6:.1f} MB of tensors, ratio = tensor bytes / stored bytes; "
-              f"save and load best of {args.repeat}, 'vs zstd' = time / torch.save+zstd -1's")
+        print(
+            f"\n{name}: {res['tensor_bytes'] / 1e6:.1f} MB of tensors, ratio = tensor bytes / stored bytes; "
+            f"save and load best of {args.repeat}, 'vs zstd' = time / torch.save+zstd -1's"
+        )
         print(tables(res))
     if args.json:
         args.json.write_text(json.dumps(all_results, indent=1))

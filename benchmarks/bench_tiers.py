@@ -69,16 +69,17 @@ class Moto:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 60
         while True:
             try:
                 urllib.request.urlopen(self.endpoint, timeout=1).close()
                 break
-            except OSError:
+            except OSError as exc:
                 if time.monotonic() > deadline:
-                    raise RuntimeError("moto_server did not start")
+                    raise RuntimeError("moto_server did not start") from exc
                 time.sleep(0.1)
         import boto3
 
@@ -113,8 +114,16 @@ def bench_bytes_moved(state: dict[str, Any], work: Path, moto: Moto, saves: int)
     raw = sum(t.numel() * t.element_size() for t in _tensors(state)) * saves
     rows = []
     for i, (name, sent) in enumerate([("local", written0), ("shared", moved["shared"]), ("object", moved["object"])]):
-        rows.append([name, str(saves), format_bytes(sent), format_bytes(stored[i]), "yes" if sent == stored[i] else "NO",
-                     f"{raw / sent:.3f}x"])
+        rows.append(
+            [
+                name,
+                str(saves),
+                format_bytes(sent),
+                format_bytes(stored[i]),
+                "yes" if sent == stored[i] else "NO",
+                f"{raw / sent:.3f}x",
+            ]
+        )
     return rows
 
 
@@ -143,10 +152,13 @@ def bench_blocking(state: dict[str, Any], work: Path, moto: Moto, saves: int, ga
     configs = {
         "1 tier (local)": lambda d: [nc.Tier(d / "local", keep=2)],
         "3 tiers, copies due on 2 folders": lambda d: [
-            nc.Tier(d / "local", keep=2), nc.Tier(d / "shared", keep=2), nc.Tier(d / "third", keep=2),
+            nc.Tier(d / "local", keep=2),
+            nc.Tier(d / "shared", keep=2),
+            nc.Tier(d / "third", keep=2),
         ],
         "3 tiers, copies due on folder + S3": lambda d: [
-            nc.Tier(d / "local", keep=2), nc.Tier(d / "shared", keep=2),
+            nc.Tier(d / "local", keep=2),
+            nc.Tier(d / "shared", keep=2),
             nc.Tier(f"s3://{BUCKET}/blocking-{d.name}", keep=2, storage_options=moto.options),
         ],
     }
@@ -164,8 +176,15 @@ def bench_blocking(state: dict[str, Any], work: Path, moto: Moto, saves: int, ga
                 iters += _train_for(gap)
         med = statistics.median(blocked[1:] or blocked)
         base = base or med
-        rows.append([label, f"{med * 1e3:.0f} ms", f"{max(blocked) * 1e3:.0f} ms", f"{(med / base - 1) * 100:+.0f}%",
-                     f"{iters / (saves * gap):.1f}/s"])
+        rows.append(
+            [
+                label,
+                f"{med * 1e3:.0f} ms",
+                f"{max(blocked) * 1e3:.0f} ms",
+                f"{(med / base - 1) * 100:+.0f}%",
+                f"{iters / (saves * gap):.1f}/s",
+            ]
+        )
     return rows
 
 
@@ -188,8 +207,17 @@ def bench_upload(state: dict[str, Any], work: Path, moto: Moto) -> list[list[str
     fs.put(str(plain), f"{BUCKET}/upload/plain.pt")
     t2 = time.perf_counter()
     size = plain.stat().st_size
-    rows.append(["torch.save + s3fs put", format_bytes(size), f"{t1 - t0:.2f} s", f"{t2 - t1:.2f} s", f"{t2 - t0:.2f} s",
-                 f"{size / (t2 - t1) / 1e6:.0f} MB/s", f"{raw / (t2 - t0) / 1e6:.0f} MB/s"])
+    rows.append(
+        [
+            "torch.save + s3fs put",
+            format_bytes(size),
+            f"{t1 - t0:.2f} s",
+            f"{t2 - t1:.2f} s",
+            f"{t2 - t0:.2f} s",
+            f"{size / (t2 - t1) / 1e6:.0f} MB/s",
+            f"{raw / (t2 - t0) / 1e6:.0f} MB/s",
+        ]
+    )
     # nc.save to tier 0, then the tier copy (multipart, checked, committed).
     tiers = [nc.Tier(work / "up-local"), nc.Tier(f"s3://{BUCKET}/upload", storage_options=moto.options)]
     mgr = nc.CheckpointManager(tiers, async_save=False)
@@ -203,8 +231,17 @@ def bench_upload(state: dict[str, Any], work: Path, moto: Moto) -> list[list[str
     copy_unit(src, TierStore(nc.Tier(f"s3://{BUCKET}/upload2", storage_options=moto.options), "object2"), manifest)
     t3 = time.perf_counter()
     size = manifest.stored_bytes
-    rows.append(["nc save + tier copy", format_bytes(size), f"{t1 - t0:.2f} s", f"{t3 - t2:.2f} s", f"{(t1 - t0) + (t3 - t2):.2f} s",
-                 f"{size / (t3 - t2) / 1e6:.0f} MB/s", f"{raw / ((t1 - t0) + (t3 - t2)) / 1e6:.0f} MB/s"])
+    rows.append(
+        [
+            "nc save + tier copy",
+            format_bytes(size),
+            f"{t1 - t0:.2f} s",
+            f"{t3 - t2:.2f} s",
+            f"{(t1 - t0) + (t3 - t2):.2f} s",
+            f"{size / (t3 - t2) / 1e6:.0f} MB/s",
+            f"{raw / ((t1 - t0) + (t3 - t2)) / 1e6:.0f} MB/s",
+        ]
+    )
     return rows
 
 

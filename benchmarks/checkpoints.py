@@ -39,7 +39,9 @@ def _minilm_model() -> torch.nn.Module:
 OnStep = Callable[[int, torch.nn.Module, torch.optim.Optimizer], None]
 
 
-def _finetune_minilm(steps: int = 30, seed: int = 0, on_step: OnStep | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _finetune_minilm(
+    steps: int = 30, seed: int = 0, on_step: OnStep | None = None
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Masked-token fine-tuning on random token batches, the decoder tied to the word embeddings."""
     torch.manual_seed(seed)
     model = _minilm_model()
@@ -84,9 +86,16 @@ def _moe(steps: int = 40, seed: int = 0, on_step: OnStep | None = None) -> dict[
 
     torch.manual_seed(seed)
     cfg = MixtralConfig(
-        vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=256, tie_word_embeddings=False,
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
     )
     model = MixtralForCausalLM(cfg)
     model.train()
@@ -140,7 +149,9 @@ def load_cached(name: str) -> dict[str, Any]:
 PAIR_GAP_STEPS = 40
 
 
-def _pair(train: Callable[..., Any], steps: int, to_state: Callable[[torch.nn.Module, torch.optim.Optimizer], dict[str, Any]]) -> dict[str, Any]:
+def _pair(
+    train: Callable[..., Any], steps: int, to_state: Callable[[torch.nn.Module, torch.optim.Optimizer], dict[str, Any]]
+) -> dict[str, Any]:
     snaps: dict[int, dict[str, Any]] = {}
 
     def on_step(done: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:

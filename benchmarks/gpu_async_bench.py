@@ -62,7 +62,8 @@ def tensors_of(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 def bit_identical(a: Any, b: Any) -> bool:
     ta, tb = tensors_of(a), tensors_of(b)
     return ta.keys() == tb.keys() and all(
-        x.dtype == tb[k].dtype and x.shape == tb[k].shape
+        x.dtype == tb[k].dtype
+        and x.shape == tb[k].shape
         and torch.equal(x.detach().cpu().reshape(-1).view(torch.uint8), tb[k].detach().cpu().reshape(-1).view(torch.uint8))
         for k, x in ta.items()
     )
@@ -126,8 +127,12 @@ def main() -> int:
         handle = saver.save(ckpt, path)
         blocked = time.perf_counter() - t0
         report = handle.result()
-        return {"blocked_s": blocked, "durable_s": time.perf_counter() - t0, "bytes": report.stored_bytes,
-                "snapshot_gpu_bytes": handle.snapshot_gpu_bytes}
+        return {
+            "blocked_s": blocked,
+            "durable_s": time.perf_counter() - t0,
+            "bytes": report.stored_bytes,
+            "snapshot_gpu_bytes": handle.snapshot_gpu_bytes,
+        }
 
     best("torch.save", torch_save)
     best(f"nc.save ({device.type})", nc_save)

@@ -53,7 +53,12 @@ def _tests(out: Path) -> str:
     total = sum(int(s.get("tests", 0)) for s in suites)
     failed = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
     skipped = sum(int(s.get("skipped", 0)) for s in suites)
-    names = [c.get("name", "?") for s in suites for c in s.iter("testcase") if c.find("failure") is not None or c.find("error") is not None]
+    names = [
+        c.get("name", "?")
+        for s in suites
+        for c in s.iter("testcase")
+        if c.find("failure") is not None or c.find("error") is not None
+    ]
     text = f"{total - failed - skipped} passed, {failed} failed, {skipped} skipped"
     return text + (f"; failed: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}" if names else "")
 
@@ -67,7 +72,7 @@ def _fsdp_rows(out: Path) -> list[dict[str, Any]]:
     for line in lines:
         if line.startswith("gpu_fsdp_check: "):
             try:
-                rows.append(json.loads(line[len("gpu_fsdp_check: "):]))
+                rows.append(json.loads(line[len("gpu_fsdp_check: ") :]))
             except ValueError:
                 continue
     return rows
@@ -85,35 +90,59 @@ def build(out: Path) -> str:
     rows.append(("codec benchmark", _step_result(steps, "codec_bench"), "" if bench else "no gpu_codec_bench.json"))
     for r in (bench or {}).get("summary", []):
         check = f", host check {r['host_check_gbps']:.1f} GB/s" if r.get("host_check_gbps") else ""
-        rows.append((
-            f"  {r['device']} {r['codec']} {r['chunk_kib']} KiB chunks",
-            "exact" if r["exact"] else "ROUND TRIP DIFFERS",
-            f"ratio {r['ratio']:.3f}, compress {r['compress_gbps']:.2f} GB/s, decompress {r['decompress_gbps']:.2f} GB/s"
-            f"{check}, {r['host_decoded']} frames to libzstd",
-        ))
+        rows.append(
+            (
+                f"  {r['device']} {r['codec']} {r['chunk_kib']} KiB chunks",
+                "exact" if r["exact"] else "ROUND TRIP DIFFERS",
+                f"ratio {r['ratio']:.3f}, compress {r['compress_gbps']:.2f} GB/s, decompress {r['decompress_gbps']:.2f} GB/s"
+                f"{check}, {r['host_decoded']} frames to libzstd",
+            )
+        )
     if bench is not None:
         chosen = bench.get("gpu_zstd_chunk_kib")
-        rows.append(("  measured GPU zstd chunk", f"{chosen} KiB" if chosen else "none (no exact GPU zstd row)",
-                     "fastest with a ratio within 1% of the best: gpu_chunk_bytes in codecs/registry.py"))
+        rows.append(
+            (
+                "  measured GPU zstd chunk",
+                f"{chosen} KiB" if chosen else "none (no exact GPU zstd row)",
+                "fastest with a ratio within 1% of the best: gpu_chunk_bytes in codecs/registry.py",
+            )
+        )
         if bench.get("skipped"):
             rows.append(("  not measured", f"{len(bench['skipped'])} runs", ", ".join(bench["skipped"][:6])))
 
     save = _load(out / "gpu_async_bench.json")
-    rows.append(("trained checkpoint saves", _step_result(steps, "save_bench"),
-                 f"{save['raw_bytes'] / 2**20:.0f} MiB on {save['device']}" if save else "no gpu_async_bench.json"))
+    rows.append(
+        (
+            "trained checkpoint saves",
+            _step_result(steps, "save_bench"),
+            f"{save['raw_bytes'] / 2**20:.0f} MiB on {save['device']}" if save else "no gpu_async_bench.json",
+        )
+    )
     for name, r in (save or {}).get("results", {}).items():
-        rows.append((f"  {name}", f"blocked {r['blocked_s']:.3f} s", f"durable {r['durable_s']:.3f} s, ratio {save['raw_bytes'] / r['bytes']:.3f}x"))
+        rows.append(
+            (
+                f"  {name}",
+                f"blocked {r['blocked_s']:.3f} s",
+                f"durable {r['durable_s']:.3f} s, ratio {save['raw_bytes'] / r['bytes']:.3f}x",
+            )
+        )
     reloads = (save or {}).get("reloads", {})
     if reloads:
         bad = [k for k, ok in reloads.items() if not ok]
-        rows.append(("  reloads bit-identical", f"{len(reloads) - len(bad)} of {len(reloads)}", ", ".join(bad) or ", ".join(reloads)))
+        rows.append(
+            ("  reloads bit-identical", f"{len(reloads) - len(bad)} of {len(reloads)}", ", ".join(bad) or ", ".join(reloads))
+        )
     fsdp = _fsdp_rows(out)
     rows.append(("framework wheels from .whl-fw/", _step_result(steps, "install_frameworks"), ""))
-    rows.append(("sharded checkpoints (FSDP)", _step_result(steps, "fsdp"), f"{len(fsdp)} cases reported" if fsdp else "no case reported"))
+    rows.append(
+        ("sharded checkpoints (FSDP)", _step_result(steps, "fsdp"), f"{len(fsdp)} cases reported" if fsdp else "no case reported")
+    )
     for r in fsdp:
         outcome = {True: "ok", False: "FAILED", None: "not run"}[r.get("ok")]
         seconds = f", {r['seconds']:.0f} s" if r.get("seconds") else ""
-        rows.append((f"  {r.get('case')}", outcome + seconds, str(r.get("detail", "")).replace("|", "/").replace("\n", " ")[:400]))
+        rows.append(
+            (f"  {r.get('case')}", outcome + seconds, str(r.get("detail", "")).replace("|", "/").replace("\n", " ")[:400])
+        )
     total = sum(s for _, s, _ in steps.values())
     limits = sum(limit for _, _, limit in steps.values())
     rows.append(("all steps", f"{total:.0f} s", f"their limits add up to {limits} s, and 4 s for this table"))

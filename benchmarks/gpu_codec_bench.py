@@ -167,12 +167,22 @@ def bench_gpu(codec_id: str, chunk_bytes: int, name: str, tensor: torch.Tensor, 
     if codec_id == "zstd":
         todo = [i for i in range(len(frames)) if frames[i].numel() < sizes[i]]
         limit = codec_facts("zstd").gpu_decode_max_bytes
-        check_s, _ = _timed(lambda: gpu_codecs.zstd_frames_for_host([host[i] for i in todo], [sizes[i] for i in todo], limit), None)
+        check_s, _ = _timed(
+            lambda: gpu_codecs.zstd_frames_for_host([host[i] for i in todo], [sizes[i] for i in todo], limit), None
+        )
     return Row(
-        device="cuda", codec=codec_id, chunk_kib=item.chunk_bytes // KIB, component=name, raw_bytes=item.nbytes,
-        stored_bytes=sum(min(f.numel(), s) for f, s in zip(frames, sizes, strict=True)), frames=len(frames),
-        compress_s=statistics.median(enc), decompress_s=statistics.median(dec), host_check_s=check_s,
-        host_decoded=host_decoded, exact=bool(torch.equal(restored, flat)),
+        device="cuda",
+        codec=codec_id,
+        chunk_kib=item.chunk_bytes // KIB,
+        component=name,
+        raw_bytes=item.nbytes,
+        stored_bytes=sum(min(f.numel(), s) for f, s in zip(frames, sizes, strict=True)),
+        frames=len(frames),
+        compress_s=statistics.median(enc),
+        decompress_s=statistics.median(dec),
+        host_check_s=check_s,
+        host_decoded=host_decoded,
+        exact=bool(torch.equal(restored, flat)),
     )
 
 
@@ -189,9 +199,17 @@ def bench_cpu(chunk_bytes: int, name: str, tensor: torch.Tensor, sample_bytes: i
     limit = codec_facts("zstd").gpu_decode_max_bytes
     check_s, routed = _timed(lambda: gpu_codecs.zstd_frames_for_host(frames, [len(p) for p in pieces], limit), None)
     return Row(
-        device="cpu x1", codec="zstd", chunk_kib=chunk_bytes // KIB, component=name, raw_bytes=len(sample),
-        stored_bytes=sum(min(len(f), len(p)) for f, p in zip(frames, pieces, strict=True)), frames=len(frames),
-        compress_s=enc_s, decompress_s=dec_s, host_check_s=check_s, host_decoded=len(routed),
+        device="cpu x1",
+        codec="zstd",
+        chunk_kib=chunk_bytes // KIB,
+        component=name,
+        raw_bytes=len(sample),
+        stored_bytes=sum(min(len(f), len(p)) for f, p in zip(frames, pieces, strict=True)),
+        frames=len(frames),
+        compress_s=enc_s,
+        decompress_s=dec_s,
+        host_check_s=check_s,
+        host_decoded=len(routed),
         exact=[bytes(r) for r in restored] == pieces,
     )
 
@@ -202,11 +220,20 @@ def summarize(rows: list[Row]) -> list[Row]:
     for r in rows:
         groups.setdefault((r.device, r.codec, r.chunk_kib), []).append(r)
     return [
-        Row(device=d, codec=c, chunk_kib=k, component="all", raw_bytes=sum(r.raw_bytes for r in g),
-            stored_bytes=sum(r.stored_bytes for r in g), frames=sum(r.frames for r in g),
-            compress_s=sum(r.compress_s for r in g), decompress_s=sum(r.decompress_s for r in g),
-            host_check_s=sum(r.host_check_s for r in g), host_decoded=sum(r.host_decoded for r in g),
-            exact=all(r.exact for r in g))
+        Row(
+            device=d,
+            codec=c,
+            chunk_kib=k,
+            component="all",
+            raw_bytes=sum(r.raw_bytes for r in g),
+            stored_bytes=sum(r.stored_bytes for r in g),
+            frames=sum(r.frames for r in g),
+            compress_s=sum(r.compress_s for r in g),
+            decompress_s=sum(r.decompress_s for r in g),
+            host_check_s=sum(r.host_check_s for r in g),
+            host_decoded=sum(r.host_decoded for r in g),
+            exact=all(r.exact for r in g),
+        )
         for (d, c, k), g in groups.items()
     ]
 
@@ -257,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     if reason is None:
         from nvidia import nvcomp
 
-        print(f"gpu_codec_bench: {torch.cuda.get_device_name(device)}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-              f"nvCOMP {nvcomp.__version__}; {args.size_mib} MiB per component, median of {args.repeats}", flush=True)
+        print(
+            f"gpu_codec_bench: {torch.cuda.get_device_name(device)}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+            f"nvCOMP {nvcomp.__version__}; {args.size_mib} MiB per component, median of {args.repeats}",
+            flush=True,
+        )
     else:
         print(f"gpu_codec_bench: GPU rows not run ({reason}); CPU rows only", flush=True)
     components = make_components(args.size_mib * MIB, device, args.seed)
@@ -267,9 +297,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def record(row: Row) -> None:
         rows.append(row)
-        print(f"  {row.device} {row.codec} {row.chunk_kib} KiB {row.component}: ratio {row.ratio:.3f}, "
-              f"{row.gbps(row.compress_s):.2f} / {row.gbps(row.decompress_s):.2f} GB/s"
-              f"{'' if row.exact else ', ROUND TRIP DIFFERS'}", flush=True)
+        print(
+            f"  {row.device} {row.codec} {row.chunk_kib} KiB {row.component}: ratio {row.ratio:.3f}, "
+            f"{row.gbps(row.compress_s):.2f} / {row.gbps(row.decompress_s):.2f} GB/s"
+            f"{'' if row.exact else ', ROUND TRIP DIFFERS'}",
+            flush=True,
+        )
         if args.json:  # after every row: a run stopped by its timeout keeps what it measured
             write_json(args.json, rows, skipped)
 
@@ -294,8 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(summary))
     choice = choose_gpu_chunk(summary)
     if choice is not None:
-        print(f"\nmeasured GPU zstd chunk: {choice.chunk_kib} KiB (fastest with a ratio within 1% of the best); "
-              f"the writer's is {chunks[0] // KIB} KiB")
+        print(
+            f"\nmeasured GPU zstd chunk: {choice.chunk_kib} KiB (fastest with a ratio within 1% of the best); "
+            f"the writer's is {chunks[0] // KIB} KiB"
+        )
     if skipped:
         print(f"not measured (failed or over the {args.budget_s:.0f} s budget): {', '.join(skipped)}")
     print(f"total {time.perf_counter() - started:.0f} s")
@@ -309,13 +344,25 @@ def write_json(path: Path, rows: list[Row], skipped: list[str]) -> None:
     choice = choose_gpu_chunk(summary)
 
     def plain(r: Row) -> dict[str, object]:
-        return {**asdict(r), "ratio": r.ratio, "compress_gbps": r.gbps(r.compress_s), "decompress_gbps": r.gbps(r.decompress_s),
-                "host_check_gbps": r.gbps(r.host_check_s) if r.host_check_s else None}
+        return {
+            **asdict(r),
+            "ratio": r.ratio,
+            "compress_gbps": r.gbps(r.compress_s),
+            "decompress_gbps": r.gbps(r.decompress_s),
+            "host_check_gbps": r.gbps(r.host_check_s) if r.host_check_s else None,
+        }
 
-    path.write_text(json.dumps({
-        "rows": [plain(r) for r in rows], "summary": [plain(r) for r in summary], "skipped": skipped,
-        "gpu_zstd_chunk_kib": choice.chunk_kib if choice else None,
-    }, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "rows": [plain(r) for r in rows],
+                "summary": [plain(r) for r in summary],
+                "skipped": skipped,
+                "gpu_zstd_chunk_kib": choice.chunk_kib if choice else None,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -44,13 +44,20 @@ def _world_of_one() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
     )
 
 
 def _model(seed: int, width: int = 256) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 4)
+    )
 
 
 def _as_lists(tree: Any) -> Any:
@@ -130,7 +137,9 @@ def phase_dcp_cuda_shards(work: Path, device: str, phase: str) -> None:
     staged: dict[str, tuple[float, float]] = {}
     for staging in ("host", "device"):
         start = time.perf_counter()
-        pending = dcp.async_save({"model": msd, "optim": osd}, storage_writer=NvcompWriter(work / f"async_{staging}", staging=staging))
+        pending = dcp.async_save(
+            {"model": msd, "optim": osd}, storage_writer=NvcompWriter(work / f"async_{staging}", staging=staging)
+        )
         blocked = time.perf_counter() - start
         if staging == "device":
             with torch.no_grad():
@@ -154,7 +163,9 @@ def phase_dcp_cuda_shards(work: Path, device: str, phase: str) -> None:
     diff = next((d for d in diffs if d is not None), None)
     leaves = torch.utils._pytree.tree_leaves({"model": msd, "optim": osd})
     raw = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-    torch.save({"diff": diff, "devices": devices, "raw": raw, "seconds": seconds, "staged": staged, "placed": placed}, work / "result.pt")
+    torch.save(
+        {"diff": diff, "devices": devices, "raw": raw, "seconds": seconds, "staged": staged, "placed": placed}, work / "result.pt"
+    )
 
 
 def case_dcp_cuda_shards(work: Path, device: str, run: Callable[[str], None]) -> tuple[bool, str]:
@@ -265,9 +276,18 @@ def phase_trainer(work: Path, device: str, phase: str) -> None:
     tokens = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(3))
     data = [{"input_ids": t, "labels": t} for t in tokens]
     args = TrainingArguments(
-        output_dir=str(work / "out"), max_steps=4, save_steps=2, per_device_train_batch_size=4, logging_steps=1,
-        report_to=[], seed=0, data_seed=0, disable_tqdm=True, save_total_limit=None,
-        fsdp="full_shard", fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT", "transformer_layer_cls_to_wrap": ["GPT2Block"]},
+        output_dir=str(work / "out"),
+        max_steps=4,
+        save_steps=2,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+        save_total_limit=None,
+        fsdp="full_shard",
+        fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT", "transformer_layer_cls_to_wrap": ["GPT2Block"]},
     )
     trainer = NvcompTrainer(model=model, args=args, train_dataset=data, callbacks=[NvcompTrainerCallback()])
     if not trainer.is_fsdp_enabled:
@@ -316,8 +336,14 @@ def phase_lightning(work: Path, device: str, phase: str) -> None:
 
     model = Net()
     trainer = L.Trainer(
-        accelerator="cuda", devices=1, strategy=NvcompFSDPStrategy(state_dict_type="sharded"), max_epochs=2,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cuda",
+        devices=1,
+        strategy=NvcompFSDPStrategy(state_dict_type="sharded"),
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         callbacks=[ModelCheckpoint(dirpath=str(work / phase), save_top_k=-1, every_n_epochs=1)],
     )
     first = work / "save" / "epoch=0-step=3.ckpt"
@@ -383,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
             _report({"case": name, "ok": None, "seconds": 0.0, "detail": f"not run in the dry run: {_WHY_CUDA[name]}"})
             continue
         if time.perf_counter() - started > args.budget_s:
-            _report({"case": name, "ok": False, "seconds": 0.0, "detail": f"not started: the {args.budget_s:.0f} s budget is spent"})
+            _report(
+                {"case": name, "ok": False, "seconds": 0.0, "detail": f"not started: the {args.budget_s:.0f} s budget is spent"}
+            )
             failed += 1
             continue
         t0 = time.perf_counter()

@@ -59,7 +59,9 @@ def setup(project_dir: str) -> tuple[Accelerator, torch.nn.Module, torch.optim.O
     return accelerator, model, optimizer, scheduler, counter
 
 
-def train(accelerator: Accelerator, model: torch.nn.Module, optimizer, scheduler, counter: StepCounter, steps: int) -> list[float]:
+def train(
+    accelerator: Accelerator, model: torch.nn.Module, optimizer, scheduler, counter: StepCounter, steps: int
+) -> list[float]:
     losses = []
     model.train()
     for _ in range(steps):
@@ -104,13 +106,15 @@ def main() -> None:
     print(f"last checkpoint: {saved}  ({', '.join(sorted(os.listdir(saved)))})")
     print(report.table())
     print()
-    print(format_table(
-        ["save_state", "model + optimizer files", "smaller by"],
-        [
-            ["plain Accelerate", format_bytes(plain), "1.000x"],
-            ["with register_nvcomp_hooks", format_bytes(report.stored_bytes), f"{plain / report.stored_bytes:.3f}x"],
-        ],
-    ))
+    print(
+        format_table(
+            ["save_state", "model + optimizer files", "smaller by"],
+            [
+                ["plain Accelerate", format_bytes(plain), "1.000x"],
+                ["with register_nvcomp_hooks", format_bytes(report.stored_bytes), f"{plain / report.stored_bytes:.3f}x"],
+            ],
+        )
+    )
 
     # Resume into fresh objects from the newest checkpoint, as a restarted job would.
     expected = train(accelerator, model, optimizer, scheduler, counter, 5)

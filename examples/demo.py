@@ -70,7 +70,9 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     model = TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    print(f"training a {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M-parameter model for {args.steps} steps; checkpoints in {out}")
+    print(
+        f"training a {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M-parameter model for {args.steps} steps; checkpoints in {out}"
+    )
     last = None
     for start in range(0, args.steps, args.every):
         train(model, opt, range(start, start + args.every))

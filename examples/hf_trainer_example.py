@@ -35,9 +35,16 @@ def make_trainer(output_dir: str, max_steps: int) -> tuple[Trainer, NvcompTraine
     # Built from a config: nothing is downloaded.
     model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=1024, n_positions=64))
     args = TrainingArguments(
-        output_dir=output_dir, max_steps=max_steps, save_steps=10, save_total_limit=2,
-        per_device_train_batch_size=8, learning_rate=1e-3, logging_steps=10,
-        report_to=[], use_cpu=True, disable_tqdm=True,
+        output_dir=output_dir,
+        max_steps=max_steps,
+        save_steps=10,
+        save_total_limit=2,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        logging_steps=10,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
     )
     # Compresses optimizer.pt of every checkpoint-N and loads it back when a run resumes; the
     # weights stay as the Trainer wrote them (NvcompTrainer compresses those too).
@@ -64,8 +71,10 @@ def main() -> None:
         # A later run (a fresh process in real life) continues from the newest compressed checkpoint.
         resumed, _ = make_trainer(out, max_steps=30)
         resumed.train(resume_from_checkpoint=True)
-        print(f"\nresumed from step 20 and trained to step {resumed.state.global_step}; kept:",
-              ", ".join(sorted(p.name for p in Path(out).glob("checkpoint-*"))))
+        print(
+            f"\nresumed from step 20 and trained to step {resumed.state.global_step}; kept:",
+            ", ".join(sorted(p.name for p in Path(out).glob("checkpoint-*"))),
+        )
 
 
 if __name__ == "__main__":

@@ -19,11 +19,11 @@ import time
 import warnings
 from typing import Any
 
-import torch
-
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+
 from nvcomp_checkpoint import SaveReport
 from nvcomp_checkpoint.lightning import NvcompCheckpointIO, NvcompCheckpointMetrics
 from nvcomp_checkpoint.report import format_bytes, format_table
@@ -63,12 +63,19 @@ def run(out: str, async_save: bool, steps: int, every: int) -> dict[str, Any]:
     # max_pending=2: the top-k file and last.ckpt of one step are both in flight without waiting
     # for each other (two snapshots in host memory at most).
     plugin = NvcompCheckpointIO(async_save=async_save, max_pending=2, on_saved=durable.append)
-    ckpt = ModelCheckpoint(dirpath=out, filename="{step}", monitor="step", mode="max", save_top_k=1,
-                           every_n_train_steps=every, save_last=True)
+    ckpt = ModelCheckpoint(
+        dirpath=out, filename="{step}", monitor="step", mode="max", save_top_k=1, every_n_train_steps=every, save_last=True
+    )
     trainer = pl.Trainer(
-        default_root_dir=out, max_steps=steps, accelerator="cpu", enable_progress_bar=False,
-        enable_model_summary=False, plugins=[plugin], callbacks=[ckpt, NvcompCheckpointMetrics()],
-        logger=CSVLogger(out, name="logs", version=0), log_every_n_steps=every,
+        default_root_dir=out,
+        max_steps=steps,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[plugin],
+        callbacks=[ckpt, NvcompCheckpointMetrics()],
+        logger=CSVLogger(out, name="logs", version=0),
+        log_every_n_steps=every,
     )
     pl.seed_everything(0, verbose=False)
     start = time.perf_counter()
@@ -101,25 +108,42 @@ def main() -> None:
     for mode in ("sync", "async"):
         results[mode] = run(os.path.join(base, mode), mode == "async", args.steps, args.every)
     r = results["async"]
-    print(f"{args.steps} steps, a checkpoint every {args.every} (top-1 + last.ckpt): {r['saves']} saves of "
-          f"{format_bytes(r['raw'])} -> {format_bytes(r['stored'])} ({r['raw'] / r['stored']:.3f}x); runs in {base}")
-    print(format_table(
-        ["saves", "fit wall time", "training blocked by saves", "save time until durable", "files left"],
-        [[mode, f"{x['wall']:.2f} s", f"{x['blocked']:.2f} s", f"{x['seconds']:.2f} s", " ".join(x["files"])]
-         for mode, x in results.items()],
-    ))
+    print(
+        f"{args.steps} steps, a checkpoint every {args.every} (top-1 + last.ckpt): {r['saves']} saves of "
+        f"{format_bytes(r['raw'])} -> {format_bytes(r['stored'])} ({r['raw'] / r['stored']:.3f}x); runs in {base}"
+    )
+    print(
+        format_table(
+            ["saves", "fit wall time", "training blocked by saves", "save time until durable", "files left"],
+            [
+                [mode, f"{x['wall']:.2f} s", f"{x['blocked']:.2f} s", f"{x['seconds']:.2f} s", " ".join(x["files"])]
+                for mode, x in results.items()
+            ],
+        )
+    )
 
     # What NvcompCheckpointMetrics sent to the Trainer's logger (here a CSVLogger).
     with open(r["csv"], newline="") as f:
         rows = [row for row in csv.DictReader(f) if row.get("nvckpt/ratio")]
     print(f"\n{r['csv']} (async run, one row per save):")
-    print(format_table(
-        ["step", "ratio", "weights", "exp_avg", "exp_avg_sq", "blocked s", "total s", "MB/s"],
-        [[row["step"], f"{float(row['nvckpt/ratio']):.3f}x", f"{float(row['nvckpt/ratio/weights']):.3f}x",
-          f"{float(row['nvckpt/ratio/exp_avg']):.3f}x", f"{float(row['nvckpt/ratio/exp_avg_sq']):.3f}x",
-          f"{float(row['nvckpt/seconds_blocked']):.3f}", f"{float(row['nvckpt/seconds']):.3f}",
-          f"{float(row['nvckpt/throughput_mb_s']):.0f}"] for row in rows],
-    ))
+    print(
+        format_table(
+            ["step", "ratio", "weights", "exp_avg", "exp_avg_sq", "blocked s", "total s", "MB/s"],
+            [
+                [
+                    row["step"],
+                    f"{float(row['nvckpt/ratio']):.3f}x",
+                    f"{float(row['nvckpt/ratio/weights']):.3f}x",
+                    f"{float(row['nvckpt/ratio/exp_avg']):.3f}x",
+                    f"{float(row['nvckpt/ratio/exp_avg_sq']):.3f}x",
+                    f"{float(row['nvckpt/seconds_blocked']):.3f}",
+                    f"{float(row['nvckpt/seconds']):.3f}",
+                    f"{float(row['nvckpt/throughput_mb_s']):.0f}",
+                ]
+                for row in rows
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ import os
 import tempfile
 import warnings
 
-import torch
-
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+
 from nvcomp_checkpoint import CodecPolicy
 from nvcomp_checkpoint.lightning import NvcompCheckpointIO, load_from_checkpoint
 from nvcomp_checkpoint.report import format_bytes, format_table
@@ -55,9 +55,16 @@ def data(batches: int = 8) -> torch.utils.data.DataLoader:
 
 def trainer(out: str, epochs: int, plugin: NvcompCheckpointIO) -> pl.Trainer:
     return pl.Trainer(
-        default_root_dir=out, max_epochs=epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
-        enable_model_summary=False, plugins=[plugin],
-        callbacks=[ModelCheckpoint(dirpath=out, filename="{epoch}-{step}", save_top_k=2, monitor="step", mode="max", save_last=True)],
+        default_root_dir=out,
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[plugin],
+        callbacks=[
+            ModelCheckpoint(dirpath=out, filename="{epoch}-{step}", save_top_k=2, monitor="step", mode="max", save_last=True)
+        ],
     )
 
 
@@ -76,7 +83,9 @@ def main() -> None:
     plugin = NvcompCheckpointIO(policy=CodecPolicy(exp_avg_sq={"codec": "zstd", "level": 3}))
     pl.seed_everything(0, verbose=False)
     model = TinyLM()
-    print(f"training a {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M-parameter model for {args.epochs} epochs; checkpoints in {out}")
+    print(
+        f"training a {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M-parameter model for {args.epochs} epochs; checkpoints in {out}"
+    )
     trainer(out, args.epochs, plugin).fit(model, data())
     last = os.path.join(out, "last.ckpt")
 
@@ -89,10 +98,15 @@ def main() -> None:
     TorchCheckpointIO().save_checkpoint(checkpoint, plain)
     ours, theirs = os.path.getsize(last), os.path.getsize(plain)
     print()
-    print(format_table(["writer", "file size", "smaller by"], [
-        ["TorchCheckpointIO", format_bytes(theirs), "1.000x"],
-        ["NvcompCheckpointIO", format_bytes(ours), f"{theirs / ours:.3f}x"],
-    ]))
+    print(
+        format_table(
+            ["writer", "file size", "smaller by"],
+            [
+                ["TorchCheckpointIO", format_bytes(theirs), "1.000x"],
+                ["NvcompCheckpointIO", format_bytes(ours), f"{theirs / ours:.3f}x"],
+            ],
+        )
+    )
 
     # Resume in a new Trainer from the compressed file (old plain .ckpt files load too).
     resumed = TinyLM()
@@ -104,8 +118,10 @@ def main() -> None:
     # first. last.ckpt now holds the end of the resumed run.
     restored = load_from_checkpoint(TinyLM, last)
     same = all(torch.equal(a, b) for a, b in zip(restored.state_dict().values(), resumed.state_dict().values()))
-    print(f"load_from_checkpoint({os.path.basename(last)}): hparams {dict(restored.hparams)}, weights "
-          f"{'identical' if same else 'DIFFERENT'} to the resumed model")
+    print(
+        f"load_from_checkpoint({os.path.basename(last)}): hparams {dict(restored.hparams)}, weights "
+        f"{'identical' if same else 'DIFFERENT'} to the resumed model"
+    )
     if not same:
         raise SystemExit("load_from_checkpoint mismatch")
 

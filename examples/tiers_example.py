@@ -29,11 +29,16 @@ def check_packages() -> None:
     """Fail at once, naming what to install, instead of waiting on an endpoint that never starts."""
     import importlib.util
 
-    missing = [pip for module, pip in (("moto", "moto[server]"), ("s3fs", "s3fs"), ("boto3", "boto3"))
-               if importlib.util.find_spec(module) is None]
+    missing = [
+        pip
+        for module, pip in (("moto", "moto[server]"), ("s3fs", "s3fs"), ("boto3", "boto3"))
+        if importlib.util.find_spec(module) is None
+    ]
     if missing:
-        sys.exit(f"tiers_example.py needs {', '.join(missing)}: pip install {' '.join(repr(m) for m in missing)} "
-                 "(or the test extra: pip install -e '.[test]')")
+        sys.exit(
+            f"tiers_example.py needs {', '.join(missing)}: pip install {' '.join(repr(m) for m in missing)} "
+            "(or the test extra: pip install -e '.[test]')"
+        )
 
 
 def start_moto() -> tuple[subprocess.Popen[bytes], str]:
@@ -43,8 +48,11 @@ def start_moto() -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
@@ -54,9 +62,11 @@ def start_moto() -> tuple[subprocess.Popen[bytes], str]:
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                sys.exit(f"moto's S3 server did not answer at {endpoint} within 30 s "
-                         f"({'it exited with code ' + str(proc.returncode) if proc.poll() is not None else 'still starting'}); "
-                         f"try `{sys.executable} -m moto.server -H 127.0.0.1 -p {port}` to see why")
+                sys.exit(
+                    f"moto's S3 server did not answer at {endpoint} within 30 s "
+                    f"({'it exited with code ' + str(proc.returncode) if proc.poll() is not None else 'still starting'}); "
+                    f"try `{sys.executable} -m moto.server -H 127.0.0.1 -p {port}` to see why"
+                )
             time.sleep(0.1)
     import boto3
 

@@ -124,8 +124,12 @@ def start_moto_server(env: dict[str, str], log: Path, port: int = 0) -> tuple[su
     answered by that process instead.
     """
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=out, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=out,
+            env=env,
+        )
     deadline = time.monotonic() + 60
     while (found := re.search(rb"Running on http://127\.0\.0\.1:(\d+)", log.read_bytes())) is None:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -140,7 +144,11 @@ def run_python(*args: str, cwd: Path, timeout: float = 300, **env: str) -> None:
     """Run ``python ARGS`` in a fresh process (a training script, ``-m torch.distributed.run ...``);
     fail with the tail of its output unless it exits 0. ``env``: extra environment variables."""
     proc = subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=dict(os.environ, PYTHONWARNINGS="ignore", **env),
-        capture_output=True, text=True, timeout=timeout,
+        [sys.executable, *args],
+        cwd=cwd,
+        env=dict(os.environ, PYTHONWARNINGS="ignore", **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -70,7 +70,9 @@ def make_engine(stage: int, bf16: bool = False, **model_kwargs: int) -> deepspee
     model = TinyGPT(**model_kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     config = {
-        "train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+        "train_micro_batch_size_per_gpu": BATCH,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": bf16},
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -182,7 +184,11 @@ def main() -> None:
             resumed = make_engine(stage, bf16)
             attach(resumed)
             resumed.load_checkpoint(folder)
-            results[os.path.basename(folder)] = {"ref": ref, "resumed": train(resumed, 2), "files": sorted(os.listdir(os.path.join(folder, "a")))}
+            results[os.path.basename(folder)] = {
+                "ref": ref,
+                "resumed": train(resumed, 2),
+                "files": sorted(os.listdir(os.path.join(folder, "a"))),
+            }
         if rank == 0:
             with open(os.path.join(root, "matrix.json"), "w") as f:
                 json.dump(results, f)

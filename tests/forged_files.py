@@ -19,8 +19,23 @@ from nvcomp_checkpoint.format.layout import FOOTER, MAGIC, Frame, Index, pack_fo
 from nvcomp_checkpoint.format.skeleton import TensorRef
 
 __all__ = [
-    "pickle2", "archive", "with_object_tree", "int_op", "ref", "ref_with", "global_op", "str_op", "put", "get", "laughs",
-    "deep_list", "deep_tuple_key", "codec_chain", "device_copy_of_a_view", "torch_saved", "FORGED_TREES",
+    "pickle2",
+    "archive",
+    "with_object_tree",
+    "int_op",
+    "ref",
+    "ref_with",
+    "global_op",
+    "str_op",
+    "put",
+    "get",
+    "laughs",
+    "deep_list",
+    "deep_tuple_key",
+    "codec_chain",
+    "device_copy_of_a_view",
+    "torch_saved",
+    "FORGED_TREES",
 ]
 
 PROTO2 = b"\x80\x02"
@@ -100,14 +115,38 @@ def device_copy_of_a_view() -> bytes:
     8 GiB; the reader refuses the global before the storage is needed.
     """
     view = (
-        global_op("torch._utils", "_rebuild_tensor_v2") + MARK
-        + MARK + str_op("storage") + global_op("torch", "FloatStorage") + str_op("0") + str_op("cpu") + int_op(1) + TUPLE + b"Q"
-        + int_op(0) + b"J" + struct.pack("<i", 1 << 30) + TUPLE1 + int_op(0) + TUPLE1 + b"\x89"
-        + global_op("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE + TUPLE + REDUCE
+        global_op("torch._utils", "_rebuild_tensor_v2")
+        + MARK
+        + MARK
+        + str_op("storage")
+        + global_op("torch", "FloatStorage")
+        + str_op("0")
+        + str_op("cpu")
+        + int_op(1)
+        + TUPLE
+        + b"Q"
+        + int_op(0)
+        + b"J"
+        + struct.pack("<i", 1 << 30)
+        + TUPLE1
+        + int_op(0)
+        + TUPLE1
+        + b"\x89"
+        + global_op("collections", "OrderedDict")
+        + EMPTY_TUPLE
+        + REDUCE
+        + TUPLE
+        + REDUCE
     )
     return pickle2(
-        global_op("torch._utils", "_rebuild_device_tensor_from_cpu_tensor") + MARK + view
-        + global_op("torch", "float64") + str_op("cpu") + b"\x89" + TUPLE + REDUCE
+        global_op("torch._utils", "_rebuild_device_tensor_from_cpu_tensor")
+        + MARK
+        + view
+        + global_op("torch", "float64")
+        + str_op("cpu")
+        + b"\x89"
+        + TUPLE
+        + REDUCE
     )
 
 
@@ -122,8 +161,17 @@ def tensor_constructor(name: str = "FloatTensor", size: int = 1 << 30) -> bytes:
     """``{"w": TensorRef(0), "big": torch.<name>(size)}``: a tensor class the weights-only rules
     allow, called with a size (an uninitialized allocation; no storage record)."""
     return pickle2(
-        EMPTY_DICT + MARK + str_op("w") + ref(0) + str_op("big")
-        + global_op("torch", name) + b"J" + struct.pack("<i", size) + TUPLE1 + REDUCE + SETITEMS
+        EMPTY_DICT
+        + MARK
+        + str_op("w")
+        + ref(0)
+        + str_op("big")
+        + global_op("torch", name)
+        + b"J"
+        + struct.pack("<i", size)
+        + TUPLE1
+        + REDUCE
+        + SETITEMS
     )
 
 
@@ -165,14 +213,30 @@ FORGED_TREES: dict[str, tuple[bytes, str, str]] = {
     "shared_subtrees": (archive(laughs()), "FormatError", "reaches one list twice"),
     "deep_list": (archive(deep_list()), "FormatError", "nests containers more than"),
     "deep_tuple_key": (archive(deep_tuple_key()), "FormatError", "nests containers more than"),
-    "list_holds_itself": (archive(pickle2(EMPTY_LIST + put(0) + get(0) + APPEND + ref(0) + APPEND)), "FormatError", "reaches one list twice"),
+    "list_holds_itself": (
+        archive(pickle2(EMPTY_LIST + put(0) + get(0) + APPEND + ref(0) + APPEND)),
+        "FormatError",
+        "reaches one list twice",
+    ),
     "ref_of_list": (archive(pickle2(ref_with(EMPTY_LIST + TUPLE1))), "FormatError", "refers to tensor []"),
     "ref_of_str": (archive(pickle2(ref_with(str_op("0") + TUPLE1))), "FormatError", "refers to tensor '0'"),
     "ref_of_bool": (archive(pickle2(ref_with(NEWTRUE + TUPLE1))), "FormatError", "refers to tensor True"),
-    "ref_of_none": (archive(pickle2(EMPTY_DICT + str_op("w") + ref_with(NONE + TUPLE1) + SETITEM)), "FormatError", "refers to tensor None at 'w'"),
+    "ref_of_none": (
+        archive(pickle2(EMPTY_DICT + str_op("w") + ref_with(NONE + TUPLE1) + SETITEM)),
+        "FormatError",
+        "refers to tensor None at 'w'",
+    ),
     "ref_negative": (archive(pickle2(ref(-1))), "FormatError", "refers to tensor -1"),
-    "ref_past_the_index": (archive(pickle2(EMPTY_LIST + ref(0) + APPEND + EMPTY_LIST + ref(7) + APPEND + APPEND)), "FormatError", "refers to tensor 7 at '1/0'; the index holds 1"),
-    "bytearray_of_a_size": (archive(pickle2(global_op("builtins", "bytearray") + int_op(1 << 30) + TUPLE1 + REDUCE)), "FormatError", "bytearray from a size"),
+    "ref_past_the_index": (
+        archive(pickle2(EMPTY_LIST + ref(0) + APPEND + EMPTY_LIST + ref(7) + APPEND + APPEND)),
+        "FormatError",
+        "refers to tensor 7 at '1/0'; the index holds 1",
+    ),
+    "bytearray_of_a_size": (
+        archive(pickle2(global_op("builtins", "bytearray") + int_op(1 << 30) + TUPLE1 + REDUCE)),
+        "FormatError",
+        "bytearray from a size",
+    ),
     "codec_chain": (archive(codec_chain()), "FormatError", "encodes something other than a string literal"),
     "device_copy_of_a_view": (archive(device_copy_of_a_view()), "FormatError", "_rebuild_device_tensor_from_cpu_tensor"),
     "not_a_pickle": (b"this object tree is no pickle at all " * 4, "FormatError", "not a torch.save archive"),
@@ -182,13 +246,33 @@ FORGED_TREES: dict[str, tuple[bytes, str, str]] = {
     # view of 2**40 elements saved by torch.save itself is 4 bytes of storage; loaded, it is a
     # tree a re-save turns into 4 TiB.
     "stride0_view": (
-        torch_saved({"w": TensorRef(0), "opt": [{"big": torch.zeros(1).expand(1 << 40)}]}), "FormatError", "tensor data at 'opt/0/big'",
+        torch_saved({"w": TensorRef(0), "opt": [{"big": torch.zeros(1).expand(1 << 40)}]}),
+        "FormatError",
+        "tensor data at 'opt/0/big'",
     ),
-    "storage_in_tree": (torch_saved({"w": TensorRef(0), "s": torch.zeros(4).untyped_storage()}), "FormatError", "tensor data at 's'"),
-    "tensor_in_a_set": (torch_saved({"w": TensorRef(0), "s": {torch.zeros(1).expand(1 << 30)}}), "FormatError", "tensor data at 's'"),
-    "tensor_class_called_with_a_size": (archive(tensor_constructor()), "FormatError", "tensor data at 'big' (its pickle calls torch.FloatTensor)"),
+    "storage_in_tree": (
+        torch_saved({"w": TensorRef(0), "s": torch.zeros(4).untyped_storage()}),
+        "FormatError",
+        "tensor data at 's'",
+    ),
+    "tensor_in_a_set": (
+        torch_saved({"w": TensorRef(0), "s": {torch.zeros(1).expand(1 << 30)}}),
+        "FormatError",
+        "tensor data at 's'",
+    ),
+    "tensor_class_called_with_a_size": (
+        archive(tensor_constructor()),
+        "FormatError",
+        "tensor data at 'big' (its pickle calls torch.FloatTensor)",
+    ),
     "parameter_of_a_view": (
-        torch_saved({"w": TensorRef(0), "p": torch.nn.Parameter(torch.zeros(1).expand(1 << 30))}), "FormatError", "tensor data at 'p'",
+        torch_saved({"w": TensorRef(0), "p": torch.nn.Parameter(torch.zeros(1).expand(1 << 30))}),
+        "FormatError",
+        "tensor data at 'p'",
     ),
-    "code_execution": (archive(pickle2(global_op("os", "system") + str_op("true") + TUPLE1 + REDUCE)), "UnsafeCheckpointError", "os.system"),
+    "code_execution": (
+        archive(pickle2(global_op("os", "system") + str_op("true") + TUPLE1 + REDUCE)),
+        "UnsafeCheckpointError",
+        "os.system",
+    ),
 }

@@ -319,9 +319,17 @@ def test_resume_in_fresh_process_matches_uninterrupted_run(
         assert run["report"]["seconds"] - run["report"]["seconds_blocked"] >= 0.5  # two files held 0.3 s each
         # ... yet the files hold the state at step N: the same as the synchronous run's.
         assert_tree_equal(_load_pt(trained / "run.pt")["at_n"], run["at_n"])
-        assert sorted(os.listdir(directory / "hooked")) == sorted([
-            MANIFEST_NAME, MARKER_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
-        ])
+        assert sorted(os.listdir(directory / "hooked")) == sorted(
+            [
+                MANIFEST_NAME,
+                MARKER_NAME,
+                "model.nvc",
+                "optimizer.nvc",
+                "scheduler.bin",
+                "random_states_0.pkl",
+                "custom_checkpoint_0.pkl",
+            ]
+        )
     out = tmp_path / "resumed.pt"
     _run(str(script), "resume", str(out), str(directory / "hooked"), str(M_STEPS), mode)
     resumed = _load_pt(out)
@@ -336,9 +344,17 @@ def test_resume_in_fresh_process_matches_uninterrupted_run(
 def test_saved_directory_is_compressed_and_smaller(trained: Path) -> None:
     hooked, plain = trained / "hooked", trained / "plain"
     names = sorted(p.name for p in hooked.iterdir())
-    assert names == sorted([
-        MANIFEST_NAME, MARKER_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
-    ])
+    assert names == sorted(
+        [
+            MANIFEST_NAME,
+            MARKER_NAME,
+            "model.nvc",
+            "optimizer.nvc",
+            "scheduler.bin",
+            "random_states_0.pkl",
+            "custom_checkpoint_0.pkl",
+        ]
+    )
     assert "model.safetensors" in os.listdir(plain) and "optimizer.bin" in os.listdir(plain)
     assert is_nvcomp_state_dir(hooked) and not is_nvcomp_state_dir(plain)
     assert nc.is_nvcomp_checkpoint(hooked / "optimizer.nvc") and nc.is_nvcomp_checkpoint(hooked / "model.nvc")
@@ -356,9 +372,7 @@ def test_saved_directory_is_compressed_and_smaller(trained: Path) -> None:
     assert set(report["components"]) >= {"weights", "exp_avg", "exp_avg_sq"}
 
 
-def test_accelerate_without_the_hooks_fails_on_a_directory_that_says_what_to_call(
-    trained: Path, script: Path
-) -> None:
+def test_accelerate_without_the_hooks_fails_on_a_directory_that_says_what_to_call(trained: Path, script: Path) -> None:
     module = _module(script)
     objs = module.build(hooks=False)
     with pytest.raises(FileNotFoundError):  # Accelerate's own error: it looks for its model file
@@ -565,7 +579,9 @@ def test_user_hooks_still_run_and_compose(script: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
-def test_overwrite_same_directory_and_remove(script: Path, tmp_path: Path, exchange: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_overwrite_same_directory_and_remove(
+    script: Path, tmp_path: Path, exchange: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if not exchange:  # the path taken on file systems and platforms without RENAME_EXCHANGE
         from nvcomp_checkpoint.storage import LocalStorage
 
@@ -579,9 +595,17 @@ def test_overwrite_same_directory_and_remove(script: Path, tmp_path: Path, excha
     module.train(objs, 2)
     acc.save_state(str(ckpt))  # replaces it as a whole: no stale model.safetensors next to model.nvc
     state = module.snapshot(objs)
-    assert sorted(os.listdir(ckpt)) == sorted([
-        MANIFEST_NAME, MARKER_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
-    ])
+    assert sorted(os.listdir(ckpt)) == sorted(
+        [
+            MANIFEST_NAME,
+            MARKER_NAME,
+            "model.nvc",
+            "optimizer.nvc",
+            "scheduler.bin",
+            "random_states_0.pkl",
+            "custom_checkpoint_0.pkl",
+        ]
+    )
     module.train(objs, 1)
     acc.save_state(str(ckpt))  # compressed over compressed
     state = module.snapshot(objs)
@@ -597,7 +621,15 @@ def test_overwrite_same_directory_and_remove(script: Path, tmp_path: Path, excha
         assert_tree_equal(state[key], module.snapshot(fresh)[key])
 
 
-STATE_FILES = [MANIFEST_NAME, MARKER_NAME, "model.nvc", "optimizer.nvc", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl"]
+STATE_FILES = [
+    MANIFEST_NAME,
+    MARKER_NAME,
+    "model.nvc",
+    "optimizer.nvc",
+    "scheduler.bin",
+    "random_states_0.pkl",
+    "custom_checkpoint_0.pkl",
+]
 
 
 def _identity(*paths: Path) -> dict[Path, tuple[int, int, bytes | None]]:
@@ -628,8 +660,9 @@ def test_save_into_the_working_directory_keeps_it_and_its_contents(
     module.train(objs, 2)
     acc.save_state(str(work / "ckpt_a"))  # another checkpoint in the same directory
     hooks.wait()
-    kept = _identity(work, work / "notes.txt", work / "data", work / "data" / "train.txt", work / "ckpt_a",
-                     *(work / "ckpt_a").iterdir())
+    kept = _identity(
+        work, work / "notes.txt", work / "data", work / "data" / "train.txt", work / "ckpt_a", *(work / "ckpt_a").iterdir()
+    )
     for _ in range(2):  # into a directory without, then with, a previous checkpoint
         module.train(objs, 1)
         assert os.fspath(acc.save_state(target)) == target
@@ -757,7 +790,9 @@ def test_two_processes_share_one_directory(script: Path, tmp_path: Path, mode: s
         read_by_this_rank = mode != "leader" or rank == 0
         assert result["nvc_opened"] == (["model.nvc", "optimizer.nvc"] if read_by_this_rank else []), (rank, result["nvc_opened"])
         if mode == "leader":
-            assert result["differ"].startswith("CheckpointError: load_state: the ranks see different checkpoint files"), result["differ"]
+            assert result["differ"].startswith("CheckpointError: load_state: the ranks see different checkpoint files"), result[
+                "differ"
+            ]
 
 
 def test_async_commit_and_rotation_wait_until_the_files_are_durable(script: Path, tmp_path: Path) -> None:
@@ -771,8 +806,13 @@ def test_async_commit_and_rotation_wait_until_the_files_are_durable(script: Path
         committed.append((Path(report.path).name, is_nvcomp_state_dir(report.path)))
 
     gate = threading.Event()  # closed: the store holds each file until the test has looked
-    objs = module.build(project_dir=str(project), total_limit=1, async_save=True,
-                        stream_wrapper=lambda s: module.Slow(s, 0.3, gate), on_saved=on_saved)
+    objs = module.build(
+        project_dir=str(project),
+        total_limit=1,
+        async_save=True,
+        stream_wrapper=lambda s: module.Slow(s, 0.3, gate),
+        on_saved=on_saved,
+    )
     acc, hooks = objs[0], objs[5]
     checkpoints = project / "checkpoints"
 
@@ -884,6 +924,8 @@ def test_import_without_accelerate_names_the_extra_to_install() -> None:
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("ImportError accelerate nvcomp_checkpoint.accelerate needs Accelerate: "
-                                  "pip install -e '.[accelerate]' in a clone of the nvcomp-checkpoint repository "
-                                  "(it is not on PyPI yet"), proc.stdout
+    assert proc.stdout.startswith(
+        "ImportError accelerate nvcomp_checkpoint.accelerate needs Accelerate: "
+        "pip install -e '.[accelerate]' in a clone of the nvcomp-checkpoint repository "
+        "(it is not on PyPI yet"
+    ), proc.stdout

@@ -30,7 +30,9 @@ SAVE_STEPS, NEXT_STEPS = 2, 3
 # -- run in each rank ------------------------------------------------------------------------------
 def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 2))
+    return torch.nn.Sequential(
+        torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 2)
+    )
 
 
 KINDS = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
@@ -165,8 +167,17 @@ def _save_run(rank: int, root: str) -> None:
     _tier_save(acc, root, "second")
     state = _full_state(model, opt)
     losses = _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)
-    torch.save({"state": state, "losses": losses, "reports": reports, "iteration": acc.save_iteration, "refused": refused,
-                "unreported": unreported}, os.path.join(root, f"saved_{rank}.pt"))
+    torch.save(
+        {
+            "state": state,
+            "losses": losses,
+            "reports": reports,
+            "iteration": acc.save_iteration,
+            "refused": refused,
+            "unreported": unreported,
+        },
+        os.path.join(root, f"saved_{rank}.pt"),
+    )
     # The HF Trainer in the same processes (last: it sets up Accelerate's shared state its own way).
     _trainer_fit(root, "reference", max_steps=TRAINER_STEPS[1])  # uninterrupted, nothing saved
     _trainer_fit(root, "saved", max_steps=TRAINER_STEPS[0], save=True)
@@ -223,7 +234,9 @@ def _trainer_fit(root: str, name: str, max_steps: int, save: bool = False, resum
     class CpuFsdpTrainer(NvcompTrainer):
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
-            self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+            self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+                fsdp_version=2, state_dict_type="SHARDED_STATE_DICT"
+            )
             self.accelerator.state.distributed_type = DistributedType.FSDP
             self.is_fsdp_enabled = True
 
@@ -232,21 +245,36 @@ def _trainer_fit(root: str, name: str, max_steps: int, save: bool = False, resum
             trainer.accelerator.state.distributed_type = DistributedType.FSDP
 
     torch.manual_seed(0 if not resume else 1)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))  # tied lm_head/wte: two names, one tensor
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32)
+    )  # tied lm_head/wte: two names, one tensor
     tokens = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(3))
     args = TrainingArguments(
-        output_dir=os.path.join(root, "trainer"), max_steps=max_steps, save_steps=2, save_strategy="steps" if save or resume else "no",
-        per_device_train_batch_size=4, logging_steps=1, lr_scheduler_type="constant", report_to=[], seed=0, data_seed=0,
-        disable_tqdm=True, use_cpu=True,
+        output_dir=os.path.join(root, "trainer"),
+        max_steps=max_steps,
+        save_steps=2,
+        save_strategy="steps" if save or resume else "no",
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        lr_scheduler_type="constant",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
     )
     callback = NvcompTrainerCallback(tiers=[nc.Tier(os.path.join(root, "trainer_tier"))])
-    trainer = CpuFsdpTrainer(model=model, args=args, train_dataset=[{"input_ids": t, "labels": t} for t in tokens], callbacks=[callback, FsdpAgain()])
+    trainer = CpuFsdpTrainer(
+        model=model, args=args, train_dataset=[{"input_ids": t, "labels": t} for t in tokens], callbacks=[callback, FsdpAgain()]
+    )
     resume_from = callback.resume_path() if resume else None  # every rank: the newest copy on the tier
     trainer.train(resume_from_checkpoint=resume_from)
     report = callback.last_report
     out = {
-        "losses": [[h["step"], h["loss"]] for h in trainer.state.log_history if "loss" in h], "resumed_from": resume_from,
-        "report": None if report is None else report.to_dict(), "wrapped": type(trainer.model_wrapped).__name__,
+        "losses": [[h["step"], h["loss"]] for h in trainer.state.log_history if "loss" in h],
+        "resumed_from": resume_from,
+        "report": None if report is None else report.to_dict(),
+        "wrapped": type(trainer.model_wrapped).__name__,
     }
     Path(root, f"trainer_{name}_{trainer.args.process_index}.json").write_text(json.dumps(out))
     return out
@@ -256,8 +284,12 @@ def _rank_main(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...])
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
     )
     fn(rank, *args)
     import torch.distributed as dist
@@ -318,7 +350,9 @@ def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
     tier_steps = sorted(p.name for p in (tmp_path / "tier").iterdir() if p.is_dir())
     assert len(tier_steps) == 2, tier_steps
     for step in tier_steps:
-        copied = sorted(p.relative_to(tmp_path / "tier" / step).as_posix() for p in (tmp_path / "tier" / step).rglob("*") if p.is_file())
+        copied = sorted(
+            p.relative_to(tmp_path / "tier" / step).as_posix() for p in (tmp_path / "tier" / step).rglob("*") if p.is_file()
+        )
         for d in ("pytorch_model_fsdp_0", "optimizer_0"):
             assert len([n for n in copied if n.startswith(f"{d}/__") and n.endswith(".nvcdcp")]) == 2, copied
             assert f"{d}/.metadata" in copied, copied
@@ -371,7 +405,9 @@ def _check_trainer_save(root: Path) -> None:
     assert {"weights", "exp_avg", "exp_avg_sq"} <= set(report["components"])
     tier = root / "trainer_tier"
     assert sorted(p.name for p in tier.iterdir() if p.is_dir()) == ["step-0000000002", "step-0000000004"]
-    copied = sorted(p.relative_to(tier / "step-0000000004").as_posix() for p in (tier / "step-0000000004").rglob("*") if p.is_file())
+    copied = sorted(
+        p.relative_to(tier / "step-0000000004").as_posix() for p in (tier / "step-0000000004").rglob("*") if p.is_file()
+    )
     # Every rank's files: its shards and its RNG state (written after the FSDP state: the copy waits for every rank).
     assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "pytorch_model_fsdp_0/.metadata"} <= set(copied), copied
     assert len([n for n in copied if n.endswith(".nvcdcp")]) == 4, copied
@@ -385,7 +421,7 @@ def _check_trainer_resume(root: Path) -> None:
     # The steps after the copy's: the uninterrupted run's losses (rank 0 logs them).
     resumed = _trainer_run(root, "resumed", 0)["losses"]
     tail = [s for s in resumed if s[0] > TRAINER_STEPS[0]]
-    assert len(tail) == TRAINER_STEPS[1] - TRAINER_STEPS[0] and tail == reference[TRAINER_STEPS[0]:], (tail, reference)
+    assert len(tail) == TRAINER_STEPS[1] - TRAINER_STEPS[0] and tail == reference[TRAINER_STEPS[0] :], (tail, reference)
 
 
 def _check_reports(ours: Path, kind: str, report: Any, per_file: dict[str, Any]) -> None:

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -155,7 +154,12 @@ def test_async_save_loads_bit_identical_and_matches_sync_save(tmp_path: Path) ->
         for key in a.keys():
             ea, es = a.entry(key), s.entry(key)
             assert (ea.dtype, ea.shape, ea.component, ea.device, ea.parameter, ea.requires_grad) == (
-                es.dtype, es.shape, es.component, es.device, es.parameter, es.requires_grad
+                es.dtype,
+                es.shape,
+                es.component,
+                es.device,
+                es.parameter,
+                es.requires_grad,
             ), key
             assert [f.xxh for f in ea.frames] == [f.xxh for f in es.frames], key
         assert all(err is None for _, err in a.verify())

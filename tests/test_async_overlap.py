@@ -132,8 +132,11 @@ def test_the_write_starts_before_the_last_copy_is_done(tmp_path: Path, monkeypat
     started = threading.Event()
     out: dict[str, Any] = {}
     with nc.AsyncSaver() as saver:
-        caller = threading.Thread(target=lambda: out.setdefault("handle", saver.save(
-            tree, tmp_path / "ckpt.nvc", stream_wrapper=lambda s: FirstWrite(s, started))))
+        caller = threading.Thread(
+            target=lambda: out.setdefault(
+                "handle", saver.save(tree, tmp_path / "ckpt.nvc", stream_wrapper=lambda s: FirstWrite(s, started))
+            )
+        )
         caller.start()
         try:
             assert started.wait(30), "the background write did not start while a copy was held"
@@ -165,7 +168,9 @@ def test_a_failed_copy_of_a_later_tensor_is_one_error_from_save_and_no_file(
 
     monkeypatch.setattr(snapshot_mod, "_copy_bytes", failing)
     with nc.AsyncSaver() as saver:
-        with pytest.raises(CheckpointWriteError, match=r"ckpt.nvc: the async snapshot could not copy tensor 'late'.*Input/output"):
+        with pytest.raises(
+            CheckpointWriteError, match=r"ckpt.nvc: the async snapshot could not copy tensor 'late'.*Input/output"
+        ):
             saver.save(tree, path)
         # Raised once: not by the next save, wait(), nor by load of the path.
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.nvc"]  # no temporary file left

@@ -68,7 +68,11 @@ _SLOW_SAVE = textwrap.dedent(
 def _kill_mid_write(target: Path) -> list[int]:
     """Runs a save to ``target``, frame by frame as this test allows, and SIGKILLs it while its temporary file grows."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_SAVE, str(target)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV,
+        [sys.executable, "-c", _SLOW_SAVE, str(target)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=ENV,
     )
     sizes: list[int] = []
     deadline = time.monotonic() + 120

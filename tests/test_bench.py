@@ -13,14 +13,23 @@ from nvcomp_checkpoint.cli.main import main
 
 
 def _candidate(codec: str, level: int | None, filt: str, ratio: float, gbps: float) -> dict:
-    return {"codec": codec, "level": level, "filter": filt, "device": "cpu", "ratio": ratio,
-            "compress_gbps": gbps, "decompress_gbps": gbps}
+    return {
+        "codec": codec,
+        "level": level,
+        "filter": filt,
+        "device": "cpu",
+        "ratio": ratio,
+        "compress_gbps": gbps,
+        "decompress_gbps": gbps,
+    }
 
 
 def _components() -> dict:
     return {
-        "weights": {"raw_bytes": 1 << 30, "candidates": [_candidate("zstd", 1, "byteplane", 1.46, 0.4),
-                                                         _candidate("zstd", 3, "byteplane", 1.48, 0.2)]},
+        "weights": {
+            "raw_bytes": 1 << 30,
+            "candidates": [_candidate("zstd", 1, "byteplane", 1.46, 0.4), _candidate("zstd", 3, "byteplane", 1.48, 0.2)],
+        },
         "exp_avg": {"raw_bytes": 2 << 30, "candidates": [_candidate("zstd", 1, "byteplane", 1.0, 0.5)]},
     }
 
@@ -72,7 +81,9 @@ def test_plot_tick_labels_do_not_overlap(tmp_path: Path) -> None:
             for a, b in zip(boxes, boxes[1:]):
                 assert not a.overlaps(b), [t.get_text() for t in labels]
         xlabel = ax.xaxis.label.get_window_extent(renderer)
-        assert all(not xlabel.overlaps(t.get_window_extent(renderer)) for t in ax.xaxis.get_ticklabels(which="both") if t.get_text())
+        assert all(
+            not xlabel.overlaps(t.get_window_extent(renderer)) for t in ax.xaxis.get_ticklabels(which="both") if t.get_text()
+        )
         fig.savefig(tmp_path / "bench.png")
     finally:
         plt.close(fig)

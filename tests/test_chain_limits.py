@@ -147,7 +147,10 @@ def test_chain_policies_never_build_a_chain_past_the_limit(caplog, tmp_path):
         saved.append(f"s{n}")
     assert full == [0, MAX_CHAIN_DEPTH + 1, 2 * (MAX_CHAIN_DEPTH + 1)]
     assert ChainPolicy(full_every=DEEP, base="full").base_for([f"s{n}" for n in range(150)]) == "s0"  # depth 1 always
-    assert ChainPolicy(full_every=MAX_CHAIN_DEPTH + 1).base_for([f"s{n}" for n in range(MAX_CHAIN_DEPTH)]) == f"s{MAX_CHAIN_DEPTH - 1}"
+    assert (
+        ChainPolicy(full_every=MAX_CHAIN_DEPTH + 1).base_for([f"s{n}" for n in range(MAX_CHAIN_DEPTH)])
+        == f"s{MAX_CHAIN_DEPTH - 1}"
+    )
     # The integrations' bookkeeping uses the same policy: the save after a chain at the limit is full.
     files = IncrementalFiles("test", full_every=DEEP)
     bases = [files.base_for(tmp_path / f"f{n}.nvc") for n in range(MAX_CHAIN_DEPTH + 2)]

@@ -120,8 +120,15 @@ def lightning_ckpt(work: Path) -> Path:
     data = torch.utils.data.TensorDataset(torch.randn(24, 32), torch.randn(24, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = L.Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, accelerator="cpu", default_root_dir=str(work))
+        trainer = L.Trainer(
+            max_steps=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            accelerator="cpu",
+            default_root_dir=str(work),
+        )
         trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
     path = work / "tiny.ckpt"
     trainer.save_checkpoint(path)
@@ -133,8 +140,14 @@ def hf_checkpoint(work: Path) -> Path:
     """A real HF Trainer ``checkpoint-2/`` directory of a tiny BERT (built from a config, no download)."""
     from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
-    cfg = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=16)
+    cfg = BertConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+    )
 
     class Data(torch.utils.data.Dataset):
         def __len__(self) -> int:
@@ -144,8 +157,16 @@ def hf_checkpoint(work: Path) -> Path:
             g = torch.Generator().manual_seed(i)
             return {"input_ids": torch.randint(0, 128, (8,), generator=g), "labels": torch.tensor(i % 2)}
 
-    args = TrainingArguments(str(work / "hf"), max_steps=2, save_steps=2, per_device_train_batch_size=4,
-                             report_to=[], use_cpu=True, logging_steps=100, disable_tqdm=True)
+    args = TrainingArguments(
+        str(work / "hf"),
+        max_steps=2,
+        save_steps=2,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        logging_steps=100,
+        disable_tqdm=True,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         Trainer(model=BertForSequenceClassification(cfg), args=args, train_dataset=Data()).train()
@@ -157,14 +178,18 @@ def hf_checkpoint(work: Path) -> Path:
 # -- compress / verify / decompress ---------------------------------------------------------
 
 
-def test_compress_verify_decompress_is_bit_identical(work: Path, train_ckpt: tuple[Path, dict[str, Any]],
-                                                     compressed: tuple[Path, dict[str, Any]]) -> None:
+def test_compress_verify_decompress_is_bit_identical(
+    work: Path, train_ckpt: tuple[Path, dict[str, Any]], compressed: tuple[Path, dict[str, Any]]
+) -> None:
     src, ckpt = train_ckpt
     dst, report = compressed
     assert report["source_format"] == "torch.save"
     assert report["stored_bytes"] == dst.stat().st_size
-    raw = sum(t.numel() * t.element_size() for t in [*ckpt["model"].values(), *ckpt["grads"].values()]
-              + [v for s in ckpt["optimizer"]["state"].values() for v in s.values()])
+    raw = sum(
+        t.numel() * t.element_size()
+        for t in [*ckpt["model"].values(), *ckpt["grads"].values()]
+        + [v for s in ckpt["optimizer"]["state"].values() for v in s.values()]
+    )
     assert report["raw_bytes"] == raw
     # bf16 weights through byte planes compress well (docs/facts.md: ~1.46x); the file as a whole shrinks.
     assert report["components"]["weights"]["ratio"] > 1.2
@@ -191,8 +216,9 @@ def test_console_script_quiet_prints_nothing(work: Path, train_ckpt: tuple[Path,
         assert r.entry("optimizer/state/0/exp_avg").codec.level == 3
 
 
-def test_existing_destination_needs_force(capsys: pytest.CaptureFixture[str], work: Path,
-                                          train_ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_existing_destination_needs_force(
+    capsys: pytest.CaptureFixture[str], work: Path, train_ckpt: tuple[Path, dict[str, Any]]
+) -> None:
     src, _ = train_ckpt
     dst = work / "exists.nvc"
     dst.write_bytes(b"keep me")
@@ -204,7 +230,9 @@ def test_existing_destination_needs_force(capsys: pytest.CaptureFixture[str], wo
     assert code == 0 and nc.is_nvcomp_checkpoint(dst)
 
 
-def test_policy_shorthand_and_json(capsys: pytest.CaptureFixture[str], work: Path, train_ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_policy_shorthand_and_json(
+    capsys: pytest.CaptureFixture[str], work: Path, train_ckpt: tuple[Path, dict[str, Any]]
+) -> None:
     src, ckpt = train_ckpt
     pfile = work / "policy.json"
     pfile.write_text(json.dumps({"weights": {"codec": "zstd", "level": 5}, "exp_avg": "none", "gradients": "zstd:2:none"}))
@@ -228,9 +256,12 @@ def test_policy_shorthand_and_json(capsys: pytest.CaptureFixture[str], work: Pat
         assert r.entry("optimizer/state/0/exp_avg").codec.level == 1  # the default for the rest
 
 
-def test_recompress_our_file_keeps_source_metadata(capsys: pytest.CaptureFixture[str], work: Path,
-                                                   compressed: tuple[Path, dict[str, Any]],
-                                                   train_ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_recompress_our_file_keeps_source_metadata(
+    capsys: pytest.CaptureFixture[str],
+    work: Path,
+    compressed: tuple[Path, dict[str, Any]],
+    train_ckpt: tuple[Path, dict[str, Any]],
+) -> None:
     src, _ = compressed
     dst = work / "raw.nvc"
     code, _, err = call(capsys, "compress", src, dst, "--policy", "none", "--quiet")
@@ -241,7 +272,9 @@ def test_recompress_our_file_keeps_source_metadata(capsys: pytest.CaptureFixture
     assert_tree_equal(train_ckpt[1], nc.load(dst))
 
 
-def test_safetensors_round_trip_keeps_format_and_metadata(capsys: pytest.CaptureFixture[str], work: Path, safetensors_file: Path) -> None:
+def test_safetensors_round_trip_keeps_format_and_metadata(
+    capsys: pytest.CaptureFixture[str], work: Path, safetensors_file: Path
+) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -299,7 +332,9 @@ def test_hf_checkpoint_directory_round_trip(work: Path, hf_checkpoint: Path) -> 
     proc = run_cli("decompress", out, back)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in back.iterdir()) == sorted(p.name for p in hf_checkpoint.iterdir())
-    assert_tree_equal(torch.load(hf_checkpoint / "optimizer.pt", weights_only=True), torch.load(back / "optimizer.pt", weights_only=True))
+    assert_tree_equal(
+        torch.load(hf_checkpoint / "optimizer.pt", weights_only=True), torch.load(back / "optimizer.pt", weights_only=True)
+    )
     a, b = load_file(str(hf_checkpoint / "model.safetensors")), load_file(str(back / "model.safetensors"))
     assert_tree_equal(dict(sorted(a.items())), dict(sorted(b.items())))
     for p in hf_checkpoint.iterdir():
@@ -380,8 +415,9 @@ def test_inspect_text_shows_tree_and_table(capsys: pytest.CaptureFixture[str], c
     assert "optimizer/  (12 tensors" in out and "exp_avg_sq  float32" not in out
 
 
-def test_inspect_plain_formats(capsys: pytest.CaptureFixture[str], train_ckpt: tuple[Path, dict[str, Any]],
-                               safetensors_file: Path, hf_checkpoint: Path) -> None:
+def test_inspect_plain_formats(
+    capsys: pytest.CaptureFixture[str], train_ckpt: tuple[Path, dict[str, Any]], safetensors_file: Path, hf_checkpoint: Path
+) -> None:
     src, ckpt = train_ckpt
     code, out, _ = call(capsys, "inspect", src, "--json")
     assert code == 0
@@ -389,7 +425,8 @@ def test_inspect_plain_formats(capsys: pytest.CaptureFixture[str], train_ckpt: t
     assert info["format"] == "torch.save"
     assert info["components"]["exp_avg"]["tensors"] == 4
     assert info["components"]["exp_avg"]["raw_bytes"] == sum(
-        s["exp_avg"].numel() * 4 for s in ckpt["optimizer"]["state"].values())
+        s["exp_avg"].numel() * 4 for s in ckpt["optimizer"]["state"].values()
+    )
 
     code, out, _ = call(capsys, "inspect", safetensors_file, "--json")
     info = json.loads(out)
@@ -409,7 +446,9 @@ def test_inspect_plain_formats(capsys: pytest.CaptureFixture[str], train_ckpt: t
 # -- verify ----------------------------------------------------------------------------------
 
 
-def test_verify_names_the_corrupt_tensor(capsys: pytest.CaptureFixture[str], work: Path, compressed: tuple[Path, dict[str, Any]]) -> None:
+def test_verify_names_the_corrupt_tensor(
+    capsys: pytest.CaptureFixture[str], work: Path, compressed: tuple[Path, dict[str, Any]]
+) -> None:
     src, _ = compressed
     bad = work / "bad.nvc"
     shutil.copy(src, bad)
@@ -433,7 +472,10 @@ def test_verify_names_the_corrupt_tensor(capsys: pytest.CaptureFixture[str], wor
     truncated.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
     proc = run_cli("verify", truncated)
     assert proc.returncode == 1
-    assert proc.stdout.splitlines()[-1] == f"FAILED {truncated}: the file is unreadable (its index cannot be read), so no tensor was checked"
+    assert (
+        proc.stdout.splitlines()[-1]
+        == f"FAILED {truncated}: the file is unreadable (its index cannot be read), so no tensor was checked"
+    )
     code, out, _ = call(capsys, "verify", truncated, "--json")
     assert code == 1
     result = json.loads(out)
@@ -443,21 +485,37 @@ def test_verify_names_the_corrupt_tensor(capsys: pytest.CaptureFixture[str], wor
 # -- bench -----------------------------------------------------------------------------------
 
 
-def test_bench_recommends_by_the_pipelined_rule(capsys: pytest.CaptureFixture[str], work: Path,
-                                                train_ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_bench_recommends_by_the_pipelined_rule(
+    capsys: pytest.CaptureFixture[str], work: Path, train_ckpt: tuple[Path, dict[str, Any]]
+) -> None:
     src, ckpt = train_ckpt
     png = work / "bench.png"
     saved = work / "recommended.json"
     # 1 MB/s storage: every codec outruns it, so compression must win on every large component.
-    proc = run_cli("bench", src, "--sample-mb", "1", "--repeat", "1", "--storage-gbps", "0.001",
-                   "--json", "--plot", png, "--save-policy", saved)
+    proc = run_cli(
+        "bench",
+        src,
+        "--sample-mb",
+        "1",
+        "--repeat",
+        "1",
+        "--storage-gbps",
+        "0.001",
+        "--json",
+        "--plot",
+        png,
+        "--save-policy",
+        saved,
+    )
     assert proc.returncode == 0, proc.stderr
     slow = json.loads(proc.stdout)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     comps = slow["components"]
     assert set(comps) == {"weights", "exp_avg", "exp_avg_sq", "gradients", "other"}
     cands = comps["weights"]["candidates"]
-    assert {(c["codec"], c["level"], c["filter"]) for c in cands} == {("zstd", lv, f) for lv in (1, 3) for f in ("byteplane", "none")}
+    assert {(c["codec"], c["level"], c["filter"]) for c in cands} == {
+        ("zstd", lv, f) for lv in (1, 3) for f in ("byteplane", "none")
+    }
     for c in cands:
         assert c["ratio"] > 1.0 and c["compress_gbps"] > 0 and c["decompress_gbps"] > 0
     assert comps["other"]["candidates"] == []  # only 4-byte step counters: stored raw
@@ -479,22 +537,54 @@ def test_bench_recommends_by_the_pipelined_rule(capsys: pytest.CaptureFixture[st
     with nc.open(dst) as r:
         w = r.entry("model/0.weight")
         assert (w.codec.id, w.codec.level, w.filter) == (
-            slow["recommended_policy"]["weights"]["codec"], slow["recommended_policy"]["weights"]["level"],
-            slow["recommended_policy"]["weights"]["filter"])
+            slow["recommended_policy"]["weights"]["codec"],
+            slow["recommended_policy"]["weights"]["level"],
+            slow["recommended_policy"]["weights"]["filter"],
+        )
     assert_tree_equal(ckpt, nc.load(dst))
 
     # A 100 TB/s storage outruns every codec of this machine: store everything raw.
-    code, out, _ = call(capsys, "bench", src, "--sample-mb", "0.5", "--repeat", "1", "--storage-gbps", "100000",
-                        "--codecs", "zstd:1", "--portable")
+    code, out, _ = call(
+        capsys,
+        "bench",
+        src,
+        "--sample-mb",
+        "0.5",
+        "--repeat",
+        "1",
+        "--storage-gbps",
+        "100000",
+        "--codecs",
+        "zstd:1",
+        "--portable",
+    )
     assert code == 0
     assert "recommended at 100000 GB/s: weights=none/none, exp_avg=none/none" in out
 
     # estimate --from a bench output re-picks for its own storage speed.
     bench_json = work / "bench.json"
     bench_json.write_text(proc.stdout)
-    code, out, _ = call(capsys, "estimate", "--checkpoint-gb", "100", "--gpus", "8", "--gpu-hour-usd", "4.4",
-                        "--storage-gbps", "0.001", "--interval-min", "30", "--retain", "4",
-                        "--storage-usd-gb-month", "0.1", "--from", bench_json, "--json")
+    code, out, _ = call(
+        capsys,
+        "estimate",
+        "--checkpoint-gb",
+        "100",
+        "--gpus",
+        "8",
+        "--gpu-hour-usd",
+        "4.4",
+        "--storage-gbps",
+        "0.001",
+        "--interval-min",
+        "30",
+        "--retain",
+        "4",
+        "--storage-usd-gb-month",
+        "0.1",
+        "--from",
+        bench_json,
+        "--json",
+    )
     est = json.loads(out)
     assert est["inputs"]["ratio"] == pytest.approx(slow["recommended"]["ratio"], rel=1e-3)
     assert est["inputs"]["codec_gbps"] == pytest.approx(slow["recommended"]["compress_gbps"], rel=1e-3)
@@ -502,8 +592,22 @@ def test_bench_recommends_by_the_pipelined_rule(capsys: pytest.CaptureFixture[st
 
 # -- estimate --------------------------------------------------------------------------------
 
-SEED = ["--checkpoint-gb", "782", "--gpus", "8", "--gpu-hour-usd", "4.40", "--storage-gbps", "5",
-        "--interval-min", "30", "--retain", "96", "--storage-usd-gb-month", "0.14"]
+SEED = [
+    "--checkpoint-gb",
+    "782",
+    "--gpus",
+    "8",
+    "--gpu-hour-usd",
+    "4.40",
+    "--storage-gbps",
+    "5",
+    "--interval-min",
+    "30",
+    "--retain",
+    "96",
+    "--storage-usd-gb-month",
+    "0.14",
+]
 
 
 def test_estimate_reproduces_the_seed_worked_example() -> None:
@@ -534,21 +638,41 @@ def test_estimate_reproduces_the_seed_worked_example() -> None:
 @pytest.mark.parametrize(
     ("gb", "gpus", "ratio", "codec", "seed_saving", "digits"),
     [
-        (782, 8, 1.25, 181, 2500, -2),     # Llama 3 70B, 8 GPUs, ANS
-        (782, 64, 1.27, 16, 6000, -3),     # 64 GPUs, ZSTD
-        (782, 64, 1.25, 181, 5600, -2),    # 64 GPUs, ANS
+        (782, 8, 1.25, 181, 2500, -2),  # Llama 3 70B, 8 GPUs, ANS
+        (782, 64, 1.27, 16, 6000, -3),  # 64 GPUs, ZSTD
+        (782, 64, 1.25, 181, 5600, -2),  # 64 GPUs, ANS
         (4529, 128, 1.27, 16, 56000, -3),  # Llama 3 405B
         (4529, 128, 1.25, 181, 53000, -3),
-        (1575, 64, 1.40, 16, 16000, -3),   # Mixtral 8x22B (MoE)
+        (1575, 64, 1.40, 16, 16000, -3),  # Mixtral 8x22B (MoE)
         (1575, 64, 1.39, 181, 16000, -3),
         (7490, 256, 1.40, 16, 222000, -3),  # DeepSeek-V3
         (7490, 256, 1.39, 181, 218000, -3),
     ],
 )
-def test_estimate_reproduces_the_seed_savings_tables(capsys: pytest.CaptureFixture[str], gb: int, gpus: int, ratio: float,
-                                                     codec: int, seed_saving: int, digits: int) -> None:
-    args = ["--checkpoint-gb", gb, "--gpus", gpus, "--gpu-hour-usd", "4.40", "--storage-gbps", "5", "--interval-min", "30",
-            "--retain", "96", "--storage-usd-gb-month", "0.14", "--ratio", ratio, "--codec-gbps", codec, "--json"]
+def test_estimate_reproduces_the_seed_savings_tables(
+    capsys: pytest.CaptureFixture[str], gb: int, gpus: int, ratio: float, codec: int, seed_saving: int, digits: int
+) -> None:
+    args = [
+        "--checkpoint-gb",
+        gb,
+        "--gpus",
+        gpus,
+        "--gpu-hour-usd",
+        "4.40",
+        "--storage-gbps",
+        "5",
+        "--interval-min",
+        "30",
+        "--retain",
+        "96",
+        "--storage-usd-gb-month",
+        "0.14",
+        "--ratio",
+        ratio,
+        "--codec-gbps",
+        codec,
+        "--json",
+    ]
     code, out, _ = call(capsys, "estimate", *args)
     assert code == 0
     assert round(json.loads(out)["saving"]["total_usd_month"], digits) == seed_saving
@@ -557,12 +681,16 @@ def test_estimate_reproduces_the_seed_savings_tables(capsys: pytest.CaptureFixtu
 @pytest.mark.parametrize(
     ("storage", "ratio", "codec", "seconds", "change"),
     [
-        (5, 1.25, 181, 125, -20), (15, 1.27, 16, 49, -6), (15, 1.25, 181, 42, -20),
-        (25, 1.27, 16, 49, 57), (25, 1.25, 181, 25, -20),
+        (5, 1.25, 181, 125, -20),
+        (15, 1.27, 16, 49, -6),
+        (15, 1.25, 181, 42, -20),
+        (25, 1.27, 16, 49, 57),
+        (25, 1.25, 181, 25, -20),
     ],
 )
-def test_estimate_reproduces_the_seed_storage_speed_table(capsys: pytest.CaptureFixture[str], storage: float, ratio: float,
-                                                          codec: float, seconds: int, change: int) -> None:
+def test_estimate_reproduces_the_seed_storage_speed_table(
+    capsys: pytest.CaptureFixture[str], storage: float, ratio: float, codec: float, seconds: int, change: int
+) -> None:
     args = [*SEED, "--ratio", ratio, "--codec-gbps", codec, "--json"]
     args[args.index("--storage-gbps") + 1] = str(storage)
     code, out, _ = call(capsys, "estimate", *args)
@@ -616,8 +744,14 @@ def test_errors_in_a_subprocess(work: Path, train_ckpt: tuple[Path, dict[str, An
         (["bench", "@src", "--storage-gbps", "0"], ["--storage-gbps must be positive"]),
     ],
 )
-def test_user_mistakes(capsys: pytest.CaptureFixture[str], work: Path, train_ckpt: tuple[Path, dict[str, Any]],
-                       compressed: tuple[Path, dict[str, Any]], argv: list[str], needles: list[str]) -> None:
+def test_user_mistakes(
+    capsys: pytest.CaptureFixture[str],
+    work: Path,
+    train_ckpt: tuple[Path, dict[str, Any]],
+    compressed: tuple[Path, dict[str, Any]],
+    argv: list[str],
+    needles: list[str],
+) -> None:
     (work / "notes.txt").write_text("not a checkpoint\n")
     fill = {"src": str(train_ckpt[0]), "work": str(work), "nvc": str(compressed[0])}
     for key, value in fill.items():
@@ -703,21 +837,46 @@ def _safetensors_bytes(header: dict[str, Any], data: bytes) -> bytes:
         ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 10**12]}}, bytes(8), ["'w'", "data_offsets"]),
         ({"w": {"dtype": "F32", "shape": [2]}}, bytes(8), ["'w'", "data_offsets"]),
         ({"w": [1, 2]}, bytes(8), ["'w'"]),
-        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-          "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12), ["overlap"]),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            bytes(12),
+            ["overlap"],
+        ),
         ({"__metadata__": ["x"], "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(8), ["__metadata__"]),
     ],
-    ids=["offsets-int", "offsets-one", "offsets-str", "dtype", "shape-negative", "shape-str", "size-mismatch",
-         "offsets-reversed", "offsets-past-end", "offsets-missing", "entry-list", "overlap", "metadata-list"],
+    ids=[
+        "offsets-int",
+        "offsets-one",
+        "offsets-str",
+        "dtype",
+        "shape-negative",
+        "shape-str",
+        "size-mismatch",
+        "offsets-reversed",
+        "offsets-past-end",
+        "offsets-missing",
+        "entry-list",
+        "overlap",
+        "metadata-list",
+    ],
 )
-def test_damaged_safetensors_header(capsys: pytest.CaptureFixture[str], tmp_path: Path, header: dict[str, Any],
-                                    data: bytes, needles: list[str]) -> None:
+def test_damaged_safetensors_header(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, header: dict[str, Any], data: bytes, needles: list[str]
+) -> None:
     folder = tmp_path / "ckpt"
     folder.mkdir()
     path = folder / "model.safetensors"
     path.write_bytes(_safetensors_bytes(header, data))
-    for argv in (["inspect", path], ["inspect", folder], ["bench", path, "--codecs", "zstd:1"],
-                 ["bench", folder, "--codecs", "zstd:1"], ["compress", path, tmp_path / "x.nvc"]):
+    for argv in (
+        ["inspect", path],
+        ["inspect", folder],
+        ["bench", path, "--codecs", "zstd:1"],
+        ["bench", folder, "--codecs", "zstd:1"],
+        ["compress", path, tmp_path / "x.nvc"],
+    ):
         code, _, err = call(capsys, *argv)
         assert code == 2, (argv, err)
         assert_one_line_error(err, "model.safetensors", *needles)
@@ -743,8 +902,13 @@ def test_safetensors_edge_cases_still_read(capsys: pytest.CaptureFixture[str], t
     from safetensors.torch import save_file
 
     path = tmp_path / "edge.safetensors"
-    tensors = {"empty": torch.zeros(0, 3), "scalar": torch.tensor(1.5), "flag": torch.tensor([True, False]),
-               "fp8": torch.randn(16).to(torch.float8_e4m3fn), "big": torch.randn(2048)}
+    tensors = {
+        "empty": torch.zeros(0, 3),
+        "scalar": torch.tensor(1.5),
+        "flag": torch.tensor([True, False]),
+        "fp8": torch.randn(16).to(torch.float8_e4m3fn),
+        "big": torch.randn(2048),
+    }
     save_file(tensors, str(path), metadata={"k": "v"})
     code, out, err = call(capsys, "inspect", path, "--json")
     assert code == 0, err
@@ -784,8 +948,9 @@ def test_workers_must_be_positive(capsys: pytest.CaptureFixture[str], tmp_path: 
         ('{"patterns": {"w*": 3}}', ["patterns", "'w*'"]),
     ],
 )
-def test_policy_fields_are_checked_before_reading_input(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                                        policy: str, needles: list[str]) -> None:
+def test_policy_fields_are_checked_before_reading_input(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, policy: str, needles: list[str]
+) -> None:
     # The source does not exist: a policy error, not "no such file", proves the policy is checked first.
     code, _, err = call(capsys, "compress", tmp_path / "missing.pt", tmp_path / "x.nvc", "--policy", policy)
     assert code == 2, err
@@ -828,7 +993,9 @@ def test_decompress_shared_storage_to_safetensors(capsys: pytest.CaptureFixture[
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc, a directory nobody can create files in")
-def test_decompress_unwritable_destination_names_it(capsys: pytest.CaptureFixture[str], compressed: tuple[Path, dict[str, Any]]) -> None:
+def test_decompress_unwritable_destination_names_it(
+    capsys: pytest.CaptureFixture[str], compressed: tuple[Path, dict[str, Any]]
+) -> None:
     for dst in ("/proc/nvckpt-test-x.pt", "/proc/nvckpt-test-missing/x.pt"):
         code, _, err = call(capsys, "decompress", compressed[0], dst)
         assert code == 2, err

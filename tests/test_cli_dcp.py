@@ -21,10 +21,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import nvcomp_checkpoint as nc
+from conftest import assert_tree_equal, spawn_ranks
 from nvcomp_checkpoint.cli.main import main
 from nvcomp_checkpoint.dcp import NvcompReader, is_compressed_dcp_checkpoint
-
-from conftest import assert_tree_equal, spawn_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -34,9 +33,15 @@ def _full_state() -> dict[str, Any]:
     w = (torch.randn(64, 48, generator=g) * 0.02).to(torch.bfloat16)
     return {
         "model": {"layer": {"weight": w, "bias": torch.randn(64, generator=g)}},
-        "optim": {"state": {"layer.weight": {"exp_avg": torch.randn(64, 48, generator=g) * 1e-3,
-                                              "exp_avg_sq": torch.rand(64, 48, generator=g) * 1e-6,
-                                              "step": torch.tensor(12.0)}}},
+        "optim": {
+            "state": {
+                "layer.weight": {
+                    "exp_avg": torch.randn(64, 48, generator=g) * 1e-3,
+                    "exp_avg_sq": torch.rand(64, 48, generator=g) * 1e-6,
+                    "step": torch.tensor(12.0),
+                }
+            }
+        },
         "extra": {"epoch": 3, "note": "plain"},
     }
 
@@ -56,7 +61,9 @@ def _save_plain(rank: int, world: int, port: int, out: str) -> None:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
     try:
         mesh = init_device_mesh("cpu", (world,))
         dcp.save(_sharded(_full_state(), mesh), storage_writer=dcp.FileSystemWriter(out))
@@ -86,7 +93,9 @@ def _nvckpt(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-def test_compress_and_decompress_round_trip_bit_identical(plain_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_compress_and_decompress_round_trip_bit_identical(
+    plain_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     ours, back = tmp_path / "ours", tmp_path / "back"
     code, out = _nvckpt(capsys, "compress", str(plain_dir), str(ours))
     assert code == 0 and "__0_0.distcp" in out and "NvcompReader" in out, out
@@ -110,7 +119,9 @@ def test_compress_and_decompress_round_trip_bit_identical(plain_dir: Path, tmp_p
     assert_tree_equal(_load(back), expected, "recompressed")
 
 
-def test_inspect_shows_rank_files_and_component_ratios(plain_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_shows_rank_files_and_component_ratios(
+    plain_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["compress", str(plain_dir), str(tmp_path / "ours"), "-q"]) == 0
     capsys.readouterr()
     for path, fmt in ((plain_dir, "dcp"), (tmp_path / "ours", "dcp-nvcomp")):
@@ -132,7 +143,9 @@ def test_inspect_shows_rank_files_and_component_ratios(plain_dir: Path, tmp_path
     assert ours["components"]["weights"]["stored_bytes"] < plain["components"]["weights"]["stored_bytes"]
 
 
-def test_verify_passes_good_directories_and_names_damage(plain_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_passes_good_directories_and_names_damage(
+    plain_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     ours = tmp_path / "ours"
     assert main(["compress", str(plain_dir), str(ours), "-q"]) == 0
     for path in (plain_dir, ours):
@@ -169,7 +182,9 @@ def test_verify_passes_good_directories_and_names_damage(plain_dir: Path, tmp_pa
 
 
 @pytest.mark.skipif(not Path("/proc/version").is_file(), reason="needs Linux's /proc, whose files refuse a seek to their end")
-def test_a_rank_file_that_does_not_read_is_named_and_the_others_still_listed(plain_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_rank_file_that_does_not_read_is_named_and_the_others_still_listed(
+    plain_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from nvcomp_checkpoint.dcp import dcp_report, read_dcp_files
     from nvcomp_checkpoint.errors import FormatError
 
@@ -201,4 +216,6 @@ def test_a_rank_file_that_does_not_read_is_named_and_the_others_still_listed(pla
     code, out = _nvckpt(capsys, "verify", str(headless), "--json")
     d = json.loads(out)
     assert code == 1 and d["files"] == 1 and d["tensors"] > 0, d
-    assert [(f["file"], f["tensor"]) for f in d["failures"]] == [(str(victim), None)] and "NVCKPT magic" in d["failures"][0]["error"], d
+    assert [(f["file"], f["tensor"]) for f in d["failures"]] == [(str(victim), None)] and "NVCKPT magic" in d["failures"][0][
+        "error"
+    ], d

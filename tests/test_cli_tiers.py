@@ -37,7 +37,12 @@ def test_ls_lists_steps_sizes_and_light(tiers, capsys):
     assert main(["ls", "--json", str(tiers / "local"), str(tiers / "shared")]) == 0
     doc = _json(capsys)["tiers"]
     local = doc[str(tiers / "local")]
-    assert [(r["step"], r["light"], r["verifies"]) for r in local] == [(1, False, True), (2, False, True), (3, False, True), (4, True, True)]
+    assert [(r["step"], r["light"], r["verifies"]) for r in local] == [
+        (1, False, True),
+        (2, False, True),
+        (3, False, True),
+        (4, True, True),
+    ]
     assert local[0]["bytes"] == (tiers / "local" / "step-0000000001.nvc").stat().st_size
     assert [r["step"] for r in doc[str(tiers / "shared")]] == [2, 4]
     assert main(["ls", str(tiers / "local")]) == 0
@@ -96,9 +101,30 @@ def test_sync_bad_keep(tiers, capsys):
 
 def test_estimate_storage_cost_per_tier(capsys):
     args = [
-        "estimate", "--json", "--checkpoint-gb", "782", "--gpus", "8", "--gpu-hour-usd", "4.40", "--storage-gbps", "5",
-        "--interval-min", "5", "--retain", "2", "--storage-usd-gb-month", "0.1", "--ratio", "1.27",
-        "--tier", "local:0:2:0", "--tier", "shared:30:4:0.30", "--tier", "object:60:24:0.023",
+        "estimate",
+        "--json",
+        "--checkpoint-gb",
+        "782",
+        "--gpus",
+        "8",
+        "--gpu-hour-usd",
+        "4.40",
+        "--storage-gbps",
+        "5",
+        "--interval-min",
+        "5",
+        "--retain",
+        "2",
+        "--storage-usd-gb-month",
+        "0.1",
+        "--ratio",
+        "1.27",
+        "--tier",
+        "local:0:2:0",
+        "--tier",
+        "shared:30:4:0.30",
+        "--tier",
+        "object:60:24:0.023",
     ]
     assert main(args) == 0
     result = _json(capsys)
@@ -117,15 +143,41 @@ def test_estimate_storage_cost_per_tier(capsys):
     out = capsys.readouterr().out
     assert "storage per tier" in out and "total per month (GPU idle + tier 0)" in out and "total (tiers)" in out, out
     a = doc["all_in_usd_month"]
-    assert f"all in, per month (GPU idle + tier 0 + the tiers): ${a['without']:,.0f} without, ${a['with']:,.0f} with compression" in out, out
+    assert (
+        f"all in, per month (GPU idle + tier 0 + the tiers): ${a['without']:,.0f} without, ${a['with']:,.0f} with compression"
+        in out
+    ), out
 
 
 def test_estimate_bad_tier_is_a_usage_error():
     proc = subprocess.run(
-        [sys.executable, "-m", "nvcomp_checkpoint.cli", "estimate", "--checkpoint-gb", "1", "--gpus", "1", "--gpu-hour-usd", "1",
-         "--storage-gbps", "1", "--interval-min", "1", "--retain", "1", "--storage-usd-gb-month", "1", "--ratio", "1.2",
-         "--tier", "object:60:0:0.02"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "nvcomp_checkpoint.cli",
+            "estimate",
+            "--checkpoint-gb",
+            "1",
+            "--gpus",
+            "1",
+            "--gpu-hour-usd",
+            "1",
+            "--storage-gbps",
+            "1",
+            "--interval-min",
+            "1",
+            "--retain",
+            "1",
+            "--storage-usd-gb-month",
+            "1",
+            "--ratio",
+            "1.2",
+            "--tier",
+            "object:60:0:0.02",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2 and "KEEP at least 1" in proc.stderr
 

@@ -38,8 +38,9 @@ def _widest_line(text: str) -> int:
 
 
 @pytest.mark.parametrize("columns", [80, 60])
-def test_compress_inspect_and_bench_figures_are_whole(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-                                                      tmp_path: Path, plain: Path, columns: int) -> None:
+def test_compress_inspect_and_bench_figures_are_whole(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, plain: Path, columns: int
+) -> None:
     dst = tmp_path / "out.nvc"
     out, _ = _run(capsys, monkeypatch, columns, "compress", plain, dst)
     assert "…" not in out and _widest_line(out) <= columns, out
@@ -51,22 +52,25 @@ def test_compress_inspect_and_bench_figures_are_whole(capsys: pytest.CaptureFixt
     assert "…" not in out and _widest_line(out) <= columns, out
 
     plot = tmp_path / "bench.png"
-    out, err = _run(capsys, monkeypatch, columns, "bench", plain, "--sample-mb", "0.25", "--repeat", "1",
-                    "--codecs", "zstd:1", "--plot", plot)
+    out, err = _run(
+        capsys, monkeypatch, columns, "bench", plain, "--sample-mb", "0.25", "--repeat", "1", "--codecs", "zstd:1", "--plot", plot
+    )
     assert "…" not in out and _widest_line(out) <= columns, out
     assert "ratio" in out and re.search(r"\d\.\d{3}x", out), out
     assert f"plot written to {plot}" in err and plot.stat().st_size > 0
 
 
-def test_a_very_narrow_terminal_drops_columns_and_says_which(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-                                                             tmp_path: Path, plain: Path) -> None:
+def test_a_very_narrow_terminal_drops_columns_and_says_which(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, plain: Path
+) -> None:
     out, _ = _run(capsys, monkeypatch, 40, "bench", plain, "--sample-mb", "0.25", "--repeat", "1", "--codecs", "zstd:1")
     assert "…" not in out and "not shown at this width:" in out, out
     assert re.search(r"\d\.\d{3}x", out), out
 
 
-def test_global_options_before_the_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-                                           tmp_path: Path, plain: Path) -> None:
+def test_global_options_before_the_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, plain: Path
+) -> None:
     out, err = _run(capsys, monkeypatch, 80, "-q", "compress", plain, tmp_path / "q.nvc")
     assert err == ""
     assert (tmp_path / "q.nvc").exists()

@@ -94,7 +94,11 @@ def _regions(path: Path, data: bytes) -> list[tuple[int, int, str, Any]]:
                     out.append((f.offset, f.offset + f.size, "frame", (entry.key, ci, p, len(frames))))
     out.append((index_offset, index_offset + index_size, "index", None))
     end = len(data)
-    out += [(end - 32, end - 16, "footer-place", None), (end - 16, end - 8, "footer-hash", None), (end - 8, end, "footer-magic", None)]
+    out += [
+        (end - 32, end - 16, "footer-place", None),
+        (end - 16, end - 8, "footer-hash", None),
+        (end - 8, end, "footer-magic", None),
+    ]
     return sorted(out)
 
 
@@ -310,7 +314,10 @@ FORGED: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
     "json_nesting_bomb": (lambda index: b"[" * 200_000, "not valid JSON"),
     "json_array": (lambda index: b"[1, 2]", "not an nvcomp-checkpoint index"),
     # Was: OverflowError "cannot convert float infinity to integer" (found by the fuzzer).
-    "infinity_offset": (lambda index: json.dumps(index).replace('"frames": [[', '"frames": [[Infinity, ', 1).encode(), "not valid JSON"),
+    "infinity_offset": (
+        lambda index: json.dumps(index).replace('"frames": [[', '"frames": [[Infinity, ', 1).encode(),
+        "not valid JSON",
+    ),
     "nan_shape": (lambda index: json.dumps(index).replace('"shape": [', '"shape": [NaN, ', 1).encode(), "not valid JSON"),
 }
 
@@ -403,7 +410,10 @@ def test_absurd_claims_under_address_space_limit(valid, tmp_path):
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", child, *map(str, files)], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", child, *map(str, files)],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -488,8 +498,27 @@ def test_fuzz_byte_mutations(valid, tmp_path, mutations):
 
 
 _json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=12)
-    | st.sampled_from(["cuda:0", "cpu", "xpu", "meta", "float8_e5m2", "complex128", "qint8", "zstd", "ans", "none", "byteplane", "ffffffffffffffff"]),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=12)
+    | st.sampled_from(
+        [
+            "cuda:0",
+            "cpu",
+            "xpu",
+            "meta",
+            "float8_e5m2",
+            "complex128",
+            "qint8",
+            "zstd",
+            "ans",
+            "none",
+            "byteplane",
+            "ffffffffffffffff",
+        ]
+    ),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=6,
 )
@@ -547,14 +576,18 @@ def test_fuzz_forged_index(valid, tmp_path, data):
 _leaf_ops = st.one_of(
     st.integers(-(2**31), 2**31 - 1).map(forged.int_op),
     st.text(max_size=8).map(forged.str_op),
-    st.sampled_from([forged.NONE, forged.NEWTRUE, forged.EMPTY_LIST, forged.EMPTY_DICT, forged.EMPTY_TUPLE, b"G" + struct.pack(">d", 0.5)]),
+    st.sampled_from(
+        [forged.NONE, forged.NEWTRUE, forged.EMPTY_LIST, forged.EMPTY_DICT, forged.EMPTY_TUPLE, b"G" + struct.pack(">d", 0.5)]
+    ),
     # TensorRef(i) in and out of the index (of 4 tensors), and of things that are no index.
     st.integers(-2, 6).map(forged.ref),
-    st.sampled_from([forged.EMPTY_LIST, forged.NONE, forged.NEWTRUE, forged.str_op("1"), forged.EMPTY_TUPLE])
-    .map(lambda arg: forged.ref_with(arg + forged.TUPLE1)),
+    st.sampled_from([forged.EMPTY_LIST, forged.NONE, forged.NEWTRUE, forged.str_op("1"), forged.EMPTY_TUPLE]).map(
+        lambda arg: forged.ref_with(arg + forged.TUPLE1)
+    ),
     st.just(forged.ref_with(forged.EMPTY_TUPLE)),  # TensorRef() without its index
-    st.sampled_from([("builtins", "bytearray"), ("os", "system"), ("collections", "OrderedDict"), ("builtins", "set"), ("_codecs", "encode")])
-    .map(lambda g: forged.global_op(*g) + forged.int_op(3) + forged.TUPLE1 + forged.REDUCE),
+    st.sampled_from(
+        [("builtins", "bytearray"), ("os", "system"), ("collections", "OrderedDict"), ("builtins", "set"), ("_codecs", "encode")]
+    ).map(lambda g: forged.global_op(*g) + forged.int_op(3) + forged.TUPLE1 + forged.REDUCE),
     st.integers(0, 3).map(lambda n: forged.codec_chain(n)[2:-1]),  # bytes, then hex of hex of ... of them
     st.just(forged.device_copy_of_a_view()[2:-1]),
 )
@@ -565,7 +598,11 @@ def _containers(children: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
     return st.one_of(
         items.map(lambda xs: forged.EMPTY_LIST + forged.MARK + b"".join(xs) + forged.APPENDS),
         items.map(lambda xs: forged.MARK + b"".join(xs) + forged.TUPLE),
-        items.map(lambda xs: forged.EMPTY_DICT + forged.MARK + b"".join(forged.str_op(str(i)) + x for i, x in enumerate(xs)) + forged.SETITEMS),
+        items.map(
+            lambda xs: (
+                forged.EMPTY_DICT + forged.MARK + b"".join(forged.str_op(str(i)) + x for i, x in enumerate(xs)) + forged.SETITEMS
+            )
+        ),
         # One value held ``fan`` times, through the memo: ``fan`` levels of this is the "billion laughs".
         st.tuples(children, st.integers(2, 10), st.integers(0, 300)).map(
             lambda a: a[0] + forged.put(a[2]) + forged.EMPTY_LIST + forged.MARK + forged.get(a[2]) * a[1] + forged.APPENDS

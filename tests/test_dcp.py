@@ -7,8 +7,8 @@ byte; plain DCP checkpoints read by NvcompReader and ours refused by a stock rea
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import shutil
 import signal
 import time
@@ -26,10 +26,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, fqn_component, is_compressed_dcp_checkpoint
-from nvcomp_checkpoint.errors import ChecksumError, CheckpointError
-
 from conftest import assert_tree_equal, spawn_ranks
+from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, fqn_component, is_compressed_dcp_checkpoint
+from nvcomp_checkpoint.errors import CheckpointError, ChecksumError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -39,7 +38,9 @@ def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     # 48 and 40 rows shard unevenly over 3 ranks (resharding crosses shard boundaries); the 2 rows
     # of the last layer leave the third rank an empty shard.
-    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 2))
+    return torch.nn.Sequential(
+        torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 2)
+    )
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, rank: int) -> list[float]:
@@ -122,7 +123,9 @@ def _spawn(fn: Any, world: int, *args: Any) -> None:
 def _rank_main(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...]) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
     try:
         fn(rank, world, *args)
     finally:
@@ -235,7 +238,9 @@ def _reshard_to_three(rank: int, world: int, tmp: str) -> None:
     dcp.save({"st": st}, storage_writer=NvcompWriter(root / "sharded_tensor"))
     # Staged on its device (the CPU here): the ShardedTensor keeps its layout; a later change stays out.
     late = lambda stream: (time.sleep(0.5), stream)[1]  # noqa: E731
-    pending = dcp.async_save({"st": st}, storage_writer=NvcompWriter(root / "sharded_tensor_device", staging="device", stream_wrapper=late))
+    pending = dcp.async_save(
+        {"st": st}, storage_writer=NvcompWriter(root / "sharded_tensor_device", staging="device", stream_wrapper=late)
+    )
     for shard in st.local_shards():
         shard.tensor.add_(1)
     pending.result()
@@ -403,7 +408,7 @@ def test_flipped_byte_names_fqn_and_file(two_rank_run: Path, tmp_path: Path) -> 
     model, opt = _plain()
     with pytest.raises(CheckpointException) as info:
         _load_into(model, opt, NvcompReader(damaged))
-    (error, _), = info.value.failures.values()
+    ((error, _),) = info.value.failures.values()
     assert isinstance(error, ChecksumError)
     assert "'model.2.weight'" in str(error) and str(rank_file) in str(error)
 
@@ -466,10 +471,19 @@ def test_fqn_classification() -> None:
     ("make", "message"),
     [
         (lambda p: None, "ckpt: does not exist; check the path"),
-        (lambda p: nc.save({"w": torch.ones(3)}, p), "ckpt: a single-file checkpoint of nvcomp-checkpoint, not a DCP directory: use nvcomp_checkpoint.load(path)"),
-        (lambda p: torch.save({"w": torch.ones(3)}, p), "ckpt: a torch.save file, not a DCP directory: use nvcomp_checkpoint.load(path) or torch.load(path)"),
+        (
+            lambda p: nc.save({"w": torch.ones(3)}, p),
+            "ckpt: a single-file checkpoint of nvcomp-checkpoint, not a DCP directory: use nvcomp_checkpoint.load(path)",
+        ),
+        (
+            lambda p: torch.save({"w": torch.ones(3)}, p),
+            "ckpt: a torch.save file, not a DCP directory: use nvcomp_checkpoint.load(path) or torch.load(path)",
+        ),
         (lambda p: p.mkdir(), "ckpt: an empty directory: no checkpoint was saved here"),
-        (lambda p: (p.mkdir(), (p / "__0_0.distcp").write_bytes(b"x")), "ckpt: a directory without .metadata (nor __0.metadata): not a DCP checkpoint, or a save that never completed"),
+        (
+            lambda p: (p.mkdir(), (p / "__0_0.distcp").write_bytes(b"x")),
+            "ckpt: a directory without .metadata (nor __0.metadata): not a DCP checkpoint, or a save that never completed",
+        ),
     ],
     ids=["absent", "single-file", "torch-save-file", "empty-directory", "uncommitted-directory"],
 )
@@ -634,7 +648,9 @@ def test_zstandard_extension_directory_compressed(tmp_path: Path) -> None:
     assert_tree_equal(_full(fresh, fresh_opt, loaded["extra"]), _full(model, opt, {"step": 7, "note": "sharded"}), "zstd->ours")
 
 
-def test_nvckpt_on_directories_saved_without_collectives(two_rank_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_nvckpt_on_directories_saved_without_collectives(
+    two_rank_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from nvcomp_checkpoint.cli.main import main
 
     def nvckpt(*argv: str) -> tuple[int, str]:
@@ -668,7 +684,9 @@ def test_nvckpt_on_directories_saved_without_collectives(two_rank_run: Path, tmp
 def test_tied_weights_are_stored_once_and_load_under_both_names(tmp_path: Path) -> None:
     # Language models tie the embedding and the output layer: two names, one tensor.
     w = torch.randn(64, 32)
-    dcp.save({"m": {"wte.weight": w, "lm_head.weight": w, "b": torch.ones(3)}}, storage_writer=NvcompWriter(tmp_path), no_dist=True)
+    dcp.save(
+        {"m": {"wte.weight": w, "lm_head.weight": w, "b": torch.ones(3)}}, storage_writer=NvcompWriter(tmp_path), no_dist=True
+    )
     target = {"m": {"wte.weight": torch.zeros(64, 32), "lm_head.weight": torch.zeros(64, 32), "b": torch.zeros(3)}}
     dcp.load(target, storage_reader=NvcompReader(tmp_path), no_dist=True)
     assert torch.equal(target["m"]["wte.weight"], w) and torch.equal(target["m"]["lm_head.weight"], w)

@@ -37,9 +37,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, StoredItem, dcp_report, read_stored_metadata
-from nvcomp_checkpoint.dcp import layout
-from nvcomp_checkpoint.errors import CheckpointError, ChecksumError, FormatError, SizeLimitError, UnsafeCheckpointError
+from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, StoredItem, dcp_report, layout, read_stored_metadata
+from nvcomp_checkpoint.errors import FormatError, SizeLimitError, UnsafeCheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -55,7 +54,10 @@ def _state(seed: int) -> dict[str, Any]:
 
 
 def _target() -> dict[str, Any]:
-    return {"model": {"w": torch.zeros(64, 32), "tied": torch.zeros(64, 32), "b": torch.zeros(3)}, "extra": {"step": 0, "note": ""}}
+    return {
+        "model": {"w": torch.zeros(64, 32), "tied": torch.zeros(64, 32), "b": torch.zeros(3)},
+        "extra": {"step": 0, "note": ""},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,11 @@ def _rank_file(path: Path) -> Path:
 
 def _our_metadata_bytes(payload: bytes) -> bytes:
     """``.metadata`` as NvcompWriter writes it around ``payload``, with a valid checksum: a forger can compute it."""
-    return layout.REFUSAL_PICKLE + struct.pack("<8sQQ", layout.RECORD_MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
+    return (
+        layout.REFUSAL_PICKLE
+        + struct.pack("<8sQQ", layout.RECORD_MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload))
+        + payload
+    )
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -186,9 +192,15 @@ def _gadgets(sentinel: Path) -> list[tuple[str, bytes]]:
     gadgets = [
         ("stack-global-dotted-os.system", _stack_global_call(dcp_md, "os.system", _u(cmd))),
         ("torch.os.system", _stack_global_call("torch", "os.system", _u(cmd))),
-        ("torch.ones-through-an-allowed-module", _stack_global_call(dcp_md, "torch.ones", b"J" + struct.pack("<i", 2**26) + b"\x85")),
+        (
+            "torch.ones-through-an-allowed-module",
+            _stack_global_call(dcp_md, "torch.ones", b"J" + struct.pack("<i", 2**26) + b"\x85"),
+        ),
         ("builtins.eval", _stack_global_call("builtins", "eval", _u(f"__import__('os').system({cmd!r})"))),
-        ("nested-stack-global", b"\x80\x04" + _u(dcp_md) + _u("Metadata") + b"\x93" + _u("os.system") + b"\x93" + _u(cmd) + b"\x85R."),
+        (
+            "nested-stack-global",
+            b"\x80\x04" + _u(dcp_md) + _u("Metadata") + b"\x93" + _u("os.system") + b"\x93" + _u(cmd) + b"\x85R.",
+        ),
         ("memoized-names", b"\x80\x04" + _u(dcp_md) + b"\x94" + _u("os.system") + b"\x94h\x00h\x01\x93" + _u(cmd) + b"\x85R."),
         ("ext-registry", b"\x80\x04\x82\x01" + _u(cmd) + b"\x85R."),
         ("persistent-id", b"\x80\x04" + _u(cmd) + b"Q."),
@@ -285,27 +297,29 @@ def test_truncated_and_bit_flipped_metadata_is_refused_naming_the_file(saved: Pa
 
 # -- the allow-list -----------------------------------------------------------------------------------
 def test_allow_list_is_exactly_what_dcp_pickles() -> None:
-    assert layout._ALLOWED_GLOBALS == frozenset({
-        ("torch.distributed.checkpoint.metadata", "Metadata"),
-        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
-        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
-        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-        ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
-        ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("nvcomp_checkpoint.dcp.layout", "StoredItem"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("torch._utils", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "PureWindowsPath"),
-    })
+    assert layout._ALLOWED_GLOBALS == frozenset(
+        {
+            ("torch.distributed.checkpoint.metadata", "Metadata"),
+            ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+            ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+            ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+            ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+            ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+            ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+            ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+            ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+            ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            ("nvcomp_checkpoint.dcp.layout", "StoredItem"),
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),
+            ("torch._utils", "_get_layout"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("pathlib", "PurePosixPath"),
+            ("pathlib", "PureWindowsPath"),
+        }
+    )
 
 
 @pytest.mark.parametrize("protocol", [2, 3, 4, 5])
@@ -315,8 +329,14 @@ def test_every_kind_of_dcp_metadata_reads_back(protocol: int) -> None:
     props = [TensorProperties(dtype=d) for d in (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.bool)]
     props.append(TensorProperties(dtype=torch.float16, memory_format=torch.channels_last))
     sdm: dict[str, Any] = {
-        f"t{i}": TensorStorageMetadata(p, torch.Size([4, 6]), [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 6])),
-                                                             ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 6]))])
+        f"t{i}": TensorStorageMetadata(
+            p,
+            torch.Size([4, 6]),
+            [
+                ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 6])),
+                ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 6])),
+            ],
+        )
         for i, p in enumerate(props)
     }
     sdm["obj"] = BytesStorageMetadata()
@@ -341,7 +361,9 @@ def _rewrite_storage(ckpt: Path, change: Callable[[StoredItem], StoredItem]) -> 
     ["../other/{f}", "/abs/{f}", "sub/{f}", "..\\other\\{f}", "", ".", "..", "{f}\x00.txt", "C:{f}"],
     ids=["dotdot", "absolute", "subdir", "backslash", "empty", "dot", "dotdot-alone", "nul", "drive"],
 )
-def test_a_rank_file_name_that_leaves_the_directory_is_refused(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+def test_a_rank_file_name_that_leaves_the_directory_is_refused(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
     ckpt = _copy(saved, "ours", tmp_path / "ckpt")
     _copy(saved, "other", tmp_path / "other")
     outside = _rank_file(tmp_path / "other").name
@@ -367,7 +389,9 @@ def test_a_plain_checkpoint_whose_record_leaves_the_directory_is_refused(saved: 
         read_stored_metadata(ckpt)
 
 
-def test_a_rank_file_of_another_checkpoint_under_the_expected_name_is_refused(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_rank_file_of_another_checkpoint_under_the_expected_name_is_refused(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     ckpt = _copy(saved, "ours", tmp_path / "ckpt")
     mine = _rank_file(ckpt)
     shutil.copyfile(_rank_file(saved / "other"), mine)  # valid in itself: every checksum holds
@@ -424,7 +448,9 @@ class _Note:
 
 
 @pytest.mark.parametrize("writer", ["ours", "plain"])
-def test_a_byte_item_that_would_run_code_is_refused_before_dcp_unpickles_it(tmp_path: Path, capsys: pytest.CaptureFixture[str], writer: str) -> None:
+def test_a_byte_item_that_would_run_code_is_refused_before_dcp_unpickles_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], writer: str
+) -> None:
     sentinel = tmp_path / "pwned"
     state = _state(1)
     state["extra"]["note"] = _Evil(str(sentinel))
@@ -493,10 +519,14 @@ def _torch_save_with_pickle(pkl: bytes) -> bytes:
     ],
     ids=["bytearray-of-a-size", "os.system", "deep-lists"],
 )
-def test_a_forged_byte_item_in_a_rank_file_with_valid_checksums_is_refused(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], pkl: bytes) -> None:
+def test_a_forged_byte_item_in_a_rank_file_with_valid_checksums_is_refused(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], pkl: bytes
+) -> None:
     ckpt = _copy(saved, "ours", tmp_path / "ckpt")
     forged = _torch_save_with_pickle(pkl)
-    mine = _rewrite_rank_file(ckpt, lambda t: t.update({"bytes:extra.note": torch.frombuffer(bytearray(forged), dtype=torch.uint8)}))
+    mine = _rewrite_rank_file(
+        ckpt, lambda t: t.update({"bytes:extra.note": torch.frombuffer(bytearray(forged), dtype=torch.uint8)})
+    )
     error, peak = _bounded(lambda: _load(ckpt))
     error = _unwrap(error) if error is not None else None
     assert isinstance(error, (FormatError, UnsafeCheckpointError)), repr(error)
@@ -508,7 +538,9 @@ def test_a_forged_byte_item_in_a_rank_file_with_valid_checksums_is_refused(saved
 
 # -- torn directories (a save killed before its commit) and size limits -------------------------------
 @pytest.mark.parametrize("kind", ["ours", "plain"])
-def test_a_directory_without_its_metadata_is_not_a_checkpoint(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str) -> None:
+def test_a_directory_without_its_metadata_is_not_a_checkpoint(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
     ckpt = _copy(saved, kind, tmp_path / "torn")
     (ckpt / ".metadata").unlink()
     for command in ("verify", "inspect"):
@@ -534,7 +566,9 @@ def test_reader_max_bytes_refuses_before_decoding(saved: Path) -> None:
     assert torch.equal(got["model"]["w"], _state(1)["model"]["w"])
 
 
-def test_a_rank_file_whose_index_claims_other_shapes_is_refused(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_rank_file_whose_index_claims_other_shapes_is_refused(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # A tensor far larger than the metadata's chunk, with valid checksums and digest: refused before
     # it is decoded (the slice the load wants would otherwise come out of it silently).
     ckpt = _copy(saved, "ours", tmp_path / "ckpt")

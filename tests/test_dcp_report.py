@@ -27,8 +27,14 @@ def _state() -> dict[str, Any]:
     w = (torch.randn(96, 64, generator=g) * 0.02).to(torch.bfloat16)
     return {
         "model": {"layer": {"weight": w, "bias": torch.randn(96, generator=g)}},
-        "optim": {"state": {"layer.weight": {"exp_avg": torch.randn(96, 64, generator=g) * 1e-3,
-                                              "exp_avg_sq": torch.rand(96, 64, generator=g) * 1e-6}}},
+        "optim": {
+            "state": {
+                "layer.weight": {
+                    "exp_avg": torch.randn(96, 64, generator=g) * 1e-3,
+                    "exp_avg_sq": torch.rand(96, 64, generator=g) * 1e-6,
+                }
+            }
+        },
         "extra": {"epoch": 3, "note": "a pickled item"},
     }
 

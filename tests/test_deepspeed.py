@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import assert_tree_equal, run_python
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'nvcomp-checkpoint[deepspeed]')")
@@ -29,13 +30,20 @@ from nvcomp_checkpoint.errors import CheckpointNotFoundError, FormatError, Unsaf
 from nvcomp_checkpoint.filetype import NVCOMP, TORCH, kind_of  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("deepspeed_train.py")
-ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1] / "src"), os.environ.get("PYTHONPATH", "")]),
+}
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT), *args],
-        env=dict(os.environ, PYTHONWARNINGS="ignore", **ENV), capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONWARNINGS="ignore", **ENV),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -46,11 +54,25 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     root = tmp_path_factory.mktemp(f"ds_zero{stage}")
     first = _torchrun("first", str(stage), str(root))
     # The t5 save is killed by design: the run must end with that SIGKILL, not finish or fail otherwise.
-    assert first.returncode != 0 and "Signal 9 (SIGKILL)" in first.stdout + first.stderr, first.stdout[-2000:] + first.stderr[-4000:]
+    assert first.returncode != 0 and "Signal 9 (SIGKILL)" in first.stdout + first.stderr, (
+        first.stdout[-2000:] + first.stderr[-4000:]
+    )
     assert "should have been killed" not in first.stderr
     # The resume reads `latest` and must land on t3; save_checkpoint there leaves the folder as it was.
     snapshot = {p: p.stat().st_size for p in (root / "ours").rglob("*") if p.is_file()}
-    run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT), "resume", str(stage), str(root), cwd=root, **ENV)
+    run_python(
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(SCRIPT),
+        "resume",
+        str(stage),
+        str(root),
+        cwd=root,
+        **ENV,
+    )
     assert {p: p.stat().st_size for p in (root / "ours").rglob("*") if p.is_file()} == snapshot
     return stage, root
 
@@ -88,7 +110,9 @@ def test_files_keep_deepspeed_names_and_are_compressed(run: tuple[int, Path]) ->
     for name in plain:
         assert _kind(root / "plain" / "t3" / name) == TORCH
         assert _kind(root / "ours" / "t3" / name) == NVCOMP
-    assert sum((root / "ours" / "t3" / n).stat().st_size for n in plain) < sum((root / "plain" / "t3" / n).stat().st_size for n in plain)
+    assert sum((root / "ours" / "t3" / n).stat().st_size for n in plain) < sum(
+        (root / "plain" / "t3" / n).stat().st_size for n in plain
+    )
     manifest = json.loads((root / "ours" / "t3" / MANIFEST_NAME).read_text())
     assert manifest["tag"] == "t3" and manifest["world_size"] == 2
     assert manifest["files"] == {n: (root / "ours" / "t3" / n).stat().st_size for n in plain}
@@ -119,7 +143,10 @@ def test_async_save_commits_at_the_next_step_with_the_same_files_as_sync(run: tu
         if name == MANIFEST_NAME:
             continue
         assert _kind(root / "async" / "t5" / name) == NVCOMP
-        assert_tree_equal(_comparable(load_deepspeed_file(root / "sync" / "t5" / name)), _comparable(load_deepspeed_file(root / "async" / "t5" / name)))
+        assert_tree_equal(
+            _comparable(load_deepspeed_file(root / "sync" / "t5" / name)),
+            _comparable(load_deepspeed_file(root / "async" / "t5" / name)),
+        )
 
 
 def test_flat_master_weights_and_moments_are_classified(run: tuple[int, Path]) -> None:
@@ -128,7 +155,9 @@ def test_flat_master_weights_and_moments_are_classified(run: tuple[int, Path]) -
     with nc.open(optim) as reader:
         components = {t.key: t.component for t in reader.index.tensors}
     flat = "optimizer_state_dict/single_partition_of_fp32_groups/0" if stage == 2 else "optimizer_state_dict/fp32_flat_groups/0"
-    state = "optimizer_state_dict/base_optimizer_state/state/0" if stage == 2 else "optimizer_state_dict/optimizer_state_dict/state/0"
+    state = (
+        "optimizer_state_dict/base_optimizer_state/state/0" if stage == 2 else "optimizer_state_dict/optimizer_state_dict/state/0"
+    )
     assert components[flat] == "weights"
     assert components[f"{state}/exp_avg"] == "exp_avg"
     assert components[f"{state}/exp_avg_sq"] == "exp_avg_sq"
@@ -147,7 +176,19 @@ def test_deepspeed_classes_are_allowed_only_during_the_load(run: tuple[int, Path
 
 @pytest.mark.slow
 def test_zero0_zero1_and_bf16_resume_with_identical_losses(tmp_path: Path) -> None:
-    run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT), "matrix", "0", str(tmp_path), cwd=tmp_path, **ENV)
+    run_python(
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(SCRIPT),
+        "matrix",
+        "0",
+        str(tmp_path),
+        cwd=tmp_path,
+        **ENV,
+    )
     results = json.loads((tmp_path / "matrix.json").read_text())
     assert sorted(results) == ["zero0", "zero0-bf16", "zero1-bf16", "zero2-bf16"]
     for name, r in results.items():
@@ -180,7 +221,9 @@ def test_unknown_class_is_refused_naming_it(tmp_path: Path, fmt: str, extra: obj
         torch.save(_ds_like(extra), path)
     else:
         nc.save(_ds_like(extra), path)
-        (path.parent / MANIFEST_NAME).write_text(json.dumps({"format": "nvcomp-checkpoint deepspeed tag v1", "tag": "t1", "files": {path.name: path.stat().st_size}}))
+        (path.parent / MANIFEST_NAME).write_text(
+            json.dumps({"format": "nvcomp-checkpoint deepspeed tag v1", "tag": "t1", "files": {path.name: path.stat().st_size}})
+        )
     name = "print" if isinstance(extra, Smuggled) else "PosixPath"
     with pytest.raises(UnsafeCheckpointError, match=name):
         load_deepspeed_file(path)

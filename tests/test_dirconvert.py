@@ -67,10 +67,17 @@ def test_a_failure_leaves_the_plain_files_as_they_were(tmp_path: Path) -> None:
         calls.append(path.name)
         return _read(path)
 
-    with pytest.raises(CheckpointWriteError, match=r"a\.pt\.nvc: writing the checkpoint failed .*The plain files of .*checkpoint-1 are untouched and the test resumes"):
+    with pytest.raises(
+        CheckpointWriteError,
+        match=r"a\.pt\.nvc: writing the checkpoint failed .*The plain files of .*checkpoint-1 are untouched and the test resumes",
+    ):
         compress_in_place(
-            directory, [PlainFile(n, "tree", read_then_fail) for n in trees], meta_key="test", marker="m",
-            resumes="the test resumes", stream_wrapper=full,
+            directory,
+            [PlainFile(n, "tree", read_then_fail) for n in trees],
+            meta_key="test",
+            marker="m",
+            resumes="the test resumes",
+            stream_wrapper=full,
         )
     assert calls == ["a.pt"] and sorted(os.listdir(directory)) == ["a.pt", "b.pt", "other.json"]
     assert {n: (directory / n).read_bytes() for n in trees} == before and directory.stat().st_mtime == 1_000_000

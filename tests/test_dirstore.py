@@ -99,8 +99,12 @@ def test_an_in_place_install_moves_the_manifest_last_and_leaves_other_files(tmp_
 def test_publish_replaces_a_saved_directory_and_installs_into_a_shared_one(tmp_path: Path) -> None:
     saved = lambda name: name.endswith(".nvc")  # noqa: E731
     target = tmp_path / "ckpt"
-    assert STORE.publish(_staged(tmp_path, target, {"m.nvc": b"1"}), target, {"names": ["m.nvc"]}, marker="m", saved=saved) is None
-    assert STORE.publish(_staged(tmp_path, target, {"n.nvc": b"2"}), target, {"names": ["n.nvc"]}, marker="m", saved=saved) is None
+    assert (
+        STORE.publish(_staged(tmp_path, target, {"m.nvc": b"1"}), target, {"names": ["m.nvc"]}, marker="m", saved=saved) is None
+    )
+    assert (
+        STORE.publish(_staged(tmp_path, target, {"n.nvc": b"2"}), target, {"names": ["n.nvc"]}, marker="m", saved=saved) is None
+    )
     assert sorted(os.listdir(target)) == [MARKER_NAME, "manifest.json", "n.nvc"]  # replaced as a whole
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the replaced directory is gone
     (target / "notes.txt").write_text("mine")  # now shared: updated file by file

@@ -93,10 +93,26 @@ def _bits(fmt: str, dtype: torch.dtype, words: list[int]) -> torch.Tensor:
 
 SPECIAL_VALUES = {
     # quiet NaN, NaN with payloads (both signs), signalling NaN, +-inf, -0.0, smallest subnormal
-    torch.float32: _bits("I", torch.int32, [0x7FC00000, 0x7FC12345, 0xFFC00001, 0x7F800001, 0x7F800000, 0xFF800000, 0x80000000, 0x00000001]).view(torch.float32),
-    torch.float64: _bits("Q", torch.int64, [0x7FF8000000000000, 0x7FF8DEADBEEF0001, 0xFFF0000000000001, 0x7FF0000000000000, 0xFFF0000000000000, 0x8000000000000000, 1]).view(torch.float64),
+    torch.float32: _bits(
+        "I", torch.int32, [0x7FC00000, 0x7FC12345, 0xFFC00001, 0x7F800001, 0x7F800000, 0xFF800000, 0x80000000, 0x00000001]
+    ).view(torch.float32),
+    torch.float64: _bits(
+        "Q",
+        torch.int64,
+        [
+            0x7FF8000000000000,
+            0x7FF8DEADBEEF0001,
+            0xFFF0000000000001,
+            0x7FF0000000000000,
+            0xFFF0000000000000,
+            0x8000000000000000,
+            1,
+        ],
+    ).view(torch.float64),
     torch.float16: _bits("H", torch.int16, [0x7E00, 0x7E01, 0xFD55, 0x7C01, 0x7C00, 0xFC00, 0x8000, 0x0001]).view(torch.float16),
-    torch.bfloat16: _bits("H", torch.int16, [0x7FC0, 0x7FC1, 0xFF81, 0x7F81, 0x7F80, 0xFF80, 0x8000, 0x0001]).view(torch.bfloat16),
+    torch.bfloat16: _bits("H", torch.int16, [0x7FC0, 0x7FC1, 0xFF81, 0x7F81, 0x7F80, 0xFF80, 0x8000, 0x0001]).view(
+        torch.bfloat16
+    ),
 }
 
 

@@ -15,8 +15,15 @@ import torch
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.entrypoint import (
-    SaveEntryPoint, as_policy, checked_on_every_rank, checkpoint_report, incremental_files, load_as_torch, policy_and_metadata,
-    report_metrics, torch_weights_only,
+    SaveEntryPoint,
+    as_policy,
+    checked_on_every_rank,
+    checkpoint_report,
+    incremental_files,
+    load_as_torch,
+    policy_and_metadata,
+    report_metrics,
+    torch_weights_only,
 )
 from nvcomp_checkpoint.errors import CheckpointWriteError
 from nvcomp_checkpoint.tiers import TierCopies
@@ -60,7 +67,10 @@ class Saver(SaveEntryPoint):
             self._saved(nc.save(tree, path, self.policy, stream_wrapper=self.stream_wrapper, base=base), after)
             return
         self._save_group(
-            path, started, after, lambda g: self._save_file(g, "file", tree, path, self.policy, stream_wrapper=self.stream_wrapper, base=base),
+            path,
+            started,
+            after,
+            lambda g: self._save_file(g, "file", tree, path, self.policy, stream_wrapper=self.stream_wrapper, base=base),
         )
 
     def remove(self, path: Path, deleted: list[str]) -> None:
@@ -131,7 +141,9 @@ def test_a_background_failure_is_raised_once_naming_who_reports_it(tmp_path: Pat
     assert not (tmp_path / "a.nvc").exists() and seen == [] and saver.pending() == 0
 
 
-def test_close_raises_a_failure_or_logs_it_while_another_error_propagates(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_close_raises_a_failure_or_logs_it_while_another_error_propagates(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     saver = Saver("Saver", async_save=True, stream_wrapper=Full())
     saver.save(_tree(), tmp_path / "a.nvc", step=1)
     with pytest.raises(CheckpointWriteError, match="reported by the end"):
@@ -204,7 +216,9 @@ def test_a_removal_waits_for_the_saves_pending_and_is_skipped_if_one_fails(tmp_p
             saver.wait()
             assert deleted == [str(old)] and not old.exists()
             continue
-        with pytest.raises(CheckpointWriteError, match=rf"Not removed, so that the run keeps its newest complete checkpoint: {old}"):
+        with pytest.raises(
+            CheckpointWriteError, match=rf"Not removed, so that the run keeps its newest complete checkpoint: {old}"
+        ):
             saver.wait()
         assert deleted == [] and old.exists()
 

@@ -14,8 +14,19 @@ import torch
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.cli.sources import sniff
 from nvcomp_checkpoint.filetype import (
-    ACCELERATE_DIR, DCP_DIR, HEAD_BYTES, HF_TRAINER_DIR, LIGHTNING_SHARDED_DIR, NVCOMP, OTHER, SAFETENSORS, TORCH, PathContents,
-    directory_kind, kind_of, path_contents,
+    ACCELERATE_DIR,
+    DCP_DIR,
+    HEAD_BYTES,
+    HF_TRAINER_DIR,
+    LIGHTNING_SHARDED_DIR,
+    NVCOMP,
+    OTHER,
+    SAFETENSORS,
+    TORCH,
+    PathContents,
+    directory_kind,
+    kind_of,
+    path_contents,
 )
 
 
@@ -59,6 +70,7 @@ def test_loading_a_safetensors_file_says_what_it_is_and_what_to_call(tmp_path: P
 
 def _dcp_save(path: Path) -> None:
     import torch.distributed.checkpoint as dcp
+
     from nvcomp_checkpoint.dcp import NvcompWriter
 
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
@@ -82,7 +94,13 @@ def test_checkpoint_directories_are_told_apart_by_their_names(tmp_path: Path) ->
     nc.save({"w": torch.ones(3)}, tmp_path / "trainer" / "optimizer.pt.nvc")
     (tmp_path / "other").mkdir()
     nc.save({"w": torch.ones(3)}, tmp_path / "other" / "step-1.nvc")
-    expected = {"dcp": DCP_DIR, "lightning": LIGHTNING_SHARDED_DIR, "accelerate": ACCELERATE_DIR, "trainer": HF_TRAINER_DIR, "other": None}
+    expected = {
+        "dcp": DCP_DIR,
+        "lightning": LIGHTNING_SHARDED_DIR,
+        "accelerate": ACCELERATE_DIR,
+        "trainer": HF_TRAINER_DIR,
+        "other": None,
+    }
     for name, kind in expected.items():
         assert directory_kind(os.listdir(tmp_path / name)) == kind, (name, os.listdir(tmp_path / name))
     # nc.load of the two framework folders names the framework's call (DCP ones: the test below).
@@ -95,9 +113,15 @@ def test_checkpoint_directories_are_told_apart_by_their_names(tmp_path: Path) ->
     ("make", "message"),
     [
         (lambda p: _dcp_save(p), r"a torch\.distributed\.checkpoint \(DCP\) directory: load it with .*NvcompReader\('.*ckpt'\)"),
-        (lambda p: (_dcp_save(p), nc.save({"step": 1}, p / "meta.pt")), r"a Lightning sharded checkpoint .*ckpt_path=.*NvcompModelParallelStrategy"),
+        (
+            lambda p: (_dcp_save(p), nc.save({"step": 1}, p / "meta.pt")),
+            r"a Lightning sharded checkpoint .*ckpt_path=.*NvcompModelParallelStrategy",
+        ),
         (lambda p: p.mkdir(), r"ckpt: is an empty directory, not a checkpoint file"),
-        (lambda p: (p.mkdir(), nc.save({"w": torch.ones(3)}, p / "step-1.nvc")), r"ckpt: is a directory, not a checkpoint file; it holds step-1\.nvc: pass one of them"),
+        (
+            lambda p: (p.mkdir(), nc.save({"w": torch.ones(3)}, p / "step-1.nvc")),
+            r"ckpt: is a directory, not a checkpoint file; it holds step-1\.nvc: pass one of them",
+        ),
     ],
     ids=["dcp", "lightning-sharded", "empty", "folder-of-files"],
 )

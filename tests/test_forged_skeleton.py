@@ -12,10 +12,10 @@ import collections
 import io
 import os
 import re
-import zipfile
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -196,8 +196,16 @@ def test_shared_and_empty_containers_of_a_users_tree_still_load(tmp_path):
     shared = {"lr": 0.1, "betas": (0.9, 0.99)}
     t = torch.randn(4)
     tree = {
-        "a": shared, "b": shared, "c": [(), (), [], {}], "t": t, "tied": [t, t], "nt": torch.Size([2, 3]),
-        "bytes": b"\x00\xff" * 3, "bytearray": bytearray(b"xy"), "set": {1, 2}, "complex": 1 + 2j,
+        "a": shared,
+        "b": shared,
+        "c": [(), (), [], {}],
+        "t": t,
+        "tied": [t, t],
+        "nt": torch.Size([2, 3]),
+        "bytes": b"\x00\xff" * 3,
+        "bytearray": bytearray(b"xy"),
+        "set": {1, 2},
+        "complex": 1 + 2j,
     }
     path = tmp_path / "shared.nvc"
     nc.save(tree, path)
@@ -314,8 +322,11 @@ def test_save_refuses_tensor_bytes_the_object_tree_would_pickle(tmp_path, case, 
     storage) would be pickled into the tree; refused with its path, so every saved file loads."""
     t = torch.ones(3)
     value = {
-        "set": lambda: {t}, "frozenset": lambda: frozenset([t]), "object": lambda: _Holder(t),
-        "subclass": lambda: t.as_subclass(_MyTensor), "storage": lambda: t.untyped_storage(),
+        "set": lambda: {t},
+        "frozenset": lambda: frozenset([t]),
+        "object": lambda: _Holder(t),
+        "subclass": lambda: t.as_subclass(_MyTensor),
+        "storage": lambda: t.untyped_storage(),
         "storage_in_object": lambda: _Holder(t.untyped_storage()),
     }[case]()
     path = tmp_path / f"{case}.nvc"

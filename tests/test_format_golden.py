@@ -10,8 +10,8 @@ import importlib.util
 import io
 import json
 import math
-import shutil
 import os
+import shutil
 import struct
 import zipfile
 from pathlib import Path
@@ -206,7 +206,18 @@ def test_resave_same_layout_any_version(tmp_path):
         assert new.keys() == old.keys()
         for key in old.keys():
             a, b = old.entry(key), new.entry(key)
-            fields = ("dtype", "shape", "component", "codec", "filter", "width", "chunk_bytes", "device", "requires_grad", "parameter")
+            fields = (
+                "dtype",
+                "shape",
+                "component",
+                "codec",
+                "filter",
+                "width",
+                "chunk_bytes",
+                "device",
+                "requires_grad",
+                "parameter",
+            )
             assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields], key
             assert [f.raw_size for f in a.frames] == [f.raw_size for f in b.frames], key
             for fa, fb in zip(a.frames, b.frames):
@@ -282,7 +293,14 @@ def test_resave_reproduces_golden_delta_bytes(tmp_path, monkeypatch):
     with nc.open(GOLDEN_DELTA) as reader:
         metadata = reader.metadata
     path = tmp_path / "delta.nvc"
-    nc.save(make_golden_delta.golden_delta_tree(), path, make_golden_delta.golden_delta_policy(), metadata=metadata, workers=1, base=tmp_path / GOLDEN.name)
+    nc.save(
+        make_golden_delta.golden_delta_tree(),
+        path,
+        make_golden_delta.golden_delta_policy(),
+        metadata=metadata,
+        workers=1,
+        base=tmp_path / GOLDEN.name,
+    )
     assert path.read_bytes() == GOLDEN_DELTA.read_bytes()
 
 
@@ -324,5 +342,12 @@ def test_resave_reproduces_golden_sub_bytes(tmp_path):
     with nc.open(GOLDEN_SUB) as reader:
         metadata = reader.metadata
     path = tmp_path / "sub.nvc"
-    nc.save(make_golden_delta.golden_delta_tree(), path, make_golden_delta.golden_delta_policy(), metadata=metadata, workers=1, base=tmp_path / GOLDEN.name)
+    nc.save(
+        make_golden_delta.golden_delta_tree(),
+        path,
+        make_golden_delta.golden_delta_policy(),
+        metadata=metadata,
+        workers=1,
+        base=tmp_path / GOLDEN.name,
+    )
     assert path.read_bytes() == GOLDEN_SUB.read_bytes()

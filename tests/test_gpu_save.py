@@ -37,12 +37,12 @@ def _odd_tree(device: torch.device) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     base = torch.randn(3_000_017, generator=g)
     return {
-        "w": base.to(device),                                              # fp32, ragged last chunk
-        "offset": base.to(device)[5:1_000_005],                            # starts 20 bytes into its storage
+        "w": base.to(device),  # fp32, ragged last chunk
+        "offset": base.to(device)[5:1_000_005],  # starts 20 bytes into its storage
         "bf16": (torch.randn(1_234_567, generator=g) * 0.02).to(torch.bfloat16).to(device),
         "f64": torch.randn(77_777, generator=g, dtype=torch.float64).to(device),
         "u8": torch.randint(0, 7, (999_999,), generator=g, dtype=torch.uint8).to(device),
-        "t": torch.randn(513, 257, generator=g).to(device).t(),           # non-contiguous
+        "t": torch.randn(513, 257, generator=g).to(device).t(),  # non-contiguous
         "cpu": torch.randn(4_097, generator=g),
     }
 
@@ -122,7 +122,10 @@ def test_a_cpu_written_file_of_64_mib_chunks_loads_on_the_gpu(tmp_path: Path, cu
     # The largest frames a file can hold (the 64 MiB chunk cap, no filter): libzstd's frames,
     # decoded by nvCOMP up to the facts table's gpu_decode_max_bytes, by libzstd above it.
     g = torch.Generator().manual_seed(2)
-    tree = {"w": torch.randn((64 << 20) // 4 + 1001, generator=g), "b": (torch.randn(5 << 20, generator=g) * 0.02).to(torch.bfloat16)}
+    tree = {
+        "w": torch.randn((64 << 20) // 4 + 1001, generator=g),
+        "b": (torch.randn(5 << 20, generator=g) * 0.02).to(torch.bfloat16),
+    }
     policy = nc.CodecPolicy.uniform(nc.CodecSpec("zstd", 1, filt, chunk_bytes=64 << 20), device="cpu")
     path = tmp_path / "cpu64.nvc"
     nc.save(tree, path, policy)

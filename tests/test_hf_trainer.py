@@ -29,11 +29,11 @@ pytest.importorskip("safetensors")
 
 import safetensors  # noqa: E402
 import safetensors.torch  # noqa: E402
-from conftest import assert_tree_equal  # noqa: E402
 from transformers import GPT2LMHeadModel, TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints  # noqa: E402
 
 import nvcomp_checkpoint as nc  # noqa: E402
+from conftest import assert_tree_equal  # noqa: E402
 from nvcomp_checkpoint.dirconvert import is_placeholder  # noqa: E402
 from nvcomp_checkpoint.storage import is_temp_name  # noqa: E402
 from nvcomp_checkpoint.transformers import (  # noqa: E402
@@ -195,7 +195,10 @@ def _python(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     # The subprocess computes with as many threads as the in-process reference runs (the thread
     # count sets the float reduction order, and the tests compare the two bit for bit).
     env = dict(
-        os.environ, TRANSFORMERS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+        os.environ,
+        TRANSFORMERS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
         OMP_NUM_THREADS=str(torch.get_num_threads()),
     )
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
@@ -302,7 +305,11 @@ def test_failed_conversion_leaves_every_checkpoint_loadable(
     assert "CheckpointWriteError" in proc.stderr and str(out / "checkpoint-4") in proc.stderr, proc.stderr[-4000:]
     # The failed conversion was undone: checkpoint-4 is exactly what the Trainer wrote ...
     names4 = {p.name for p in (out / "checkpoint-4").iterdir()}
-    assert _plain(out / "checkpoint-4") == set(PLAIN_FILES) and not set(NVC_FILES) & names4 and not [n for n in names4 if is_temp_name(n)], names4
+    assert (
+        _plain(out / "checkpoint-4") == set(PLAIN_FILES)
+        and not set(NVC_FILES) & names4
+        and not [n for n in names4 if is_temp_name(n)]
+    ), names4
     assert_tree_equal(_trainer_files_state(out / "checkpoint-4"), _trainer_files_state(runs["plain_dir"] / "checkpoint-4"))
     # ... the checkpoint before it is compressed and loads ...
     assert set(NVC_FILES) <= {p.name for p in (out / "checkpoint-2").iterdir()}
@@ -327,8 +334,16 @@ def test_rotation_keeps_the_newest_and_the_best_checkpoint(
     # The loss falls, so "greater is better" makes an early checkpoint the best one: rotation
     # must keep it and the newest, and the best model must load from its compressed file.
     trainer = mod.run(
-        str(out), 8, 2, eval_data=True, eval_strategy="steps", eval_steps=2, save_total_limit=2,
-        load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+        str(out),
+        8,
+        2,
+        eval_data=True,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_total_limit=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,
         nvcomp={"async_save": mode == "async"},
     )
     evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
@@ -342,7 +357,9 @@ def test_rotation_keeps_the_newest_and_the_best_checkpoint(
     best = nc.load(out / f"checkpoint-{best_step}" / "model.safetensors.nvc")["model"]
     final = trainer.model.state_dict()
     assert_tree_equal({k: final[k] for k in best}, best)
-    assert not torch.equal(final["transformer.h.0.attn.c_attn.weight"], runs["at"][8]["model"]["transformer.h.0.attn.c_attn.weight"])
+    assert not torch.equal(
+        final["transformer.h.0.attn.c_attn.weight"], runs["at"][8]["model"]["transformer.h.0.attn.c_attn.weight"]
+    )
 
 
 def test_late_conversion_does_not_change_rotation_order(runs: dict[str, Any], tmp_path: Path) -> None:
@@ -368,7 +385,10 @@ def test_plain_trainer_refuses_a_compressed_checkpoint_until_decompressed(
     shutil.copytree(runs["nvc_dir"] / "checkpoint-4", ckpt)
     # Loudly, never a silent resume with fresh optimizer state: the placeholder model.safetensors
     # makes safetensors say what the weights are.
-    with pytest.raises(safetensors.SafetensorError, match="compressed by nvcomp-checkpoint into model.safetensors.nvc; load it with NvcompTrainer"):
+    with pytest.raises(
+        safetensors.SafetensorError,
+        match="compressed by nvcomp-checkpoint into model.safetensors.nvc; load it with NvcompTrainer",
+    ):
         mod.run(str(tmp_path / "probe"), 4, 4, compress=False, resume=str(ckpt))
     assert sorted(decompress_checkpoint(ckpt)) == sorted(PLAIN_FILES)
     names = {p.name for p in ckpt.iterdir()}
@@ -483,7 +503,11 @@ def test_async_conversion_overlaps_training_and_finishes_before_the_next_save(
 
     watch = WatchCheckpoints(str(out))
     trainer = mod.run(
-        str(out), 8, 2, save_total_limit=1, after=[watch],
+        str(out),
+        8,
+        2,
+        save_total_limit=1,
+        after=[watch],
         nvcomp={"async_save": True, "on_saved": on_saved, "stream_wrapper": lambda s: SlowStream(s, delay, watch.saw_conversion)},
     )
     # Training went on while checkpoints were converted (two files held 0.3 s each) ...
@@ -603,8 +627,17 @@ def test_stock_trainer_resumes_in_a_fresh_process_with_the_uninterrupted_runs_lo
     source = tmp_path / "elsewhere" / "checkpoint-4" if resume == "path" else out / "checkpoint-4"
     shutil.copytree(stock_run / "checkpoint-4", source)
     proc = _python(
-        [str(path), str(out), "--stock", "--resume", "latest" if resume == "latest" else str(source),
-         "--dump", str(tmp_path / "start.pt"), "--log", str(tmp_path / "log.json")]
+        [
+            str(path),
+            str(out),
+            "--stock",
+            "--resume",
+            "latest" if resume == "latest" else str(source),
+            "--dump",
+            str(tmp_path / "start.pt"),
+            "--log",
+            str(tmp_path / "log.json"),
+        ]
         + (["--async-save"] if mode == "async" else []),
         tmp_path,
     )
@@ -630,7 +663,9 @@ def test_a_trainer_without_the_callback_refuses_a_converted_checkpoint_naming_it
     with pytest.raises(pickle.UnpicklingError, match="resume_with_NvcompTrainerCallback"):
         mod.run(str(tmp_path / "probe"), 8, 4, compress=False, resume=str(ckpt))
     # Told to trust the file, the placeholder says what it is.
-    with pytest.raises(nc.errors.FormatError, match=r"optimizer\.pt: a placeholder; the state is in optimizer\.pt\.nvc.*NvcompTrainerCallback"):
+    with pytest.raises(
+        nc.errors.FormatError, match=r"optimizer\.pt: a placeholder; the state is in optimizer\.pt\.nvc.*NvcompTrainerCallback"
+    ):
         torch.load(ckpt / "optimizer.pt", weights_only=False)
 
 
@@ -667,8 +702,17 @@ def test_stock_trainer_load_best_model_at_end_loads_the_best_weights(
     _, mod = script
     out = tmp_path / "out"
     trainer = mod.run(
-        str(out), 8, 2, stock=True, eval_data=True, eval_strategy="steps", eval_steps=2, save_total_limit=2,
-        load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+        str(out),
+        8,
+        2,
+        stock=True,
+        eval_data=True,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_total_limit=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,
     )
     evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
     best_step = max(evals, key=lambda s: (evals[s], -s))
@@ -676,7 +720,9 @@ def test_stock_trainer_load_best_model_at_end_loads_the_best_weights(
     best = safetensors.torch.load_file(str(out / f"checkpoint-{best_step}" / "model.safetensors"))
     final = trainer.model.state_dict()
     assert_tree_equal({k: final[k] for k in best}, best)
-    assert not torch.equal(final["transformer.h.0.attn.c_attn.weight"], runs["at"][8]["model"]["transformer.h.0.attn.c_attn.weight"])
+    assert not torch.equal(
+        final["transformer.h.0.attn.c_attn.weight"], runs["at"][8]["model"]["transformer.h.0.attn.c_attn.weight"]
+    )
 
 
 def test_compressed_weights_with_a_stock_trainer_are_refused_when_it_is_created(
@@ -707,7 +753,9 @@ def test_a_stock_trainer_asked_to_resume_from_compressed_weights_is_refused_when
     _, mod = script
     ckpt = tmp_path / "out" / "checkpoint-4"
     shutil.copytree(runs["nvc_dir"] / "checkpoint-4", ckpt)  # written by NvcompTrainer: weights compressed
-    with pytest.raises(nc.CheckpointError, match=r"checkpoint-4: a stock Trainer cannot read its compressed weights.*NvcompTrainer"):
+    with pytest.raises(
+        nc.CheckpointError, match=r"checkpoint-4: a stock Trainer cannot read its compressed weights.*NvcompTrainer"
+    ):
         mod.run(str(tmp_path / "probe"), 4, 4, stock=True, resume_from_checkpoint=str(ckpt))
     # Found in output_dir, where resume_from_checkpoint=True would look: a warning before train().
     with caplog.at_level("WARNING", logger="nvcomp_checkpoint.integrations.transformers"):
@@ -730,6 +778,8 @@ def test_import_without_a_framework_package_names_the_extra_to_install(missing: 
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("ImportError nvcomp_checkpoint.transformers needs transformers, accelerate and safetensors: "
-                                  "pip install -e '.[transformers]' in a clone of the nvcomp-checkpoint repository"), proc.stdout
+    assert proc.stdout.startswith(
+        "ImportError nvcomp_checkpoint.transformers needs transformers, accelerate and safetensors: "
+        "pip install -e '.[transformers]' in a clone of the nvcomp-checkpoint repository"
+    ), proc.stdout
     assert missing in proc.stdout, proc.stdout

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from conftest import run_python
 
 pytest.importorskip("transformers")
@@ -22,7 +23,7 @@ pytest.importorskip("safetensors")
 from nvcomp_checkpoint.dirconvert import is_placeholder  # noqa: E402
 
 _SCRIPT = textwrap.dedent(
-    '''
+    """
     import json, os, sys, warnings
     warnings.filterwarnings("ignore")
     import torch
@@ -76,12 +77,23 @@ _SCRIPT = textwrap.dedent(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-    '''
+    """
 )
 
 
 def _torchrun(script: Path, mode: str, root: Path) -> None:
-    run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), mode, str(root), cwd=root, OMP_NUM_THREADS="1")
+    run_python(
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        mode,
+        str(root),
+        cwd=root,
+        OMP_NUM_THREADS="1",
+    )
 
 
 @pytest.mark.slow
@@ -90,7 +102,8 @@ def test_ddp_resume_reads_each_file_on_one_rank_and_continues_the_run(tmp_path: 
     script.write_text(_SCRIPT)
     _torchrun(script, "first", tmp_path)
     assert sorted(p.name for p in (tmp_path / "first" / "checkpoint-3").glob("*.nvc")) == [
-        "model.safetensors.nvc", "optimizer.pt.nvc",
+        "model.safetensors.nvc",
+        "optimizer.pt.nvc",
     ]
     # The tier copies (made by rank 0 once every rank has written its files) hold both ranks' RNG state.
     copies = sorted(p for p in (tmp_path / "tier").rglob("rng_state_*.pth"))

@@ -66,7 +66,11 @@ def _many_tensors() -> dict[str, torch.Tensor]:
     for i in range(3 * READ_AHEAD_TENSORS + 5):
         dtype = dtypes[i % len(dtypes)]
         shape = (i % 7 + 1, 97)
-        t = torch.randn(shape, dtype=dtype) if dtype.is_floating_point or dtype.is_complex else torch.randint(0, 100, shape, dtype=dtype)
+        t = (
+            torch.randn(shape, dtype=dtype)
+            if dtype.is_floating_point or dtype.is_complex
+            else torch.randint(0, 100, shape, dtype=dtype)
+        )
         tree[f"t{i}"] = t
     tree["big"] = torch.randn(3 << 20) * 0.01  # 12 MiB: several chunks, decoded in parallel
     tree["view"] = torch.randn(1001)[1:]  # storage offset of one element

@@ -37,7 +37,18 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 # The tiers package, one module per job, lowest first: a module imports only those before it.
 TIERS = (
-    "schedule", "units", "transfer", "chains", "retention", "light", "restore", "tier0", "copier", "saving", "manager", "tiercopies",
+    "schedule",
+    "units",
+    "transfer",
+    "chains",
+    "retention",
+    "light",
+    "restore",
+    "tier0",
+    "copier",
+    "saving",
+    "manager",
+    "tiercopies",
 )
 FRAMEWORKS = {
     "lightning": ("lightning", "pytorch_lightning", "lightning_fabric"),
@@ -89,7 +100,12 @@ def _imports() -> list[Import]:
                 target = _resolve(source, is_pkg, node.module, node.level)
                 names = tuple(a.name for a in node.names)
                 # `from . import errors` imports a module; `from .api import save` a name.
-                modules = [f"{target}.{n}" for n in names if _is_package(f"{target}.{n}") or (ROOT.parent / Path(*f"{target}.{n}".split("."))).with_suffix(".py").is_file()]
+                modules = [
+                    f"{target}.{n}"
+                    for n in names
+                    if _is_package(f"{target}.{n}")
+                    or (ROOT.parent / Path(*f"{target}.{n}".split("."))).with_suffix(".py").is_file()
+                ]
                 if modules:
                     found.extend(Import(source, m, (), node.lineno) for m in modules)
                     rest = tuple(n for n in names if f"{target}.{n}" not in modules)
@@ -136,7 +152,7 @@ def test_no_import_cycles() -> None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)
@@ -181,8 +197,11 @@ def test_no_private_attributes_of_our_modules() -> None:
                 aliases |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith(PACKAGE)}
         for node in ast.walk(tree):
             if (
-                isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
-                and node.attr.startswith("_") and not node.attr.startswith("__")
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
             ):
                 bad.append(f"{_module_name(path)}:{node.lineno} reads {node.value.id}.{node.attr}")
     assert not bad, "\n".join(bad)
@@ -217,7 +236,8 @@ def test_integrations_do_not_import_each_other() -> None:
     bad = [
         f"{i.source}:{i.line} imports {i.target}"
         for i in OURS
-        if _top(i.source) == "integrations" and _top(i.target) == "integrations"
+        if _top(i.source) == "integrations"
+        and _top(i.target) == "integrations"
         and _integration_framework(i.source) != _integration_framework(i.target)
         and (i.source, i.target) not in BUILT_ON
     ]
@@ -228,11 +248,7 @@ def test_adapters_use_the_public_api_only() -> None:
     # The CLI and the integrations build on what users may import: the package and the modules
     # with a public __all__ below it, never the writer, the reader or the snapshot.
     internal = {"writer", "reader", "snapshot", "pending", "workers"}
-    bad = [
-        f"{i.source}:{i.line} imports {i.target}"
-        for i in OURS
-        if _top(i.source) in ADAPTERS and _top(i.target) in internal
-    ]
+    bad = [f"{i.source}:{i.line} imports {i.target}" for i in OURS if _top(i.source) in ADAPTERS and _top(i.target) in internal]
     assert not bad, "\n".join(bad)
 
 
@@ -244,8 +260,13 @@ def _text_decisions(source: str) -> list[int]:
         if not (isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)):
             continue
         right = node.comparators[0]
-        if isinstance(node.left, ast.Constant) and isinstance(right, ast.Call) and isinstance(right.func, ast.Name) and right.func.id == "str":
-            above = "\n".join(lines[max(0, node.lineno - 4): node.lineno])
+        if (
+            isinstance(node.left, ast.Constant)
+            and isinstance(right, ast.Call)
+            and isinstance(right.func, ast.Name)
+            and right.func.id == "str"
+        ):
+            above = "\n".join(lines[max(0, node.lineno - 4) : node.lineno])
             if "torch's own text" not in above:
                 found.append(node.lineno)
     return found
@@ -268,10 +289,14 @@ def _private_state_of_the_base() -> set[str]:
     tree = ast.parse((ROOT / "entrypoint" / "base.py").read_text())
     return {
         target.attr
-        for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
         for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
-        and target.attr.startswith("_") and not target.attr.startswith("__")
+        if isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+        and target.attr.startswith("_")
+        and not target.attr.startswith("__")
     }
 
 
@@ -312,7 +337,8 @@ def test_tiers_modules_import_down() -> None:
     bad = [
         f"{i.source}:{i.line} imports {i.target} (later in TIERS)"
         for i in OURS
-        if _tiers_module(i.source) and _tiers_module(i.target)
+        if _tiers_module(i.source)
+        and _tiers_module(i.target)
         and TIERS.index(_tiers_module(i.target)) >= TIERS.index(_tiers_module(i.source))
     ]
     assert not bad, "\n".join(bad)
@@ -320,9 +346,5 @@ def test_tiers_modules_import_down() -> None:
 
 def test_only_the_tiers_package_imports_its_modules() -> None:
     # Everything else takes the package's public names, so the modules inside can be split or merged freely.
-    bad = [
-        f"{i.source}:{i.line} imports {i.target}"
-        for i in OURS
-        if _tiers_module(i.target) and _top(i.source) != "tiers"
-    ]
+    bad = [f"{i.source}:{i.line} imports {i.target}" for i in OURS if _tiers_module(i.target) and _top(i.source) != "tiers"]
     assert not bad, "\n".join(bad)

@@ -21,9 +21,10 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
 import nvcomp_checkpoint as nc  # noqa: E402
 from conftest import assert_tree_equal  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from nvcomp_checkpoint.incremental import DEFERRED_NAME, IncrementalFiles  # noqa: E402
 from nvcomp_checkpoint.lightning import NvcompCheckpointIO  # noqa: E402
 from test_lightning import BATCHES_PER_EPOCH, TinyModule, fit_tiny  # noqa: E402
@@ -95,10 +96,16 @@ def test_lightning_top_k_with_deltas_resumes_bit_identical_in_a_fresh_process(tm
     # A fresh process resumes from step 12 (a delta of depth 2).
     dump, loss_file = tmp_path / "restored.pt", tmp_path / "losses.json"
     script = tmp_path / "resume.py"
-    script.write_text(RESUME.format(
-        tests=str(TESTS_DIR), root=str(tmp_path / "resumed"), ckpt=str(ckpts / name(12)), ckpts=str(tmp_path / "ckpts2"),
-        dump=str(dump), losses=str(loss_file),
-    ))
+    script.write_text(
+        RESUME.format(
+            tests=str(TESTS_DIR),
+            root=str(tmp_path / "resumed"),
+            ckpt=str(ckpts / name(12)),
+            ckpts=str(tmp_path / "ckpts2"),
+            dump=str(dump),
+            losses=str(loss_file),
+        )
+    )
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     restored, expected = torch.load(dump, weights_only=True), torch.load(at_12, weights_only=True)
@@ -182,8 +189,11 @@ def test_accelerate_save_state_with_total_limit_keeps_the_folders_kept_deltas_ne
     # 0 full, 1 and 2 deltas (1 of 0, 2 of 1), 3 full, 4 delta of 3. total_limit=2 keeps the newest
     # two and every folder they need: 0 stays while 1 or 2 is kept.
     assert kept_by_step == [
-        ["checkpoint_0"], ["checkpoint_0", "checkpoint_1"], ["checkpoint_0", "checkpoint_1", "checkpoint_2"],
-        ["checkpoint_0", "checkpoint_1", "checkpoint_2", "checkpoint_3"], ["checkpoint_3", "checkpoint_4"],
+        ["checkpoint_0"],
+        ["checkpoint_0", "checkpoint_1"],
+        ["checkpoint_0", "checkpoint_1", "checkpoint_2"],
+        ["checkpoint_0", "checkpoint_1", "checkpoint_2", "checkpoint_3"],
+        ["checkpoint_3", "checkpoint_4"],
     ]
     for name, base in (("checkpoint_3", None), ("checkpoint_4", "../checkpoint_3/model.nvc")):
         assert base_name(checkpoints / name / "model.nvc") == base

@@ -23,15 +23,16 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
-import nvcomp_checkpoint as nc  # noqa: E402
-from conftest import assert_tree_equal  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.plugins.io import TorchCheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
+
+import nvcomp_checkpoint as nc  # noqa: E402
+from conftest import assert_tree_equal  # noqa: E402
 from nvcomp_checkpoint import CodecPolicy  # noqa: E402
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, UnsafeCheckpointError  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from nvcomp_checkpoint.lightning import (  # noqa: E402
     NvcompCheckpointIO,
     NvcompCheckpointMetrics,
@@ -51,7 +52,10 @@ class TinyModule(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(32, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden), torch.nn.Tanh(),
+            torch.nn.Linear(32, hidden),
+            torch.nn.Tanh(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.Tanh(),
             torch.nn.Linear(hidden, 8),
         )
 
@@ -113,9 +117,15 @@ def fit_tiny(
     log = LossLog()
     trainer_kwargs.setdefault("logger", False)
     trainer = pl.Trainer(
-        default_root_dir=str(root), max_epochs=max_epochs, accelerator="cpu", devices=1,
-        enable_progress_bar=False, enable_model_summary=False, plugins=plugins or [],
-        callbacks=[log, *(callbacks or [])], **trainer_kwargs,
+        default_root_dir=str(root),
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=plugins or [],
+        callbacks=[log, *(callbacks or [])],
+        **trainer_kwargs,
     )
     model = TinyModule()
     trainer.fit(model, tiny_data(), ckpt_path=str(ckpt_path) if ckpt_path else None)
@@ -223,10 +233,17 @@ def test_resume_in_a_fresh_process_continues_the_uninterrupted_run(runs, async_r
 
     dump, losses = tmp_path / "restored.pt", tmp_path / "losses.json"
     script = tmp_path / "resume.py"
-    script.write_text(RESUME_SCRIPT.format(
-        tests=str(TESTS_DIR), root=str(tmp_path / "resumed"), epochs=N_EPOCHS + M_EPOCHS,
-        ckpt=str(saved["nvc_ckpt"]), dump=str(dump), losses=str(losses), async_save=mode == "async",
-    ))
+    script.write_text(
+        RESUME_SCRIPT.format(
+            tests=str(TESTS_DIR),
+            root=str(tmp_path / "resumed"),
+            epochs=N_EPOCHS + M_EPOCHS,
+            ckpt=str(saved["nvc_ckpt"]),
+            dump=str(dump),
+            losses=str(losses),
+            async_save=mode == "async",
+        )
+    )
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -256,7 +273,10 @@ def test_checkpoint_files_are_smaller_than_torch_checkpoint_io(runs):
 def test_a_run_that_adds_the_plugin_resumes_from_its_plain_ckpt(runs, tmp_path):
     assert not nc.is_nvcomp_checkpoint(runs["plain_ckpt"])
     _, _, losses = fit_tiny(
-        tmp_path, N_EPOCHS + M_EPOCHS, plugins=[NvcompCheckpointIO()], ckpt_path=runs["plain_ckpt"],
+        tmp_path,
+        N_EPOCHS + M_EPOCHS,
+        plugins=[NvcompCheckpointIO()],
+        ckpt_path=runs["plain_ckpt"],
         callbacks=[every_epoch(tmp_path)],
     )
     assert losses == runs["plain_losses"][N_EPOCHS * BATCHES_PER_EPOCH :]
@@ -344,8 +364,9 @@ def test_a_save_that_fills_the_disk_leaves_the_previous_checkpoint(runs, tmp_pat
 
 
 def test_model_checkpoint_keeps_top_k_and_removes_the_rest(tmp_path):
-    top_k = ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), monitor="step", mode="max", save_top_k=2,
-                            filename="{step}", save_last=True)
+    top_k = ModelCheckpoint(
+        dirpath=str(tmp_path / "ckpts"), monitor="step", mode="max", save_top_k=2, filename="{step}", save_last=True
+    )
     trainer, model, _ = fit_tiny(tmp_path, 4, plugins=[NvcompCheckpointIO()], callbacks=[top_k])
     names = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
     assert names == ["last.ckpt", "step=12.ckpt", "step=16.ckpt"]
@@ -442,9 +463,14 @@ def test_storage_options_choose_the_policy_of_one_save(tmp_path):
     ckpt = _checkpoint()
     plugin.save_checkpoint(ckpt, tmp_path / "raw.ckpt", storage_options={"policy": CodecPolicy.uniform("none")})
     assert all(s.codecs == ("none",) for s in plugin.last_report.components.values())
-    plugin.save_checkpoint(ckpt, tmp_path / "mixed.ckpt", storage_options={
-        "exp_avg_sq": {"codec": "zstd", "level": 3, "filter": "none"}, "metadata": {"note": "x"},
-    })
+    plugin.save_checkpoint(
+        ckpt,
+        tmp_path / "mixed.ckpt",
+        storage_options={
+            "exp_avg_sq": {"codec": "zstd", "level": 3, "filter": "none"},
+            "metadata": {"note": "x"},
+        },
+    )
     with nc.open(tmp_path / "mixed.ckpt") as reader:
         entry = reader.entry("optimizer_states/0/state/0/exp_avg_sq")
         assert (entry.codec.id, entry.codec.level, entry.filter) == ("zstd", 3, "none")
@@ -520,8 +546,12 @@ def test_one_class_is_accepted_by_trainer_and_fabric(tmp_path):
 def test_the_standalone_pytorch_lightning_package_accepts_it_too(tmp_path):
     standalone = pytest.importorskip("pytorch_lightning")
     plugin = NvcompCheckpointIO()  # registers with the standalone package's CheckpointIO
-    assert standalone.Trainer(default_root_dir=str(tmp_path), plugins=[plugin], logger=False,
-                              accelerator="cpu").strategy.checkpoint_io is plugin
+    assert (
+        standalone.Trainer(
+            default_root_dir=str(tmp_path), plugins=[plugin], logger=False, accelerator="cpu"
+        ).strategy.checkpoint_io
+        is plugin
+    )
 
 
 def test_remove_checkpoint(tmp_path):
@@ -615,8 +645,9 @@ def test_async_top_k_rotation_never_removes_the_old_file_before_the_new_one_is_d
     ckpts = tmp_path / "ckpts"
     delay = 0.3
     plugin = RotationWatch(async_save=True, stream_wrapper=slow(delay))
-    top1 = ModelCheckpoint(dirpath=str(ckpts), monitor="step", mode="max", save_top_k=1, every_n_train_steps=2,
-                           filename="{step}", save_last=True)
+    top1 = ModelCheckpoint(
+        dirpath=str(ckpts), monitor="step", mode="max", save_top_k=1, every_n_train_steps=2, filename="{step}", save_last=True
+    )
     with DirectoryWatch(ckpts) as watch:
         trainer, model, _ = fit_tiny(tmp_path, 2, plugins=[plugin], callbacks=[top1])
 
@@ -683,10 +714,15 @@ def test_on_saved_fires_once_the_file_is_durable(tmp_path, async_save):
 
     def on_saved(report: nc.SaveReport) -> None:
         path = Path(report.path)
-        calls.append({
-            "path": path, "complete": nc.is_nvcomp_checkpoint(path), "size": path.stat().st_size,
-            "stored": report.stored_bytes, "thread": threading.current_thread() is threading.main_thread(),
-        })
+        calls.append(
+            {
+                "path": path,
+                "complete": nc.is_nvcomp_checkpoint(path),
+                "size": path.stat().st_size,
+                "stored": report.stored_bytes,
+                "thread": threading.current_thread() is threading.main_thread(),
+            }
+        )
 
     plugin = NvcompCheckpointIO(async_save=async_save, on_saved=on_saved, stream_wrapper=slow(0.3))
     ckpt = _checkpoint()
@@ -759,7 +795,9 @@ def test_hpc_resume_sees_no_checkpoint_in_a_killed_or_pending_saves_temporary_fi
     trainer, _, _ = fit_tiny(tmp_path, 1, plugins=[NvcompCheckpointIO()])
     trainer.save_checkpoint(tmp_path / "hpc_ckpt_1.ckpt")
     # SLURM kills the job while it writes hpc_ckpt_2.ckpt: its temporary file stays.
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(tmp_path / "hpc_ckpt_2.ckpt")], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_SAVE, str(tmp_path / "hpc_ckpt_2.ckpt")], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
     finally:
@@ -890,12 +928,18 @@ def test_async_saves_with_repeating_names_keep_every_version(tmp_path, callback)
     release = threading.Timer(5.0, gate.set)
     release.start()
     plugin = NvcompCheckpointIO(async_save=True, max_pending=4, stream_wrapper=held(gate))
-    ck = callback(dirpath=str(ckpts), filename="ckpt", monitor="step_metric", mode="min", save_top_k=-1,
-                  every_n_train_steps=1)
+    ck = callback(dirpath=str(ckpts), filename="ckpt", monitor="step_metric", mode="min", save_top_k=-1, every_n_train_steps=1)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(max_steps=4, plugins=[plugin], callbacks=[ck], logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        max_steps=4,
+        plugins=[plugin],
+        callbacks=[ck],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(StepMetricModule(), tiny_data())
     files = sorted(os.listdir(ckpts))
     best_step = nc.load(ck.best_model_path, weights_only=False)["global_step"]

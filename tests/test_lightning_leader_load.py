@@ -21,7 +21,7 @@ import nvcomp_checkpoint as nc  # noqa: E402
 from conftest import run_python  # noqa: E402
 
 _SCRIPT = textwrap.dedent(
-    '''
+    """
     import json, sys, warnings
     from pathlib import Path
     warnings.filterwarnings("ignore")
@@ -107,7 +107,7 @@ _SCRIPT = textwrap.dedent(
         except Exception as exc:
             out["differ"] = f"{type(exc).__name__}: {exc}"
     (root / f"{mode}_{trainer.global_rank}.json").write_text(json.dumps(out))
-    '''
+    """
 )
 
 
@@ -135,7 +135,9 @@ def test_ddp_resume_reads_the_checkpoint_on_one_rank_and_continues_the_run(tmp_p
     assert "rank 1 failed before the collective load" in resumed[0]["missing_on_one_rank"]
     assert "absent.ckpt" in resumed[0]["missing_on_one_rank"]
     for rank in (0, 1):
-        assert resumed[rank]["differ"].startswith("CheckpointError: probe: the ranks see different checkpoint files"), resumed[rank]
+        assert resumed[rank]["differ"].startswith("CheckpointError: probe: the ranks see different checkpoint files"), resumed[
+            rank
+        ]
     for rank in (0, 1):
         full = first[rank]["losses"]
         assert [s for s, _ in full] == list(range(6))

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 import torch
+
 from conftest import assert_tree_equal, run_python
 
 pytest.importorskip("lightning")
 
 import lightning as L  # noqa: E402
-
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
 
 import nvcomp_checkpoint as nc  # noqa: E402
@@ -197,7 +197,9 @@ def test_fit_then_resume_in_fresh_processes_gives_the_same_losses(tmp_path: Path
     full = json.loads((tmp_path / "full.json").read_text())
     assert [s for s, _ in full] == list(range(6))
     # plugin.resume_path(), on every rank, is the tier's copy; it resumes with the uninterrupted run's losses.
-    assert {json.loads((tmp_path / f"newest_{r}.json").read_text()) for r in range(2)} == {str(tmp_path / "tier" / "step-0000000003")}
+    assert {json.loads((tmp_path / f"newest_{r}.json").read_text()) for r in range(2)} == {
+        str(tmp_path / "tier" / "step-0000000003")
+    }
     for name in ("resume_ours.json", "resume_plain.json"):
         resumed = json.loads((tmp_path / name).read_text())
         assert resumed == full[3:], name
@@ -208,7 +210,9 @@ def test_fit_then_resume_in_fresh_processes_gives_the_same_losses(tmp_path: Path
         loaded = torch.load(tmp_path / f"resumed{'' if run == 'ours' else '_plain'}_ema_loaded.pt", weights_only=True)
         assert saved["steps"] == loaded["steps"] == 3, run
         for key, tensor in saved["ema"].items():
-            assert tensor.dtype == loaded["ema"][key].dtype and torch.equal(tensor.view(torch.uint8), loaded["ema"][key].view(torch.uint8)), (run, key)
+            assert tensor.dtype == loaded["ema"][key].dtype and torch.equal(
+                tensor.view(torch.uint8), loaded["ema"][key].view(torch.uint8)
+            ), (run, key)
     # The resumed run saved compressed checkpoints too.
     assert is_compressed_dcp_checkpoint(tmp_path / "resumed" / "epoch=1-step=6.ckpt")
     # A report that could not be built: the checkpoint is committed and loads, rank 0 warned, and its
@@ -376,7 +380,7 @@ def test_meta_pt_or_dcp_files_of_another_save_are_refused(tmp_path: Path) -> Non
 
 
 _CHECK_SCRIPT = textwrap.dedent(
-    '''
+    """
     import json, sys, warnings
     from pathlib import Path
     warnings.filterwarnings("ignore")
@@ -433,7 +437,7 @@ _CHECK_SCRIPT = textwrap.dedent(
         results[mode] = run(mode, Path(sys.argv[2]))
         gc.collect()
     print("RESULT " + json.dumps(results))
-    '''
+    """
 )
 
 
@@ -451,16 +455,19 @@ def _check_run(tmp_path: Path, mode: str, entry_point: bool) -> dict[str, Any]:
         info = site / "nvcomp_checkpoint_entry_points-0.dist-info"
         info.mkdir(parents=True, exist_ok=True)
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nvcomp-checkpoint-entry-points\nVersion: 0\n")
-        (info / "entry_points.txt").write_text("".join(
-            f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in points.items())
-            for group, points in project["entry-points"].items()
-        ))
+        (info / "entry_points.txt").write_text(
+            "".join(
+                f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in points.items())
+                for group, points in project["entry-points"].items()
+            )
+        )
         env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(script), mode, str(tmp_path)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), mode, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_stock_strategy_with_plugin_fails_at_setup_through_the_entry_point(tmp_path: Path) -> None:

@@ -21,9 +21,8 @@ import torch.distributed as dist
 from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.errors import ChecksumError, CheckpointError
-
 from conftest import assert_tree_equal, spawn_ranks
+from nvcomp_checkpoint.errors import CheckpointError, ChecksumError
 
 
 class _CountingOpener(LocalFileOpener):
@@ -58,11 +57,23 @@ def _tree() -> dict[str, Any]:
     w = torch.randn(512, 256, generator=g) * 0.02
     tied = torch.randn(1000, 64, generator=g).to(torch.bfloat16)
     return {
-        "model": {"embed.weight": tied, "head.weight": tied, "w": torch.nn.Parameter(w, requires_grad=False),
-                  "mask": torch.rand(300, generator=g) > 0.5, "empty": torch.empty(0, 7)},
-        "optimizer": {"state": {0: {"exp_avg": torch.randn(512, 256, generator=g) * 1e-3,
-                                    "exp_avg_sq": torch.rand(512, 256, generator=g) * 1e-6, "step": torch.tensor(40.0)}},
-                      "param_groups": [{"lr": 1e-3, "params": [0]}]},
+        "model": {
+            "embed.weight": tied,
+            "head.weight": tied,
+            "w": torch.nn.Parameter(w, requires_grad=False),
+            "mask": torch.rand(300, generator=g) > 0.5,
+            "empty": torch.empty(0, 7),
+        },
+        "optimizer": {
+            "state": {
+                0: {
+                    "exp_avg": torch.randn(512, 256, generator=g) * 1e-3,
+                    "exp_avg_sq": torch.rand(512, 256, generator=g) * 1e-6,
+                    "step": torch.tensor(40.0),
+                }
+            },
+            "param_groups": [{"lr": 1e-3, "params": [0]}],
+        },
         "epoch": 4,
     }
 
@@ -70,7 +81,9 @@ def _tree() -> dict[str, Any]:
 def _rank(rank: int, world: int, port: int, root: str) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
     out = Path(root)
     url = "countfile://" + str(out / "ckpt.nvc")
     counts: dict[str, int] = {}

@@ -38,7 +38,9 @@ def _zeros_file(path, small, claimed: int = HUGE) -> None:
     for _ in range(claimed // MAX_CHUNK_BYTES):
         frames.append(Frame(len(body), len(frame), MAX_CHUNK_BYTES, xxhash.xxh3_64_intdigest(frame)))
         body += frame
-    zeros = TensorEntry("zeros", torch.uint8, (claimed,), "other", CodecConfig("zstd", 1), "none", 1, MAX_CHUNK_BYTES, tuple(frames))
+    zeros = TensorEntry(
+        "zeros", torch.uint8, (claimed,), "other", CodecConfig("zstd", 1), "none", 1, MAX_CHUNK_BYTES, tuple(frames)
+    )
     new_index = dataclasses.replace(index, tensors=index.tensors + (zeros,)).to_json_bytes()
     path.write_bytes(body + new_index + pack_footer(len(body), len(new_index), xxhash.xxh3_64_intdigest(new_index)))
 

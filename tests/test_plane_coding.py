@@ -20,8 +20,18 @@ from nvcomp_checkpoint.filters import ByteplaneFilter
 
 FLOAT8 = [getattr(torch, n) for n in dir(torch) if n.startswith("float8_") and isinstance(getattr(torch, n), torch.dtype)]
 DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, *FLOAT8,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.complex64, torch.bool,
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    *FLOAT8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.complex64,
+    torch.bool,
 ]
 #: Elements per test tensor: every byte plane is a large frame, so the sampled choice runs.
 NUMEL = LARGE_FRAME_BYTES + 3
@@ -37,7 +47,11 @@ def _tensor(dtype: torch.dtype, seed: int) -> torch.Tensor:
         return values > 0
     if dtype.is_floating_point:
         return values.to(dtype)
-    return (values * 1000).round().clamp(-100, 100).to(dtype) if dtype != torch.uint8 else (values * 1000).abs().clamp(0, 255).to(dtype)
+    return (
+        (values * 1000).round().clamp(-100, 100).to(dtype)
+        if dtype != torch.uint8
+        else (values * 1000).abs().clamp(0, 255).to(dtype)
+    )
 
 
 def _frames(path) -> list[tuple[str, bytes, int]]:
@@ -95,8 +109,7 @@ def _adam_state() -> dict:
         opt.zero_grad()
         emb(torch.randint(0, 1500, (64, 16))).square().mean().backward()
         opt.step()
-    return {"model": emb.state_dict(), "optimizer": opt.state_dict(),
-            "gradients": {"weight": emb.weight.grad.to(torch.bfloat16)}}
+    return {"model": emb.state_dict(), "optimizer": opt.state_dict(), "gradients": {"weight": emb.weight.grad.to(torch.bfloat16)}}
 
 
 def _sparse_state() -> dict:

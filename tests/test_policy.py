@@ -17,9 +17,7 @@ from conftest import assert_tree_equal
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 4)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int = 2) -> None:
@@ -167,8 +165,14 @@ def lightning_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("lightning")
     data = DataLoader(TensorDataset(torch.randn(8, 8), torch.randn(8, 1)), batch_size=4)
     trainer = L.Trainer(
-        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", default_root_dir=root, callbacks=[EmaCallback()],
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=root,
+        callbacks=[EmaCallback()],
     )
     trainer.fit(Tiny(), data)
     trainer.save_checkpoint(root / "last.ckpt")

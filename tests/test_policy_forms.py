@@ -55,7 +55,9 @@ def test_manager_takes_a_shorthand(tmp_path: Path) -> None:
         (3, TypeError, "expected a CodecPolicy, a dict of its fields"),
     ],
 )
-def test_bad_forms_are_refused_at_construction_naming_the_entry_point(tmp_path: Path, form: object, error: type, names: str) -> None:
+def test_bad_forms_are_refused_at_construction_naming_the_entry_point(
+    tmp_path: Path, form: object, error: type, names: str
+) -> None:
     from nvcomp_checkpoint.dcp import NvcompWriter
     from nvcomp_checkpoint.integrations.accelerate import register_nvcomp_hooks  # noqa: F401 - importable
     from nvcomp_checkpoint.integrations.lightning import NvcompCheckpointIO

@@ -195,7 +195,9 @@ opt.step()
 # What a run of the Storage tiers snippet leaves after steps 100, 200 and 300: the newest two on
 # nvme/run1, all three on fsx/run1, and 200 (a multiple of every_steps) and 300 (the newest, copied at
 # close) on S3 (the endpoint comes from AWS_ENDPOINT_URL).
-_TIERS_CLI = _TINY_MODEL + """
+_TIERS_CLI = (
+    _TINY_MODEL
+    + """
 tiers = [nc.Tier("nvme/run1", keep=2, name="local"), nc.Tier("fsx/run1", name="shared"),
          nc.Tier("s3://bucket/run1", every_steps=200, name="object")]
 with nc.CheckpointManager(tiers) as mgr:
@@ -206,8 +208,11 @@ with nc.CheckpointManager(tiers) as mgr:
         mgr.wait()
 assert [mgr.steps(i) for i in range(3)] == [[200, 300], [100, 200, 300], [200, 300]], [mgr.steps(i) for i in range(3)]
 """
+)
 
-_TIERS_LOOP = _TIERS + """
+_TIERS_LOOP = (
+    _TIERS
+    + """
 steps = 1001
 
 def train_step(step):
@@ -215,10 +220,13 @@ def train_step(step):
     model(torch.randn(4, 32)).square().mean().backward()
     opt.step()
 """
+)
 
 # A run directory, the state of the run (``state.pt``: what step-1040 saved) and a training step
 # that changes the model and optimizer in place.
-_INCREMENTAL = _TINY_MODEL + """
+_INCREMENTAL = (
+    _TINY_MODEL
+    + """
 import os
 os.makedirs("run", exist_ok=True)
 torch.save(state, "state.pt")
@@ -228,11 +236,15 @@ def train_step():
     model(torch.randn(4, 32)).square().mean().backward()
     opt.step()
 """
+)
 
-_TIERS_DCP = _TINY_MODEL + """
+_TIERS_DCP = (
+    _TINY_MODEL
+    + """
 mgr = nc.CheckpointManager([nc.Tier("nvme/run1", keep=2, name="local"), nc.Tier("fsx/run1", name="shared")])
 step, rank = 100, 0
 """
+)
 
 #: Python run before a snippet (python: in its process; bash: as a script of its own, first).
 SETUPS: dict[str, str] = {
@@ -240,7 +252,8 @@ SETUPS: dict[str, str] = {
     "lightning_resume": _LIGHTNING_MODULE,
     "lightning_async": _LIGHTNING_MODULE,
     "lightning_tiers": _LIGHTNING_MODULE,
-    "accelerate": _TINY_MODEL + """
+    "accelerate": _TINY_MODEL
+    + """
 import torch
 from accelerate import Accelerator
 accelerator = Accelerator(cpu=True)
@@ -345,8 +358,9 @@ def run_snippet(s: Snippet, cwd: Path, **env: str) -> subprocess.CompletedProces
         cmd = [sys.executable, "-c", script]
     else:
         if setup:
-            prep = subprocess.run([sys.executable, "-c", SETUPS[setup]], cwd=cwd, env=_env(**env),
-                                  capture_output=True, text=True, timeout=300)
+            prep = subprocess.run(
+                [sys.executable, "-c", SETUPS[setup]], cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=300
+            )
             assert prep.returncode == 0, prep.stderr
         (cwd / "snippet.sh").write_text(s.code)
         cmd = ["bash", "-e", "-o", "pipefail", "snippet.sh"]
@@ -360,7 +374,7 @@ def _ok(proc: subprocess.CompletedProcess[str], s: Snippet) -> str:
 
 def _result(stdout: str) -> dict:
     line = next(ln for ln in stdout.splitlines() if ln.startswith(_RESULT))
-    return json.loads(line[len(_RESULT):])
+    return json.loads(line[len(_RESULT) :])
 
 
 @contextmanager
@@ -374,15 +388,20 @@ def s3_endpoint(bucket: str = "bucket") -> Iterator[tuple[dict[str, str], Any]]:
     boto3 = pytest.importorskip("boto3")
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
-    dummies = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1"}
+    dummies = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     with tempfile.TemporaryDirectory() as logs:  # not in the snippet's folder, which checks look at
         proc, port = start_moto_server(_env(**dummies), Path(logs) / "moto_server.log")
         endpoint = f"http://127.0.0.1:{port}"
         env = {**dummies, "AWS_ENDPOINT_URL": endpoint}
         try:
-            client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                                  aws_access_key_id="testing", aws_secret_access_key="testing")
+            client = boto3.client(
+                "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
+            )
             client.create_bucket(Bucket=bucket)
             yield env, client
         finally:
@@ -467,8 +486,14 @@ def check_hf_trainer_resume(s: Snippet, tmp_path: Path) -> None:
         from nvcomp_checkpoint.transformers import NvcompTrainerCallback
         Trainer(model=model, args=args, train_dataset=ds, callbacks=[NvcompTrainerCallback()]).train()
     """)
-    first = subprocess.run([sys.executable, "-c", _HF_MODEL + crash], cwd=tmp_path, env=_env(README_CRASH_AT_FORWARD="3"),
-                           capture_output=True, text=True, timeout=600)
+    first = subprocess.run(
+        [sys.executable, "-c", _HF_MODEL + crash],
+        cwd=tmp_path,
+        env=_env(README_CRASH_AT_FORWARD="3"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert first.returncode == 17, first.stderr[-3000:]
     assert (tmp_path / "out" / "checkpoint-2").is_dir()
     result = _result(_ok(run_snippet(s, tmp_path), s))
@@ -546,7 +571,9 @@ def check_incremental(s: Snippet, tmp_path: Path) -> None:
     # base_state, is still what was saved then (a kept state_dict() alone would have moved on).
     assert_tree_equal(torch.load(tmp_path / "loaded.pt"), torch.load(tmp_path / "live.pt"))
     assert_tree_equal(torch.load(tmp_path / "loaded-1040.pt"), torch.load(tmp_path / "state.pt"))
-    assert not torch.equal(torch.load(tmp_path / "live.pt")["model"]["0.weight"], torch.load(tmp_path / "state.pt")["model"]["0.weight"])
+    assert not torch.equal(
+        torch.load(tmp_path / "live.pt")["model"]["0.weight"], torch.load(tmp_path / "state.pt")["model"]["0.weight"]
+    )
 
 
 def check_deepspeed(s: Snippet, tmp_path: Path) -> None:

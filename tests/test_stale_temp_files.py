@@ -47,7 +47,9 @@ _HELD_SAVE = textwrap.dedent(
 
 def _start_held_save(target: Path, hold: Path) -> subprocess.Popen[str]:
     hold.touch()
-    proc = subprocess.Popen([sys.executable, "-c", _HELD_SAVE, str(target), str(hold)], stdout=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HELD_SAVE, str(target), str(hold)], stdout=subprocess.PIPE, text=True, env=ENV
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.strip() == "frame", f"the save did not start (rc {proc.poll()})"

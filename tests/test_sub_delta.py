@@ -17,7 +17,7 @@ import xxhash
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
 from nvcomp_checkpoint.delta import pick_frames, undo_chunk_, undo_chunk_np_
-from nvcomp_checkpoint.errors import BaseCheckpointError, ChecksumError, CheckpointError, FormatError
+from nvcomp_checkpoint.errors import BaseCheckpointError, CheckpointError, ChecksumError, FormatError
 from nvcomp_checkpoint.filters.sub import sub_bytes, sub_bytes_torch, undo_planes_, undo_planes_np_
 
 META = {"created_by": "test", "torch": "pinned", "created": 0.0}
@@ -84,7 +84,10 @@ def test_difference_wraps_the_same_in_numpy_and_torch(width):
     base = rng.integers(0, 256, 4096 * width, dtype=np.uint8)
     d = sub_bytes(x, base, width)
     assert np.array_equal(sub_bytes_torch(torch.from_numpy(x), torch.from_numpy(base), width).numpy(), d)
-    words = [int.from_bytes(x[i : i + width].tobytes(), "little") - int.from_bytes(base[i : i + width].tobytes(), "little") for i in range(0, 64 * width, width)]
+    words = [
+        int.from_bytes(x[i : i + width].tobytes(), "little") - int.from_bytes(base[i : i + width].tobytes(), "little")
+        for i in range(0, 64 * width, width)
+    ]
     assert d[: 64 * width].tobytes() == b"".join((w % 256**width).to_bytes(width, "little") for w in words)
 
 
@@ -337,8 +340,11 @@ def test_forged_sub_op_on_a_plain_tensor_is_refused_or_exact(tmp_path):
 def test_gpu_sub_delta_matches_the_cpu(tmp_path):
     base, later = _state(20), _state(40)
     nc.save(base, tmp_path / "base.nvc")
-    on_gpu = {"model": {k: v.cuda() for k, v in later["model"].items()},
-              "optimizer": {"state": {0: {k: v.cuda() for k, v in later["optimizer"]["state"][0].items()}}}, "step": 40}
+    on_gpu = {
+        "model": {k: v.cuda() for k, v in later["model"].items()},
+        "optimizer": {"state": {0: {k: v.cuda() for k, v in later["optimizer"]["state"][0].items()}}},
+        "step": 40,
+    }
     nc.save(on_gpu, tmp_path / "gpu.nvc", base=tmp_path / "base.nvc")
     nc.save(later, tmp_path / "cpu.nvc", base=tmp_path / "base.nvc", policy=nc.CodecPolicy(device="cpu"))
     assert "sub" in _ops(tmp_path / "gpu.nvc")["optimizer/state/0/exp_avg_sq"]
@@ -355,4 +361,6 @@ def test_gpu_sub_delta_matches_the_cpu(tmp_path):
             t = torch.from_numpy(stored.copy()).cuda()
             undo_chunk_(t, torch.from_numpy(b).cuda(), width, list(ops))
             assert np.array_equal(t.cpu().numpy(), x), ops
-        assert np.array_equal(sub_bytes_torch(torch.from_numpy(x).cuda(), torch.from_numpy(b).cuda(), width).cpu().numpy(), sub_bytes(x, b, width))
+        assert np.array_equal(
+            sub_bytes_torch(torch.from_numpy(x).cuda(), torch.from_numpy(b).cuda(), width).cpu().numpy(), sub_bytes(x, b, width)
+        )

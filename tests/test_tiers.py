@@ -19,10 +19,10 @@ import torch
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, CopySourceError, CopyTimeoutError
+from nvcomp_checkpoint.storage import is_temp_name, temp_prefix
 from nvcomp_checkpoint.tiers import TierStore, UnitManifest, light_tree, open_tier, retained_steps
 from nvcomp_checkpoint.tiers.retention import newer_steps, steps_to_remove
 from nvcomp_checkpoint.tiers.transfer import copy_with_retries
-from nvcomp_checkpoint.storage import is_temp_name, temp_prefix
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -64,7 +64,10 @@ def test_retention_on_every_tier(tmp_path):
     assert mgr.steps(1) == [12, 13] and mgr.steps(2) == [6, 12, 13]
     # Only committed units and their manifests are left: no temporary files, no orphans.
     assert _files(tmp_path / "shared") == [
-        "step-0000000012.manifest.json", "step-0000000012.nvc", "step-0000000013.manifest.json", "step-0000000013.nvc",
+        "step-0000000012.manifest.json",
+        "step-0000000012.nvc",
+        "step-0000000013.manifest.json",
+        "step-0000000013.nvc",
     ]
     # The copies are the compressed file as it is, byte for byte.
     assert (tmp_path / "object" / "step-0000000013.nvc").read_bytes() == (tmp_path / "local" / "step-0000000013.nvc").read_bytes()
@@ -257,7 +260,9 @@ def test_tier0_file_size_limit_in_child(tmp_path):
     """Where no tmpfs can be mounted: RLIMIT_FSIZE makes the kernel fail the tier-0 write."""
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FSIZE_CHILD, str(tmp_path / "run")], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("CheckpointWriteError [1] "), proc.stdout + proc.stderr[-2000:]
     assert _files(tmp_path / "run") == ["step-0000000001.manifest.json", "step-0000000001.nvc"]
@@ -317,8 +322,12 @@ def test_copy_killed_mid_way_is_never_listed_and_cleaned(tmp_path):
     import sys
 
     local, shared = tmp_path / "local", tmp_path / "shared"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_COPY, str(local), str(shared)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_COPY, str(local), str(shared)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ),
+    )
     try:
         assert proc.stdout.readline().strip() == b"COPYING", proc.stderr.read().decode()[-3000:]
     finally:

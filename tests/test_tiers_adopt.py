@@ -19,7 +19,8 @@ def test_adopted_files_and_folders_are_copied_checked_and_retained(tmp_path: Pat
     fw = tmp_path / "framework"
     fw.mkdir()
     mgr = nc.CheckpointManager(
-        [nc.Tier(fw, name="fw"), nc.Tier(tmp_path / "shared", keep=2, name="shared", max_queued=8)], tier0_external=True,
+        [nc.Tier(fw, name="fw"), nc.Tier(tmp_path / "shared", keep=2, name="shared", max_queued=8)],
+        tier0_external=True,
     )
     for step in (10, 20, 30):
         nc.save({"w": torch.full((100,), float(step))}, fw / f"epoch-{step}.ckpt")
@@ -68,7 +69,8 @@ def test_a_source_the_framework_rotates_away_mid_copy_is_skipped_with_a_warning(
 
     mgr = nc.CheckpointManager(
         [nc.Tier(src.parent, name="fw"), nc.Tier(tmp_path / "shared", name="shared")],
-        tier0_external=True, on_copy_progress=rotate_away,
+        tier0_external=True,
+        on_copy_progress=rotate_away,
     )
     with caplog.at_level(logging.WARNING, logger="nvcomp_checkpoint"):
         mgr.adopt(1, src)
@@ -92,7 +94,8 @@ def test_a_framework_removal_waits_for_the_copies_of_that_checkpoint(tmp_path: P
 
     mgr = nc.CheckpointManager(
         [nc.Tier(fw, name="fw"), nc.Tier(tmp_path / "shared", name="shared", max_queued=8)],
-        tier0_external=True, on_copy_progress=hold,
+        tier0_external=True,
+        on_copy_progress=hold,
     )
     for step in (1, 2):
         nc.save({"w": torch.full((1000,), float(step))}, fw / f"step-{step}.ckpt")

@@ -30,7 +30,9 @@ def tiers(base: Path) -> list[nc.Tier]:
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_copies_reach_the_tiers_and_a_fresh_node_resumes(script: tuple[Path, ModuleType], tmp_path: Path, async_save: bool) -> None:  # noqa: F811
+def test_copies_reach_the_tiers_and_a_fresh_node_resumes(
+    script: tuple[Path, ModuleType], tmp_path: Path, async_save: bool
+) -> None:  # noqa: F811
     _, mod = script
     snapshots = mod.Snapshots()
     out = tmp_path / "node1"
@@ -52,7 +54,11 @@ def test_copies_reach_the_tiers_and_a_fresh_node_resumes(script: tuple[Path, Mod
 
     dump = tmp_path / "restored.pt"
     resumed = mod.run(
-        str(tmp_path / "node2"), 12, 4, resume=path, callbacks=[mod.DumpAtStart(str(dump))],
+        str(tmp_path / "node2"),
+        12,
+        4,
+        resume=path,
+        callbacks=[mod.DumpAtStart(str(dump))],
         nvcomp={"async_save": async_save, "tiers": tiers(tmp_path)},
     )
     restored = torch.load(dump, weights_only=False)

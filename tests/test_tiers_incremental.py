@@ -48,7 +48,10 @@ def _file_base(path: str) -> str | None:
 
 def test_chains_with_full_every_and_retention_keeping_bases(tmp_path):
     run, states = _Run(), {}
-    tiers = [nc.Tier(tmp_path / "local", keep=2, name="local"), nc.Tier(tmp_path / "shared", every_steps=2, keep=1, name="shared")]
+    tiers = [
+        nc.Tier(tmp_path / "local", keep=2, name="local"),
+        nc.Tier(tmp_path / "shared", every_steps=2, keep=1, name="shared"),
+    ]
     with nc.CheckpointManager(tiers, incremental=True, full_every=3) as mgr:
         for step in range(1, 8):
             states[step] = run.state(step)
@@ -97,6 +100,7 @@ def test_incremental_takes_a_chain_policy(tmp_path):
     assert _bases(mgr) == {1: None, 2: 1, 3: 1, 4: None, 5: 4}
     with pytest.raises(ValueError, match="in the ChainPolicy only"):
         nc.CheckpointManager([nc.Tier(tmp_path / "other")], incremental=policy, full_every=5)
+
 
 def test_a_delta_is_not_committed_where_its_base_copy_failed(tmp_path, caplog):
     run = _Run()
@@ -185,7 +189,10 @@ def test_restore_falls_back_over_a_broken_chain(tmp_path, caplog):
 def test_chains_on_s3_restore_and_fetch(tmp_path, moto):
     run, states = _Run(), {}
     url = f"s3://{BUCKET}/inc"
-    tiers = [nc.Tier(tmp_path / "local", keep=1), nc.Tier(url, every_steps=2, keep=1, name="object", storage_options=moto.options())]
+    tiers = [
+        nc.Tier(tmp_path / "local", keep=1),
+        nc.Tier(url, every_steps=2, keep=1, name="object", storage_options=moto.options()),
+    ]
     with nc.CheckpointManager(tiers, incremental=True, full_every=3) as mgr:
         for step in range(1, 6):
             states[step] = run.state(step)
@@ -203,7 +210,10 @@ def test_chains_on_s3_restore_and_fetch(tmp_path, moto):
     assert (r.step, r.tier_name) == (5, "object")
     assert_tree_equal(states[5], r.state)
     local = fresh.fetch(5, 1, tmp_path / "download")
-    assert sorted(p.name for p in Path(local).parent.iterdir() if p.suffix == ".nvc") == ["step-0000000004.nvc", "step-0000000005.nvc"]
+    assert sorted(p.name for p in Path(local).parent.iterdir() if p.suffix == ".nvc") == [
+        "step-0000000004.nvc",
+        "step-0000000005.nvc",
+    ]
     assert Path(local).parent.parent == tmp_path / "download"
     assert_tree_equal(states[5], nc.load(local))
 

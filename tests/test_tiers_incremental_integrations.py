@@ -102,10 +102,19 @@ def test_lightning_top_k_deltas_reach_the_tiers_and_a_fresh_process_resumes_from
     shutil.rmtree(local)
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
     dump, losses = tmp_path / "restored.pt", tmp_path / "losses.json"
-    out = _run_script(tmp_path / "resume.py", RESUME_LIGHTNING.format(
-        tests=str(TESTS_DIR), base=str(tmp_path), restore=str(tmp_path / "restore"), root=str(tmp_path / "run2"),
-        epochs=EPOCHS + 2, ckpts=str(tmp_path / "local2"), dump=str(dump), losses=str(losses),
-    ))
+    out = _run_script(
+        tmp_path / "resume.py",
+        RESUME_LIGHTNING.format(
+            tests=str(TESTS_DIR),
+            base=str(tmp_path),
+            restore=str(tmp_path / "restore"),
+            root=str(tmp_path / "run2"),
+            epochs=EPOCHS + 2,
+            ckpts=str(tmp_path / "local2"),
+            dump=str(dump),
+            losses=str(losses),
+        ),
+    )
     # Step 20 (a delta) laid out with its base under the name it records.
     chain = laid_out(tmp_path / "restore", 20)
     assert f"RESUMED {chain / 'step-0000000020.nvc'}" in out
@@ -113,7 +122,7 @@ def test_lightning_top_k_deltas_reach_the_tiers_and_a_fresh_process_resumes_from
     restored = torch.load(dump, weights_only=False)
     assert_tree_equal(saved["state_dict"], restored["state_dict"], "state_dict")
     assert_tree_equal(saved["optimizer_states"][0], restored["optimizer"], "optimizer")
-    assert json.loads(losses.read_text()) == straight[EPOCHS * BATCHES_PER_EPOCH:]
+    assert json.loads(losses.read_text()) == straight[EPOCHS * BATCHES_PER_EPOCH :]
     # The resumed run's saves (24 full: the first of a process; 28 a delta of 24) went on to the tiers.
     assert bases(tmp_path / "shared") == {24: None, 28: 24}
 
@@ -123,8 +132,12 @@ def test_lightning_a_chain_broken_on_a_tier_falls_back(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(test_lightning, "TinyModule", StepLogged)
     local = tmp_path / "local"
-    fit_tiny(tmp_path / "run", EPOCHS, plugins=[NvcompCheckpointIO(incremental=True, full_every=3, tiers=lightning_tiers(tmp_path))],
-             callbacks=[newest_two(local)])
+    fit_tiny(
+        tmp_path / "run",
+        EPOCHS,
+        plugins=[NvcompCheckpointIO(incremental=True, full_every=3, tiers=lightning_tiers(tmp_path))],
+        callbacks=[newest_two(local)],
+    )
     states = {s: nc.load(local / name(s), weights_only=False)["state_dict"] for s in (16, 20)}
     shutil.rmtree(local)
     restore = tmp_path / "restore"
@@ -214,9 +227,8 @@ def accelerate_tiers(base: str | Path, endpoint: str) -> list[nc.Tier]:
 
 def test_accelerate_total_limit_deltas_reach_s3_and_a_fresh_process_resumes_from_s3(tmp_path: Path, moto) -> None:  # noqa: F811
     pytest.importorskip("accelerate")
-    from test_accelerate import SCRIPT, _module
-
     from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+    from test_accelerate import SCRIPT, _module
 
     script = tmp_path / "acc_train.py"
     script.write_text(SCRIPT)
@@ -245,10 +257,19 @@ def test_accelerate_total_limit_deltas_reach_s3_and_a_fresh_process_resumes_from
     shutil.rmtree(node)
     shutil.rmtree(tmp_path / "shared")
     restore, dump, losses = tmp_path / "node2" / "restore", tmp_path / "restored.pt", tmp_path / "losses.json"
-    out = _run_script(tmp_path / "resume.py", RESUME_ACCELERATE.format(
-        tests=str(TESTS_DIR), script=str(script), node=str(tmp_path / "node2"), base=str(tmp_path), endpoint=moto.endpoint,
-        restore=str(restore), dump=str(dump), losses=str(losses),
-    ))
+    out = _run_script(
+        tmp_path / "resume.py",
+        RESUME_ACCELERATE.format(
+            tests=str(TESTS_DIR),
+            script=str(script),
+            node=str(tmp_path / "node2"),
+            base=str(tmp_path),
+            endpoint=moto.endpoint,
+            restore=str(restore),
+            dump=str(dump),
+            losses=str(losses),
+        ),
+    )
     # Step 4 laid out with its base where model.nvc names it (../checkpoint_3/model.nvc).
     chain = laid_out(restore, 4)
     assert f"RESUMED {chain / 'step-0000000004'}" in out

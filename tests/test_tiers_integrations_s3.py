@@ -26,7 +26,9 @@ def test_accelerate_copies_to_s3_and_a_fresh_node_resumes_from_s3_only(script, m
     torch.set_num_threads(1)
 
     def build(node: Path):
-        acc, model, opt, sched, tracker, _ = m.build(project_dir=str(node), total_limit=3, hooks=False)  # room for the uploads to finish
+        acc, model, opt, sched, tracker, _ = m.build(
+            project_dir=str(node), total_limit=3, hooks=False
+        )  # room for the uploads to finish
         tier = nc.Tier(f"s3://{BUCKET}/run1", keep=2, name="object", storage_options=moto.options(), max_queued=8)
         return acc, model, opt, sched, tracker, register_nvcomp_hooks(acc, tiers=[tier])
 
@@ -40,7 +42,10 @@ def test_accelerate_copies_to_s3_and_a_fresh_node_resumes_from_s3_only(script, m
     objs[5].remove()
     keys = moto.keys("run1/")
     assert {k.split("/")[1] for k in keys} == {
-        "step-0000000001", "step-0000000001.manifest.json", "step-0000000002", "step-0000000002.manifest.json",
+        "step-0000000001",
+        "step-0000000001.manifest.json",
+        "step-0000000002",
+        "step-0000000002.manifest.json",
     }, keys  # keep=2
     assert moto.uploads() == []
 

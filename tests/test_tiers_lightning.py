@@ -14,9 +14,10 @@ import torch
 
 pytest.importorskip("lightning.pytorch")
 
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
 import nvcomp_checkpoint as nc  # noqa: E402
 from conftest import assert_tree_equal  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from nvcomp_checkpoint.lightning import NvcompCheckpointIO  # noqa: E402
 from nvcomp_checkpoint.tiers import open_tier  # noqa: E402
 from test_lightning import BATCHES_PER_EPOCH, DumpRestoredState, fit_tiny  # noqa: E402
@@ -81,14 +82,17 @@ def test_a_fresh_node_resumes_from_the_newest_copy(tmp_path: Path) -> None:
     assert path == str(tmp_path / "shared" / "step-0000000008.nvc")
     dump = tmp_path / "restored.pt"
     _, _, losses = fit_tiny(
-        tmp_path / "run2", 2 * EPOCHS, plugins=[fresh], ckpt_path=fresh.resume_path(),
+        tmp_path / "run2",
+        2 * EPOCHS,
+        plugins=[fresh],
+        ckpt_path=fresh.resume_path(),
         callbacks=[every_2_steps(tmp_path / "local2"), DumpRestoredState(str(dump))],
     )
     restored = torch.load(dump, weights_only=False)
     assert_tree_equal(restored["state_dict"], saved["state_dict"])
     assert_tree_equal(restored["optimizer"], saved["optimizer_states"][0])
     # The same next losses as the run that was never interrupted.
-    assert losses == straight[EPOCHS * BATCHES_PER_EPOCH:]
+    assert losses == straight[EPOCHS * BATCHES_PER_EPOCH :]
     # The resumed run's checkpoints go on to the same tiers, with their retention.
     assert open_tier(str(tmp_path / "shared")).steps() == [14, 16]
 

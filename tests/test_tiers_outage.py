@@ -33,7 +33,9 @@ from test_tiers_s3 import _AWS_ENV, BUCKET, MotoServer  # noqa: E402 - after the
 class FrozenMoto(MotoServer):
     def options(self) -> dict[str, Any]:
         return {
-            "client_kwargs": {"endpoint_url": self.endpoint}, "key": "x", "secret": "y",
+            "client_kwargs": {"endpoint_url": self.endpoint},
+            "key": "x",
+            "secret": "y",
             "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1, "read_timeout": 1},
             "skip_instance_cache": True,
         }
@@ -100,7 +102,9 @@ def test_restore_during_an_outage_raises_and_the_next_save_keeps_every_step(moto
     mgr.save(1, _state(1))
     mgr.close()
     assert _manifests(moto, "outage") == [
-        "step-0000000001.manifest.json", "step-0000000100.manifest.json", "step-0000000200.manifest.json",
+        "step-0000000001.manifest.json",
+        "step-0000000100.manifest.json",
+        "step-0000000200.manifest.json",
     ]
     assert "newer than step 1" in caplog.text and "kept" in caplog.text
     # Once the endpoint answers, a restore finds step 200, as saved.

@@ -65,7 +65,9 @@ class MotoServer:
     def options(self) -> dict[str, Any]:
         # One botocore attempt per call and short timeouts: the tier's own retries are under test.
         return {
-            "client_kwargs": {"endpoint_url": self.endpoint}, "key": "x", "secret": "y",
+            "client_kwargs": {"endpoint_url": self.endpoint},
+            "key": "x",
+            "secret": "y",
             "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
             "skip_instance_cache": True,
         }
@@ -110,7 +112,10 @@ def _state(step: int, mib: int = 0) -> dict[str, Any]:
 
 def test_s3_tier_retention_and_fresh_node_restore(moto, tmp_path):
     url = f"s3://{BUCKET}/run1"
-    tiers = [nc.Tier(tmp_path / "local", keep=1), nc.Tier(url, keep=2, name="object", storage_options=moto.options(), part_size=5 << 20)]
+    tiers = [
+        nc.Tier(tmp_path / "local", keep=1),
+        nc.Tier(url, keep=2, name="object", storage_options=moto.options(), part_size=5 << 20),
+    ]
     states = {}
     with nc.CheckpointManager(tiers) as mgr:
         for step in (10, 20, 30):
@@ -119,8 +124,10 @@ def test_s3_tier_retention_and_fresh_node_restore(moto, tmp_path):
             mgr.wait()
         assert mgr.steps(0) == [30] and mgr.steps(1) == [20, 30]
     assert moto.keys("run1/") == [
-        "run1/step-0000000020.manifest.json", "run1/step-0000000020.nvc",
-        "run1/step-0000000030.manifest.json", "run1/step-0000000030.nvc",
+        "run1/step-0000000020.manifest.json",
+        "run1/step-0000000020.nvc",
+        "run1/step-0000000030.manifest.json",
+        "run1/step-0000000030.nvc",
     ]
     head = moto.client().head_object(Bucket=BUCKET, Key="run1/step-0000000030.nvc")
     size = (tmp_path / "local" / "step-0000000030.nvc").stat().st_size
@@ -165,7 +172,9 @@ def test_save_process_killed_mid_upload(moto, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen(
         [sys.executable, "-c", _KILLED_SAVER, str(tmp_path / "local"), url, moto.endpoint],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
     )
     try:
         line = proc.stdout.readline()

@@ -10,14 +10,14 @@ from . import errors
 from .api import VerifyProblem, VerifyResult, is_nvcomp_checkpoint, load, open, save, verify
 from .async_save import AsyncSaveHandle, AsyncSaver, save_async
 from .broadcast import load_broadcast
-from .delta import ChainPolicy, retained
 from .codecs import GPU_ONLY_CODECS, PORTABLE_CODECS, gpu_available
+from .delta import ChainPolicy, retained
 from .errors import CheckpointError
+from .metrics import serve_metrics
 from .pending import has_pending_save, wait_for_saves
 from .policy import CodecPolicy, CodecSpec, Component, classify
 from .reader import CheckpointReader
 from .report import ComponentStats, SaveReport
-from .metrics import serve_metrics
 from .tiers import CheckpointManager, Restored, Tier
 from .version import __version__
 

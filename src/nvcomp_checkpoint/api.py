@@ -12,10 +12,20 @@ import torch
 
 from .delta import BaseSource
 from .errors import CheckpointError, FormatError, SizeLimitError, UnsafeCheckpointError
-from .format.layout import FOOTER_MAGIC, MAGIC
 from .filetype import (
-    ACCELERATE_DIR, DCP_DIR, HEAD_BYTES, HF_TRAINER_DIR, LIGHTNING_SHARDED_DIR, NVCOMP, SAFETENSORS, TORCH, ZIP_HEAD, kind_of, path_contents,
+    ACCELERATE_DIR,
+    DCP_DIR,
+    HEAD_BYTES,
+    HF_TRAINER_DIR,
+    LIGHTNING_SHARDED_DIR,
+    NVCOMP,
+    SAFETENSORS,
+    TORCH,
+    ZIP_HEAD,
+    kind_of,
+    path_contents,
 )
+from .format.layout import FOOTER_MAGIC, MAGIC
 from .format.skeleton import check_torch_archive, weights_only_detail
 from .pending import wait_for_path
 from .policy import CodecPolicy
@@ -24,7 +34,17 @@ from .report import SaveReport
 from .storage import open_checkpoint_stream, storage_for, write_errors
 from .writer import CheckpointWriter, TreePlan
 
-__all__ = ["save", "load", "open", "verify", "is_nvcomp_checkpoint", "VerifyResult", "VerifyProblem", "write_checkpoint", "log_report"]
+__all__ = [
+    "save",
+    "load",
+    "open",
+    "verify",
+    "is_nvcomp_checkpoint",
+    "VerifyResult",
+    "VerifyProblem",
+    "write_checkpoint",
+    "log_report",
+]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
 
@@ -77,7 +97,9 @@ def save(
     wait_for_path(path)
     if base_state is not None and base is None:
         raise ValueError("base_state is the state saved to `base`; pass base= too")
-    report = write_checkpoint(obj, path, policy, metadata, storage_options, workers, progress, stream_wrapper, base=base, base_state=base_state)
+    report = write_checkpoint(
+        obj, path, policy, metadata, storage_options, workers, progress, stream_wrapper, base=base, base_state=base_state
+    )
     log_report(report)
     return report
 
@@ -118,7 +140,9 @@ def write_checkpoint(
             with storage.open_write(spath) as stream:
                 if stream_wrapper is not None:
                     stream = stream_wrapper(stream)
-                writer = CheckpointWriter(stream, policy, where, workers=workers, progress=progress, pre_encoded=pre_encoded, base=source)
+                writer = CheckpointWriter(
+                    stream, policy, where, workers=workers, progress=progress, pre_encoded=pre_encoded, base=source
+                )
                 _, stats, raw = writer.write(obj, metadata, plan=plan)
                 stored = writer.bytes_written
     finally:
@@ -136,8 +160,15 @@ def log_report(report: SaveReport, what: str = "saved") -> None:
     parts = ", ".join(f"{name} {stats.ratio:.3f}x" for name, stats in report.components.items())
     _LOG.info(
         "%s %s: %.1f MB -> %.1f MB (%.3fx) in %.2f s, blocked %.3f s, %.0f MB/s [%s]",
-        what, report.path, report.raw_bytes / 1e6, report.stored_bytes / 1e6, report.ratio,
-        report.seconds, blocked, report.throughput_mb_s, parts,
+        what,
+        report.path,
+        report.raw_bytes / 1e6,
+        report.stored_bytes / 1e6,
+        report.ratio,
+        report.seconds,
+        blocked,
+        report.throughput_mb_s,
+        parts,
         extra={"nvckpt_report": report.to_dict()},
     )
 
@@ -221,12 +252,9 @@ def _check_plain_head(where: str, storage: Any, spath: str, head: bytes) -> None
         with storage.open_read(spath) as f:
             f.seek(size - len(FOOTER_MAGIC))
             if f.read(len(FOOTER_MAGIC)) == FOOTER_MAGIC:
-                raise FormatError(
-                    f"{where}: an nvcomp-checkpoint file whose header is damaged; restore it from another copy"
-                )
+                raise FormatError(f"{where}: an nvcomp-checkpoint file whose header is damaged; restore it from another copy")
     raise FormatError(
-        f"{where}: not a checkpoint: neither an nvcomp-checkpoint file nor a torch.save file "
-        f"(it starts with {head[:8]!r})"
+        f"{where}: not a checkpoint: neither an nvcomp-checkpoint file nor a torch.save file (it starts with {head[:8]!r})"
     )
 
 
@@ -335,10 +363,14 @@ def _directory_error(where: str, storage: Any, spath: str) -> FormatError | None
         return None
     kind = found.directory_kind
     if kind is not None:
-        return FormatError(f"{where}: is {_directory_loaders(where)[kind]}; nvcomp_checkpoint.load / open read one checkpoint file")
+        return FormatError(
+            f"{where}: is {_directory_loaders(where)[kind]}; nvcomp_checkpoint.load / open read one checkpoint file"
+        )
     if not found.names:
         return FormatError(f"{where}: is an empty directory, not a checkpoint file")
-    files = sorted(n for n, is_dir in found.names.items() if not is_dir and not n.startswith(".") and n.endswith(_CHECKPOINT_SUFFIXES))
+    files = sorted(
+        n for n, is_dir in found.names.items() if not is_dir and not n.startswith(".") and n.endswith(_CHECKPOINT_SUFFIXES)
+    )
     hint = f"; it holds {', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: pass one of them" if files else ""
     return FormatError(f"{where}: is a directory, not a checkpoint file{hint}")
 

@@ -20,10 +20,10 @@ from .api import log_report, write_checkpoint
 from .codecs import gpu_available
 from .errors import CheckpointError, CheckpointWriteError
 from .failures import FailureLog
+from .pending import has_pending_save, path_key, wait_for_path, wait_for_saves
 from .policy import CodecPolicy
 from .report import SaveReport
 from .snapshot import Snapshot, SnapshotBuffers
-from .pending import has_pending_save, path_key, wait_for_path, wait_for_saves
 from .writer import PinnedRing, TreePlan, checked_metadata, plan_tensors, planned_copy, pre_encode_on_gpu
 
 __all__ = [
@@ -261,11 +261,20 @@ class AsyncSaver:
         if _EXITING:
             # The exit flush has run (and closed every saver): a background thread would be
             # killed with the interpreter, so the save is made here and now.
-            return self._save_now(obj, where, started, dict(
-                policy=policy, metadata=metadata, storage_options=storage_options,
-                workers=workers if workers is not None else self.workers, progress=progress, stream_wrapper=stream_wrapper,
-                base=base,
-            ))
+            return self._save_now(
+                obj,
+                where,
+                started,
+                dict(
+                    policy=policy,
+                    metadata=metadata,
+                    storage_options=storage_options,
+                    workers=workers if workers is not None else self.workers,
+                    progress=progress,
+                    stream_wrapper=stream_wrapper,
+                    base=base,
+                ),
+            )
         if self._closed:
             raise CheckpointError(f"{where}: this AsyncSaver is closed; create a new one to save")
         # Saves to this file by other savers land first, so the newest save wins, as it does
@@ -281,7 +290,10 @@ class AsyncSaver:
             # The plan is kept for the writer (it does not plan again), and the host copies run
             # on while the worker starts compressing the tensors already copied.
             snapshot = self.buffers.take(
-                obj, validate=lambda tensors: plan_tensors(tensors, policy, where), pre_encode=pre_encode, where=where,
+                obj,
+                validate=lambda tensors: plan_tensors(tensors, policy, where),
+                pre_encode=pre_encode,
+                where=where,
                 background=self.overlap,
             )
         except BaseException:
@@ -290,8 +302,12 @@ class AsyncSaver:
         handle = AsyncSaveHandle(self, where, started)
         handle.snapshot_host_bytes, handle.snapshot_gpu_bytes = snapshot.host_bytes, snapshot.gpu_bytes
         kwargs = dict(
-            policy=policy, metadata=metadata, storage_options=storage_options,
-            workers=workers if workers is not None else self.workers, progress=progress, stream_wrapper=stream_wrapper,
+            policy=policy,
+            metadata=metadata,
+            storage_options=storage_options,
+            workers=workers if workers is not None else self.workers,
+            progress=progress,
+            stream_wrapper=stream_wrapper,
             base=None if base is None else os.fspath(base),
         )
         with self._lock:
@@ -368,8 +384,12 @@ class AsyncSaver:
                 handle._returned.wait()
                 report = replace(report, seconds=time.perf_counter() - handle._started, seconds_blocked=handle._blocked)
             except BaseException as exc:  # noqa: BLE001 - a waiter must never hang on a dead save
-                error = exc if isinstance(exc, CheckpointError) else CheckpointWriteError(
-                    f"{handle.path}: async save failed: {exc!r}. Any previous file at this path is untouched."
+                error = (
+                    exc
+                    if isinstance(exc, CheckpointError)
+                    else CheckpointWriteError(
+                        f"{handle.path}: async save failed: {exc!r}. Any previous file at this path is untouched."
+                    )
                 )
                 if error is not exc:
                     error.__cause__ = exc
@@ -389,7 +409,8 @@ class AsyncSaver:
             elif error is not None:
                 _LOG.warning(
                     "%s: async save failed: %s (raised by result(), the next save, or wait_for_saves())",
-                    handle.path, error,
+                    handle.path,
+                    error,
                 )
             else:
                 assert report is not None
@@ -427,6 +448,7 @@ class AsyncSaver:
 
     def raise_errors(self, key: str | None = None) -> None:
         """Raise the oldest error nobody has seen yet (of saves to path ``key``, if given); log the others."""
+
         def wrap(error: BaseException, others: int) -> CheckpointWriteError:
             more = f" ({others} more failed saves are logged)" if others else ""
             return CheckpointWriteError(f"an earlier async save failed{more}: {error}")
@@ -530,8 +552,15 @@ def save_async(
         CheckpointWriteError: An earlier async save failed and nobody has seen its error.
     """
     return default_saver().save(
-        obj, path, policy, metadata=metadata, storage_options=storage_options, workers=workers,
-        progress=progress, stream_wrapper=stream_wrapper, base=base,
+        obj,
+        path,
+        policy,
+        metadata=metadata,
+        storage_options=storage_options,
+        workers=workers,
+        progress=progress,
+        stream_wrapper=stream_wrapper,
+        base=base,
     )
 
 

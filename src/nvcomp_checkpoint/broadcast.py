@@ -181,15 +181,27 @@ def _broadcast_bytes(data: bytes | None, src: int, group: Any, comm: torch.devic
     size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=comm)
     dist.broadcast(size, src=src, group=group)
     if data is not None:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(comm) if data else torch.empty(0, dtype=torch.uint8, device=comm)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8).to(comm)
+            if data
+            else torch.empty(0, dtype=torch.uint8, device=comm)
+        )
     else:
         buf = torch.empty(int(size.item()), dtype=torch.uint8, device=comm)
     dist.broadcast(buf, src=src, group=group)
     return data if data is not None else buf.cpu().numpy().tobytes()
 
 
-def _send(path: Any, src: int, group: Any, comm: torch.device, device: torch.device | None,
-          weights_only: bool, storage_options: Any, max_bytes: Any) -> Any:
+def _send(
+    path: Any,
+    src: int,
+    group: Any,
+    comm: torch.device,
+    device: torch.device | None,
+    weights_only: bool,
+    storage_options: Any,
+    max_bytes: Any,
+) -> Any:
     try:
         tree = load(path, "cpu", weights_only=weights_only, storage_options=storage_options, max_bytes=max_bytes)
         skeleton, tensors = _split(tree)

@@ -19,6 +19,13 @@ from .integrations.deepspeed import (
 )
 
 __all__ = [
-    "attach", "NvcompCheckpointEngine", "DEEPSPEED_PATTERNS", "DEEPSPEED_SAFE_GLOBALS", "MANIFEST_NAME", "check_tag_complete",
-    "deepspeed_policy", "deepspeed_safe_globals", "load_deepspeed_file",
+    "attach",
+    "NvcompCheckpointEngine",
+    "DEEPSPEED_PATTERNS",
+    "DEEPSPEED_SAFE_GLOBALS",
+    "MANIFEST_NAME",
+    "check_tag_complete",
+    "deepspeed_policy",
+    "deepspeed_safe_globals",
+    "load_deepspeed_file",
 ]

@@ -222,7 +222,7 @@ def encode_cpu_chunk_against(data: np.ndarray, base: np.ndarray, item: Any) -> l
             # Ties keep the earlier form, as pick_frames does.
             estimates = [min(len(codec.encode(piece[:sample])), sample) for _, piece in candidates]
             candidates = [candidates[estimates.index(min(estimates))]]
-        (frame, op), = pick_frames([(op, [piece], [codec.encode(piece)]) for op, piece in candidates], len)
+        ((frame, op),) = pick_frames([(op, [piece], [codec.encode(piece)]) for op, piece in candidates], len)
         out.append((frame, len(plain), xxhash.xxh3_64_intdigest(frame), op))
     return out
 
@@ -262,7 +262,9 @@ class BaseChain:
         storage_options: Passed on to the base's reader.
     """
 
-    def __init__(self, ref: BaseRef, delta_path: str, open_reader: OpenReader, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, ref: BaseRef, delta_path: str, open_reader: OpenReader, storage_options: dict[str, Any] | None = None
+    ) -> None:
         self.ref = ref
         self.delta_path = delta_path
         self.path = resolve_base_path(delta_path, ref.path)
@@ -317,13 +319,17 @@ class BaseChain:
         except KeyError as exc:
             raise BaseCheckpointError(f"{self._what()} holds no tensor {delta.key!r}, which tensor {key!r} needs") from exc
         if size != nbytes:
-            raise BaseCheckpointError(f"{self._what()}: tensor {delta.key!r} has {size} bytes, tensor {key!r} of the delta {nbytes}")
+            raise BaseCheckpointError(
+                f"{self._what()}: tensor {delta.key!r} has {size} bytes, tensor {key!r} of the delta {nbytes}"
+            )
         try:
             t = reader.read(delta.key, map_location=device)
         except BaseCheckpointError as exc:
             raise _ChainBroken(self.delta_path, key, exc.cause if isinstance(exc, _ChainBroken) else _brief(exc, 320)) from exc
         except CheckpointError as exc:
-            raise BaseCheckpointError(f"{self._what()}: tensor {delta.key!r} (needed by {key!r}) cannot be read: {_brief(exc)}") from exc
+            raise BaseCheckpointError(
+                f"{self._what()}: tensor {delta.key!r} (needed by {key!r}) cannot be read: {_brief(exc)}"
+            ) from exc
         flat = flat_bytes(t)
         if bytes_xxh3(flat) != delta.xxh3:
             raise BaseCheckpointError(
@@ -381,7 +387,11 @@ class BaseSource:
     """
 
     def __init__(
-        self, reader: Any, ref: BaseRef, base_state: Mapping[str, torch.Tensor] | None = None, components: frozenset[str] | None = None
+        self,
+        reader: Any,
+        ref: BaseRef,
+        base_state: Mapping[str, torch.Tensor] | None = None,
+        components: frozenset[str] | None = None,
     ) -> None:
         self.reader = reader
         self.ref = ref
@@ -405,9 +415,7 @@ class BaseSource:
         if resolve_base_path(delta_path, stored) == resolve_base_path(delta_path, relative_base_path(delta_path, delta_path)) or (
             not is_url(base_path) and os.path.abspath(base_path) == os.path.abspath(delta_path)
         ):
-            raise UnsupportedObjectError(
-                f"{delta_path}: a delta cannot replace its own base; save it under another path"
-            )
+            raise UnsupportedObjectError(f"{delta_path}: a delta cannot replace its own base; save it under another path")
         try:
             reader = open_reader(base_path, storage_options=storage_options)
         except CheckpointError as exc:
@@ -463,7 +471,9 @@ def _same_file(a: str, b: str) -> bool:
     return os.path.abspath(a.removeprefix("file://")) == os.path.abspath(b.removeprefix("file://"))
 
 
-def _refuse_overwriting_the_chain(base_path: str, reader: Any, delta_path: str, open_reader: OpenReader, storage_options: dict[str, Any] | None) -> None:
+def _refuse_overwriting_the_chain(
+    base_path: str, reader: Any, delta_path: str, open_reader: OpenReader, storage_options: dict[str, Any] | None
+) -> None:
     """A save over a file of its own base's chain would leave a delta whose chain is gone.
 
     The chain is walked by its base records (no identity checks: a broken link ends the walk), each
@@ -515,7 +525,9 @@ def base_path_of(path: str, open_reader: OpenReader, storage_options: dict[str, 
     return None if ref is None else resolve_base_path(path, ref.path)
 
 
-def chain_of(path: str, open_reader: OpenReader, storage_options: dict[str, Any] | None = None) -> list[tuple[str, BaseRef | None]]:
+def chain_of(
+    path: str, open_reader: OpenReader, storage_options: dict[str, Any] | None = None
+) -> list[tuple[str, BaseRef | None]]:
     """``[(path, its base record)]`` from ``path`` back to the full checkpoint at the chain's root.
 
     Each base is checked to be the file its delta was written against.
@@ -577,7 +589,10 @@ class ChainPolicy:
             _LOG.warning(
                 "ChainPolicy(full_every=%d, base='previous') would chain %d deltas, over the limit of %d: a full "
                 "checkpoint is written every %d saves instead (or use base='full')",
-                self.full_every, self.full_every - 1, MAX_CHAIN_DEPTH, MAX_CHAIN_DEPTH + 1,
+                self.full_every,
+                self.full_every - 1,
+                MAX_CHAIN_DEPTH,
+                MAX_CHAIN_DEPTH + 1,
             )
 
     @property

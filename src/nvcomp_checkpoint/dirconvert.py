@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
-from .api import load, open as open_checkpoint, save
+from .api import load, save
+from .api import open as open_checkpoint
 from .dirstore import MARKER_NAME, write_marker
 from .errors import CheckpointError, CheckpointWriteError, FormatError
 from .policy import CodecPolicy
@@ -22,7 +23,13 @@ from .storage import LOCAL, stale_temp_files
 from .tensors import first_difference
 
 __all__ = [
-    "PlainFile", "compress_in_place", "decompress_in_place", "compressed_copy", "is_placeholder", "SUFFIX", "PLACEHOLDER_TAG",
+    "PlainFile",
+    "compress_in_place",
+    "decompress_in_place",
+    "compressed_copy",
+    "is_placeholder",
+    "SUFFIX",
+    "PLACEHOLDER_TAG",
 ]
 
 #: Appended to the name of each converted file (``optimizer.pt`` -> ``optimizer.pt.nvc``).
@@ -51,8 +58,12 @@ class PlainFile:
     placeholder: bytes | None = None
 
     def __post_init__(self) -> None:
-        if self.placeholder is not None and (PLACEHOLDER_TAG not in self.placeholder or len(self.placeholder) > _PLACEHOLDER_MAX_BYTES):
-            raise ValueError(f"{self.name}: a placeholder must hold PLACEHOLDER_TAG and be at most {_PLACEHOLDER_MAX_BYTES} bytes")
+        if self.placeholder is not None and (
+            PLACEHOLDER_TAG not in self.placeholder or len(self.placeholder) > _PLACEHOLDER_MAX_BYTES
+        ):
+            raise ValueError(
+                f"{self.name}: a placeholder must hold PLACEHOLDER_TAG and be at most {_PLACEHOLDER_MAX_BYTES} bytes"
+            )
 
 
 def is_placeholder(path: str | os.PathLike[str]) -> bool:
@@ -108,9 +119,16 @@ def compress_in_place(
         for file in files:
             tree, meta = file.read(directory / file.name)
             target = directory / (file.name + SUFFIX)
-            reports.append(save(
-                {file.key: tree}, target, policy, metadata={meta_key: meta}, workers=workers, stream_wrapper=stream_wrapper,
-            ))
+            reports.append(
+                save(
+                    {file.key: tree},
+                    target,
+                    policy,
+                    metadata={meta_key: meta},
+                    workers=workers,
+                    stream_wrapper=stream_wrapper,
+                )
+            )
             written.append(target)
             if verify:
                 _verify_copy(target, file.key, tree)

@@ -16,14 +16,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .errors import ChecksumError, CheckpointWriteError, FormatError, MixedSaveError
+from .errors import CheckpointWriteError, ChecksumError, FormatError, MixedSaveError
 from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
 from .storage import LOCAL, temp_name
 from .version import __version__
 
 __all__ = [
-    "DirectoryStore", "InstallError", "holds_cwd", "sync_tree", "rotate", "digest", "index_digest", "remove_quietly", "numbered_dirs",
-    "STAGING_SUFFIX", "OLD_SUFFIX", "DELETING_SUFFIX", "MARKER_NAME", "write_marker",
+    "DirectoryStore",
+    "InstallError",
+    "holds_cwd",
+    "sync_tree",
+    "rotate",
+    "digest",
+    "index_digest",
+    "remove_quietly",
+    "numbered_dirs",
+    "STAGING_SUFFIX",
+    "OLD_SUFFIX",
+    "DELETING_SUFFIX",
+    "MARKER_NAME",
+    "write_marker",
 ]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
@@ -184,10 +196,14 @@ class DirectoryStore:
 
     def _check_identity(self, file: Path, recorded: Any) -> None:
         if not isinstance(recorded, int) or isinstance(recorded, bool):
-            raise FormatError(f"{file.parent / self.manifest_name}: an invalid index digest for {file.name}; the directory is damaged")
+            raise FormatError(
+                f"{file.parent / self.manifest_name}: an invalid index digest for {file.name}; the directory is damaged"
+            )
         found = index_digest(file)
         if found is None:
-            raise FormatError(f"{file}: no nvcomp-checkpoint footer, but the save wrote one (damaged or replaced). Restore the file or load another checkpoint.")
+            raise FormatError(
+                f"{file}: no nvcomp-checkpoint footer, but the save wrote one (damaged or replaced). Restore the file or load another checkpoint."
+            )
         if found != recorded:
             raise MixedSaveError(
                 f"{file}: belongs to another save (its index digest differs from the one {self.manifest_name} "
@@ -195,7 +211,12 @@ class DirectoryStore:
             )
 
     def checked_manifest(
-        self, path: Path, *, lists: Iterable[str] = (), orphans: str = "*.nvc", identities: bool = True,
+        self,
+        path: Path,
+        *,
+        lists: Iterable[str] = (),
+        orphans: str = "*.nvc",
+        identities: bool = True,
     ) -> dict[str, Any] | None:
         """The manifest of ``path`` once every file it lists checks (:meth:`check_files`); ``None``
         for a directory that no save through this store wrote.
@@ -368,7 +389,7 @@ class DirectoryStore:
                 _move_entry(staging / name, target / name)
             for name in obsolete:
                 if name not in new:
-                        LOCAL.remove(os.fspath(target / name))
+                    LOCAL.remove(os.fspath(target / name))
             LOCAL.fsync(os.fspath(target))
             _move_entry(staging / self.manifest_name, target / self.manifest_name)  # the commit point
             LOCAL.fsync(os.fspath(target))
@@ -410,11 +431,18 @@ def holds_cwd(target: Path) -> bool:
 def numbered_dirs(folder: Path, number: Callable[[str], int | None]) -> list[tuple[int, Path]]:
     """The folders in ``folder`` that ``number`` numbers (``checkpoint-12`` -> 12), by number; hidden ones never."""
     names = LOCAL.listdir(os.fspath(folder)) if folder.is_dir() else []
-    return sorted((n, folder / name) for name in names if not name.startswith(".") and (n := number(name)) is not None and (folder / name).is_dir())
+    return sorted(
+        (n, folder / name)
+        for name in names
+        if not name.startswith(".") and (n := number(name)) is not None and (folder / name).is_dir()
+    )
 
 
 def rotate(
-    ordered: list[Path], limit: int, keep: Path, trash: Path,
+    ordered: list[Path],
+    limit: int,
+    keep: Path,
+    trash: Path,
     when: Callable[[Path, Callable[[], None]], Any] | None = None,
 ) -> None:
     """Delete the oldest of ``ordered`` (oldest first) beyond ``limit``, never ``keep``.

@@ -141,6 +141,7 @@ class CopySourceGoneError(CopySourceError):
     """An adopted unit (a framework's own checkpoint) was removed or replaced by the framework's
     rotation before its copy was done: the copy is skipped, which is not a failure of the run."""
 
+
 class MixedSaveError(FormatError):
     """A file of a checkpoint directory was written by another save than the rest of it (a file
     copied in from an earlier or later checkpoint): loading it would mix two training states."""

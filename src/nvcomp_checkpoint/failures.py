@@ -40,7 +40,9 @@ class FailureLog:
         self._lock = threading.Lock()
         self._failed: list[Failure] = []
 
-    def record(self, error: BaseException, *, key: str | None = None, source: Any = None, what: str = "a checkpoint save failed") -> None:
+    def record(
+        self, error: BaseException, *, key: str | None = None, source: Any = None, what: str = "a checkpoint save failed"
+    ) -> None:
         with self._lock:
             self._failed.append(Failure(error, key, source, what))
 

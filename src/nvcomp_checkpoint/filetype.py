@@ -18,9 +18,20 @@ from .format.layout import MAGIC
 from .storage import Storage, list_names, open_checkpoint_stream
 
 __all__ = [
-    "NVCOMP", "TORCH", "SAFETENSORS", "OTHER", "HEAD_BYTES", "ZIP_HEAD", "kind_of",
-    "DCP_DIR", "LIGHTNING_SHARDED_DIR", "ACCELERATE_DIR", "HF_TRAINER_DIR", "directory_kind",
-    "PathContents", "path_contents",
+    "NVCOMP",
+    "TORCH",
+    "SAFETENSORS",
+    "OTHER",
+    "HEAD_BYTES",
+    "ZIP_HEAD",
+    "kind_of",
+    "DCP_DIR",
+    "LIGHTNING_SHARDED_DIR",
+    "ACCELERATE_DIR",
+    "HF_TRAINER_DIR",
+    "directory_kind",
+    "PathContents",
+    "path_contents",
 ]
 
 NVCOMP = "nvcomp-checkpoint"

@@ -110,7 +110,9 @@ class IncrementalFiles:
                     _LOG.warning(
                         "%s: %s is saved again while %s are deltas against it; those cannot be loaded until they "
                         "are saved again. Give files that are rewritten in place a name the can_be_base rule excludes.",
-                        self.owner, path, ", ".join(needed_by),
+                        self.owner,
+                        path,
+                        ", ".join(needed_by),
                     )
             candidates = [p for p in history if p != path and self.can_be_base(p)]
             base = self.policy.base_for(candidates)
@@ -131,7 +133,7 @@ class IncrementalFiles:
         its chain is read from the file there (an earlier save of it, if any) again.
         """
         with self._lock:
-            for s in ([slot] if slot is not None else list(self._history)):
+            for s in [slot] if slot is not None else list(self._history):
                 self._history.pop(s, None)
             if path is not None:
                 self._bases.pop(_norm(path), None)

@@ -18,6 +18,14 @@ from .integrations.lightning import (
 from .integrations.lightning_sharded import NvcompFSDPStrategy, NvcompModelParallelStrategy, check_sharded_checkpoint_io
 
 __all__ = [
-    "NvcompCheckpointIO", "NvcompCheckpointMetrics", "NvcompModelCheckpoint", "NvcompModelCheckpointMixin", "load_from_checkpoint",
-    "report_metrics", "STORAGE_OPTION_KEYS", "NvcompModelParallelStrategy", "NvcompFSDPStrategy", "check_sharded_checkpoint_io",
+    "NvcompCheckpointIO",
+    "NvcompCheckpointMetrics",
+    "NvcompModelCheckpoint",
+    "NvcompModelCheckpointMixin",
+    "load_from_checkpoint",
+    "report_metrics",
+    "STORAGE_OPTION_KEYS",
+    "NvcompModelParallelStrategy",
+    "NvcompFSDPStrategy",
+    "check_sharded_checkpoint_io",
 ]

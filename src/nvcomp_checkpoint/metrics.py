@@ -49,7 +49,9 @@ def _metrics() -> dict[str, Any] | None:
         _METRICS = {
             "bytes": pc.Counter("nvckpt_bytes_written", "Checkpoint bytes written, per tier (compressed, as stored)", ["tier"]),
             "seconds": pc.Histogram(
-                "nvckpt_save_seconds", "Seconds per save phase and tier (snapshot, write, copy, verify)", ["tier", "phase"],
+                "nvckpt_save_seconds",
+                "Seconds per save phase and tier (snapshot, write, copy, verify)",
+                ["tier", "phase"],
                 buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
             ),
             "blocked": pc.Counter("nvckpt_training_blocked_seconds", "Seconds training waited for checkpoint saves"),
@@ -100,9 +102,7 @@ def serve_metrics(port: int, addr: str = "0.0.0.0") -> Any:
         CheckpointError: ``prometheus_client`` is not installed.
     """
     if _metrics() is None:
-        raise CheckpointError(
-            f"metrics need prometheus_client: pip install prometheus_client, or {install_hint('metrics')}"
-        )
+        raise CheckpointError(f"metrics need prometheus_client: pip install prometheus_client, or {install_hint('metrics')}")
     import prometheus_client as pc
 
     return pc.start_http_server(port, addr=addr)

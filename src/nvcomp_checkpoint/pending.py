@@ -13,8 +13,18 @@ from typing import Any, Iterable, Protocol
 from .storage import is_url
 
 __all__ = [
-    "path_key", "register_saver", "unregister_saver", "savers", "register", "unregister",
-    "pending_for", "on_saver_worker", "wait_for_saves", "wait_for_path", "has_pending_save", "reset_after_fork",
+    "path_key",
+    "register_saver",
+    "unregister_saver",
+    "savers",
+    "register",
+    "unregister",
+    "pending_for",
+    "on_saver_worker",
+    "wait_for_saves",
+    "wait_for_path",
+    "has_pending_save",
+    "reset_after_fork",
 ]
 
 

@@ -36,8 +36,16 @@ class Component(str, Enum):
 
 #: Keys under which real code keeps optimizer state (torch, Lightning, Accelerate, HF, DeepSpeed).
 _OPTIMIZER_KEYS = {
-    "optimizer", "optimizers", "optimizer_states", "optimizer_state", "optimizer_state_dict",
-    "optim", "optim_state", "optim_state_dict", "opt", "opt_state",
+    "optimizer",
+    "optimizers",
+    "optimizer_states",
+    "optimizer_state",
+    "optimizer_state_dict",
+    "optim",
+    "optim_state",
+    "optim_state_dict",
+    "opt",
+    "opt_state",
 }
 #: First-moment-like optimizer buffers: Adam/AdamW/Adamax/NAdam/RAdam, SGD momentum, Lion,
 #: centered RMSprop's gradient average.
@@ -46,14 +54,35 @@ _EXP_AVG_KEYS = {"exp_avg", "momentum_buffer", "momentum", "m", "mu_product_exp_
 #: and torch.optim.Adafactor's row_var/col_var/variance), RMSprop, Adagrad, Adadelta, Adamax's
 #: infinity norm.
 _EXP_AVG_SQ_KEYS = {
-    "exp_avg_sq", "max_exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col", "square_avg",
-    "sum", "acc_delta", "exp_inf", "v", "row_var", "col_var", "variance",
+    "exp_avg_sq",
+    "max_exp_avg_sq",
+    "exp_avg_sq_row",
+    "exp_avg_sq_col",
+    "square_avg",
+    "sum",
+    "acc_delta",
+    "exp_inf",
+    "v",
+    "row_var",
+    "col_var",
+    "variance",
 }
 _GRADIENT_KEYS = {"grad", "grads", "gradient", "gradients"}
 #: Subtrees that are never model weights even when they hold float tensors.
 _OTHER_KEYS = {
-    "rng_state", "rng_states", "rng", "lr_scheduler", "lr_schedulers", "scheduler", "schedulers",
-    "loops", "callbacks", "scaler", "grad_scaler", "native_amp_scaling_state", "hyper_parameters",
+    "rng_state",
+    "rng_states",
+    "rng",
+    "lr_scheduler",
+    "lr_schedulers",
+    "scheduler",
+    "schedulers",
+    "loops",
+    "callbacks",
+    "scaler",
+    "grad_scaler",
+    "native_amp_scaling_state",
+    "hyper_parameters",
 }
 
 
@@ -412,5 +441,6 @@ def warn_unmatched_overrides(policy: CodecPolicy, keys: Sequence[str], where: st
             warnings.warn(
                 f"{where}: the policy override {glob!r} matches no tensor key, so it changes nothing "
                 "(keys look like 'state_dict/layer.weight'; `nvckpt inspect FILE` lists them)",
-                UserWarning, stacklevel=3,
+                UserWarning,
+                stacklevel=3,
             )

@@ -17,12 +17,12 @@ import torch
 import xxhash
 
 from .codecs import cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
-from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError, SizeLimitError, UnsafeCheckpointError
-from .filters import ByteplaneFilter
 from .delta import BaseChain
+from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError, SizeLimitError, UnsafeCheckpointError
+from .filetype import HEAD_BYTES, SAFETENSORS, TORCH, kind_of
+from .filters import ByteplaneFilter
 from .format.chain import MAX_CHAIN_DEPTH
 from .format.layout import FOOTER, MAGIC, READ_VERSIONS, Frame, Index, TensorEntry, unpack_footer
-from .filetype import HEAD_BYTES, SAFETENSORS, TORCH, kind_of
 from .format.skeleton import check_skeleton, decode_skeleton, tensor_paths, unflatten
 from .policy import Component
 from .report import ComponentStats, ComponentSummary
@@ -41,8 +41,6 @@ MapLocation = None | str | torch.device | Mapping[str, str] | Callable[..., Any]
 #: enough to keep every core busy on models made of many small tensors, little memory.
 READ_AHEAD_BYTES = 64 << 20
 READ_AHEAD_TENSORS = 64
-
-
 
 
 def _target_device(entry: TensorEntry, map_location: MapLocation) -> torch.device:
@@ -144,7 +142,9 @@ class CheckpointReader:
         if head[:6] != MAGIC[:6]:
             raise FormatError(f"{self.path}: {_not_ours(kind_of(head, size))}")
         if head[6] > READ_VERSIONS[-1]:
-            raise FormatError(f"{self.path}: format version {head[6]}; this nvcomp-checkpoint reads versions up to {READ_VERSIONS[-1]}. Upgrade to read it.")
+            raise FormatError(
+                f"{self.path}: format version {head[6]}; this nvcomp-checkpoint reads versions up to {READ_VERSIONS[-1]}. Upgrade to read it."
+            )
         if head[6] not in READ_VERSIONS or head[7] != MAGIC[7]:
             raise FormatError(
                 f"{self.path}: damaged header (version byte {head[6]}, reserved byte {head[7]}; expected "
@@ -158,7 +158,9 @@ class CheckpointReader:
         self.index_xxh3 = digest
         index = Index.from_json_bytes(data, offset, self.path)
         if index.version != head[6]:
-            raise FormatError(f"{self.path}: the header says format version {head[6]}, the index {index.version}; the file is damaged")
+            raise FormatError(
+                f"{self.path}: the header says format version {head[6]}, the index {index.version}; the file is damaged"
+            )
         return index
 
     # -- queries ---------------------------------------------------------------------------
@@ -256,7 +258,9 @@ class CheckpointReader:
     def load(self, map_location: MapLocation = None, *, weights_only: bool = True) -> Any:
         """The whole tree, as it was saved."""
         self._check_size(self.index.skeleton.raw_size + sum(map(self.decoded_bytes, self.index.tensors)), "the whole checkpoint")
-        skeleton = decode_skeleton(self._read_frame_bytes(self.index.skeleton, "the object tree"), weights_only=weights_only, where=self.path)
+        skeleton = decode_skeleton(
+            self._read_frame_bytes(self.index.skeleton, "the object tree"), weights_only=weights_only, where=self.path
+        )
         count = len(self.index.tensors)
         check_skeleton(skeleton, count, self.path)  # before any tensor is decoded
         tensors: list[torch.Tensor] = []
@@ -284,7 +288,8 @@ class CheckpointReader:
             raise SizeLimitError(
                 f"{self.path}: {what} decodes to {nbytes} bytes, over max_bytes={self.max_bytes}; "
                 "raise max_bytes if you trust the file, or read single tensors with open()",
-                needed=nbytes, limit=self.max_bytes,
+                needed=nbytes,
+                limit=self.max_bytes,
             )
 
     def read_many(self, keys: list[str], map_location: MapLocation = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -299,7 +304,9 @@ class CheckpointReader:
         self._check_size(sum(map(self.decoded_bytes, entries)), f"reading {len(entries)} tensors")
         return self._read_many(keys, entries, map_location)
 
-    def _read_many(self, keys: list[str], entries: list[TensorEntry], map_location: MapLocation) -> Iterator[tuple[str, torch.Tensor]]:
+    def _read_many(
+        self, keys: list[str], entries: list[TensorEntry], map_location: MapLocation
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         with worker_pool(self.workers, "nvckpt-decode") as pool:
             pending: deque[tuple[str, TensorEntry, Callable[[], torch.Tensor], int]] = deque()
             ahead = 0
@@ -334,7 +341,9 @@ class CheckpointReader:
                 (checked before anything is decoded).
         """
         self._check_size(self.index.skeleton.raw_size + sum(map(self.decoded_bytes, self.index.tensors)), "the whole checkpoint")
-        skeleton = decode_skeleton(self._read_frame_bytes(self.index.skeleton, "the object tree"), weights_only=True, where=self.path)
+        skeleton = decode_skeleton(
+            self._read_frame_bytes(self.index.skeleton, "the object tree"), weights_only=True, where=self.path
+        )
         check_skeleton(skeleton, len(self.index.tensors), self.path)
         del skeleton
         with worker_pool(self.workers, "nvckpt-decode") as pool:
@@ -343,7 +352,11 @@ class CheckpointReader:
                     if entry.delta is None and has_cpu_decoder(entry.codec.id):
                         self._verify_chunks(entry, pool)
                     else:
-                        device = torch.device("cpu") if has_cpu_decoder(entry.codec.id) or not gpu_available() else torch.device("cuda")
+                        device = (
+                            torch.device("cpu")
+                            if has_cpu_decoder(entry.codec.id) or not gpu_available()
+                            else torch.device("cuda")
+                        )
                         self._decode(entry, device, pool)
                 except CheckpointError as exc:
                     yield entry, exc
@@ -558,11 +571,15 @@ class CheckpointReader:
 def _not_ours(kind: str) -> str:
     """What a file that is not ours is, and what reads it."""
     if kind == TORCH:
-        return ("a torch.save file, not an nvcomp-checkpoint file: nc.load(path) reads it (nc.open reads only "
-                "compressed files; `nvckpt compress` converts it)")
+        return (
+            "a torch.save file, not an nvcomp-checkpoint file: nc.load(path) reads it (nc.open reads only "
+            "compressed files; `nvckpt compress` converts it)"
+        )
     if kind == SAFETENSORS:
-        return ("a safetensors file, not an nvcomp-checkpoint file: read it with safetensors.torch.load_file "
-                "(`nvckpt compress` converts it)")
+        return (
+            "a safetensors file, not an nvcomp-checkpoint file: read it with safetensors.torch.load_file "
+            "(`nvckpt compress` converts it)"
+        )
     return "not an nvcomp-checkpoint file (it does not start with the NVCKPT magic); `nvckpt inspect` says what it is"
 
 

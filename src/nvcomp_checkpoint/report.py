@@ -6,8 +6,17 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 __all__ = [
-    "ComponentStats", "ComponentSummary", "SaveReport", "merge_reports", "format_bytes", "format_table",
-    "component_rows", "component_table", "codec_notes", "overhead_note", "COMPONENT_COLUMNS",
+    "ComponentStats",
+    "ComponentSummary",
+    "SaveReport",
+    "merge_reports",
+    "format_bytes",
+    "format_table",
+    "component_rows",
+    "component_table",
+    "codec_notes",
+    "overhead_note",
+    "COMPONENT_COLUMNS",
 ]
 
 #: The columns of every per-component table (``SaveReport.table()``, ``summary()``, ``nvckpt``).
@@ -113,9 +122,7 @@ class SaveReport:
         )
 
 
-def merge_reports(
-    path: str, reports: Iterable[SaveReport], seconds: float, seconds_blocked: float | None = None
-) -> SaveReport:
+def merge_reports(path: str, reports: Iterable[SaveReport], seconds: float, seconds_blocked: float | None = None) -> SaveReport:
     """One report for several files saved as one checkpoint (a directory's model and optimizer)."""
     components: dict[str, ComponentStats] = {}
     raw = stored = 0
@@ -192,10 +199,17 @@ def component_rows(
     (a whole file, or only the tensors' frames of several files, as in a DCP directory)."""
     rows = []
     for name, stats in components.items():
-        rows.append([
-            name, str(stats.tensors), format_bytes(stats.raw_bytes), format_bytes(stats.stored_bytes),
-            f"{stats.ratio:.3f}x", ",".join(stats.codecs), ",".join(stats.filters),
-        ])
+        rows.append(
+            [
+                name,
+                str(stats.tensors),
+                format_bytes(stats.raw_bytes),
+                format_bytes(stats.stored_bytes),
+                f"{stats.ratio:.3f}x",
+                ",".join(stats.codecs),
+                ",".join(stats.filters),
+            ]
+        )
     total = sum(s.tensors for s in components.values())
     ratio = raw_total / stored_total if stored_total else 1.0
     rows.append([total_label, str(total), format_bytes(raw_total), format_bytes(stored_total), f"{ratio:.3f}x", "", ""])
@@ -217,5 +231,7 @@ def format_table(header: list[str], rows: Iterable[list[str]]) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
     for r in rows:
-        lines.append("  ".join(c.rjust(w) if i and c[:1].isdigit() else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        lines.append(
+            "  ".join(c.rjust(w) if i and c[:1].isdigit() else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        )
     return "\n".join(lines)

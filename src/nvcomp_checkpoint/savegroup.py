@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from .api import log_report
 from .async_save import AsyncSaveHandle, AsyncSaver, run_callback
 from .errors import CheckpointWriteError
 from .failures import FailureLog
-from .api import log_report
 from .report import SaveReport, merge_reports
 
 __all__ = ["SaveGroup", "SaveSequence", "SavedCallback"]
@@ -163,13 +163,16 @@ class SaveSequence:
             self._groups.append(group)
         return group
 
-    def save(self, group: SaveGroup, name: str, obj: Any, path: str | os.PathLike[str], policy: Any = None, **kwargs: Any) -> AsyncSaveHandle:
+    def save(
+        self, group: SaveGroup, name: str, obj: Any, path: str | os.PathLike[str], policy: Any = None, **kwargs: Any
+    ) -> AsyncSaveHandle:
         """Snapshot ``obj`` and write it to ``path`` in the background as part ``name`` of ``group``.
 
         Arguments are :meth:`AsyncSaver.save`'s.
         """
         handle = self._async_saver().save(obj, path, policy, workers=kwargs.pop("workers", self.workers), **kwargs)
         group._add_part()
+
         def done(h: AsyncSaveHandle) -> None:
             error = h.exception()  # taken here: the group owns it
             self._part_done(group, name, error, None if error is not None else h.result())
@@ -284,7 +287,9 @@ class SaveSequence:
         if not self.failures:
             return
         if kept:
-            consequence = f"{consequence} Not removed, so that the run keeps its newest complete checkpoint: {', '.join(kept)}.".strip()
+            consequence = (
+                f"{consequence} Not removed, so that the run keeps its newest complete checkpoint: {', '.join(kept)}.".strip()
+            )
 
         def wrap(error: BaseException, others: int) -> CheckpointWriteError:
             more = f" ({others} more failed saves are logged)" if others else ""
@@ -391,4 +396,3 @@ class SaveSequence:
             log_report(report, self.log_as)
         for fn in [*([self.on_saved] if self.on_saved is not None else []), *callbacks]:
             run_callback(fn, report, report.path, "the on_saved callback")
-

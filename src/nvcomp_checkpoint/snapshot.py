@@ -160,7 +160,9 @@ class SnapshotBuffers:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         # Memory bandwidth is shared: past a few threads a copy gets no faster.
-        self._threads = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)))
+        self._threads = max(
+            1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+        )
 
     # -- pools -------------------------------------------------------------------------------
     def _host_arena(self, need: int) -> torch.Tensor:
@@ -310,8 +312,17 @@ class SnapshotBuffers:
 
         host_bytes = sum(_nbytes(t) for _, t in tensors) - (gpu_bytes - encoded_bytes)
         return Snapshot(
-            skeleton, merged, checked, raw, host_bytes, gpu_bytes, time.perf_counter() - start, release, pre_encoded,
-            _copying=None if copying.done() else copying, _started=start,
+            skeleton,
+            merged,
+            checked,
+            raw,
+            host_bytes,
+            gpu_bytes,
+            time.perf_counter() - start,
+            release,
+            pre_encoded,
+            _copying=None if copying.done() else copying,
+            _started=start,
         )
 
     def _gpu_placement(self, tensors: TensorList, used: dict[torch.device, int] | None = None) -> set[int]:

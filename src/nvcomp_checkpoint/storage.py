@@ -24,9 +24,25 @@ from typing import IO, Any, Callable, Iterator
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, FormatError
 
 __all__ = [
-    "Storage", "LocalStorage", "FsspecStorage", "LOCAL", "storage_for", "open_checkpoint_stream", "write_errors", "is_url",
-    "fsync_path", "exchange_paths", "list_names", "is_storage_error", "abort_unfinished_uploads", "upload_file", "stale_temp_files",
-    "local_lock", "temp_name", "temp_prefix", "is_temp_name",
+    "Storage",
+    "LocalStorage",
+    "FsspecStorage",
+    "LOCAL",
+    "storage_for",
+    "open_checkpoint_stream",
+    "write_errors",
+    "is_url",
+    "fsync_path",
+    "exchange_paths",
+    "list_names",
+    "is_storage_error",
+    "abort_unfinished_uploads",
+    "upload_file",
+    "stale_temp_files",
+    "local_lock",
+    "temp_name",
+    "temp_prefix",
+    "is_temp_name",
 ]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2"}
@@ -181,7 +197,12 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def upload_file(
-        self, local_path: str, path: str, part_size: int, max_concurrency: int, progress: Callable[[int], None] | None = None,
+        self,
+        local_path: str,
+        path: str,
+        part_size: int,
+        max_concurrency: int,
+        progress: Callable[[int], None] | None = None,
     ) -> bool:
         """Upload the local file ``local_path`` to ``path`` in ``part_size`` parts, ``max_concurrency`` at a time.
 
@@ -289,7 +310,12 @@ class LocalStorage(Storage):
         return []  # a local write has no parts left behind: a killed one leaves a temporary file
 
     def upload_file(
-        self, local_path: str, path: str, part_size: int, max_concurrency: int, progress: Callable[[int], None] | None = None,
+        self,
+        local_path: str,
+        path: str,
+        part_size: int,
+        max_concurrency: int,
+        progress: Callable[[int], None] | None = None,
     ) -> bool:
         return False
 
@@ -517,7 +543,7 @@ class FsspecStorage(Storage):
             return
         # A folder file by file: fsspec's recursive mv also copies the prefix itself, which s3fs refuses.
         for file in self.fs.find(s):
-            moved = d + file[len(s):]
+            moved = d + file[len(s) :]
             if not self.object_store:
                 self.fs.makedirs(moved.rsplit("/", 1)[0], exist_ok=True)
             self.fs.mv(file, moved)
@@ -566,7 +592,12 @@ class FsspecStorage(Storage):
         return aborted
 
     def upload_file(
-        self, local_path: str, path: str, part_size: int, max_concurrency: int, progress: Callable[[int], None] | None = None,
+        self,
+        local_path: str,
+        path: str,
+        part_size: int,
+        max_concurrency: int,
+        progress: Callable[[int], None] | None = None,
     ) -> bool:
         if not self.object_store or not hasattr(self.fs, "_upload_file_part_concurrent"):  # s3fs's parallel upload only
             return False
@@ -588,7 +619,7 @@ def storage_for(path: str | os.PathLike[str], storage_options: dict[str, Any] | 
     """The storage that holds ``path``, and the path as that storage names it."""
     text = os.fspath(path)
     if text.startswith("file://"):
-        return _LOCAL, text[len("file://"):]
+        return _LOCAL, text[len("file://") :]
     if is_url(text):
         try:
             return FsspecStorage(text, storage_options), text
@@ -602,8 +633,19 @@ def storage_for(path: str | os.PathLike[str], storage_options: dict[str, Any] | 
 
 #: Packages whose exceptions are a storage failure (fsspec and its object-store back ends).
 _STORAGE_MODULES = (
-    "fsspec", "s3fs", "botocore", "aiobotocore", "boto3", "gcsfs", "google", "adlfs", "azure",
-    "ocifs", "aiohttp", "requests", "urllib3",
+    "fsspec",
+    "s3fs",
+    "botocore",
+    "aiobotocore",
+    "boto3",
+    "gcsfs",
+    "google",
+    "adlfs",
+    "azure",
+    "ocifs",
+    "aiohttp",
+    "requests",
+    "urllib3",
 )
 
 
@@ -667,7 +709,11 @@ def abort_unfinished_uploads(storage: Storage, prefix: str) -> list[str]:
 
 
 def upload_file(
-    storage: Storage, local_path: str, path: str, part_size: int, max_concurrency: int,
+    storage: Storage,
+    local_path: str,
+    path: str,
+    part_size: int,
+    max_concurrency: int,
     progress: Callable[[int], None] | None = None,
 ) -> bool:
     """``storage.upload_file(...)`` (see :meth:`Storage.upload_file`)."""

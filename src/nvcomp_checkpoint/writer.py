@@ -26,7 +26,18 @@ from .errors import CodecUnavailableError, UnsupportedObjectError
 from .filters import ByteplaneFilter, plane_width
 from .filters.sub import sub_bytes_torch
 from .format.chain import DELTA_FORMAT_VERSION, SUB, SUB_FORMAT_VERSION, XOR, TensorDelta
-from .format.layout import DELTA_MAGIC, MAGIC, SAVE_METADATA_KEYS, SUB_MAGIC, MAX_INDEX_BYTES, QUANTIZED_DTYPES, Frame, Index, TensorEntry, pack_footer
+from .format.layout import (
+    DELTA_MAGIC,
+    MAGIC,
+    MAX_INDEX_BYTES,
+    QUANTIZED_DTYPES,
+    SAVE_METADATA_KEYS,
+    SUB_MAGIC,
+    Frame,
+    Index,
+    TensorEntry,
+    pack_footer,
+)
 from .format.skeleton import encode_skeleton, flatten
 from .policy import CodecPolicy, CodecSpec, Component, key_string, warn_unmatched_overrides
 from .report import ComponentStats
@@ -35,7 +46,15 @@ from .version import __version__
 from .workers import GPU_BATCH_BYTES, default_workers, is_inline, worker_pool
 
 __all__ = [
-    "PlannedTensor", "plan_tensors", "planned_copy", "TreePlan", "CheckpointWriter", "PinnedRing", "pre_encode_on_gpu", "default_workers", "SOURCE_DEVICE_ATTR",
+    "PlannedTensor",
+    "plan_tensors",
+    "planned_copy",
+    "TreePlan",
+    "CheckpointWriter",
+    "PinnedRing",
+    "pre_encode_on_gpu",
+    "default_workers",
+    "SOURCE_DEVICE_ATTR",
 ]
 
 #: Largest chunk compressed with nvCOMP's Zstd (the facts table, codecs/registry.py, says why).
@@ -113,9 +132,7 @@ def _compress_device(key: str, t: torch.Tensor, spec: CodecSpec, policy: CodecPo
     return None  # a CUDA tensor without nvCOMP is compressed on the CPU, chunk by chunk
 
 
-def plan_tensors(
-    tensors: Sequence[tuple[tuple[Any, ...], torch.Tensor]], policy: CodecPolicy, where: str
-) -> list[PlannedTensor]:
+def plan_tensors(tensors: Sequence[tuple[tuple[Any, ...], torch.Tensor]], policy: CodecPolicy, where: str) -> list[PlannedTensor]:
     """Classify every tensor and choose its spec, plane width, chunk size and device."""
     planned = []
     used: set[str] = set()
@@ -182,8 +199,7 @@ def checked_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str
         text = json.dumps(dict(metadata or {}), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise UnsupportedObjectError(
-            f"{where}: metadata must be JSON (str, int, finite float, bool, None, lists, dicts "
-            f"with str keys): {exc}"
+            f"{where}: metadata must be JSON (str, int, finite float, bool, None, lists, dicts with str keys): {exc}"
         ) from exc
     if len(text) > MAX_INDEX_BYTES // 2:
         raise UnsupportedObjectError(
@@ -276,7 +292,9 @@ def _encode_gpu_against(
     # One nvCOMP batch for every form of every piece.
     encoded = codec.encode_batch(pieces + [p for parts in tpieces for p in parts])
     n = len(pieces)
-    forms = [("", pieces, encoded[:n])] + [(op, parts, encoded[n * (k + 1) : n * (k + 2)]) for k, ((op, _), parts) in enumerate(zip(transformed, tpieces))]
+    forms = [("", pieces, encoded[:n])] + [
+        (op, parts, encoded[n * (k + 1) : n * (k + 2)]) for k, ((op, _), parts) in enumerate(zip(transformed, tpieces))
+    ]
     chosen = pick_frames(forms, lambda t: t.numel())
     return [f for f, _ in chosen], [p.numel() for p in pieces], [op for _, op in chosen]
 
@@ -535,7 +553,9 @@ class CheckpointWriter:
         delta, None (1) for a full file."""
         if self.base is None:
             return None
-        return SUB_FORMAT_VERSION if any(item.base_key is not None and tries_sub(item) for item in planned) else DELTA_FORMAT_VERSION
+        return (
+            SUB_FORMAT_VERSION if any(item.base_key is not None and tries_sub(item) for item in planned) else DELTA_FORMAT_VERSION
+        )
 
     def _compress_and_write(self, planned: list[PlannedTensor], frames_of: list[list[Frame]]) -> None:
         # Worker threads read CUDA tensors on their own (default) stream: the kernels that made
@@ -689,7 +709,12 @@ class CheckpointWriter:
                 for group in gpu_batches(item):
                     nbytes = min(group[-1] + item.chunk_bytes, item.nbytes) - group[0]
                     seq = self._ring.ticket()
-                    yield idx, nbytes, True, (lambda f=flat, g=group, it=item, q=seq, b=base: _encode_gpu_chunks(f, g, it, self._ring, q, b))
+                    yield (
+                        idx,
+                        nbytes,
+                        True,
+                        (lambda f=flat, g=group, it=item, q=seq, b=base: _encode_gpu_chunks(f, g, it, self._ring, q, b)),
+                    )
                 continue
             on_cpu = flat.device.type == "cpu"
             host = flat.numpy() if on_cpu else None
@@ -699,14 +724,31 @@ class CheckpointWriter:
                 if base_host is not None:
                     ref = base_host[start:end]
                     if host is not None:
-                        yield idx, end - start, False, (lambda c=host[start:end], r=ref, it=item: encode_cpu_chunk_against(c, r, it))
+                        yield (
+                            idx,
+                            end - start,
+                            False,
+                            (lambda c=host[start:end], r=ref, it=item: encode_cpu_chunk_against(c, r, it)),
+                        )
                     else:
-                        yield idx, end - start, False, (
-                            lambda f=flat, s=start, e=end, r=ref, it=item: encode_cpu_chunk_against(f[s:e].cpu().numpy(), r, it)
+                        yield (
+                            idx,
+                            end - start,
+                            False,
+                            (
+                                lambda f=flat, s=start, e=end, r=ref, it=item: encode_cpu_chunk_against(
+                                    f[s:e].cpu().numpy(), r, it
+                                )
+                            ),
                         )
                 elif host is not None:
                     chunk = host[start:end]
                     yield idx, end - start, False, (lambda c=chunk, it=item: _encode_cpu_chunk(c, it))
                 else:
                     # A device tensor compressed on the CPU crosses over one chunk at a time.
-                    yield idx, end - start, False, (lambda f=flat, s=start, e=end, it=item: _encode_cpu_chunk(f[s:e].cpu().numpy(), it))
+                    yield (
+                        idx,
+                        end - start,
+                        False,
+                        (lambda f=flat, s=start, e=end, it=item: _encode_cpu_chunk(f[s:e].cpu().numpy(), it)),
+                    )

@@ -105,17 +105,20 @@ def main() -> None:
     if target.exists() and "--force" not in sys.argv:
         raise SystemExit(f"{target} exists; golden files are written once (pass --force to overwrite)")
     tree = golden_tree()
-    metadata = dict(GOLDEN_METADATA, generated_with={
-        "nvcomp_checkpoint": nc.__version__, "torch": torch.__version__,
-        "libzstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
-    })
+    metadata = dict(
+        GOLDEN_METADATA,
+        generated_with={
+            "nvcomp_checkpoint": nc.__version__,
+            "torch": torch.__version__,
+            "libzstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
+        },
+    )
     nc.save(tree, target, golden_policy(), metadata=metadata, workers=1)
     _, tensors = flatten(tree)
     expected = {
         "metadata": metadata,
         "tensors": {
-            key_string(path): {"dtype": str(t.dtype), "shape": list(t.shape), "sha256": tensor_digest(t)}
-            for path, t in tensors
+            key_string(path): {"dtype": str(t.dtype), "shape": list(t.shape), "sha256": tensor_digest(t)} for path, t in tensors
         },
     }
     (HERE / "golden_v1.expected.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")

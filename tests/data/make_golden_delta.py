@@ -67,10 +67,14 @@ def main() -> None:
     if target.exists() and "--force" not in sys.argv:
         raise SystemExit(f"{target} exists; golden files are written once (pass --force to overwrite)")
     tree = golden_delta_tree()
-    metadata = dict(GOLDEN_DELTA_METADATA, generated_with={
-        "nvcomp_checkpoint": nc.__version__, "torch": torch.__version__,
-        "libzstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
-    })
+    metadata = dict(
+        GOLDEN_DELTA_METADATA,
+        generated_with={
+            "nvcomp_checkpoint": nc.__version__,
+            "torch": torch.__version__,
+            "libzstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
+        },
+    )
     nc.save(tree, target, golden_delta_policy(), metadata=metadata, workers=1, base=HERE / "golden_v1.nvc")
     _, tensors = flatten(tree)
     expected = {

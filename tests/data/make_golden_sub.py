@@ -45,16 +45,24 @@ def main() -> None:
     if target.exists() and "--force" not in sys.argv:
         raise SystemExit(f"{target} exists; golden files are written once (pass --force to overwrite)")
     tree = make_golden_delta.golden_delta_tree()
-    metadata = dict(GOLDEN_SUB_METADATA, generated_with={
-        "nvcomp_checkpoint": nc.__version__, "torch": torch.__version__,
-        "libzstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
-    })
+    metadata = dict(
+        GOLDEN_SUB_METADATA,
+        generated_with={
+            "nvcomp_checkpoint": nc.__version__,
+            "torch": torch.__version__,
+            "libzstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
+        },
+    )
     nc.save(tree, target, make_golden_delta.golden_delta_policy(), metadata=metadata, workers=1, base=HERE / "golden_v1.nvc")
     _, tensors = flatten(tree)
     expected = {
         "metadata": metadata,
         "tensors": {
-            key_string(path): {"dtype": str(t.dtype), "shape": list(t.shape), "sha256": make_golden_delta.make_golden.tensor_digest(t)}
+            key_string(path): {
+                "dtype": str(t.dtype),
+                "shape": list(t.shape),
+                "sha256": make_golden_delta.make_golden.tensor_digest(t),
+            }
             for path, t in tensors
         },
     }

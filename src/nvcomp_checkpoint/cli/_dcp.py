@@ -26,8 +26,15 @@ from nvcomp_checkpoint.filetype import DCP_DIR, LIGHTNING_SHARDED_DIR, directory
 from .sources import TensorInfo
 
 __all__ = [
-    "DCP_OURS", "DCP_PLAIN", "is_dcp_dir", "dcp_kind", "describe_dcp", "verify_plain_dcp", "verify_ours_dcp",
-    "uncommitted_save", "refuse_uncommitted_save",
+    "DCP_OURS",
+    "DCP_PLAIN",
+    "is_dcp_dir",
+    "dcp_kind",
+    "describe_dcp",
+    "verify_plain_dcp",
+    "verify_ours_dcp",
+    "uncommitted_save",
+    "refuse_uncommitted_save",
 ]
 
 #: ``format`` values of a DCP directory in inspect's and verify's output.
@@ -93,7 +100,9 @@ def _plain_info(metadata: Any, index: Any, info: Any) -> TensorInfo:
 
 def _our_info(t: Any) -> TensorInfo:
     """One entry of a rank file's index, as inspect lists it."""
-    return TensorInfo(t.key, t.component, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.nbytes, t.stored_bytes, t.codec.label, t.filter)
+    return TensorInfo(
+        t.key, t.component, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.nbytes, t.stored_bytes, t.codec.label, t.filter
+    )
 
 
 def describe_dcp(path: str) -> dict[str, Any]:
@@ -114,12 +123,27 @@ def describe_dcp(path: str) -> dict[str, Any]:
             file_infos = [_plain_info(files.metadata, index, info) for index, info in files.records[f.name]]
         infos.extend(file_infos)
         note = f"unreadable: {f.error}" if f.error else ("missing" if f.file_bytes is None else None)
-        rows.append({"file": f.name, "rank_file": rank, "format": kind, "file_bytes": f.file_bytes or 0, "items": f.items,
-                     "tensors": len(file_infos), "raw_bytes": sum(t.raw_bytes for t in file_infos),
-                     "stored_bytes": sum(t.stored_bytes for t in file_infos),
-                     **({} if note is None else {"note": note})})
-    return {"path": path, "format": kind, "files": rows, "metadata_files": list(files.metadata_files),
-            "metadata_bytes": files.metadata_bytes, "_infos": infos}
+        rows.append(
+            {
+                "file": f.name,
+                "rank_file": rank,
+                "format": kind,
+                "file_bytes": f.file_bytes or 0,
+                "items": f.items,
+                "tensors": len(file_infos),
+                "raw_bytes": sum(t.raw_bytes for t in file_infos),
+                "stored_bytes": sum(t.stored_bytes for t in file_infos),
+                **({} if note is None else {"note": note}),
+            }
+        )
+    return {
+        "path": path,
+        "format": kind,
+        "files": rows,
+        "metadata_files": list(files.metadata_files),
+        "metadata_bytes": files.metadata_bytes,
+        "_infos": infos,
+    }
 
 
 def verify_plain_dcp(path: str, max_bytes: int | None = None) -> list[dict[str, Any]]:
@@ -145,8 +169,9 @@ def verify_plain_dcp(path: str, max_bytes: int | None = None) -> list[dict[str, 
         size = os.path.getsize(full)
         with open(full, "rb") as f:
             for index, info in sorted(items, key=lambda kv: kv[1].offset):
-                def fail(msg: str) -> None:
-                    failures.append({"file": full, "tensor": index.fqn, "error": f"{full}: tensor {index.fqn!r}: {msg}"})
+
+                def fail(msg: str, full: str = full, fqn: str = index.fqn) -> None:
+                    failures.append({"file": full, "tensor": fqn, "error": f"{full}: tensor {fqn!r}: {msg}"})
 
                 if info.offset + info.length > size:
                     fail(f"needs bytes {info.offset}..{info.offset + info.length} and the file has {size} (truncated)")

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, CodecUnavailableError
 
 __all__ = ["parse_spec", "parse_policy", "check_policy_runs_here"]
-
 
 
 def parse_spec(text: str) -> nc.CodecSpec:

@@ -129,8 +129,14 @@ class FittedTable:
             if i >= self.numeric_from:
                 table.add_column(self.header[i], justify="right", width=self._figure_width(i, wrap_header), overflow="fold")
             else:
-                table.add_column(self.header[i], justify="left", overflow="fold", min_width=min(self.TEXT_MIN, max(
-                    [len(self.header[i]), *(len(r[i]) for r in self.rows if i < len(r))], default=1)))
+                table.add_column(
+                    self.header[i],
+                    justify="left",
+                    overflow="fold",
+                    min_width=min(
+                        self.TEXT_MIN, max([len(self.header[i]), *(len(r[i]) for r in self.rows if i < len(r))], default=1)
+                    ),
+                )
         for row in self.rows:
             table.add_row(*(Text(row[i]) if i < len(row) else Text("") for i in shown))
         return table
@@ -153,7 +159,9 @@ def check_workers(workers: int | None) -> None:
         CheckpointError: ``workers`` is zero or negative.
     """
     if workers is not None and workers < 1:
-        raise CheckpointError(f"--workers must be a positive integer (threads to use), got {workers}; leave it out to use every core")
+        raise CheckpointError(
+            f"--workers must be a positive integer (threads to use), got {workers}; leave it out to use every core"
+        )
 
 
 class Reporter:
@@ -184,12 +192,19 @@ class Reporter:
             columns: tuple[Any, ...] = (SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeElapsedColumn())
         else:
             columns = (
-                TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(binary_units=True),
-                TransferSpeedColumn(), TimeRemainingColumn(),
+                TextColumn("{task.description}", markup=False),
+                BarColumn(),
+                DownloadColumn(binary_units=True),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
             )
         progress = Progress(
-            *columns, console=self.console, transient=True, disable=not self.enabled,
-            redirect_stdout=False, redirect_stderr=False,
+            *columns,
+            console=self.console,
+            transient=True,
+            disable=not self.enabled,
+            redirect_stdout=False,
+            redirect_stderr=False,
         )
         task = progress.add_task(description, total=total)
         with self._lock:

@@ -30,7 +30,15 @@ _GB = 1e9
 _PIECE_BYTES = 1 << 20
 #: Below this a tensor is stored raw by the default policy, so it says nothing about codecs.
 _MIN_TENSOR_BYTES = 2048
-_BASELINE = {"codec": "none", "level": None, "filter": "none", "device": "-", "ratio": 1.0, "compress_gbps": None, "decompress_gbps": None}
+_BASELINE = {
+    "codec": "none",
+    "level": None,
+    "filter": "none",
+    "device": "-",
+    "ratio": 1.0,
+    "compress_gbps": None,
+    "decompress_gbps": None,
+}
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -47,16 +55,25 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         ),
     )
     p.add_argument("path", help="checkpoint file or directory (any layout inspect reads)")
-    p.add_argument("--storage-gbps", type=float, default=5.0, help="storage write throughput, GB/s (default 5: a shared file system)")
+    p.add_argument(
+        "--storage-gbps", type=float, default=5.0, help="storage write throughput, GB/s (default 5: a shared file system)"
+    )
     p.add_argument("--sample-mb", type=float, default=16.0, help="MiB sampled per component (default 16)")
-    p.add_argument("--codecs", help="comma-separated candidates CODEC[:LEVEL][:FILTER][@cpu|@cuda] (default: zstd:1 and zstd:3 with both filters, plus every nvCOMP codec on a GPU)")
-    p.add_argument("--portable", action="store_true", help="recommend only codecs with a CPU decoder (the file then loads anywhere)")
+    p.add_argument(
+        "--codecs",
+        help="comma-separated candidates CODEC[:LEVEL][:FILTER][@cpu|@cuda] (default: zstd:1 and zstd:3 with both filters, plus every nvCOMP codec on a GPU)",
+    )
+    p.add_argument(
+        "--portable", action="store_true", help="recommend only codecs with a CPU decoder (the file then loads anywhere)"
+    )
     p.add_argument("--workers", type=int, help="CPU compression threads (default: every core)")
     p.add_argument("--repeat", type=int, default=2, help="timed runs per candidate; the fastest counts (default 2)")
     p.add_argument("--trust", action="store_true", help="load pickled Python objects in torch.save files (weights_only=False)")
     p.add_argument("--json", action="store_true", help="print every measurement and the recommended policy as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw ratio against compression throughput per codec (needs matplotlib)")
-    p.add_argument("--save-policy", metavar="FILE.json", help="write the recommended policy for `nvckpt compress --policy FILE.json`")
+    p.add_argument(
+        "--save-policy", metavar="FILE.json", help="write the recommended policy for `nvckpt compress --policy FILE.json`"
+    )
     p.set_defaults(func=run_bench)
 
 
@@ -84,9 +101,7 @@ def recommend(components: dict[str, Any], storage_gbps: float, portable: bool = 
     total = stored = compress_s = write_s = 0.0
     for name, comp in components.items():
         raw = float(comp["raw_bytes"])
-        options = [dict(_BASELINE)] + [
-            c for c in comp["candidates"] if not (portable and c["codec"] in nc.GPU_ONLY_CODECS)
-        ]
+        options = [dict(_BASELINE)] + [c for c in comp["candidates"] if not (portable and c["codec"] in nc.GPU_ONLY_CODECS)]
         for c in options:
             c["write_s"] = write_seconds(raw, c["ratio"], c["compress_gbps"], storage_gbps)
         # Fastest write first; between equal times the smaller file (it is kept K times).
@@ -260,9 +275,15 @@ def _measure(pieces: Sequence[torch.Tensor], spec: nc.CodecSpec, device: str, wo
         if fs.exists(url):
             fs.rm(url)
     return {
-        "codec": spec.codec, "level": spec.level, "filter": spec.filter, "device": device,
-        "sample_bytes": raw, "stored_bytes": stored, "ratio": raw / stored if stored else 1.0,
-        "compress_gbps": raw / best_c / _GB, "decompress_gbps": raw / best_d / _GB,
+        "codec": spec.codec,
+        "level": spec.level,
+        "filter": spec.filter,
+        "device": device,
+        "sample_bytes": raw,
+        "stored_bytes": stored,
+        "ratio": raw / stored if stored else 1.0,
+        "compress_gbps": raw / best_c / _GB,
+        "decompress_gbps": raw / best_d / _GB,
     }
 
 
@@ -310,8 +331,16 @@ def plot_figure(components: dict[str, Any], storage_gbps: float) -> Any:
     ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.text(storage_gbps, 0.98, f"storage {storage_gbps:g} GB/s ", transform=ax.get_xaxis_transform(),
-            rotation=90, ha="right", va="top", fontsize=8)
+    ax.text(
+        storage_gbps,
+        0.98,
+        f"storage {storage_gbps:g} GB/s ",
+        transform=ax.get_xaxis_transform(),
+        rotation=90,
+        ha="right",
+        va="top",
+        fontsize=8,
+    )
     ax.set_xlabel("compression throughput (GB/s, this machine); right of the dashed line a codec outruns the storage")
     ax.set_ylabel("ratio (raw / stored)")
     ax.set_title("nvckpt bench: ratio against throughput per codec and component")
@@ -378,10 +407,14 @@ def run_bench(args: argparse.Namespace) -> int:
         "gpu": gpu,
         "components": components,
         "recommended": {
-            "choices": {k: {kk: v[kk] for kk in ("codec", "level", "filter", "device", "ratio", "compress_gbps", "write_s")}
-                        for k, v in rec["choices"].items()},
-            "ratio": rec["ratio"], "compress_gbps": rec["compress_gbps"],
-            "write_s": rec["write_s"], "raw_write_s": rec["raw_write_s"],
+            "choices": {
+                k: {kk: v[kk] for kk in ("codec", "level", "filter", "device", "ratio", "compress_gbps", "write_s")}
+                for k, v in rec["choices"].items()
+            },
+            "ratio": rec["ratio"],
+            "compress_gbps": rec["compress_gbps"],
+            "write_s": rec["write_s"],
+            "raw_write_s": rec["raw_write_s"],
             "why_none": reasons,
         },
         "recommended_policy": policy.to_dict(),
@@ -405,23 +438,49 @@ def run_bench(args: argparse.Namespace) -> int:
     for name, comp in components.items():
         chosen = rec["choices"][name]
         for c in [dict(_BASELINE, write_s=write_seconds(comp["raw_bytes"], 1.0, None, args.storage_gbps))] + comp["candidates"]:
-            mark = "*" if (c["codec"], c["level"], c["filter"], c["device"]) == (chosen["codec"], chosen["level"], chosen["filter"], chosen["device"]) else ""
-            rows.append([name, _label(c), f"{c['ratio']:.3f}x", gbps(c["compress_gbps"]), gbps(c["decompress_gbps"]),
-                         f"{write_seconds(comp['raw_bytes'], c['ratio'], c['compress_gbps'], args.storage_gbps):.3g}", mark])
-    console.print(make_table(
-        f"{args.path}: {result['workers']} CPU threads" + (f", GPU {result['gpu']}" if result["gpu"] else ", no GPU")
-        + f"; write s = whole component at {args.storage_gbps:g} GB/s storage",
-        ["component", "codec/filter", "ratio", "compress GB/s", "decompress GB/s", "write s", "best"], rows, numeric_from=2,
-    ))
+            mark = (
+                "*"
+                if (c["codec"], c["level"], c["filter"], c["device"])
+                == (chosen["codec"], chosen["level"], chosen["filter"], chosen["device"])
+                else ""
+            )
+            rows.append(
+                [
+                    name,
+                    _label(c),
+                    f"{c['ratio']:.3f}x",
+                    gbps(c["compress_gbps"]),
+                    gbps(c["decompress_gbps"]),
+                    f"{write_seconds(comp['raw_bytes'], c['ratio'], c['compress_gbps'], args.storage_gbps):.3g}",
+                    mark,
+                ]
+            )
+    console.print(
+        make_table(
+            f"{args.path}: {result['workers']} CPU threads"
+            + (f", GPU {result['gpu']}" if result["gpu"] else ", no GPU")
+            + f"; write s = whole component at {args.storage_gbps:g} GB/s storage",
+            ["component", "codec/filter", "ratio", "compress GB/s", "decompress GB/s", "write s", "best"],
+            rows,
+            numeric_from=2,
+        )
+    )
     spec_text = ", ".join(f"{k}={_label(v)}" for k, v in rec["choices"].items())
     console.print(
         f"recommended at {args.storage_gbps:g} GB/s: {spec_text}\n"
         f"write {rec['write_s']:.3g} s instead of {rec['raw_write_s']:.3g} s uncompressed, ratio {rec['ratio']:.3f}x"
-        + (f", {args.save_policy} written" if args.save_policy else " (--save-policy FILE.json keeps it for `compress --policy`)"),
-        markup=False, highlight=False,
+        + (
+            f", {args.save_policy} written" if args.save_policy else " (--save-policy FILE.json keeps it for `compress --policy`)"
+        ),
+        markup=False,
+        highlight=False,
     )
     for reason in reasons.values():
         console.print(reason, markup=False, highlight=False)
     if any(v["codec"] in nc.GPU_ONLY_CODECS for v in rec["choices"].values()):
-        console.print("note: the recommended policy uses a GPU-only codec: such files load only on a CUDA machine (--portable avoids it)", markup=False, highlight=False)
+        console.print(
+            "note: the recommended policy uses a GPU-only codec: such files load only on a CUDA machine (--portable avoids it)",
+            markup=False,
+            highlight=False,
+        )
     return EXIT_OK

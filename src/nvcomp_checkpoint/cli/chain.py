@@ -9,15 +9,14 @@ from typing import Any
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, FormatError
-from nvcomp_checkpoint.report import format_bytes
 from nvcomp_checkpoint.format.layout import SAVE_METADATA_KEYS
+from nvcomp_checkpoint.report import format_bytes
 
 from . import _policy
 from ._ui import EXIT_OK, Reporter, check_workers, print_json, stdout_console
 from .sources import NVCOMP, sniff
 
 __all__ = ["add_parser", "run_rebase", "describe_chain", "chain_text"]
-
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -34,7 +33,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="the full checkpoint to write")
     p.add_argument("--policy", help="codec policy for OUT (as for `compress`; default: the default policy)")
     p.add_argument("--workers", type=int, help="compression threads (default: every core)")
-    p.add_argument("--trust", action="store_true", help="load pickled Python objects (weights_only=False); only for files you trust")
+    p.add_argument(
+        "--trust", action="store_true", help="load pickled Python objects (weights_only=False); only for files you trust"
+    )
     p.add_argument("-f", "--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--json", action="store_true", help="print the save report as JSON")
     p.set_defaults(func=run_rebase)
@@ -97,7 +98,9 @@ def run_rebase(args: argparse.Namespace) -> int:
     broken = [link for link in links if link["error"]]
     if broken:
         raise CheckpointError(broken[0]["error"])
-    if any(os.path.exists(link["path"]) and os.path.exists(args.out) and os.path.samefile(link["path"], args.out) for link in links):
+    if any(
+        os.path.exists(link["path"]) and os.path.exists(args.out) and os.path.samefile(link["path"], args.out) for link in links
+    ):
         raise CheckpointError(f"{args.out}: is a file of the chain itself; write to another path")
     reporter = Reporter(args.quiet)
     with nc.open(args.delta) as reader:
@@ -118,6 +121,7 @@ def run_rebase(args: argparse.Namespace) -> int:
         stdout_console().print(
             f"{args.delta} (chain of {len(links)} files) -> {args.out}: full checkpoint, {format_bytes(report.stored_bytes)} "
             f"({report.ratio:.3f}x), no base needed",
-            markup=False, highlight=False,
+            markup=False,
+            highlight=False,
         )
     return EXIT_OK

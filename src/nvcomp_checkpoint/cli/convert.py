@@ -15,11 +15,11 @@ from typing import IO, Any, Callable, Iterator
 import torch
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
 from nvcomp_checkpoint.dirstore import DirectoryStore, sync_tree
+from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
+from nvcomp_checkpoint.format.layout import SAVE_METADATA_KEYS
 from nvcomp_checkpoint.report import component_rows, format_bytes, overhead_note
 from nvcomp_checkpoint.storage import LOCAL, is_url, storage_for, write_errors
-from nvcomp_checkpoint.format.layout import SAVE_METADATA_KEYS
 
 from . import _dcp, _policy
 from ._ui import EXIT_OK, Reporter, check_workers, make_table, print_json, stdout_console
@@ -37,7 +37,6 @@ from .sources import (
 )
 
 __all__ = ["add_parsers", "run_compress", "run_decompress"]
-
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -60,7 +59,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where compression runs (overrides the policy's device)")
     p.add_argument("--workers", type=int, help="compression threads (default: every core)")
-    p.add_argument("--trust", action="store_true", help="load pickled Python objects (weights_only=False); only for files you trust")
+    p.add_argument(
+        "--trust", action="store_true", help="load pickled Python objects (weights_only=False); only for files you trust"
+    )
     p.add_argument("-f", "--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--json", action="store_true", help="print the save report as JSON")
     p.add_argument(
@@ -82,7 +83,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     d.add_argument("src", help="nvcomp-checkpoint file, or a directory made by `nvckpt compress`")
     d.add_argument("dst", help="output file or directory")
     d.add_argument(
-        "--to", choices=["auto", "torch", "safetensors"], default="auto",
+        "--to",
+        choices=["auto", "torch", "safetensors"],
+        default="auto",
         help="output format (auto: safetensors when the source was safetensors or DST ends in .safetensors, else torch.save)",
     )
     d.add_argument("--trust", action="store_true", help="allow pickled Python objects in the tree (weights_only=False)")
@@ -123,7 +126,9 @@ def _save_metadata(kind: str, src: str, source_meta: dict[str, Any]) -> dict[str
     return meta
 
 
-def _compress_file(src: str, dst: str, policy: nc.CodecPolicy, args: argparse.Namespace, reporter: Reporter) -> tuple[nc.SaveReport, str]:
+def _compress_file(
+    src: str, dst: str, policy: nc.CodecPolicy, args: argparse.Namespace, reporter: Reporter
+) -> tuple[nc.SaveReport, str]:
     with open_source(src, trust=args.trust) as source:
         reporter.start(f"reading {os.path.basename(src)}")
         tree = source.load()
@@ -131,7 +136,9 @@ def _compress_file(src: str, dst: str, policy: nc.CodecPolicy, args: argparse.Na
         kind = source.kind
         task = reporter.start(f"compressing {os.path.basename(src)}", _tensor_bytes(tree))
         try:
-            report = nc.save(tree, dst, policy, metadata=meta, workers=args.workers, progress=task.advance, base=getattr(args, "base", None))
+            report = nc.save(
+                tree, dst, policy, metadata=meta, workers=args.workers, progress=task.advance, base=getattr(args, "base", None)
+            )
         finally:
             reporter.stop()
     return report, kind
@@ -158,8 +165,7 @@ def _overlapping(tensors: dict[str, torch.Tensor]) -> tuple[str, str] | None:
     safetensors refuses them; views of one storage that do not overlap are fine.
     """
     spans = sorted(
-        (str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k)
-        for k, t in tensors.items() if t.numel()
+        (str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k) for k, t in tensors.items() if t.numel()
     )
     device, end, owner = None, 0, ""
     for dev, begin, stop, key in spans:
@@ -278,10 +284,20 @@ def _copy_file(rel: str, kind: str, in_path: str, tmp: Path, note: str = "") -> 
     LOCAL.makedirs(os.fspath(out_path.parent))
     LOCAL.copy(in_path, os.fspath(out_path))
     size = os.path.getsize(in_path)
-    return {"file": rel, "action": "copied", "output": rel, "format": kind, "input_bytes": size, "output_bytes": size, "note": note}
+    return {
+        "file": rel,
+        "action": "copied",
+        "output": rel,
+        "format": kind,
+        "input_bytes": size,
+        "output_bytes": size,
+        "note": note,
+    }
 
 
-def _compress_dir(src: str, dst: str, policy: nc.CodecPolicy, args: argparse.Namespace, reporter: Reporter) -> list[dict[str, Any]]:
+def _compress_dir(
+    src: str, dst: str, policy: nc.CodecPolicy, args: argparse.Namespace, reporter: Reporter
+) -> list[dict[str, Any]]:
     def compress_one(rel: str, kind: str, in_path: str, tmp: Path) -> dict[str, Any]:
         tree = None
         note = ""
@@ -304,8 +320,13 @@ def _compress_dir(src: str, dst: str, policy: nc.CodecPolicy, args: argparse.Nam
         report = nc.save(tree, str(out_path), policy, metadata=meta, workers=args.workers, progress=task.advance)
         reporter.stop()
         return {
-            "file": rel, "format": kind, "input_bytes": size, "action": "compressed", "output": out_rel,
-            "raw_bytes": report.raw_bytes, "output_bytes": report.stored_bytes,
+            "file": rel,
+            "format": kind,
+            "input_bytes": size,
+            "action": "compressed",
+            "output": out_rel,
+            "raw_bytes": report.raw_bytes,
+            "output_bytes": report.stored_bytes,
             "ratio": round(size / report.stored_bytes, 4) if report.stored_bytes else 1.0,
             "components": {k: v.to_dict() for k, v in report.components.items()},
         }
@@ -323,8 +344,15 @@ def _decompress_dir(src: str, dst: str, args: argparse.Namespace, reporter: Repo
         # A file that was safetensors before compression goes back to safetensors.
         to = "safetensors" if out_rel.endswith(".safetensors") else args.to
         fmt, raw, written = _decompress_file(in_path, str(out_path), to, args.trust, reporter)
-        return {"file": rel, "action": "decompressed", "output": out_rel, "format": fmt,
-                "input_bytes": os.path.getsize(in_path), "raw_bytes": raw, "output_bytes": written}
+        return {
+            "file": rel,
+            "action": "decompressed",
+            "output": out_rel,
+            "format": fmt,
+            "input_bytes": os.path.getsize(in_path),
+            "raw_bytes": raw,
+            "output_bytes": written,
+        }
 
     return _convert_dir(src, dst, args.force, "decompress", decompress_one)
 
@@ -333,13 +361,31 @@ def _print_dir_rows(title: str, rows: list[dict[str, Any]]) -> None:
     total_in = sum(r["input_bytes"] for r in rows)
     total_out = sum(r["output_bytes"] for r in rows)
     table_rows = [
-        [r["file"], r["action"], r["output"], format_bytes(r["input_bytes"]), format_bytes(r["output_bytes"]),
-         f"{r['input_bytes'] / r['output_bytes']:.3f}x" if r["output_bytes"] else "-", r.get("note", "")]
+        [
+            r["file"],
+            r["action"],
+            r["output"],
+            format_bytes(r["input_bytes"]),
+            format_bytes(r["output_bytes"]),
+            f"{r['input_bytes'] / r['output_bytes']:.3f}x" if r["output_bytes"] else "-",
+            r.get("note", ""),
+        ]
         for r in rows
     ]
-    table_rows.append(["total", "", "", format_bytes(total_in), format_bytes(total_out),
-                       f"{total_in / total_out:.3f}x" if total_out else "-", ""])
-    stdout_console().print(make_table(title, ["file", "action", "output", "in", "out", "ratio", "note"], table_rows, numeric_from=3))
+    table_rows.append(
+        [
+            "total",
+            "",
+            "",
+            format_bytes(total_in),
+            format_bytes(total_out),
+            f"{total_in / total_out:.3f}x" if total_out else "-",
+            "",
+        ]
+    )
+    stdout_console().print(
+        make_table(title, ["file", "action", "output", "in", "out", "ratio", "note"], table_rows, numeric_from=3)
+    )
 
 
 # -- DCP checkpoint directories -------------------------------------------------------------
@@ -382,16 +428,50 @@ def _convert_dcp(args: argparse.Namespace, what: str, policy: nc.CodecPolicy | N
     total_in = sum(f["file_bytes"] for f in src_d["files"]) + src_d["metadata_bytes"]
     total_out = sum(f["file_bytes"] for f in dst_d["files"]) + dst_d["metadata_bytes"]
     if args.json:
-        print_json({"source": args.src, "destination": args.dst, "layout": "dcp", "format": dst_d["format"],
-                    "input_bytes": total_in, "output_bytes": total_out,
-                    "files": [{"file": a["file"], "output": b["file"], "input_bytes": a["file_bytes"], "output_bytes": b["file_bytes"]}
-                              for a, b in zip(src_d["files"], dst_d["files"])]})
+        print_json(
+            {
+                "source": args.src,
+                "destination": args.dst,
+                "layout": "dcp",
+                "format": dst_d["format"],
+                "input_bytes": total_in,
+                "output_bytes": total_out,
+                "files": [
+                    {"file": a["file"], "output": b["file"], "input_bytes": a["file_bytes"], "output_bytes": b["file_bytes"]}
+                    for a, b in zip(src_d["files"], dst_d["files"])
+                ],
+            }
+        )
     elif not args.quiet:
-        rows = [[a["file"], what + "ed", b["file"], format_bytes(a["file_bytes"]), format_bytes(b["file_bytes"]),
-                 f"{a['file_bytes'] / b['file_bytes']:.3f}x" if b["file_bytes"] else "-", ""] for a, b in zip(src_d["files"], dst_d["files"])]
-        rows.append(["total", "", "", format_bytes(total_in), format_bytes(total_out), f"{total_in / total_out:.3f}x" if total_out else "-",
-                     "DCP checkpoint" + (", loads with nvcomp_checkpoint.dcp.NvcompReader" if dst_d["format"] == _dcp.DCP_OURS else "")])
-        stdout_console().print(make_table(f"{args.src} -> {args.dst}", ["file", "action", "output", "in", "out", "ratio", "note"], rows, numeric_from=3))
+        rows = [
+            [
+                a["file"],
+                what + "ed",
+                b["file"],
+                format_bytes(a["file_bytes"]),
+                format_bytes(b["file_bytes"]),
+                f"{a['file_bytes'] / b['file_bytes']:.3f}x" if b["file_bytes"] else "-",
+                "",
+            ]
+            for a, b in zip(src_d["files"], dst_d["files"])
+        ]
+        rows.append(
+            [
+                "total",
+                "",
+                "",
+                format_bytes(total_in),
+                format_bytes(total_out),
+                f"{total_in / total_out:.3f}x" if total_out else "-",
+                "DCP checkpoint"
+                + (", loads with nvcomp_checkpoint.dcp.NvcompReader" if dst_d["format"] == _dcp.DCP_OURS else ""),
+            ]
+        )
+        stdout_console().print(
+            make_table(
+                f"{args.src} -> {args.dst}", ["file", "action", "output", "in", "out", "ratio", "note"], rows, numeric_from=3
+            )
+        )
     return EXIT_OK
 
 
@@ -411,8 +491,16 @@ def run_compress(args: argparse.Namespace) -> int:
     if kind == DIRECTORY:
         rows = _compress_dir(args.src, args.dst, policy, args, reporter)
         if args.json:
-            print_json({"source": args.src, "destination": args.dst, "layout": "directory", "files": rows,
-                        "input_bytes": sum(r["input_bytes"] for r in rows), "output_bytes": sum(r["output_bytes"] for r in rows)})
+            print_json(
+                {
+                    "source": args.src,
+                    "destination": args.dst,
+                    "layout": "directory",
+                    "files": rows,
+                    "input_bytes": sum(r["input_bytes"] for r in rows),
+                    "output_bytes": sum(r["output_bytes"] for r in rows),
+                }
+            )
         elif not args.quiet:
             _print_dir_rows(f"{args.src} -> {args.dst}", rows)
         return EXIT_OK
@@ -425,8 +513,13 @@ def run_compress(args: argparse.Namespace) -> int:
     elif not args.quiet:
         console = stdout_console()
         console.print(str(report), markup=False, highlight=False)
-        console.print(make_table(None, ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"],
-                                 component_rows(report.components, report.raw_bytes, report.stored_bytes)))
+        console.print(
+            make_table(
+                None,
+                ["component", "tensors", "raw", "stored", "ratio", "codec", "filter"],
+                component_rows(report.components, report.raw_bytes, report.stored_bytes),
+            )
+        )
         note = overhead_note(report.components, report.raw_bytes, report.stored_bytes)
         if note:
             console.print(note, markup=False, highlight=False)
@@ -451,6 +544,7 @@ def run_decompress(args: argparse.Namespace) -> int:
     elif not args.quiet:
         stdout_console().print(
             f"{args.src} -> {args.dst} ({fmt}): {format_bytes(raw)} of tensors, {format_bytes(written)} written",
-            markup=False, highlight=False,
+            markup=False,
+            highlight=False,
         )
     return EXIT_OK

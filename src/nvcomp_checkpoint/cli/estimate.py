@@ -21,6 +21,7 @@ from .sources import DIRECTORY, NVCOMP, dir_files, sniff
 
 __all__ = ["add_parser", "run_estimate", "EstimateInputs", "estimate", "ratio_from", "TierCost", "parse_tier", "tier_costs"]
 
+
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "estimate",
@@ -42,14 +43,25 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ratio", type=float, help="compression ratio (raw / stored), e.g. 1.27")
     src.add_argument(
-        "--from", dest="from_path", metavar="PATH",
+        "--from",
+        dest="from_path",
+        metavar="PATH",
         help="take the ratio from a real checkpoint: one of our files or directories, a `compress --json` "
         "report, or a `bench --json` output (which also gives the codec speed)",
     )
-    p.add_argument("--codec-gbps", type=float, help="compression throughput, GB/s (default: from --from's bench, else assumed faster than the storage)")
+    p.add_argument(
+        "--codec-gbps",
+        type=float,
+        help="compression throughput, GB/s (default: from --from's bench, else assumed faster than the storage)",
+    )
     p.add_argument("--days", type=float, default=30.0, help="days in a month (default 30, as the article)")
     p.add_argument(
-        "--tier", dest="tiers", action="append", default=[], type=parse_tier, metavar="NAME:EVERY_MIN:KEEP:USD_GB_MONTH",
+        "--tier",
+        dest="tiers",
+        action="append",
+        default=[],
+        type=parse_tier,
+        metavar="NAME:EVERY_MIN:KEEP:USD_GB_MONTH",
         help="a storage tier (repeatable), e.g. local:5:2:0 shared:30:4:0.30 object:60:24:0.023: adds the storage "
         "kept and its cost per tier, without and with compression (EVERY_MIN 0: every checkpoint)",
     )
@@ -91,12 +103,21 @@ def tier_costs(inp: EstimateInputs, tiers: list[TierCost]) -> list[dict[str, Any
         interval = max(t.every_min, inp.interval_min)
         copies = per_month if t.every_min == 0 else 60.0 / interval * 24.0 * inp.days
         without_gb, with_gb = t.keep * inp.checkpoint_gb, t.keep * stored
-        out.append({
-            "name": t.name, "every_min": interval, "keep": t.keep, "usd_gb_month": t.usd_gb_month,
-            "copies_month": copies, "moved_gb_month_without": copies * inp.checkpoint_gb, "moved_gb_month_with": copies * stored,
-            "stored_gb_without": without_gb, "stored_gb_with": with_gb,
-            "usd_month_without": without_gb * t.usd_gb_month, "usd_month_with": with_gb * t.usd_gb_month,
-        })
+        out.append(
+            {
+                "name": t.name,
+                "every_min": interval,
+                "keep": t.keep,
+                "usd_gb_month": t.usd_gb_month,
+                "copies_month": copies,
+                "moved_gb_month_without": copies * inp.checkpoint_gb,
+                "moved_gb_month_with": copies * stored,
+                "stored_gb_without": without_gb,
+                "stored_gb_with": with_gb,
+                "usd_month_without": without_gb * t.usd_gb_month,
+                "usd_month_with": with_gb * t.usd_gb_month,
+            }
+        )
     return out
 
 
@@ -118,16 +139,23 @@ class EstimateInputs:
     def check(self) -> None:
         """Raises CheckpointError naming the option that makes no sense."""
         positive = {
-            "--checkpoint-gb": self.checkpoint_gb, "--gpus": self.gpus, "--storage-gbps": self.storage_gbps,
-            "--interval-min": self.interval_min, "--ratio": self.ratio, "--days": self.days,
+            "--checkpoint-gb": self.checkpoint_gb,
+            "--gpus": self.gpus,
+            "--storage-gbps": self.storage_gbps,
+            "--interval-min": self.interval_min,
+            "--ratio": self.ratio,
+            "--days": self.days,
         }
         if self.codec_gbps is not None:
             positive["--codec-gbps"] = self.codec_gbps
         for name, value in positive.items():
             if not (value > 0 and math.isfinite(value)):
                 raise CheckpointError(f"{name} must be a positive number, got {value}")
-        for name, value in {"--gpu-hour-usd": self.gpu_hour_usd, "--retain": self.retain,
-                            "--storage-usd-gb-month": self.storage_usd_gb_month}.items():
+        for name, value in {
+            "--gpu-hour-usd": self.gpu_hour_usd,
+            "--retain": self.retain,
+            "--storage-usd-gb-month": self.storage_usd_gb_month,
+        }.items():
             if not (value >= 0 and math.isfinite(value)):
                 raise CheckpointError(f"{name} must be zero or more, got {value}")
 
@@ -193,7 +221,11 @@ def ratio_from(path: str, storage_gbps: float) -> dict[str, Any]:
     kind = sniff(path)
     if kind == NVCOMP:
         with nc.open(path) as reader:
-            return {"ratio": reader.raw_bytes / reader.file_bytes, "codec_gbps": None, "source": f"{path} (nvcomp-checkpoint file)"}
+            return {
+                "ratio": reader.raw_bytes / reader.file_bytes,
+                "codec_gbps": None,
+                "source": f"{path} (nvcomp-checkpoint file)",
+            }
     if kind == DIRECTORY:
         raw = stored = 0
         found = False
@@ -219,9 +251,18 @@ def ratio_from(path: str, storage_gbps: float) -> dict[str, Any]:
         from .bench import recommend
 
         rec = recommend(doc["components"], storage_gbps)
-        return {"ratio": rec["ratio"], "codec_gbps": rec["compress_gbps"], "source": f"{path} (bench, re-picked for {storage_gbps:g} GB/s)",
-                "policy": rec["choices"]}
-    if isinstance(doc, dict) and isinstance(doc.get("raw_bytes"), int) and isinstance(doc.get("stored_bytes"), int) and doc["stored_bytes"]:
+        return {
+            "ratio": rec["ratio"],
+            "codec_gbps": rec["compress_gbps"],
+            "source": f"{path} (bench, re-picked for {storage_gbps:g} GB/s)",
+            "policy": rec["choices"],
+        }
+    if (
+        isinstance(doc, dict)
+        and isinstance(doc.get("raw_bytes"), int)
+        and isinstance(doc.get("stored_bytes"), int)
+        and doc["stored_bytes"]
+    ):
         return {"ratio": doc["raw_bytes"] / doc["stored_bytes"], "codec_gbps": None, "source": f"{path} (save report)"}
     raise CheckpointError(
         f"{path}: holds no measured compression ratio; pass one of our checkpoints (nvckpt compress makes one), "
@@ -242,15 +283,25 @@ def run_estimate(args: argparse.Namespace) -> int:
         if codec is None:
             codec = measured["codec_gbps"]
     inp = EstimateInputs(
-        args.checkpoint_gb, args.gpus, args.gpu_hour_usd, args.storage_gbps, args.interval_min, args.retain,
-        args.storage_usd_gb_month, ratio, codec, args.days,
+        args.checkpoint_gb,
+        args.gpus,
+        args.gpu_hour_usd,
+        args.storage_gbps,
+        args.interval_min,
+        args.retain,
+        args.storage_usd_gb_month,
+        ratio,
+        codec,
+        args.days,
     )
     result = estimate(inp)
     result["ratio_source"] = source
     if args.tiers:
         result["tiers"] = tier_costs(inp, args.tiers)
         # The first table's total (GPU idle, tier-0 storage) plus every tier's storage.
-        all_in = {k: result[k]["total_usd_month"] + sum(t[f"usd_month_{k}"] for t in result["tiers"]) for k in ("without", "with")}
+        all_in = {
+            k: result[k]["total_usd_month"] + sum(t[f"usd_month_{k}"] for t in result["tiers"]) for k in ("without", "with")
+        }
         result["all_in_usd_month"] = dict(all_in, saving=all_in["without"] - all_in["with"])
     if "policy" in measured:
         result["policy_choices"] = measured["policy"]
@@ -259,25 +310,53 @@ def run_estimate(args: argparse.Namespace) -> int:
         return EXIT_OK
     w, c, s = result["without"], result["with"], result["saving"]
     rows = [
-        ["checkpoint size", f"{w['checkpoint_gb']:,.1f} GB", f"{c['checkpoint_gb']:,.1f} GB", f"{s['checkpoint_gb']:,.1f} GB ({s['size_percent']:.0f}%)"],
-        ["write per checkpoint", f"{w['write_s']:,.1f} s", f"{c['write_s']:,.1f} s", f"{s['write_s']:,.1f} s ({s['write_percent']:.0f}%)"],
-        ["GPU idle per month", f"{w['idle_hours_month']:,.1f} h", f"{c['idle_hours_month']:,.1f} h", f"{s['idle_hours_month']:,.1f} h"],
+        [
+            "checkpoint size",
+            f"{w['checkpoint_gb']:,.1f} GB",
+            f"{c['checkpoint_gb']:,.1f} GB",
+            f"{s['checkpoint_gb']:,.1f} GB ({s['size_percent']:.0f}%)",
+        ],
+        [
+            "write per checkpoint",
+            f"{w['write_s']:,.1f} s",
+            f"{c['write_s']:,.1f} s",
+            f"{s['write_s']:,.1f} s ({s['write_percent']:.0f}%)",
+        ],
+        [
+            "GPU idle per month",
+            f"{w['idle_hours_month']:,.1f} h",
+            f"{c['idle_hours_month']:,.1f} h",
+            f"{s['idle_hours_month']:,.1f} h",
+        ],
         ["GPU idle cost per month", _money(w["idle_usd_month"]), _money(c["idle_usd_month"]), _money(s["idle_usd_month"])],
         [f"storage ({inp.retain} kept)", f"{w['stored_gb']:,.0f} GB", f"{c['stored_gb']:,.0f} GB", f"{s['stored_gb']:,.0f} GB"],
-        ["storage cost per month", _money(w["storage_usd_month"]), _money(c["storage_usd_month"]), _money(s["storage_usd_month"])],
-        ["total per month" + (" (GPU idle + tier 0)" if args.tiers else ""),
-         _money(w["total_usd_month"]), _money(c["total_usd_month"]), _money(s["total_usd_month"])],
+        [
+            "storage cost per month",
+            _money(w["storage_usd_month"]),
+            _money(c["storage_usd_month"]),
+            _money(s["storage_usd_month"]),
+        ],
+        [
+            "total per month" + (" (GPU idle + tier 0)" if args.tiers else ""),
+            _money(w["total_usd_month"]),
+            _money(c["total_usd_month"]),
+            _money(s["total_usd_month"]),
+        ],
     ]
     console = stdout_console()
-    title = (f"{inp.checkpoint_gb:g} GB every {inp.interval_min:g} min ({result['checkpoints_per_month']:,.0f}/month, "
-             f"{result['written_gb_month'] / 1e6:.2f} PB written), {inp.gpus} GPUs at ${inp.gpu_hour_usd:.2f}/h, "
-             f"{inp.storage_gbps:g} GB/s storage")
+    title = (
+        f"{inp.checkpoint_gb:g} GB every {inp.interval_min:g} min ({result['checkpoints_per_month']:,.0f}/month, "
+        f"{result['written_gb_month'] / 1e6:.2f} PB written), {inp.gpus} GPUs at ${inp.gpu_hour_usd:.2f}/h, "
+        f"{inp.storage_gbps:g} GB/s storage"
+    )
     console.print(make_table(title, ["", "without", f"with ({inp.ratio:.3g}x)", "saving"], rows))
     notes = [f"ratio from {source}"]
     if codec is None:
         notes.append("codec speed not given: compression assumed faster than the storage (--codec-gbps to set it)")
     elif result["compression_hidden"]:
-        notes.append(f"compression at {codec:g} GB/s ({c['compress_s']:,.1f} s) is hidden behind the {c['storage_write_s']:,.1f} s storage write")
+        notes.append(
+            f"compression at {codec:g} GB/s ({c['compress_s']:,.1f} s) is hidden behind the {c['storage_write_s']:,.1f} s storage write"
+        )
     else:
         notes.append(
             f"compression at {codec:g} GB/s ({c['compress_s']:,.1f} s) is slower than writing the compressed bytes "
@@ -285,21 +364,45 @@ def run_estimate(args: argparse.Namespace) -> int:
         )
     if args.tiers:
         trows = [
-            [t["name"], f"{t['every_min']:g} min", str(t["keep"]), f"{t['moved_gb_month_with']:,.0f} GB",
-             f"{t['stored_gb_without']:,.0f} GB", f"{t['stored_gb_with']:,.0f} GB",
-             _money(t["usd_month_without"]), _money(t["usd_month_with"]), _money(t["usd_month_without"] - t["usd_month_with"])]
+            [
+                t["name"],
+                f"{t['every_min']:g} min",
+                str(t["keep"]),
+                f"{t['moved_gb_month_with']:,.0f} GB",
+                f"{t['stored_gb_without']:,.0f} GB",
+                f"{t['stored_gb_with']:,.0f} GB",
+                _money(t["usd_month_without"]),
+                _money(t["usd_month_with"]),
+                _money(t["usd_month_without"] - t["usd_month_with"]),
+            ]
             for t in result["tiers"]
         ]
         total = [sum(t[k] for t in result["tiers"]) for k in ("usd_month_without", "usd_month_with")]
         trows.append(["total (tiers)", "", "", "", "", "", _money(total[0]), _money(total[1]), _money(total[0] - total[1])])
-        console.print(make_table(
-            "storage per tier (copies kept x checkpoint size x price)",
-            ["tier", "every", "kept", "moved/month (with)", "stored without", "stored with", "cost without", "cost with", "saving"],
-            trows,
-        ))
+        console.print(
+            make_table(
+                "storage per tier (copies kept x checkpoint size x price)",
+                [
+                    "tier",
+                    "every",
+                    "kept",
+                    "moved/month (with)",
+                    "stored without",
+                    "stored with",
+                    "cost without",
+                    "cost with",
+                    "saving",
+                ],
+                trows,
+            )
+        )
         a = result["all_in_usd_month"]
-        console.print(f"all in, per month (GPU idle + tier 0 + the tiers): {_money(a['without'])} without, {_money(a['with'])} with "
-                      f"compression, {_money(a['saving'])} saved", markup=False, highlight=False)
+        console.print(
+            f"all in, per month (GPU idle + tier 0 + the tiers): {_money(a['without'])} without, {_money(a['with'])} with "
+            f"compression, {_money(a['saving'])} saved",
+            markup=False,
+            highlight=False,
+        )
     for n in notes:
         console.print(n, markup=False, highlight=False)
     return EXIT_OK

@@ -45,9 +45,17 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("path", help="checkpoint file or directory")
     p.add_argument("--json", action="store_true", help="print everything as JSON (every tensor included)")
-    p.add_argument("--depth", type=int, help=f"tree levels to expand (0: all; default: all up to {_AUTO_FULL_TREE} tensors, else {_AUTO_DEPTH})")
+    p.add_argument(
+        "--depth",
+        type=int,
+        help=f"tree levels to expand (0: all; default: all up to {_AUTO_FULL_TREE} tensors, else {_AUTO_DEPTH})",
+    )
     p.add_argument("--no-tree", action="store_true", help="print only the tables")
-    p.add_argument("--trust", action="store_true", help="load pickled Python objects in torch.save files (weights_only=False); only for files you trust")
+    p.add_argument(
+        "--trust",
+        action="store_true",
+        help="load pickled Python objects in torch.save files (weights_only=False); only for files you trust",
+    )
     p.set_defaults(func=run_inspect)
 
 
@@ -190,12 +198,30 @@ def _inspect_dir(args: argparse.Namespace) -> dict[str, Any]:
         try:
             d = _describe_file(full, args.trust)
         except UnsafeCheckpointError:
-            files.append({"file": rel, "format": kind, "file_bytes": size, "raw_bytes": None, "tensors": None,
-                          "note": "holds Python objects; --trust lists it"})
+            files.append(
+                {
+                    "file": rel,
+                    "format": kind,
+                    "file_bytes": size,
+                    "raw_bytes": None,
+                    "tensors": None,
+                    "note": "holds Python objects; --trust lists it",
+                }
+            )
             continue
         all_infos.extend(d["_infos"])
-        files.append({"file": rel, "format": kind, "file_bytes": size, "raw_bytes": d["raw_bytes"], "tensors": len(d["_infos"]),
-                      "components": d["components"], "tensor_list": d["tensors"], "metadata": d["metadata"]})
+        files.append(
+            {
+                "file": rel,
+                "format": kind,
+                "file_bytes": size,
+                "raw_bytes": d["raw_bytes"],
+                "tensors": len(d["_infos"]),
+                "components": d["components"],
+                "tensor_list": d["tensors"],
+                "metadata": d["metadata"],
+            }
+        )
     stats = component_stats(all_infos)
     total_file = sum(f["file_bytes"] for f in files)
     raw = sum(t.raw_bytes for t in all_infos)
@@ -206,8 +232,16 @@ def _inspect_dir(args: argparse.Namespace) -> dict[str, Any]:
                 stale.append({"file": os.path.relpath(p, args.path), "file_bytes": os.path.getsize(p)})
             except OSError:
                 continue  # removed meanwhile by a save
-    return {"path": args.path, "format": DIRECTORY, "file_bytes": total_file, "raw_bytes": raw,
-            "components": {k: v.to_dict() for k, v in stats.items()}, "files": files, "stale_temp_files": stale, "_stats": stats}
+    return {
+        "path": args.path,
+        "format": DIRECTORY,
+        "file_bytes": total_file,
+        "raw_bytes": raw,
+        "components": {k: v.to_dict() for k, v in stats.items()},
+        "files": files,
+        "stale_temp_files": stale,
+        "_stats": stats,
+    }
 
 
 def _print_codec_notes(console: Any, stats: dict[str, nc.ComponentStats]) -> None:
@@ -225,24 +259,61 @@ def _run_inspect_dcp(args: argparse.Namespace) -> int:
     stored = sum(t.stored_bytes for t in infos)
     on_disk = sum(f["file_bytes"] for f in d["files"]) + d["metadata_bytes"]
     if args.json:
-        print_json(dict(d, raw_bytes=raw, stored_bytes=stored, file_bytes=on_disk,
-                        ratio=round(raw / on_disk, 4) if on_disk else 1.0,
-                        components={k: v.to_dict() for k, v in stats.items()}))
+        print_json(
+            dict(
+                d,
+                raw_bytes=raw,
+                stored_bytes=stored,
+                file_bytes=on_disk,
+                ratio=round(raw / on_disk, 4) if on_disk else 1.0,
+                components={k: v.to_dict() for k, v in stats.items()},
+            )
+        )
         return EXIT_OK
     console = stdout_console()
     what = "compressed by nvcomp-checkpoint" if d["format"] == _dcp.DCP_OURS else "plain, as FileSystemWriter writes it"
-    rows = [[f["file"], f["rank_file"], f["items"], format_bytes(f["raw_bytes"]), format_bytes(f["file_bytes"]),
-             f"{f['raw_bytes'] / f['file_bytes']:.3f}x" if f["file_bytes"] else "-", f.get("note", "")] for f in d["files"]]
+    rows = [
+        [
+            f["file"],
+            f["rank_file"],
+            f["items"],
+            format_bytes(f["raw_bytes"]),
+            format_bytes(f["file_bytes"]),
+            f"{f['raw_bytes'] / f['file_bytes']:.3f}x" if f["file_bytes"] else "-",
+            f.get("note", ""),
+        ]
+        for f in d["files"]
+    ]
     if d["metadata_files"] == [".metadata"]:
         rows.append([".metadata", "", "", "", format_bytes(d["metadata_bytes"]), "", "written last: the commit"])
     else:  # a save without collectives: each rank committed its own part
         names = d["metadata_files"]
-        rows.append([f"{names[0]} .. {names[-1]}", "", "", "", format_bytes(d["metadata_bytes"]), "", "one per rank: each rank's commit"])
-    rows.append(["total (files)", "", len(infos), format_bytes(raw), format_bytes(on_disk), f"{raw / on_disk:.3f}x" if on_disk else "-", ""])
-    console.print(make_table(f"{args.path} (DCP checkpoint, {what})", ["file", "rank file", "items", "raw", "on disk", "ratio", "note"],
-                             rows, numeric_from=1))
+        rows.append(
+            [f"{names[0]} .. {names[-1]}", "", "", "", format_bytes(d["metadata_bytes"]), "", "one per rank: each rank's commit"]
+        )
+    rows.append(
+        [
+            "total (files)",
+            "",
+            len(infos),
+            format_bytes(raw),
+            format_bytes(on_disk),
+            f"{raw / on_disk:.3f}x" if on_disk else "-",
+            "",
+        ]
+    )
+    console.print(
+        make_table(
+            f"{args.path} (DCP checkpoint, {what})",
+            ["file", "rank file", "items", "raw", "on disk", "ratio", "note"],
+            rows,
+            numeric_from=1,
+        )
+    )
     # The frames of the tensors only; the table above counts whole files (indexes, .metadata).
-    console.print(make_table("items by component, every rank", COMPONENT_COLUMNS, component_rows(stats, raw, stored, "total (tensors)")))
+    console.print(
+        make_table("items by component, every rank", COMPONENT_COLUMNS, component_rows(stats, raw, stored, "total (tensors)"))
+    )
     _print_codec_notes(console, stats)
     return EXIT_OK
 
@@ -261,14 +332,38 @@ def run_inspect(args: argparse.Namespace) -> int:
         rows = []
         for f in d["files"]:
             raw = "-" if not f.get("raw_bytes") else format_bytes(f["raw_bytes"])
-            rows.append([f["file"], f["format"], "-" if f["tensors"] is None else f["tensors"], raw,
-                         format_bytes(f["file_bytes"]), f.get("note", "")])
+            rows.append(
+                [
+                    f["file"],
+                    f["format"],
+                    "-" if f["tensors"] is None else f["tensors"],
+                    raw,
+                    format_bytes(f["file_bytes"]),
+                    f.get("note", ""),
+                ]
+            )
         for f in d["stale_temp_files"]:
-            rows.append([f["file"], "temporary", "-", "-", format_bytes(f["file_bytes"]),
-                         "left by a killed save; the next save into this directory removes it"])
-        console.print(make_table(f"{args.path} (directory)", ["file", "format", "tensors", "raw", "on disk", "note"], rows, numeric_from=2))
+            rows.append(
+                [
+                    f["file"],
+                    "temporary",
+                    "-",
+                    "-",
+                    format_bytes(f["file_bytes"]),
+                    "left by a killed save; the next save into this directory removes it",
+                ]
+            )
+        console.print(
+            make_table(f"{args.path} (directory)", ["file", "format", "tensors", "raw", "on disk", "note"], rows, numeric_from=2)
+        )
         stored = sum(s.stored_bytes for s in d["_stats"].values())
-        console.print(make_table("tensor files by component", COMPONENT_COLUMNS, component_rows(d["_stats"], d["raw_bytes"], stored, "total (tensors)")))
+        console.print(
+            make_table(
+                "tensor files by component",
+                COMPONENT_COLUMNS,
+                component_rows(d["_stats"], d["raw_bytes"], stored, "total (tensors)"),
+            )
+        )
         _print_codec_notes(console, d["_stats"])
         return EXIT_OK
 
@@ -278,8 +373,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         return EXIT_OK
     compressed = d["format"] == NVCOMP
     ratio = f", {d['raw_bytes'] / d['file_bytes']:.3f}x" if compressed and d["file_bytes"] else ""
-    title = (f"{args.path}  ({d['format']}, {format_bytes(d['file_bytes'])} file, "
-             f"{format_bytes(d['raw_bytes'])} of tensors{ratio})")
+    title = (
+        f"{args.path}  ({d['format']}, {format_bytes(d['file_bytes'])} file, {format_bytes(d['raw_bytes'])} of tensors{ratio})"
+    )
     if args.no_tree:
         console.print(title, markup=False, highlight=False)
     else:
@@ -296,7 +392,8 @@ def run_inspect(args: argparse.Namespace) -> int:
             console.print(
                 f"needs a CUDA GPU with nvCOMP to load: codec {', '.join(d['gpu_only_codecs'])} has no CPU decoder "
                 "(convert with: nvckpt compress SRC DST --policy zstd on a GPU machine)",
-                markup=False, highlight=False,
+                markup=False,
+                highlight=False,
             )
     if d["chain"]:
         console.print(chain_text(d["chain"]), markup=False, highlight=False)

@@ -55,17 +55,36 @@ def list_tier(url: str, options: dict[str, Any] | None, quick: bool) -> list[dic
     for step in sorted({*manifests, *problems}):
         m = manifests.get(step)
         if m is None:  # a manifest that does not check (damaged, or another step's): the step is not listed
-            rows.append({
-                "step": step, "path": store.manifest_path(step), "kind": "unknown", "files": 0, "bytes": 0, "light": False,
-                "base": None, "created": 0.0, "verifies": False, "problem": problems[step],
-            })
+            rows.append(
+                {
+                    "step": step,
+                    "path": store.manifest_path(step),
+                    "kind": "unknown",
+                    "files": 0,
+                    "bytes": 0,
+                    "light": False,
+                    "base": None,
+                    "created": 0.0,
+                    "verifies": False,
+                    "problem": problems[step],
+                }
+            )
             continue
         problem = verify_unit(store, m, full=not quick)
-        rows.append({
-            "step": step, "path": store.unit_path(step, m.directory), "kind": "directory" if m.directory else "file",
-            "files": len(m.files), "bytes": m.stored_bytes, "light": m.light, "base": m.base, "created": m.created,
-            "verifies": problem is None, "problem": problem,
-        })
+        rows.append(
+            {
+                "step": step,
+                "path": store.unit_path(step, m.directory),
+                "kind": "directory" if m.directory else "file",
+                "files": len(m.files),
+                "bytes": m.stored_bytes,
+                "light": m.light,
+                "base": m.base,
+                "created": m.created,
+                "verifies": problem is None,
+                "problem": problem,
+            }
+        )
     return rows
 
 
@@ -78,16 +97,22 @@ def run_ls(args: argparse.Namespace) -> int:
     console = stdout_console()
     for url, rows in result.items():
         table_rows = [
-            [str(r["step"]), format_bytes(r["bytes"]), "light" if r["light"] else "full" if r["base"] is None else "delta",
-             "-" if r["base"] is None else str(r["base"]),
-             r["kind"] if r["kind"] in ("file", "unknown") else f"directory ({r['files']} files)",
-             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"])) if r["created"] else "-",
-             ("ok" if args.quick is False else "ok (quick)") if r["verifies"] else f"NO: {r['problem']}"]
+            [
+                str(r["step"]),
+                format_bytes(r["bytes"]),
+                "light" if r["light"] else "full" if r["base"] is None else "delta",
+                "-" if r["base"] is None else str(r["base"]),
+                r["kind"] if r["kind"] in ("file", "unknown") else f"directory ({r['files']} files)",
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"])) if r["created"] else "-",
+                ("ok" if args.quick is False else "ok (quick)") if r["verifies"] else f"NO: {r['problem']}",
+            ]
             for r in rows
         ]
         title = f"{url}: {len(rows)} step(s), {format_bytes(sum(r['bytes'] for r in rows))}"
         if not rows:
             console.print(f"{url}: no committed steps", markup=False, highlight=False)
             continue
-        console.print(make_table(title, ["step", "size", "save", "base", "unit", "created", "verifies"], table_rows, numeric_from=1))
+        console.print(
+            make_table(title, ["step", "size", "save", "base", "unit", "created", "verifies"], table_rows, numeric_from=1)
+        )
     return EXIT_FAILED if bad else EXIT_OK

@@ -79,7 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a bug: say so in one line, and how to see the traceback
         if args.debug:
             raise
-        _fail(f"unexpected {type(exc).__name__}: {_one_line(exc)} (this is a bug; rerun with --debug for the traceback and report it)")
+        _fail(
+            f"unexpected {type(exc).__name__}: {_one_line(exc)} (this is a bug; rerun with --debug for the traceback and report it)"
+        )
         return EXIT_INTERNAL
     return EXIT_ERROR
 

@@ -73,8 +73,14 @@ class TensorInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "key": self.key, "component": self.component, "dtype": self.dtype, "shape": list(self.shape),
-            "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes, "codec": self.codec, "filter": self.filter,
+            "key": self.key,
+            "component": self.component,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "raw_bytes": self.raw_bytes,
+            "stored_bytes": self.stored_bytes,
+            "codec": self.codec,
+            "filter": self.filter,
         }
 
 
@@ -107,9 +113,7 @@ def require_safetensors() -> Any:
     try:
         import safetensors.torch
     except ImportError as exc:  # pragma: no cover - safetensors is in the test environment
-        raise CheckpointError(
-            "reading or writing .safetensors needs the safetensors package: `pip install safetensors`"
-        ) from exc
+        raise CheckpointError("reading or writing .safetensors needs the safetensors package: `pip install safetensors`") from exc
     return safetensors.torch
 
 
@@ -178,10 +182,18 @@ class NvcompSource(Source):
         out = []
         for t in self.reader.index.tensors:
             level = f":{t.codec.level}" if t.codec.level is not None else ""
-            out.append(TensorInfo(
-                t.key, t.component, _dtype_name(t.dtype), tuple(t.shape), t.nbytes, t.stored_bytes,
-                f"{t.codec.id}{level}", t.filter,
-            ))
+            out.append(
+                TensorInfo(
+                    t.key,
+                    t.component,
+                    _dtype_name(t.dtype),
+                    tuple(t.shape),
+                    t.nbytes,
+                    t.stored_bytes,
+                    f"{t.codec.id}{level}",
+                    t.filter,
+                )
+            )
         return out
 
     def read(self, key: str) -> torch.Tensor:
@@ -226,7 +238,9 @@ class TorchSource(Source):
                 key = "/".join(str(p) for p in where)
                 self._by_key[key] = t
                 nbytes = t.numel() * t.element_size() if t.layout == torch.strided else 0
-                self._infos.append(TensorInfo(key, nc.classify(where).value, _dtype_name(t.dtype), tuple(t.shape), nbytes, nbytes))
+                self._infos.append(
+                    TensorInfo(key, nc.classify(where).value, _dtype_name(t.dtype), tuple(t.shape), nbytes, nbytes)
+                )
         return self._tree
 
     def _torch_load(self) -> Any:
@@ -235,7 +249,9 @@ class TorchSource(Source):
             try:
                 return nc.load(self.path, map_location="cpu", weights_only=weights_only)
             except UnsafeCheckpointError as exc:
-                raise UnsafeCheckpointError(f"{self.path}: holds Python objects that a weights-only load refuses; if you trust the file, pass --trust") from exc
+                raise UnsafeCheckpointError(
+                    f"{self.path}: holds Python objects that a weights-only load refuses; if you trust the file, pass --trust"
+                ) from exc
         if weights_only:
             # The pickle scan nc.load runs first: what the weights-only unpickler would build but
             # the process cannot survive (a dict key of tuples 100,000 deep) is refused.
@@ -290,7 +306,16 @@ class SafetensorsSource(Source):
                 continue
             begin, end = meta["data_offsets"]
             component = nc.classify((key,)).value
-            out.append(TensorInfo(key, component, _SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"]), tuple(meta["shape"]), end - begin, end - begin))
+            out.append(
+                TensorInfo(
+                    key,
+                    component,
+                    _SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"]),
+                    tuple(meta["shape"]),
+                    end - begin,
+                    end - begin,
+                )
+            )
         return out
 
     def read(self, key: str) -> torch.Tensor:
@@ -322,17 +347,51 @@ class SafetensorsSource(Source):
 
 #: safetensors dtype codes, spelled as torch spells them.
 _SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E8M0": "float8_e8m0fnu", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-    "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool", "C64": "complex64",
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "BOOL": "bool",
+    "C64": "complex64",
 }
 
 #: Bits per element of every dtype safetensors defines (F4 and F6 are packed, several to a byte).
 _SAFETENSORS_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
-    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
 }
 
 
@@ -369,13 +428,19 @@ def _safetensors_header(path: str, file_bytes: int) -> dict[str, Any]:
         if key == "__metadata__":
             continue
         if not isinstance(entry, dict):
-            raise FormatError(f"{corrupt} (tensor {key!r} is a {type(entry).__name__}, not an object of dtype, shape and data_offsets)")
+            raise FormatError(
+                f"{corrupt} (tensor {key!r} is a {type(entry).__name__}, not an object of dtype, shape and data_offsets)"
+            )
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         bits = _SAFETENSORS_BITS.get(dtype) if isinstance(dtype, str) else None
         if bits is None:
-            raise FormatError(f"{corrupt} (tensor {key!r} has dtype {dtype!r}; safetensors defines {', '.join(_SAFETENSORS_BITS)})")
+            raise FormatError(
+                f"{corrupt} (tensor {key!r} has dtype {dtype!r}; safetensors defines {', '.join(_SAFETENSORS_BITS)})"
+            )
         if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
-            raise FormatError(f"{corrupt} (tensor {key!r} has shape {_one_line(repr(shape))}; a list of non-negative integers is expected)")
+            raise FormatError(
+                f"{corrupt} (tensor {key!r} has shape {_one_line(repr(shape))}; a list of non-negative integers is expected)"
+            )
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets)) and 0 <= offsets[0] <= offsets[1]):
             raise FormatError(
                 f"{corrupt} (tensor {key!r} has data_offsets {_one_line(repr(offsets))}; [begin, end] with 0 <= begin <= end is expected)"

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from nvcomp_checkpoint.delta import retained
 from nvcomp_checkpoint.errors import CheckpointError
 from nvcomp_checkpoint.report import format_bytes
-from nvcomp_checkpoint.delta import retained
 from nvcomp_checkpoint.tiers import copy_unit, open_tier, retained_steps
 
 from ._ui import EXIT_OK, Reporter, print_json, stdout_console
@@ -49,7 +49,9 @@ def run_sync(args: argparse.Namespace) -> int:
         # Steps that --keep would delete at once are not worth copying.
         keep_from = retained_steps(set(have) | set(wanted), args.keep, None)
         # ... and the bases the kept deltas need (copied first: steps go in ascending order).
-        keep_from = set(retained(sorted(keep_from), lambda s: wanted[s].base if s in wanted else have[s].base if s in have else None))
+        keep_from = set(
+            retained(sorted(keep_from), lambda s: wanted[s].base if s in wanted else have[s].base if s in have else None)
+        )
         wanted = {s: m for s, m in wanted.items() if s in keep_from}
     copied, nbytes = [], 0
     with Reporter(args.quiet) as reporter:
@@ -76,8 +78,17 @@ def run_sync(args: argparse.Namespace) -> int:
             dst.remove_unit(step, now[step].directory)
             removed.append(step)
     if args.json:
-        print_json({"nvckpt": "sync", "copied": copied, "bytes": nbytes, "removed": removed, "kept": dst.steps(),
-                    "kept_as_bases": as_bases, "kept_as_newest_full": as_full})
+        print_json(
+            {
+                "nvckpt": "sync",
+                "copied": copied,
+                "bytes": nbytes,
+                "removed": removed,
+                "kept": dst.steps(),
+                "kept_as_bases": as_bases,
+                "kept_as_newest_full": as_full,
+            }
+        )
         return EXIT_OK
     console = stdout_console()
     extra = []
@@ -89,6 +100,7 @@ def run_sync(args: argparse.Namespace) -> int:
     console.print(
         f"{args.dst}: copied {len(copied)} step(s) ({format_bytes(nbytes)}) {copied or ''}; "
         f"removed {removed or 'none'}{beyond}; now holds {dst.steps()}",
-        markup=False, highlight=False,
+        markup=False,
+        highlight=False,
     )
     return EXIT_OK

@@ -18,7 +18,7 @@ from nvcomp_checkpoint.storage import stale_temp_files
 from . import _dcp
 from ._ui import EXIT_FAILED, EXIT_OK, Reporter, print_json, stdout_console
 from .chain import describe_chain
-from .sources import DIRECTORY, NVCOMP, TORCH, SAFETENSORS, dir_files, sniff
+from .sources import DIRECTORY, NVCOMP, SAFETENSORS, TORCH, dir_files, sniff
 
 __all__ = ["add_parser", "run_verify", "verify_file", "default_max_bytes", "parse_size"]
 
@@ -69,7 +69,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="nvcomp-checkpoint file, or a directory of them")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument(
-        "--max-bytes", type=parse_size, default=None, metavar="SIZE",
+        "--max-bytes",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
         help="refuse, before decoding, a file whose object tree and tensors decode to more than SIZE (e.g. 64G; "
         "a delta tensor counts once per file of its chain); default: this machine's memory; 0: no limit",
     )
@@ -108,7 +111,13 @@ def verify_file(path: str, reporter: Reporter, max_bytes: int | None = None) -> 
                 f"--max-bytes {problem.error.limit}; if you trust the file, pass --max-bytes {problem.error.needed} (or 0: no limit)"
             )
         failures.append({"tensor": problem.tensor, "error": message})
-    return {"file": path, "tensors": checked.tensors, "raw_bytes": checked.raw_bytes, "unreadable": total is None, "failures": failures}
+    return {
+        "file": path,
+        "tensors": checked.tensors,
+        "raw_bytes": checked.raw_bytes,
+        "unreadable": total is None,
+        "failures": failures,
+    }
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -150,7 +159,9 @@ def run_verify(args: argparse.Namespace) -> int:
         )
     limit = default_max_bytes() if args.max_bytes is None else (args.max_bytes or None)
     results = [verify_file(p, reporter, limit) for p in paths]
-    failures = [dict(f, file=r["file"]) for r in results for f in r["failures"]] + extra + (chain_failures if kind == NVCOMP else [])
+    failures = (
+        [dict(f, file=r["file"]) for r in results for f in r["failures"]] + extra + (chain_failures if kind == NVCOMP else [])
+    )
     tensors = sum(r["tensors"] for r in results)
     raw = sum(r["raw_bytes"] for r in results)
     if dcp_kind == _dcp.DCP_PLAIN:
@@ -160,13 +171,26 @@ def run_verify(args: argparse.Namespace) -> int:
         results = described["files"]
     ok = not failures
     if args.json:
-        print_json({"path": args.path, "ok": ok, "files": len(results), "tensors": tensors, "raw_bytes": raw, "failures": failures,
-                    "stale_temp_files": [{"file": p, "bytes": _size(p)} for p in stale]})
+        print_json(
+            {
+                "path": args.path,
+                "ok": ok,
+                "files": len(results),
+                "tensors": tensors,
+                "raw_bytes": raw,
+                "failures": failures,
+                "stale_temp_files": [{"file": p, "bytes": _size(p)} for p in stale],
+            }
+        )
     else:
         console = stdout_console()
         for p in stale:
-            console.print(f"NOTE {p}: temporary file of a killed save ({format_bytes(_size(p))}); the next save into "
-                          "this directory removes it", markup=False, highlight=False)
+            console.print(
+                f"NOTE {p}: temporary file of a killed save ({format_bytes(_size(p))}); the next save into "
+                "this directory removes it",
+                markup=False,
+                highlight=False,
+            )
         for f in failures:
             # The reader's messages name the file and the tensor; add them only where they do not.
             named = f["file"] in f["error"] and (f["tensor"] is None or repr(f["tensor"]) in f["error"])
@@ -177,7 +201,11 @@ def run_verify(args: argparse.Namespace) -> int:
             files = f"plain DCP (no checksums: structure and decoding checked), {files}"
         if ok:
             if not args.quiet:
-                console.print(f"OK {args.path}: {files}{_count(tensors, 'tensor')} ({format_bytes(raw)}) verified", markup=False, highlight=False)
+                console.print(
+                    f"OK {args.path}: {files}{_count(tensors, 'tensor')} ({format_bytes(raw)}) verified",
+                    markup=False,
+                    highlight=False,
+                )
         else:
             bad = len({(f["file"], f["tensor"]) for f in failures})
             unreadable = [r["file"] for r in results if r.get("unreadable")]

@@ -8,7 +8,7 @@ limits, levels, nvCOMP options) is one table, :mod:`.registry`.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -57,7 +57,7 @@ def has_cpu_decoder(codec_id: str) -> bool:
     return codec_id in _CPU_CODECS
 
 
-@lru_cache(maxsize=None)
+@cache
 def cpu_codec(codec_id: str, level: int | None = None, adaptive: bool = False) -> CpuCodec:
     """The CPU implementation of ``codec_id`` (cached; instances are thread-safe).
 

@@ -38,8 +38,15 @@ ZSTD_MAX_LEVEL = zstandard.MAX_COMPRESSION_LEVEL
 
 def _fast_params(hash_log: int) -> zstandard.ZstdCompressionParameters:
     return zstandard.ZstdCompressionParameters(
-        window_log=19, chain_log=13, hash_log=hash_log, search_log=1, min_match=7, target_length=0,
-        strategy=zstandard.STRATEGY_FAST, write_content_size=1, write_checksum=0,
+        window_log=19,
+        chain_log=13,
+        hash_log=hash_log,
+        search_log=1,
+        min_match=7,
+        target_length=0,
+        strategy=zstandard.STRATEGY_FAST,
+        write_content_size=1,
+        write_checksum=0,
     )
 
 

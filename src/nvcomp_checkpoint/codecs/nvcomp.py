@@ -467,9 +467,7 @@ class NvcompGpuCodec:
             data = _as_byte_chunk(frame, self.device, f"frame {i}")
             raw_size = int(raw_size)
             if raw_size < 0 or raw_size > self._max_raw_bytes:
-                raise FormatError(
-                    f"frame {i}: raw size {raw_size} is outside 0..{self._max_raw_bytes} for {self.id}"
-                )
+                raise FormatError(f"frame {i}: raw size {raw_size} is outside 0..{self._max_raw_bytes} for {self.id}")
             if raw_size == 0:
                 # Mirrors encode: empty chunks never reach nvCOMP (see EMPTY_ZSTD_FRAME).
                 out[i] = torch.empty(0, dtype=torch.uint8, device=self.device)
@@ -582,9 +580,7 @@ class NvcompGpuCodec:
                 sizes = [int(view.buffer_size) for view in views]
                 for position, (size, wanted) in enumerate(zip(sizes, raw_sizes, strict=True)):
                     if size != wanted:
-                        raise FormatError(
-                            f"{self.id} frame {index[position]} decoded to {size} bytes, the index says {wanted}"
-                        )
+                        raise FormatError(f"{self.id} frame {index[position]} decoded to {size} bytes, the index says {wanted}")
                 tensors = _pack_aligned(views, sizes, self.device)
                 stream.synchronize()  # as in _encode: the copy must finish before nvCOMP frees
             except GpuCodecError:

@@ -99,7 +99,9 @@ def compress_directory(
         target = join(dst, out_name)
         out, opath = storage_for(target, storage_options)
         with write_errors(target), out.open_write(opath) as f:
-            written, _, _ = CheckpointWriter(f, fqn_policy, target, workers=workers).write(tree, {"dcp_rank": rank, "dcp_file": out_name})
+            written, _, _ = CheckpointWriter(f, fqn_policy, target, workers=workers).write(
+                tree, {"dcp_rank": rank, "dcp_file": out_name}
+            )
         identity = xxhash.xxh3_64_intdigest(written.to_json_bytes())  # the file's footer digest: its identity
         records.update((index, StoredItem(out_name, key, identity)) for index, key in keys.items())
     metadata.storage_data = records

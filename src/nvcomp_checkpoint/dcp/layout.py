@@ -172,27 +172,29 @@ def decode_metadata(data: bytes, where: str) -> Any:
 #: are allowed by value (a ``torch`` attribute that is a ``torch.dtype``). Found by listing the globals
 #: of real metadata (tensors, DTensor and ShardedTensor shards, byte items, tied weights, both
 #: writers, with and without collectives); pinned by tests/test_dcp_forgery.py.
-_ALLOWED_GLOBALS = frozenset({
-    ("torch.distributed.checkpoint.metadata", "Metadata"),
-    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
-    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
-    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("nvcomp_checkpoint.dcp.layout", "StoredItem"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch._utils", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-})
+_ALLOWED_GLOBALS = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+        ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("nvcomp_checkpoint.dcp.layout", "StoredItem"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch._utils", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+)
 #: Containers nest no deeper in DCP metadata (Metadata > dict > TensorStorageMetadata > list > chunk > Size).
 MAX_METADATA_NESTING = 32
 #: What the calls of a metadata pickle may copy (elements passed to constructors and ``BUILD``
@@ -254,8 +256,15 @@ _LENGTH_WIDTH = {-2: 1, -3: 4, -4: 4, -5: 8}
 # Opcodes by what they do to the stack (see _check_metadata_pickle).
 _SCALARS = frozenset(b"IJKML\x8a\x8bN\x88\x89FGc")
 _STRINGS = frozenset(b"STUBC\x8e\x96V\x8cX\x8d")
-_REFUSED = {0x50: "a persistent id", 0x51: "a persistent id", 0x82: "an extension code", 0x83: "an extension code",
-            0x84: "an extension code", 0x97: "an out-of-band buffer", 0x98: "an out-of-band buffer"}
+_REFUSED = {
+    0x50: "a persistent id",
+    0x51: "a persistent id",
+    0x82: "an extension code",
+    0x83: "an extension code",
+    0x84: "an extension code",
+    0x97: "an out-of-band buffer",
+    0x98: "an out-of-band buffer",
+}
 
 
 def _check_metadata_pickle(data: bytes, where: str) -> None:
@@ -483,7 +492,9 @@ def _check_metadata_pickle(data: bytes, where: str) -> None:
     except FormatError:
         raise
     except (IndexError, KeyError, ValueError, TypeError, struct.error) as exc:
-        raise FormatError(f"{where}: the checkpoint metadata is not a pickle (malformed near byte {pos}: {type(exc).__name__})") from exc
+        raise FormatError(
+            f"{where}: the checkpoint metadata is not a pickle (malformed near byte {pos}: {type(exc).__name__})"
+        ) from exc
     raise FormatError(f"{where}: the checkpoint metadata is not a pickle (it ends without STOP); restore it from another copy")
 
 
@@ -505,7 +516,9 @@ def check_file_name(name: Any, where: str, fqn: str) -> str:
         FormatError: Anything else (``../other/x``, ``/abs``, ``a/b``): a forged or damaged record.
     """
     if (
-        not isinstance(name, str) or name in ("", ".", "..") or len(name) > 255
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or len(name) > 255
         or any(c in name for c in ("/", "\\", ":", "\x00"))
     ):
         raise FormatError(

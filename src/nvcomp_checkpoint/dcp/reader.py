@@ -25,8 +25,8 @@ from ..filetype import NVCOMP, TORCH, path_contents
 from ..reader import CheckpointReader
 from ..storage import open_checkpoint_stream, storage_for
 from .layout import (
-    METADATA_NAME,
     MAX_METADATA_BYTES,
+    METADATA_NAME,
     SAVE_TAG,
     WORLD_SIZE_TAG,
     StoredItem,
@@ -40,7 +40,11 @@ from .layout import (
 )
 
 __all__ = [
-    "NvcompReader", "read_stored_metadata", "require_stored_metadata", "merge_rank_metadata", "is_compressed_dcp_checkpoint",
+    "NvcompReader",
+    "read_stored_metadata",
+    "require_stored_metadata",
+    "merge_rank_metadata",
+    "is_compressed_dcp_checkpoint",
     "rank_file_problems",
 ]
 
@@ -56,11 +60,15 @@ def _read_metadata_bytes(
     if size > MAX_METADATA_BYTES:
         raise FormatError(f"{where}: {size} bytes of checkpoint metadata, over the limit of {MAX_METADATA_BYTES >> 30} GiB")
     if max_bytes is not None and size > max_bytes:
-        raise SizeLimitError(f"{where}: {size} bytes of checkpoint metadata, over max_bytes={max_bytes}; raise max_bytes if you trust the checkpoint")
+        raise SizeLimitError(
+            f"{where}: {size} bytes of checkpoint metadata, over max_bytes={max_bytes}; raise max_bytes if you trust the checkpoint"
+        )
     with open_checkpoint_stream(storage, spath, where) as f:
         data = bytes(f.read(size + 1))  # no more than was sized: a file growing meanwhile is not read on
     if len(data) != size:
-        raise FormatError(f"{where}: changed size while it was read ({size} bytes, then {len(data)}); is a save running into this directory?")
+        raise FormatError(
+            f"{where}: changed size while it was read ({size} bytes, then {len(data)}); is a save running into this directory?"
+        )
     return data
 
 
@@ -193,7 +201,11 @@ def merge_rank_metadata(parts: list[Metadata], path: str) -> Metadata:
         for fqn, md in part.state_dict_metadata.items():
             have = merged.get(fqn)
             if have is None:
-                merged[fqn] = TensorStorageMetadata(md.properties, md.size, list(md.chunks)) if isinstance(md, TensorStorageMetadata) else md
+                merged[fqn] = (
+                    TensorStorageMetadata(md.properties, md.size, list(md.chunks))
+                    if isinstance(md, TensorStorageMetadata)
+                    else md
+                )
                 continue
             if isinstance(have, BytesStorageMetadata) and isinstance(md, BytesStorageMetadata):
                 continue
@@ -220,8 +232,13 @@ def merge_rank_metadata(parts: list[Metadata], path: str) -> Metadata:
                     "load an earlier checkpoint"
                 )
     first = parts[0]
-    return Metadata(state_dict_metadata=merged, planner_data=planner_data, storage_data=storage_data,
-                    storage_meta=first.storage_meta, version=first.version)
+    return Metadata(
+        state_dict_metadata=merged,
+        planner_data=planner_data,
+        storage_data=storage_data,
+        storage_meta=first.storage_meta,
+        version=first.version,
+    )
 
 
 def is_compressed_dcp_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
@@ -259,7 +276,9 @@ def _expected(metadata: Metadata, index: Any) -> tuple[tuple[int, ...], torch.dt
     raise FormatError(f"item {index.fqn[:200]!r} at offsets {list(index.offset or ())} has a record but no chunk in the metadata")
 
 
-def rank_file_problems(reader: CheckpointReader, records: list[tuple[Any, StoredItem]], metadata: Metadata) -> list[tuple[str | None, FormatError]]:
+def rank_file_problems(
+    reader: CheckpointReader, records: list[tuple[Any, StoredItem]], metadata: Metadata
+) -> list[tuple[str | None, FormatError]]:
     """What is wrong with rank file ``reader`` for the records the metadata places in it, found from
     its index alone (nothing is decoded): ``(fqn or None, error)`` pairs, empty when it is right.
 
@@ -271,11 +290,16 @@ def rank_file_problems(reader: CheckpointReader, records: list[tuple[Any, Stored
     digests = {stored.index_xxh3 for _, stored in records} - {None}
     if digests and digests != {reader.index_xxh3}:
         recorded = ", ".join(f"{d:016x}" for d in sorted(digests))
-        return [(None, FormatError(
-            f"{reader.path}: not the rank file this checkpoint's metadata names (its index digest is "
-            f"{reader.index_xxh3:016x}, the metadata recorded {recorded}): a file of another checkpoint, or another save, "
-            "under this name; restore the checkpoint from another copy"
-        ))]
+        return [
+            (
+                None,
+                FormatError(
+                    f"{reader.path}: not the rank file this checkpoint's metadata names (its index digest is "
+                    f"{reader.index_xxh3:016x}, the metadata recorded {recorded}): a file of another checkpoint, or another save, "
+                    "under this name; restore the checkpoint from another copy"
+                ),
+            )
+        ]
     problems: list[tuple[str | None, FormatError]] = []
     for index, stored in records:
         try:
@@ -290,11 +314,16 @@ def rank_file_problems(reader: CheckpointReader, records: list[tuple[Any, Stored
             continue
         shape, dtype = want if want is not None else ((entry.shape[0],) if len(entry.shape) == 1 else (-1,), torch.uint8)
         if tuple(entry.shape) != shape or entry.dtype != dtype:
-            problems.append((index.fqn, FormatError(
-                f"{reader.path}: item {index.fqn!r}: the file holds {str(entry.dtype).removeprefix('torch.')}{list(entry.shape)}, "
-                f"the metadata says {'bytes' if want is None else str(dtype).removeprefix('torch.') + str(list(shape))}; "
-                "the file or the metadata is damaged or forged: restore the checkpoint from another copy"
-            )))
+            problems.append(
+                (
+                    index.fqn,
+                    FormatError(
+                        f"{reader.path}: item {index.fqn!r}: the file holds {str(entry.dtype).removeprefix('torch.')}{list(entry.shape)}, "
+                        f"the metadata says {'bytes' if want is None else str(dtype).removeprefix('torch.') + str(list(shape))}; "
+                        "the file or the metadata is damaged or forged: restore the checkpoint from another copy"
+                    ),
+                )
+            )
     return problems
 
 

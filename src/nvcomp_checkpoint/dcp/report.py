@@ -139,12 +139,20 @@ def read_dcp_files(path: str, storage_options: dict[str, Any] | None = None) -> 
         storage, spath = storage_for(join(path, n), storage_options)
         meta_bytes += storage.size(spath)
     return DcpFiles(
-        path, compressed, metadata, records, rank_files, tuple(names), meta_bytes,
+        path,
+        compressed,
+        metadata,
+        records,
+        rank_files,
+        tuple(names),
+        meta_bytes,
         component_totals(t for f in rank_files for t in f.tensors),
     )
 
 
-def _rank_file(path: str, name: str, records: list[tuple[Any, Any]], compressed: bool, storage_options: dict[str, Any] | None) -> RankFile:
+def _rank_file(
+    path: str, name: str, records: list[tuple[Any, Any]], compressed: bool, storage_options: dict[str, Any] | None
+) -> RankFile:
     """One rank file's size and (ours) index; a failure to read it is its ``error``."""
     where = join(path, name)
     storage, spath = storage_for(where, storage_options)
@@ -157,10 +165,16 @@ def _rank_file(path: str, name: str, records: list[tuple[Any, Any]], compressed:
         with CheckpointReader(where, storage_options=storage_options) as reader:
             digests = {getattr(info, "index_xxh3", None) for _, info in records} - {None}
             if digests and digests != {reader.index_xxh3}:
-                return RankFile(name, items, reader.file_bytes, error=(
-                    f"{where}: not the rank file this checkpoint's metadata names (index digest {reader.index_xxh3:016x}, "
-                    f"recorded {', '.join(f'{d:016x}' for d in sorted(digests))}): a file of another checkpoint under this name"
-                ), foreign=True)
+                return RankFile(
+                    name,
+                    items,
+                    reader.file_bytes,
+                    error=(
+                        f"{where}: not the rank file this checkpoint's metadata names (index digest {reader.index_xxh3:016x}, "
+                        f"recorded {', '.join(f'{d:016x}' for d in sorted(digests))}): a file of another checkpoint under this name"
+                    ),
+                    foreign=True,
+                )
             return RankFile(name, items, reader.file_bytes, tuple(reader.index.tensors))
     except CheckpointError as exc:  # FormatError, ChecksumError, permission denied: named by the message
         error = str(exc)
@@ -212,8 +226,14 @@ def dcp_report(
         )
     damaged = next((f for f in files.rank_files if f.error is not None), None)
     if damaged is not None:
-        raise FormatError(f"{join(path, damaged.name)}: its index does not read ({damaged.error}); restore the checkpoint from another copy")
+        raise FormatError(
+            f"{join(path, damaged.name)}: its index does not read ({damaged.error}); restore the checkpoint from another copy"
+        )
     return SaveReport(
-        path, files.raw_bytes, files.file_bytes, seconds, dict(files.components),
+        path,
+        files.raw_bytes,
+        files.file_bytes,
+        seconds,
+        dict(files.components),
         seconds if seconds_blocked is None else seconds_blocked,
     )

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 import xxhash
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ..errors import CheckpointError, FormatError
@@ -114,7 +114,9 @@ def _device_copy(obj: Any, on_device: Callable[[torch.Tensor], bool]) -> Any:
             # Same devices: the shards' and the tensor's metadata stay as they are (as ShardedTensor.to builds it).
             cloned = [Shard(shard.tensor.detach().clone(), copy.deepcopy(shard.metadata)) for shard in shards]
             return ShardedTensor._init_from_local_shards_and_global_metadata(
-                cloned, sharded_tensor_metadata=copy.deepcopy(obj.metadata()), process_group=obj._process_group,
+                cloned,
+                sharded_tensor_metadata=copy.deepcopy(obj.metadata()),
+                process_group=obj._process_group,
                 init_rrefs=obj._init_rrefs,
             )
         return copy.deepcopy(obj) if all(shard.tensor.device.type == "cpu" for shard in shards) else obj.to(device="cpu")
@@ -237,7 +239,9 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         if t.device.type != "cuda":
             return t.device.type == "cpu"
         if t.device not in budget:
-            budget[t.device] = self.device_budget_bytes if self.device_budget_bytes is not None else torch.cuda.mem_get_info(t.device)[0] // 2
+            budget[t.device] = (
+                self.device_budget_bytes if self.device_budget_bytes is not None else torch.cuda.mem_get_info(t.device)[0] // 2
+            )
         need = t.numel() * t.element_size()
         if need > budget[t.device]:
             return False
@@ -381,7 +385,9 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         from torch.distributed.checkpoint.filesystem import _StorageInfo
 
         values = (old.storage_data or {}).values()
-        return {v.file for v in values if isinstance(v, StoredItem)} | {v.relative_path for v in values if isinstance(v, _StorageInfo)}
+        return {v.file for v in values if isinstance(v, StoredItem)} | {
+            v.relative_path for v in values if isinstance(v, _StorageInfo)
+        }
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

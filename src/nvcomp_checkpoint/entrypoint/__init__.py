@@ -13,7 +13,16 @@ from .options import POLICY_OPTION_KEYS, as_policy, incremental_files, policy_an
 from .reports import checkpoint_report, report_metrics
 
 __all__ = [
-    "SaveEntryPoint", "as_policy", "policy_and_metadata", "POLICY_OPTION_KEYS", "torch_weights_only", "load_as_torch",
-    "load_tree", "leader_load_applies", "checked_on_every_rank", "checkpoint_report",
-    "report_metrics", "incremental_files",
+    "SaveEntryPoint",
+    "as_policy",
+    "policy_and_metadata",
+    "POLICY_OPTION_KEYS",
+    "torch_weights_only",
+    "load_as_torch",
+    "load_tree",
+    "leader_load_applies",
+    "checked_on_every_rank",
+    "checkpoint_report",
+    "report_metrics",
+    "incremental_files",
 ]

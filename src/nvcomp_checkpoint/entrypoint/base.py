@@ -189,8 +189,14 @@ class SaveEntryPoint:
         self._saves.notify(report, after)
 
     def _save_group(
-        self, path: Any, started: float, after: list[SavedCallback], hand_over: Callable[[SaveGroup], Any], *,
-        background: bool = True, **fields: Any,
+        self,
+        path: Any,
+        started: float,
+        after: list[SavedCallback],
+        hand_over: Callable[[SaveGroup], Any],
+        *,
+        background: bool = True,
+        **fields: Any,
     ) -> SaveReport | None:
         """Begin a save of ``path`` as one group, let ``hand_over`` add its parts, then seal it.
 

@@ -34,24 +34,39 @@ def torch_weights_only(weights_only: bool | None) -> bool:
 
 
 def load_as_torch(
-    path: Any, map_location: Any, weights_only: bool | None, *, hint: str, storage_options: dict[str, Any] | None = None,
-    leader_load: bool = False, plain_map_location: Any = None,
+    path: Any,
+    map_location: Any,
+    weights_only: bool | None,
+    *,
+    hint: str,
+    storage_options: dict[str, Any] | None = None,
+    leader_load: bool = False,
+    plain_map_location: Any = None,
 ) -> Any:
     """:func:`load_tree` with ``torch.load``'s ``weights_only`` rules (:func:`torch_weights_only`),
     as a framework's loader passes them; a file a weights-only load refuses is named in an
     ``UnsafeCheckpointError`` that ends with ``hint`` (how to pass ``weights_only=False`` there)."""
     try:
         return load_tree(
-            path, map_location, weights_only=torch_weights_only(weights_only), storage_options=storage_options,
-            leader_load=leader_load, plain_map_location=plain_map_location,
+            path,
+            map_location,
+            weights_only=torch_weights_only(weights_only),
+            storage_options=storage_options,
+            leader_load=leader_load,
+            plain_map_location=plain_map_location,
         )
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"{exc}{hint}") from exc
 
 
 def load_tree(
-    path: Any, map_location: Any = None, *, weights_only: bool = True, storage_options: dict[str, Any] | None = None,
-    leader_load: bool = False, plain_map_location: Any = None,
+    path: Any,
+    map_location: Any = None,
+    *,
+    weights_only: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    leader_load: bool = False,
+    plain_map_location: Any = None,
 ) -> Any:
     """:func:`nvcomp_checkpoint.load`, or with ``leader_load`` where :func:`leader_load_applies`,
     :func:`nvcomp_checkpoint.load_broadcast`: a collective in which one rank per node reads ``path``
@@ -62,7 +77,11 @@ def load_tree(
     if leader_load and leader_load_applies():
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         return load_broadcast(path, device, weights_only=weights_only, storage_options=storage_options)
-    if map_location is None and plain_map_location is not None and not is_nvcomp_checkpoint(path, storage_options=storage_options):
+    if (
+        map_location is None
+        and plain_map_location is not None
+        and not is_nvcomp_checkpoint(path, storage_options=storage_options)
+    ):
         map_location = plain_map_location
     return load(path, map_location, weights_only=weights_only, storage_options=storage_options)
 
@@ -102,7 +121,9 @@ def checked_on_every_rank(check: Callable[[], _T], where: str, leader_load: bool
     failed = [(rank, message) for rank, (kind, message) in enumerate(outcomes) if kind == "error"]
     if failed:
         rank, message = failed[0]
-        raise CheckpointError(f"{where}: rank {rank} failed before the collective load (leader_load), so no rank loads: {message}")
+        raise CheckpointError(
+            f"{where}: rank {rank} failed before the collective load (leader_load), so no rank loads: {message}"
+        )
     mine = dist.get_rank()
     differ = [rank for rank, (_, value) in enumerate(outcomes) if value != result]
     if differ:

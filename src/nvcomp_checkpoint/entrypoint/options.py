@@ -21,7 +21,9 @@ def as_policy(policy: CodecPolicy | Mapping[str, Any] | str | None, where: str) 
     return CodecPolicy.of(policy, where)
 
 
-def policy_and_metadata(options: Any, default: CodecPolicy, label: str, name: str = "storage_options") -> tuple[CodecPolicy, dict[str, Any] | None]:
+def policy_and_metadata(
+    options: Any, default: CodecPolicy, label: str, name: str = "storage_options"
+) -> tuple[CodecPolicy, dict[str, Any] | None]:
     """The policy and index metadata of one save, from a per-save options dict (keys: :data:`POLICY_OPTION_KEYS`).
 
     Raises:
@@ -52,7 +54,9 @@ def policy_and_metadata(options: Any, default: CodecPolicy, label: str, name: st
     return policy, (dict(metadata) if metadata is not None else None)
 
 
-def incremental_files(label: str, incremental: bool, full_every: int | None, delta_base: str, **options: Any) -> IncrementalFiles | None:
+def incremental_files(
+    label: str, incremental: bool, full_every: int | None, delta_base: str, **options: Any
+) -> IncrementalFiles | None:
     """An integration's ``incremental=True`` option (``None`` without it); checked before anything is set up.
 
     With ``tiers=`` too, each delta is adopted with its base (:meth:`SaveEntryPoint._after_durable`):

@@ -14,8 +14,12 @@ _LOG = logging.getLogger("nvcomp_checkpoint")
 
 
 def checkpoint_report(
-    path: str | os.PathLike[str], seconds: float, *, reports: Iterable[SaveReport] = (),
-    dcp_dirs: Iterable[str | os.PathLike[str]] = (), seconds_blocked: float | None = None,
+    path: str | os.PathLike[str],
+    seconds: float,
+    *,
+    reports: Iterable[SaveReport] = (),
+    dcp_dirs: Iterable[str | os.PathLike[str]] = (),
+    seconds_blocked: float | None = None,
 ) -> SaveReport | None:
     """The report of one committed checkpoint: ``reports`` in hand, merged with the report of each
     committed DCP directory in ``dcp_dirs`` (:func:`~nvcomp_checkpoint.dcp.dcp_report`: every rank
@@ -36,7 +40,9 @@ def checkpoint_report(
     except Exception as exc:  # noqa: BLE001 - the checkpoint is committed; only its numbers are missing
         _LOG.warning(
             "%s: committed, but its save report could not be built (%s: %s); %s",
-            os.fspath(path), type(exc).__name__, exc,
+            os.fspath(path),
+            type(exc).__name__,
+            exc,
             "the report covers the other files only" if given else "no report for this save",
         )
         return merge_reports(os.fspath(path), given, seconds, seconds_blocked) if given else None

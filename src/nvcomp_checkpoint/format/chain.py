@@ -12,7 +12,15 @@ from ..errors import FormatError
 from ..filters.sub import SUB_WIDTHS
 
 __all__ = [
-    "FRAME_OPS", "XOR", "SUB", "BaseRef", "TensorDelta", "DELTA_FORMAT_VERSION", "SUB_FORMAT_VERSION", "SUB_WIDTHS", "MAX_CHAIN_DEPTH",
+    "FRAME_OPS",
+    "XOR",
+    "SUB",
+    "BaseRef",
+    "TensorDelta",
+    "DELTA_FORMAT_VERSION",
+    "SUB_FORMAT_VERSION",
+    "SUB_WIDTHS",
+    "MAX_CHAIN_DEPTH",
 ]
 
 #: Index ``version`` (and magic version byte) of a file that records a base.

@@ -58,11 +58,7 @@ FOOTER = struct.Struct("<QQQ8s")
 MAX_INDEX_BYTES = 1 << 30
 MAX_CHUNK_BYTES = CHUNK_CAP_BYTES  # the facts table's cap (codecs/registry.py)
 
-_DTYPES = {
-    name: value
-    for name, value in vars(torch).items()
-    if isinstance(value, torch.dtype) and not name.startswith("_")
-}
+_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype) and not name.startswith("_")}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -79,7 +75,9 @@ def dtype_from_name(name: str, where: str) -> torch.dtype:
     if dtype is None:
         raise FormatError(f"{where}: unknown dtype {name!r} (written by a newer torch?)")
     if dtype in QUANTIZED_DTYPES:
-        raise FormatError(f"{where}: dtype {name!r} is quantized, which no writer of this format stores; the index is corrupt or forged")
+        raise FormatError(
+            f"{where}: dtype {name!r} is quantized, which no writer of this format stores; the index is corrupt or forged"
+        )
     return dtype
 
 
@@ -94,11 +92,12 @@ def unpack_footer(data: bytes, file_size: int, where: str) -> tuple[int, int, in
     offset, size, digest, magic = FOOTER.unpack(data)
     if magic != FOOTER_MAGIC:
         raise FormatError(
-            f"{where}: no checkpoint footer; the file is truncated (an interrupted save?) or "
-            "not an nvcomp-checkpoint file"
+            f"{where}: no checkpoint footer; the file is truncated (an interrupted save?) or not an nvcomp-checkpoint file"
         )
     if size > MAX_INDEX_BYTES or offset < len(MAGIC) or offset + size != file_size - FOOTER.size:
-        raise FormatError(f"{where}: footer claims an index of {size} bytes at {offset}, impossible in a file of {file_size} bytes")
+        raise FormatError(
+            f"{where}: footer claims an index of {size} bytes at {offset}, impossible in a file of {file_size} bytes"
+        )
     return offset, size, digest
 
 
@@ -193,7 +192,9 @@ def chunk_frame_sizes(nbytes: int, chunk_bytes: int, planes: int) -> list[int]:
     return sizes
 
 
-def _entry_from_json(data: Any, data_start: int, data_end: int, where: str, has_base: bool = False, version: int = FORMAT_VERSION) -> TensorEntry:
+def _entry_from_json(
+    data: Any, data_start: int, data_end: int, where: str, has_base: bool = False, version: int = FORMAT_VERSION
+) -> TensorEntry:
     try:
         key = str(data["key"])
         dtype = dtype_from_name(str(data["dtype"]), where)

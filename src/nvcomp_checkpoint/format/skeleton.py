@@ -21,8 +21,18 @@ import torch
 from ..errors import FormatError, UnsafeCheckpointError, UnsupportedObjectError
 
 __all__ = [
-    "TensorRef", "flatten", "tensor_paths", "check_skeleton", "unflatten", "encode_skeleton", "decode_skeleton",
-    "weights_only_detail", "check_torch_archive", "MAX_TREE_DEPTH", "MAX_TREE_NODES", "MAX_PICKLE_NESTING",
+    "TensorRef",
+    "flatten",
+    "tensor_paths",
+    "check_skeleton",
+    "unflatten",
+    "encode_skeleton",
+    "decode_skeleton",
+    "weights_only_detail",
+    "check_torch_archive",
+    "MAX_TREE_DEPTH",
+    "MAX_TREE_NODES",
+    "MAX_PICKLE_NESTING",
 ]
 
 
@@ -48,8 +58,16 @@ def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
     # So are the Parameter type and requires_grad, which the file records per tensor: ``p`` and
     # ``p.detach()`` come back as a Parameter and a plain tensor, as with torch.save.
     return (
-        t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device,
-        t.is_conj(), t.is_neg(), isinstance(t, torch.nn.Parameter), t.requires_grad,
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t.dtype,
+        t.device,
+        t.is_conj(),
+        t.is_neg(),
+        isinstance(t, torch.nn.Parameter),
+        t.requires_grad,
     )
 
 
@@ -141,10 +159,7 @@ def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[
                 )
             # Sparse, nested and meta tensors have no storage to compare; the writer refuses them.
             # Empty tensors hold no bytes to share, and every empty storage has data_ptr 0.
-            plain = (
-                node.device.type != "meta" and node.layout == torch.strided and not node.is_nested
-                and node.numel() > 0
-            )
+            plain = node.device.type != "meta" and node.layout == torch.strided and not node.is_nested and node.numel() > 0
             ident = _tensor_identity(node) if plain else None
             if ident is not None and ident in seen:
                 return TensorRef(seen[ident])
@@ -288,7 +303,9 @@ def _walk_skeleton(
                 break
         else:
             if count > MAX_TREE_NODES:
-                raise FormatError(f"{where}: the checkpoint's object tree holds more than {MAX_TREE_NODES} items; the file is corrupt or forged")
+                raise FormatError(
+                    f"{where}: the checkpoint's object tree holds more than {MAX_TREE_NODES} items; the file is corrupt or forged"
+                )
             stack.pop()
             done = node
             if rebuild and level.changed and isinstance(done, tuple):
@@ -299,7 +316,9 @@ def _walk_skeleton(
                 _put(stack[-1], level.key, done)
             continue
         if count > MAX_TREE_NODES:
-            raise FormatError(f"{where}: the checkpoint's object tree holds more than {MAX_TREE_NODES} items; the file is corrupt or forged")
+            raise FormatError(
+                f"{where}: the checkpoint's object tree holds more than {MAX_TREE_NODES} items; the file is corrupt or forged"
+            )
     return result
 
 
@@ -337,7 +356,9 @@ def tensor_paths(skeleton: Any, where: str = "checkpoint", tensor_count: int | N
         path = _path_of(level, key) if level is not None else ()
         budget[0] -= len(path) + 1
         if budget[0] < 0:
-            raise FormatError(f"{where}: the checkpoint's object tree names its tensors by paths too long to list; the file is corrupt or forged")
+            raise FormatError(
+                f"{where}: the checkpoint's object tree names its tensors by paths too long to list; the file is corrupt or forged"
+            )
         found.append((path, index))
 
     _walk_skeleton(skeleton, where, tensor_count, collect, rebuild=False)
@@ -393,8 +414,10 @@ def encode_skeleton(skeleton: Any, where: str = "checkpoint") -> bytes:
             :func:`flatten` does not walk): tensor bytes never go through pickle.
     """
     buf = io.BytesIO()
-    fix = ("tensors are stored outside the pickled object tree, found in dicts, lists and tuples only: "
-           "move it into one, or out of the object")
+    fix = (
+        "tensors are stored outside the pickled object tree, found in dicts, lists and tuples only: "
+        "move it into one, or out of the object"
+    )
     try:
         torch.save(skeleton, buf, pickle_module=_TreePickleModule)
     except _TensorInTree as exc:
@@ -595,6 +618,8 @@ _TAG_BITS = 6
 _TAGS = (1 << _TAG_BITS) - 1
 _ONE = 1 << _TAG_BITS
 _DEEP = (MAX_PICKLE_NESTING + 1) << _TAG_BITS
+
+
 def _builds_tensor(name: bytes) -> bool:
     """Whether a global (``b"module.name"``) builds a tensor or a storage: allowed by the weights-only
     rules, never in an object tree a writer makes (its tensors are in the tensor table).
@@ -706,7 +731,9 @@ def _check_weights_only_pickle(pkl: bytes, corrupt: str, object_tree: bool = Fal
                 if stack[-1] & _BYTEARRAY and args & _INT_FIRST:
                     raise FormatError(f"{corrupt}: its pickle builds a bytearray from a size, which no writer does")
                 if stack[-1] & _ENCODE and not args & _STR_FIRST:
-                    raise FormatError(f"{corrupt}: its pickle encodes something other than a string literal, which no writer does")
+                    raise FormatError(
+                        f"{corrupt}: its pickle encodes something other than a string literal, which no writer does"
+                    )
                 stack[-1] = args & ~_TAGS
             elif op == 0x81:  # NEWOBJ: cls.__new__(cls, *args)
                 args = stack.pop()
@@ -724,7 +751,13 @@ def _check_weights_only_pickle(pkl: bytes, corrupt: str, object_tree: bool = Fal
                 pos = second + 1
                 if object_tree and found is None and _builds_tensor(name):
                     found = f"its pickle calls {name.decode(errors='replace')}"
-                push(_BYTEARRAY if name in (b"builtins.bytearray", b"__builtin__.bytearray") else _ENCODE if name == b"_codecs.encode" else 0)
+                push(
+                    _BYTEARRAY
+                    if name in (b"builtins.bytearray", b"__builtin__.bytearray")
+                    else _ENCODE
+                    if name == b"_codecs.encode"
+                    else 0
+                )
             elif op in (0x55, 0x8A):  # SHORT_BINSTRING, LONG1
                 pos += 1 + pkl[pos]
                 push(_INT if op == 0x8A else _STR)

@@ -11,7 +11,6 @@ wrapper, crash safety, in-place updates, async saves) is in ``docs/accelerate.md
 
 from __future__ import annotations
 
-from nvcomp_checkpoint.version import install_hint
 import contextlib
 import logging
 import os
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 import torch
+
+from nvcomp_checkpoint.version import install_hint
 
 try:
     import accelerate
@@ -37,15 +38,17 @@ try:
         DistributedType,
     )
 except ImportError as exc:
-    raise ImportError(f"nvcomp_checkpoint.accelerate needs Accelerate: {install_hint('accelerate')} ({exc})", name=exc.name) from exc
+    raise ImportError(
+        f"nvcomp_checkpoint.accelerate needs Accelerate: {install_hint('accelerate')} ({exc})", name=exc.name
+    ) from exc
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate
-from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError, StateSaveError
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, incremental_files, load_tree
+from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError, StateSaveError
 from nvcomp_checkpoint.incremental import keep_with_bases
-from nvcomp_checkpoint.savegroup import SaveGroup
 from nvcomp_checkpoint.integrations import accelerate_fsdp
+from nvcomp_checkpoint.savegroup import SaveGroup
 from nvcomp_checkpoint.storage import LOCAL
 from nvcomp_checkpoint.tiers import Tier
 
@@ -63,13 +66,22 @@ logger = logging.getLogger(__name__)
 MANIFEST_NAME = "nvcomp_checkpoint.json"
 _STORE = DirectoryStore(MANIFEST_NAME, "nvcomp-checkpoint/accelerate-state", 1)
 _STATE_FILE = re.compile(
-    "|".join([
-        rf"({re.escape(stem)})(_\d+)?\.{ext}"
-        for stem, ext in (
-            (SAFE_MODEL_NAME, "safetensors"), (MODEL_NAME, "bin"), (OPTIMIZER_NAME, "bin"), (SCHEDULER_NAME, "bin"),
-            (SAMPLER_NAME, "bin"), ("dl_state_dict", "bin"), ("model", "nvc"), ("optimizer", "nvc"),
-        )
-    ] + [re.escape(SCALER_NAME), rf"{re.escape(RNG_STATE_NAME)}_\d+\.pkl", r"custom_checkpoint_\d+\.pkl"])
+    "|".join(
+        [
+            rf"({re.escape(stem)})(_\d+)?\.{ext}"
+            for stem, ext in (
+                (SAFE_MODEL_NAME, "safetensors"),
+                (MODEL_NAME, "bin"),
+                (OPTIMIZER_NAME, "bin"),
+                (SCHEDULER_NAME, "bin"),
+                (SAMPLER_NAME, "bin"),
+                ("dl_state_dict", "bin"),
+                ("model", "nvc"),
+                ("optimizer", "nvc"),
+            )
+        ]
+        + [re.escape(SCALER_NAME), rf"{re.escape(RNG_STATE_NAME)}_\d+\.pkl", r"custom_checkpoint_\d+\.pkl"]
+    )
 )
 # Accelerate's own model and optimizer files, which these hooks write as .nvc instead.
 _PLAIN_STATE_FILE = re.compile(
@@ -175,9 +187,17 @@ def register_nvcomp_hooks(
             "the handle returned by the first call before registering again."
         )
     return NvcompStateHooks(
-        accelerator, policy, workers,
-        async_save=async_save, on_saved=on_saved, stream_wrapper=stream_wrapper, tiers=tiers,
-        incremental=incremental, full_every=full_every, delta_base=delta_base, leader_load=leader_load,
+        accelerator,
+        policy,
+        workers,
+        async_save=async_save,
+        on_saved=on_saved,
+        stream_wrapper=stream_wrapper,
+        tiers=tiers,
+        incremental=incremental,
+        full_every=full_every,
+        delta_base=delta_base,
+        leader_load=leader_load,
     )
 
 
@@ -241,8 +261,14 @@ class NvcompStateHooks(SaveEntryPoint):
         # Checked first: a wrong argument must not leave the accelerator half wrapped.
         self.incremental = incremental_files("register_nvcomp_hooks", incremental, full_every, delta_base)
         super().__init__(
-            "register_nvcomp_hooks", policy, workers=workers, async_save=async_save, on_saved=on_saved,
-            stream_wrapper=stream_wrapper, tiers=tiers, log_as="save_state",
+            "register_nvcomp_hooks",
+            policy,
+            workers=workers,
+            async_save=async_save,
+            on_saved=on_saved,
+            stream_wrapper=stream_wrapper,
+            tiers=tiers,
+            log_as="save_state",
             tiers_hint="register_nvcomp_hooks(accelerator, tiers=[nc.Tier(...)])",
         )
         self.accelerator = accelerator
@@ -293,7 +319,9 @@ class NvcompStateHooks(SaveEntryPoint):
         super()._raise_errors(when, consequence)
 
     # -- saving ----------------------------------------------------------------------------
-    def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any) -> Path:
+    def save_state(
+        self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any
+    ) -> Path:
         """``Accelerator.save_state`` with compressed weights and optimizer state; same arguments.
 
         With ``async_save``, returns once the state is copied; the directory appears when the
@@ -358,9 +386,14 @@ class NvcompStateHooks(SaveEntryPoint):
                 write(None)
             else:  # the group commits once every .nvc file is durable; then the copies to the tiers
                 self._save_group(
-                    os.fspath(shown), entered, self._after_durable(call.iteration, call.target), write,
-                    background=self.async_save, info={"iteration": call.iteration},
-                    commit=lambda reports: self._commit(call, reports, rotation), failed=lambda exc: self._failed(call, exc),
+                    os.fspath(shown),
+                    entered,
+                    self._after_durable(call.iteration, call.target),
+                    write,
+                    background=self.async_save,
+                    info={"iteration": call.iteration},
+                    commit=lambda reports: self._commit(call, reports, rotation),
+                    failed=lambda exc: self._failed(call, exc),
                 )
         except BaseException as exc:
             config.iteration = call.iteration
@@ -379,18 +412,29 @@ class NvcompStateHooks(SaveEntryPoint):
     def _commit(self, call: _SaveCall, reports: dict[str, nc.SaveReport], rotation: tuple[Path, int] | None) -> None:
         """Manifest, commit, rotation: runs once every ``.nvc`` file is durable (maybe in the background)."""
         fields = {
-            "accelerate": accelerate.__version__, "step": call.step, "iteration": call.iteration,
-            "models": call.models, "optimizers": call.optimizer_files, "policy": self.policy.to_dict(),
+            "accelerate": accelerate.__version__,
+            "step": call.step,
+            "iteration": call.iteration,
+            "models": call.models,
+            "optimizers": call.optimizer_files,
+            "policy": self.policy.to_dict(),
         }
         if self.accelerator.distributed_type == DistributedType.FSDP:
             fields.update(accelerate_fsdp.fsdp_manifest_fields(self.accelerator))
         target, new = call.target, set(LOCAL.listdir(os.fspath(call.staging)))
         previous = _STORE.publish(
-            call.staging, target, fields, marker=_MARKER_TEXT, saved=_is_state_file, first=lambda n: n.endswith(".nvc"),
+            call.staging,
+            target,
+            fields,
+            marker=_MARKER_TEXT,
+            saved=_is_state_file,
+            first=lambda n: n.endswith(".nvc"),
             # .nvc files (and DCP rank files) carry a checksum per chunk; hashing them again would double the reads.
             hashed=lambda p: p.suffix not in (".nvc", ".nvcdcp"),
             obsolete=lambda previous: [
-                *previous.get("models", []), *previous.get("optimizers", []), *accelerate_fsdp.replaced_files(previous, call.staging)
+                *previous.get("models", []),
+                *previous.get("optimizers", []),
+                *accelerate_fsdp.replaced_files(previous, call.staging),
             ],
         )
         self.last_reports = dict(reports)
@@ -401,7 +445,8 @@ class NvcompStateHooks(SaveEntryPoint):
                     "%s: also holds %s, written without nvcomp-checkpoint; left in place, as Accelerate leaves "
                     "files it does not rewrite. load_state reads the .nvc files; if these are from an earlier "
                     "save_state, delete them to free the space.",
-                    target, ", ".join(left),
+                    target,
+                    ", ".join(left),
                 )
         if rotation is not None:
             checkpoints, limit = rotation
@@ -411,8 +456,13 @@ class NvcompStateHooks(SaveEntryPoint):
                 ordered, limit = [p for p in ordered if os.fspath(p) not in needed], 0
             # Each folder goes once nothing needs it (SaveEntryPoint._remove_checkpoint): after this commit,
             # and after its copies to the tiers.
-            rotate(ordered, limit, keep=target, trash=checkpoints.parent,
-                   when=lambda old, delete: self._remove_checkpoint(old, lambda _: delete()))
+            rotate(
+                ordered,
+                limit,
+                keep=target,
+                trash=checkpoints.parent,
+                when=lambda old, delete: self._remove_checkpoint(old, lambda _: delete()),
+            )
 
     def _failed(self, call: _SaveCall, exc: BaseException) -> BaseException:
         remove_quietly(call.staging)
@@ -433,7 +483,13 @@ class NvcompStateHooks(SaveEntryPoint):
         try:
             # The committing process's group gets each FSDP file's or DCP directory's report (all ranks' files).
             on_saved = call.group.add_report if call.group is not None else None
-            with accelerate_fsdp.nvcomp_fsdp_functions(accelerate.accelerator, self.policy, workers=self.workers, on_saved=on_saved) if fsdp else contextlib.nullcontext():
+            with (
+                accelerate_fsdp.nvcomp_fsdp_functions(
+                    accelerate.accelerator, self.policy, workers=self.workers, on_saved=on_saved
+                )
+                if fsdp
+                else contextlib.nullcontext()
+            ):
                 self._inner_save(str(call.staging), safe_serialization=safe_serialization, **kwargs)
         finally:
             self._saving = None
@@ -456,7 +512,8 @@ class NvcompStateHooks(SaveEntryPoint):
         files += [(_numbered("optimizer", i), opt.state_dict(), "optimizer", i) for i, opt in enumerate(call.optimizers)]
         for name, state, kind, i in files:
             kwargs = dict(
-                workers=self.workers, metadata={"accelerate": {"kind": kind, "index": i, **meta}},
+                workers=self.workers,
+                metadata={"accelerate": {"kind": kind, "index": i, **meta}},
                 stream_wrapper=self.stream_wrapper,
             )
             if self.incremental is not None and call.staging.parent == call.target.parent:
@@ -475,7 +532,12 @@ class NvcompStateHooks(SaveEntryPoint):
         return acc.is_main_process
 
     # -- loading ---------------------------------------------------------------------------
-    def load_state(self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None, **load_model_func_kwargs: Any) -> None:
+    def load_state(
+        self,
+        input_dir: str | os.PathLike[str] | None = None,
+        load_kwargs: dict[str, Any] | None = None,
+        **load_model_func_kwargs: Any,
+    ) -> None:
         """``Accelerator.load_state`` for directories saved with or without these hooks; same arguments.
 
         Raises:
@@ -531,15 +593,15 @@ class NvcompStateHooks(SaveEntryPoint):
             )
         map_location = load_model_func_kwargs.get("map_location")
         if map_location not in (None, "cpu", "on_device"):
-            raise TypeError(
-                "Unsupported optimizer map location passed, please choose one of `None`, `'cpu'`, or `'on_device'`"
-            )
+            raise TypeError("Unsupported optimizer map location passed, please choose one of `None`, `'cpu'`, or `'on_device'`")
         if map_location is None:
             # Accelerate's rule: the CPU unless several processes each own a device.
             multi = acc.num_processes > 1 and acc.multi_device and acc.distributed_type != DistributedType.MULTI_XPU
             map_location = "on_device" if multi else "cpu"
         call = _LoadCall(
-            path, manifest, acc._optimizers,
+            path,
+            manifest,
+            acc._optimizers,
             acc.device if map_location == "on_device" else "cpu",
             bool((load_kwargs or {}).get("weights_only", True)),
             {k: v for k, v in load_model_func_kwargs.items() if k != "map_location"},

@@ -21,8 +21,8 @@ from types import ModuleType
 from typing import Any, Callable, Iterator
 
 import torch
-from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from accelerate.utils import fsdp_utils as _accelerate_fsdp
+from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
@@ -113,8 +113,16 @@ def nvcomp_fsdp_functions(
 
 
 def save_fsdp_model(
-    fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, output_dir: str | os.PathLike[str], model_index: int = 0,
-    adapter_only: bool = False, use_dcp: bool = True, *, policy: nc.CodecPolicy | None = None, workers: int | None = None,
+    fsdp_plugin: Any,
+    accelerator: Any,
+    model: torch.nn.Module,
+    output_dir: str | os.PathLike[str],
+    model_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+    *,
+    policy: nc.CodecPolicy | None = None,
+    workers: int | None = None,
     on_saved: ReportFn | None = None,
 ) -> None:
     """``accelerate.utils.save_fsdp_model`` with compressed files.
@@ -152,8 +160,13 @@ def save_fsdp_model(
 
 
 def load_fsdp_model(
-    fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, input_dir: str | os.PathLike[str], model_index: int = 0,
-    adapter_only: bool = False, use_dcp: bool = True,
+    fsdp_plugin: Any,
+    accelerator: Any,
+    model: torch.nn.Module,
+    input_dir: str | os.PathLike[str],
+    model_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
 ) -> Any:
     """``accelerate.utils.load_fsdp_model`` that reads what :func:`save_fsdp_model` wrote, and plain state.
 
@@ -186,7 +199,9 @@ def load_fsdp_model(
             # FSDP2 broadcasts from rank 0: the others pass an empty state dict.
             state_dict = nc.load(compressed) if fsdp1 or accelerator.is_main_process else {}
         else:
-            state_dict = {"model": _accelerate_fsdp._get_model_state_dict(model, adapter_only=adapter_only, sd_options=sd_options)}
+            state_dict = {
+                "model": _accelerate_fsdp._get_model_state_dict(model, adapter_only=adapter_only, sd_options=sd_options)
+            }
             _dcp_load(state_dict, Path(input_dir) / f"{FSDP_MODEL_NAME}_{model_index}")
             state_dict = state_dict["model"]
         result = _accelerate_fsdp._set_model_state_dict(model, state_dict, adapter_only=adapter_only, sd_options=sd_options)
@@ -195,9 +210,17 @@ def load_fsdp_model(
 
 
 def save_fsdp_optimizer(
-    fsdp_plugin: Any, accelerator: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-    output_dir: str | os.PathLike[str], optimizer_index: int = 0, use_dcp: bool = True, *,
-    policy: nc.CodecPolicy | None = None, workers: int | None = None, on_saved: ReportFn | None = None,
+    fsdp_plugin: Any,
+    accelerator: Any,
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    output_dir: str | os.PathLike[str],
+    optimizer_index: int = 0,
+    use_dcp: bool = True,
+    *,
+    policy: nc.CodecPolicy | None = None,
+    workers: int | None = None,
+    on_saved: ReportFn | None = None,
 ) -> None:
     """``accelerate.utils.save_fsdp_optimizer`` with compressed files: ``optimizer_<i>/`` (sharded)
     or ``optimizer.nvc`` (full, written by the main process); ``on_saved`` as for :func:`save_fsdp_model`."""
@@ -216,8 +239,14 @@ def save_fsdp_optimizer(
 
 
 def load_fsdp_optimizer(
-    fsdp_plugin: Any, accelerator: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-    input_dir: str | os.PathLike[str], optimizer_index: int = 0, adapter_only: bool = False, use_dcp: bool = True,
+    fsdp_plugin: Any,
+    accelerator: Any,
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    input_dir: str | os.PathLike[str],
+    optimizer_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
 ) -> None:
     """``accelerate.utils.load_fsdp_optimizer`` that reads what :func:`save_fsdp_optimizer` wrote, and plain state."""
     full = _is_full(fsdp_plugin)
@@ -312,7 +341,9 @@ def check_one_committer(save_on_each_node: bool, num_processes: int, where: str 
 def _check_accelerator_committer(accelerator: Any, where: str | os.PathLike[str]) -> None:
     config = getattr(accelerator, "project_configuration", None)
     check_one_committer(
-        bool(getattr(config, "save_on_each_node", False)), accelerator.num_processes, where,
+        bool(getattr(config, "save_on_each_node", False)),
+        accelerator.num_processes,
+        where,
         "ProjectConfiguration(save_on_each_node=...)",
     )
 
@@ -377,7 +408,9 @@ def _report(on_saved: ReportFn | None, name: str, report: nc.SaveReport | None) 
         _LOG.warning("%s: committed, but its save report could not be recorded (%s: %s)", report.path, type(exc).__name__, exc)
 
 
-def _dcp_save(state: dict[str, Any], directory: Path, policy: nc.CodecPolicy | None, workers: int | None, on_saved: ReportFn | None) -> None:
+def _dcp_save(
+    state: dict[str, Any], directory: Path, policy: nc.CodecPolicy | None, workers: int | None, on_saved: ReportFn | None
+) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -402,7 +435,8 @@ def replaced_files(previous_manifest: dict[str, Any], staging: Path) -> list[str
     not rewrite (rank files carry a fresh save id each time): deleted before the new manifest lands,
     as merging the new shard directories into the old ones would otherwise keep them forever."""
     return [
-        name for name in previous_manifest.get("files", {})
+        name
+        for name in previous_manifest.get("files", {})
         if "/" in name and is_fsdp_state_name(name.split("/", 1)[0]) and not (staging / name).exists()
     ]
 
@@ -420,9 +454,10 @@ def check_fsdp_hooks(fsdp_plugin: Any, async_save: bool) -> None:
 def check_loadable(accelerator: Any, path: Path, manifest: dict[str, Any]) -> None:
     """A ``save_state`` directory of these hooks and the accelerator that loads it agree on FSDP."""
     saved = manifest.get("fsdp")
-    fsdp = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None) is not None and str(
-        getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
-    ) == "FSDP"
+    fsdp = (
+        getattr(getattr(accelerator, "state", None), "fsdp_plugin", None) is not None
+        and str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)) == "FSDP"
+    )
     if saved is not None and not fsdp:
         raise CheckpointError(
             f"{path}: saved with FSDP ({saved.get('state_dict_type')}), but this Accelerator does not use FSDP; "

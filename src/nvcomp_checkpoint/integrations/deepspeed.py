@@ -16,7 +16,6 @@ writes (:data:`DEEPSPEED_SAFE_GLOBALS`); any other class is refused, named in th
 
 from __future__ import annotations
 
-from nvcomp_checkpoint.version import install_hint
 import contextlib
 import json
 import logging
@@ -30,9 +29,10 @@ import torch.distributed as dist
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
-from nvcomp_checkpoint.filetype import HEAD_BYTES, NVCOMP, kind_of
 from nvcomp_checkpoint.errors import CheckpointNotFoundError, CheckpointWriteError, FormatError
+from nvcomp_checkpoint.filetype import HEAD_BYTES, NVCOMP, kind_of
 from nvcomp_checkpoint.storage import LocalStorage
+from nvcomp_checkpoint.version import install_hint
 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
@@ -43,8 +43,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without DeepSpee
     raise ImportError(f"nvcomp_checkpoint.deepspeed needs DeepSpeed: {install_hint('deepspeed')}") from exc
 
 __all__ = [
-    "attach", "NvcompCheckpointEngine", "DEEPSPEED_PATTERNS", "DEEPSPEED_SAFE_GLOBALS", "MANIFEST_NAME", "deepspeed_policy",
-    "deepspeed_safe_globals", "load_deepspeed_file", "check_tag_complete",
+    "attach",
+    "NvcompCheckpointEngine",
+    "DEEPSPEED_PATTERNS",
+    "DEEPSPEED_SAFE_GLOBALS",
+    "MANIFEST_NAME",
+    "deepspeed_policy",
+    "deepspeed_safe_globals",
+    "load_deepspeed_file",
+    "check_tag_complete",
 ]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
@@ -161,7 +168,9 @@ def check_tag_complete(tag_dir: str) -> bool:
                 "restore the file or load another tag"
             ) from None
         if actual != size:
-            raise FormatError(f"{path}: {actual} bytes, but tag {manifest.get('tag')!r} committed {size}; the file was changed or truncated")
+            raise FormatError(
+                f"{path}: {actual} bytes, but tag {manifest.get('tag')!r} committed {size}; the file was changed or truncated"
+            )
     return True
 
 
@@ -313,7 +322,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
         if self._uncommitted is pending:
             self._uncommitted = None
         if error is not None:
-            raise CheckpointWriteError(f"{tag_dir}: this rank's files of tag {pending.tag!r} failed ({error}); the tag is not committed") from error
+            raise CheckpointWriteError(
+                f"{tag_dir}: this rank's files of tag {pending.tag!r} failed ({error}); the tag is not committed"
+            ) from error
         failed = [rank for rank, theirs in enumerate(gathered) if not theirs["ok"]]
         if failed:
             raise CheckpointWriteError(f"{tag_dir}: ranks {failed} failed to write tag {pending.tag!r}; the tag is not committed")
@@ -379,12 +390,16 @@ def attach(
     """
     old = getattr(engine, "checkpoint_engine", None)
     if old is not None and getattr(old, "is_decoupled", lambda: False)():
-        raise ValueError(f"attach(): the engine already has a decoupled checkpoint engine ({type(old).__name__}) with saves in flight; attach before saving")
+        raise ValueError(
+            f"attach(): the engine already has a decoupled checkpoint engine ({type(old).__name__}) with saves in flight; attach before saving"
+        )
     ours = NvcompCheckpointEngine(policy, async_save=async_save, workers=workers, on_commit=on_commit)
     engine.checkpoint_engine = ours
     original = engine.save_checkpoint
 
-    def save_checkpoint(save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None, save_latest: bool = True, **kwargs: Any) -> bool:
+    def save_checkpoint(
+        save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None, save_latest: bool = True, **kwargs: Any
+    ) -> bool:
         # DeepSpeed writes `latest` with a plain open() right after commit(), on rank 0 alone: a kill
         # then leaves it empty or truncated. Ours is written by the commit, atomically, once every
         # rank's files are durable; DeepSpeed is told not to write it.

@@ -8,7 +8,6 @@ write it in the background) and load with :func:`nvcomp_checkpoint.load`; the
 
 from __future__ import annotations
 
-from nvcomp_checkpoint.version import install_hint
 import collections
 import inspect
 import io
@@ -23,13 +22,20 @@ from typing_extensions import override
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
-from nvcomp_checkpoint.entrypoint import (
-    POLICY_OPTION_KEYS, SaveEntryPoint, checked_on_every_rank, incremental_files, load_as_torch, policy_and_metadata, report_metrics,
-)
 from nvcomp_checkpoint.async_save import wait_for_path
+from nvcomp_checkpoint.entrypoint import (
+    POLICY_OPTION_KEYS,
+    SaveEntryPoint,
+    checked_on_every_rank,
+    incremental_files,
+    load_as_torch,
+    policy_and_metadata,
+    report_metrics,
+)
 from nvcomp_checkpoint.savegroup import SavedCallback
 from nvcomp_checkpoint.storage import storage_for
 from nvcomp_checkpoint.tiers import Tier
+from nvcomp_checkpoint.version import install_hint
 
 try:  # the unified package: `lightning.pytorch.Trainer` and `lightning.fabric.Fabric`
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -37,9 +43,7 @@ except ImportError:  # pragma: no cover - only the standalone packages are insta
     try:
         from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
     except ImportError as exc:
-        raise ImportError(
-            f"nvcomp_checkpoint.lightning needs Lightning: {install_hint('lightning')}"
-        ) from exc
+        raise ImportError(f"nvcomp_checkpoint.lightning needs Lightning: {install_hint('lightning')}") from exc
 
 try:  # the Trainer's callbacks; Fabric-only installs have no `lightning.pytorch`
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -147,12 +151,24 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         CheckpointIO.__init__(self)
         self.leader_load = leader_load
         self.incremental = incremental_files(
-            "NvcompCheckpointIO", incremental, full_every, delta_base, storage_options=fsspec_options or None, can_be_base=_not_last,
+            "NvcompCheckpointIO",
+            incremental,
+            full_every,
+            delta_base,
+            storage_options=fsspec_options or None,
+            can_be_base=_not_last,
         )
         _register_with_standalone_packages()
         SaveEntryPoint.__init__(
-            self, "NvcompCheckpointIO", policy, workers=workers, async_save=async_save, max_pending=max_pending,
-            on_saved=on_saved, stream_wrapper=stream_wrapper, tiers=tiers,
+            self,
+            "NvcompCheckpointIO",
+            policy,
+            workers=workers,
+            async_save=async_save,
+            max_pending=max_pending,
+            on_saved=on_saved,
+            stream_wrapper=stream_wrapper,
+            tiers=tiers,
         )
         self.fsspec_options = dict(fsspec_options or {})
         self._listeners: list[Callable[[SaveReport, dict[str, Any]], None]] = []
@@ -193,7 +209,8 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             info = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
         kwargs = dict(
             metadata={"written_by": type(self).__name__, **info, **(metadata or {})},
-            storage_options=self.fsspec_options or None, stream_wrapper=self.stream_wrapper,
+            storage_options=self.fsspec_options or None,
+            stream_wrapper=self.stream_wrapper,
         )
         after = self._after_durable(info.get("global_step"), path, lambda r: self._tell_listeners(r, info))
         try:
@@ -205,7 +222,10 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             self._raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
             base = self.incremental.base_for(path) if self.incremental is not None else None
             self._save_group(
-                path, started, after, lambda group: self._save_file(group, "checkpoint", checkpoint, path, policy, base=base, **kwargs),
+                path,
+                started,
+                after,
+                lambda group: self._save_file(group, "checkpoint", checkpoint, path, policy, base=base, **kwargs),
                 failed=lambda exc: self._save_failed(path),  # in the background: whoever raises the error later
             )
         except BaseException:
@@ -265,7 +285,12 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         # save that failed on rank 0, a file missing on one node) before it, instead of waiting in it.
         checked_on_every_rank(check, where, self.leader_load)
         return load_as_torch(
-            path, map_location, weights_only, hint=_LIGHTNING_HINT, storage_options=options, leader_load=self.leader_load,
+            path,
+            map_location,
+            weights_only,
+            hint=_LIGHTNING_HINT,
+            storage_options=options,
+            leader_load=self.leader_load,
             plain_map_location=_storage_as_loaded,
         )
 
@@ -284,7 +309,9 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         """
         if self.async_save:
             where = os.fspath(path)
-            self._raise_errors(f"remove_checkpoint({where!r})", f"{where} was not removed: it may be the newest complete checkpoint.")
+            self._raise_errors(
+                f"remove_checkpoint({where!r})", f"{where} was not removed: it may be the newest complete checkpoint."
+            )
         # After the pending saves, the deltas that need it and its copies to the tiers (SaveEntryPoint._remove_checkpoint).
         self._remove_checkpoint(path, self._delete)
 
@@ -502,7 +529,9 @@ def load_from_checkpoint(
     if not nc.is_nvcomp_checkpoint(checkpoint_path, storage_options=fsspec_options):
         if accepts_weights_only:
             extra["weights_only"] = weights_only
-        return cls.load_from_checkpoint(checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict, **extra)
+        return cls.load_from_checkpoint(
+            checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict, **extra
+        )
     checkpoint = load_as_torch(checkpoint_path, map_location, weights_only, hint=_LIGHTNING_HINT, storage_options=fsspec_options)
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)

@@ -9,7 +9,6 @@ passed as a plugin gives them its policy, gets each sharded save's report (``on_
 
 from __future__ import annotations
 
-from nvcomp_checkpoint.version import install_hint
 import hashlib
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from nvcomp_checkpoint.dcp.layout import METADATA_NAME
 from nvcomp_checkpoint.entrypoint import as_policy, checkpoint_report, torch_weights_only
 from nvcomp_checkpoint.errors import CheckpointError, MixedSaveError
 from nvcomp_checkpoint.storage import storage_for, write_errors
+from nvcomp_checkpoint.version import install_hint
 
 try:
     from lightning.fabric.utilities.load import _METADATA_FILENAME
@@ -109,8 +109,13 @@ def _refuse_compressed_full_file(path: Path, strategy: str) -> None:
 
 
 def _save_sharded(
-    strategy: Any, converted: dict[str, Any], checkpoint: dict[str, Any], path: Path, policy: CodecPolicy | None,
-    workers: int | None, stream_wrapper: Any = None,
+    strategy: Any,
+    converted: dict[str, Any],
+    checkpoint: dict[str, Any],
+    path: Path,
+    policy: CodecPolicy | None,
+    workers: int | None,
+    stream_wrapper: Any = None,
 ) -> SaveReport | None:
     """The sharded state through NvcompWriter, then Lightning's ``meta.pt`` (loops, callbacks ...).
 
@@ -247,7 +252,9 @@ class NvcompModelParallelStrategy(ModelParallelStrategy):
         >>> Trainer(strategy=strategy, devices=2).fit(model)
     """
 
-    def __init__(self, *args: Any, policy: CodecPolicy | Mapping[str, Any] | None = None, workers: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, policy: CodecPolicy | Mapping[str, Any] | None = None, workers: int | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._nvckpt_policy = policy
         self.workers = workers
@@ -296,7 +303,9 @@ class NvcompModelParallelStrategy(ModelParallelStrategy):
             key = f"optimizer_{idx}"
             optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
             dcp.load(optim_state, storage_reader=NvcompReader(path))
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True))
+            set_optimizer_state_dict(
+                self.model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
+            )
         return _load_meta(path, weights_only)
 
 
@@ -311,7 +320,9 @@ class NvcompFSDPStrategy(FSDPStrategy):
         CheckpointError: no CUDA device in this process.
     """
 
-    def __init__(self, *args: Any, policy: CodecPolicy | Mapping[str, Any] | None = None, workers: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, policy: CodecPolicy | Mapping[str, Any] | None = None, workers: int | None = None, **kwargs: Any
+    ) -> None:
         if not torch.cuda.is_available():
             raise CheckpointError(
                 "NvcompFSDPStrategy wraps Lightning's FSDPStrategy (FSDP1), which needs a CUDA GPU, and this process "
@@ -366,7 +377,9 @@ class NvcompFSDPStrategy(FSDPStrategy):
                     optim_state = load_sharded_optimizer_state_dict(
                         model_state_dict=module_state["model"], optimizer_key=key, storage_reader=NvcompReader(path)
                     )
-                    flattened = FSDP.optim_state_dict_to_load(optim_state_dict=optim_state[key], model=self.model, optim=optimizer)
+                    flattened = FSDP.optim_state_dict_to_load(
+                        optim_state_dict=optim_state[key], model=self.model, optim=optimizer
+                    )
                     optimizer.load_state_dict(flattened)
         return _load_meta(path, weights_only)
 

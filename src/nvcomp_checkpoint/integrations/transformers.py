@@ -6,13 +6,12 @@ background); ``NvcompTrainer`` (or ``NvcompTrainerMixin`` on your own Trainer su
 
 from __future__ import annotations
 
-from nvcomp_checkpoint.version import install_hint
 import io
 import json
 import logging
 import os
-import struct
 import re
+import struct
 import sys
 import time
 import warnings
@@ -35,6 +34,7 @@ from nvcomp_checkpoint.dirconvert import (
 from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, load_tree
 from nvcomp_checkpoint.tiers import Tier
+from nvcomp_checkpoint.version import install_hint
 
 try:  # transformers_fsdp imports Accelerate's FSDP helpers (the Trainer saves FSDP state with them)
     import safetensors
@@ -150,13 +150,21 @@ def compress_checkpoint(
         raise nc.errors.FormatError(f"{directory}: not a checkpoint directory written by the Trainer")
     files = [
         PlainFile(name, _TREE_KEY[name], _read_plain, placeholder=_placeholder(name))
-        for name in _plain_files(directory) if weights or name == _OPTIMIZER
+        for name in _plain_files(directory)
+        if weights or name == _OPTIMIZER
     ]
     # The weights go first: a plain Trainer then refuses the directory ("Can't find a valid
     # checkpoint") instead of loading the weights and silently skipping a compressed optimizer.
     return compress_in_place(
-        directory, files, policy, meta_key=_META_KEY, marker=_MARKER_TEXT, resumes="the Trainer resumes from them",
-        verify=verify, workers=workers, stream_wrapper=stream_wrapper,
+        directory,
+        files,
+        policy,
+        meta_key=_META_KEY,
+        marker=_MARKER_TEXT,
+        resumes="the Trainer resumes from them",
+        verify=verify,
+        workers=workers,
+        stream_wrapper=stream_wrapper,
     )
 
 
@@ -174,7 +182,10 @@ def decompress_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
     """
     _wait_for_conversions()
     return decompress_in_place(
-        Path(checkpoint_dir), _TREE_KEY, _write_plain, meta_key=_META_KEY,
+        Path(checkpoint_dir),
+        _TREE_KEY,
+        _write_plain,
+        meta_key=_META_KEY,
         load_tree=lambda path, key: _load_tree(path, key, "cpu"),
     )
 
@@ -241,10 +252,12 @@ def _placeholder(name: str) -> bytes:
     if name == _SAFE_WEIGHTS:
         # safetensors reports the dtype it does not know, verbatim.
         dtype = f"compressed by nvcomp-checkpoint into {name}{SUFFIX}; load it with NvcompTrainer (see {MARKER_NAME})"
-        header = json.dumps({
-            "__metadata__": {PLACEHOLDER_TAG.decode(): name + SUFFIX},
-            "weights": {"dtype": dtype, "shape": [0], "data_offsets": [0, 0]},
-        }).encode()
+        header = json.dumps(
+            {
+                "__metadata__": {PLACEHOLDER_TAG.decode(): name + SUFFIX},
+                "weights": {"dtype": dtype, "shape": [0], "data_offsets": [0, 0]},
+            }
+        ).encode()
         return struct.pack("<Q", len(header)) + header
     buffer = io.BytesIO()
     fn = resume_with_NvcompTrainerCallback if name == _OPTIMIZER else resume_with_NvcompTrainer
@@ -263,7 +276,9 @@ def _read_plain(path: Path) -> tuple[Any, dict[str, Any]]:
     try:
         tree = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError ... for an unreadable file
-        raise nc.errors.FormatError(f"{path}: the Trainer's file cannot be read with torch.load(weights_only=True): {exc}") from exc
+        raise nc.errors.FormatError(
+            f"{path}: the Trainer's file cannot be read with torch.load(weights_only=True): {exc}"
+        ) from exc
     return tree, {"file": path.name}
 
 
@@ -276,7 +291,9 @@ def _load_tree(path: Path | str, key: str, map_location: Any, leader_load: bool 
     except nc.errors.CheckpointError as exc:
         raise type(exc)(f"{str(exc).rstrip('.')}. {_resume_hint(path.parent)}") from exc
     if not isinstance(saved, dict) or key not in saved:
-        raise nc.errors.FormatError(f"{path}: holds no {key!r} entry; it was not written by NvcompTrainerCallback. {_resume_hint(path.parent)}")
+        raise nc.errors.FormatError(
+            f"{path}: holds no {key!r} entry; it was not written by NvcompTrainerCallback. {_resume_hint(path.parent)}"
+        )
     return saved[key]
 
 
@@ -365,8 +382,15 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
                 "the Lightning / Accelerate integrations' incremental=True."
             )
         SaveEntryPoint.__init__(
-            self, "NvcompTrainerCallback", policy, workers=workers, async_save=async_save, on_saved=on_saved,
-            stream_wrapper=stream_wrapper, tiers=tiers, log_as="compressed",
+            self,
+            "NvcompTrainerCallback",
+            policy,
+            workers=workers,
+            async_save=async_save,
+            on_saved=on_saved,
+            stream_wrapper=stream_wrapper,
+            tiers=tiers,
+            log_as="compressed",
         )
         self.verify = verify
         self.leader_load = leader_load
@@ -417,7 +441,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         """A stock Trainer cannot read compressed weights: say so now, not with its own error at train()."""
         fix = (
             f"a stock {type(trainer).__name__} cannot read its compressed weights (it would say \"Can't find a "
-            "valid checkpoint\"). Resume with nvcomp_checkpoint.transformers.NvcompTrainer (or NvcompTrainerMixin "
+            'valid checkpoint"). Resume with nvcomp_checkpoint.transformers.NvcompTrainer (or NvcompTrainerMixin '
             "first in your Trainer class's bases), or run decompress_checkpoint() on it first."
         )
         wanted = args.resume_from_checkpoint  # set by the example scripts' --resume_from_checkpoint
@@ -434,7 +458,9 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         checkpoint = _resumed_checkpoint(args, state)
         if checkpoint is None:
             return
-        compressed = _settled(args.world_size, self.leader_load, lambda: _compressed_optimizer(checkpoint), f"resuming from {checkpoint}")
+        compressed = _settled(
+            args.world_size, self.leader_load, lambda: _compressed_optimizer(checkpoint), f"resuming from {checkpoint}"
+        )
         optimizer = kwargs.get("optimizer")
         if compressed and optimizer is not None:  # else the Trainer loaded it itself, or nothing is to load
             _load_optimizer_and_scheduler(checkpoint, args, optimizer, kwargs.get("lr_scheduler"), self.leader_load)
@@ -453,10 +479,21 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         if directory is None:
             logger.warning("NvcompTrainerCallback: no checkpoint-%d directory under %s", state.global_step, args.output_dir)
             return
-        convert = lambda: transformers_fsdp.with_fsdp_reports(self, directory, compress_checkpoint(  # noqa: E731
-            directory, self.policy, verify=self.verify, workers=self.workers, stream_wrapper=self.stream_wrapper,
-            weights=self._weights,
-        ))
+
+        def convert() -> Any:
+            return transformers_fsdp.with_fsdp_reports(
+                self,
+                directory,
+                compress_checkpoint(
+                    directory,
+                    self.policy,
+                    verify=self.verify,
+                    workers=self.workers,
+                    stream_wrapper=self.stream_wrapper,
+                    weights=self._weights,
+                ),
+            )
+
         # Copies to the tiers start once the converted directory is durable (the group's completion).
         after = self._after_durable(state.global_step, directory)
         if not self.async_save:
@@ -666,7 +703,9 @@ class NvcompTrainerMixin:
         if checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         fsdp = transformers_fsdp.fsdp_enabled(self)
-        compressed = self._nvcomp_settled(lambda: False if fsdp else _compressed_optimizer(checkpoint), f"resuming from {checkpoint}")
+        compressed = self._nvcomp_settled(
+            lambda: False if fsdp else _compressed_optimizer(checkpoint), f"resuming from {checkpoint}"
+        )
         if fsdp:
             if transformers_fsdp.load_fsdp_optimizer_and_scheduler(self, checkpoint):
                 return None
@@ -675,13 +714,19 @@ class NvcompTrainerMixin:
         if not compressed or self._nvcomp_delegates():
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         _load_optimizer_and_scheduler(
-            Path(checkpoint), self.args, self.optimizer, self.lr_scheduler, self._nvcomp_leader_load()  # type: ignore[attr-defined]
+            Path(checkpoint),
+            self.args,
+            self.optimizer,
+            self.lr_scheduler,
+            self._nvcomp_leader_load(),  # type: ignore[attr-defined]
         )
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
         fsdp = transformers_fsdp.fsdp_enabled(self)
-        weights = self._nvcomp_settled(lambda: compressed_copy(best, _WEIGHTS) if best and not fsdp else None, f"loading the best model from {best}")
+        weights = self._nvcomp_settled(
+            lambda: compressed_copy(best, _WEIGHTS) if best and not fsdp else None, f"loading the best model from {best}"
+        )
         if fsdp:
             with transformers_fsdp.loading_fsdp_state():
                 return super()._load_best_model()  # type: ignore[misc]

@@ -21,11 +21,21 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.entrypoint import checkpoint_report
-from nvcomp_checkpoint.integrations.accelerate_fsdp import check_one_committer, is_sharded, load_fsdp_optimizer, nvcomp_fsdp_functions
+from nvcomp_checkpoint.integrations.accelerate_fsdp import (
+    check_one_committer,
+    is_sharded,
+    load_fsdp_optimizer,
+    nvcomp_fsdp_functions,
+)
 
 __all__ = [
-    "fsdp_enabled", "save_fsdp_state", "loading_fsdp_state", "load_fsdp_optimizer_and_scheduler", "check_fsdp_callback",
-    "with_fsdp_reports", "wait_for_every_rank",
+    "fsdp_enabled",
+    "save_fsdp_state",
+    "loading_fsdp_state",
+    "load_fsdp_optimizer_and_scheduler",
+    "check_fsdp_callback",
+    "with_fsdp_reports",
+    "wait_for_every_rank",
 ]
 
 _SCHEDULER = "scheduler.pt"
@@ -63,7 +73,9 @@ def save_fsdp_state(trainer: Any, save: Callable[[str], None], output_dir: str) 
         save(output_dir)
         return
     if is_sharded(trainer.accelerator.state.fsdp_plugin):
-        check_one_committer(trainer.args.save_on_each_node, trainer.args.world_size, output_dir, "TrainingArguments(save_on_each_node=...)")
+        check_one_committer(
+            trainer.args.save_on_each_node, trainer.args.world_size, output_dir, "TrainingArguments(save_on_each_node=...)"
+        )
     saved: dict[str, nc.SaveReport] = {}
     on_saved = saved.__setitem__ if trainer.args.should_save else None
     with nvcomp_fsdp_functions(transformers.trainer, callback.policy, workers=callback.workers, on_saved=on_saved):

@@ -58,13 +58,18 @@ def chain_layout(store: TierStore, manifest: UnitManifest, manifests: dict[int, 
             if ref is None:
                 continue
             if is_url(ref.path) or ref.path.startswith("/"):
-                raise FormatError(f"{path}: records its base at an absolute place ({ref.path}), which a copy on a tier cannot follow")
+                raise FormatError(
+                    f"{path}: records its base at an absolute place ({ref.path}), which a copy on a tier cannot follow"
+                )
             target = posixpath.normpath(posixpath.join(posixpath.dirname(entry_path(where[m.step], entry)), ref.path))
-            found = next((
-                target[: len(target) - len(e.path) - 1] if e.path else target
-                for e in base.files
-                if (e.size, e.index_xxh3) == (ref.size, ref.index_xxh3) and (not e.path or target.endswith("/" + e.path))
-            ), None)
+            found = next(
+                (
+                    target[: len(target) - len(e.path) - 1] if e.path else target
+                    for e in base.files
+                    if (e.size, e.index_xxh3) == (ref.size, ref.index_xxh3) and (not e.path or target.endswith("/" + e.path))
+                ),
+                None,
+            )
             if found is None:
                 raise FormatError(
                     f"{path}: its base ({ref.path}: {ref.size} bytes, index digest {ref.index_xxh3:016x}) is not a file of "
@@ -74,7 +79,9 @@ def chain_layout(store: TierStore, manifest: UnitManifest, manifests: dict[int, 
                 raise FormatError(f"{path}: the files of step {m.step} name their bases in different places ({at}, {found})")
             at = found
         if at is None:
-            raise FormatError(f"{store.unit_path(m.step, m.directory)}: the manifest names base step {m.base}, but no file of it is a delta")
+            raise FormatError(
+                f"{store.unit_path(m.step, m.directory)}: the manifest names base step {m.base}, but no file of it is a delta"
+            )
         if at in where.values():
             raise FormatError(f"{head}: two units of its chain would lie at {at}")
         where[base.step] = at
@@ -103,7 +110,9 @@ def base_ref(store: TierStore, path: str) -> Any:
         raise FormatError(f"{path}: its index cannot be read ({exc})") from exc
 
 
-def check_chain(store: TierStore, manifest: UnitManifest, manifests: dict[int, UnitManifest], *, full: bool) -> list[tuple[UnitManifest, str]]:
+def check_chain(
+    store: TierStore, manifest: UnitManifest, manifests: dict[int, UnitManifest], *, full: bool
+) -> list[tuple[UnitManifest, str]]:
     """Raise :class:`FormatError` unless every base of the delta ``manifest`` is committed on ``store``,
     checks and is the file its delta was written against; return the chain's :func:`chain_layout`.
 
@@ -115,7 +124,9 @@ def check_chain(store: TierStore, manifest: UnitManifest, manifests: dict[int, U
     for m, _ in layout[1:]:
         store.check(m, full=full)
     if full and lies_in_place(store, layout):
-        why = decode_errors([store.file_path(manifest, e) for e in manifest.files if e.index_xxh3 is not None], store.tier.storage_options)
+        why = decode_errors(
+            [store.file_path(manifest, e) for e in manifest.files if e.index_xxh3 is not None], store.tier.storage_options
+        )
         if why is not None:
             raise FormatError(why)
     return layout
@@ -144,7 +155,9 @@ def verify_unit(store: TierStore, manifest: UnitManifest, *, full: bool = True) 
             finally:
                 remove_quietly(tmp)
             return None if why is None else f"laid out with its chain, it does not decode: {why}"
-        return decode_errors([store.file_path(manifest, e) for e in manifest.files if e.index_xxh3 is not None], store.tier.storage_options)
+        return decode_errors(
+            [store.file_path(manifest, e) for e in manifest.files if e.index_xxh3 is not None], store.tier.storage_options
+        )
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         return f"{type(exc).__name__}: {exc}"
 

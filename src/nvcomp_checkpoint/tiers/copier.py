@@ -80,8 +80,14 @@ class Copier:
     """
 
     def __init__(
-        self, stores: list[TierStore], tier0: Tier0, pins: Pins, retention: TierRetention, failures: FailureLog,
-        lock: threading.RLock, on_copy_progress: Callable[[str, int, int], None] | None = None,
+        self,
+        stores: list[TierStore],
+        tier0: Tier0,
+        pins: Pins,
+        retention: TierRetention,
+        failures: FailureLog,
+        lock: threading.RLock,
+        on_copy_progress: Callable[[str, int, int], None] | None = None,
     ) -> None:
         self.stores, self.tier0, self.pins, self.retention, self.failures = stores, tier0, pins, retention, failures
         self.on_copy_progress = on_copy_progress
@@ -117,7 +123,10 @@ class Copier:
                     metrics.record_copy_skipped(label)
                     _LOG.warning(
                         "%s is behind: the copy of step %d is skipped (a copy is running and %d more wait); "
-                        "the next due save, or close(), copies a newer step instead", label, manifest.step, self.stores[i].tier.max_queued,
+                        "the next due save, or close(), copies a newer step instead",
+                        label,
+                        manifest.step,
+                        self.stores[i].tier.max_queued,
                     )
                     self._note_uncopied(i, manifest)
                     continue
@@ -202,7 +211,13 @@ class Copier:
             metrics.record_save_seconds(dst.label, "copy", time.perf_counter() - started)
             metrics.record_bytes_written(dst.label, committed.stored_bytes)
             metrics.record_last_step(dst.label, manifest.step)
-            _LOG.info("%s: step %d copied (%d bytes) in %.2f s", dst.label, manifest.step, committed.stored_bytes, time.perf_counter() - started)
+            _LOG.info(
+                "%s: step %d copied (%d bytes) in %.2f s",
+                dst.label,
+                manifest.step,
+                committed.stored_bytes,
+                time.perf_counter() - started,
+            )
             self.retention.apply(i, manifest.step)
         except CopySourceGoneError as exc:  # the framework's rotation came first: not a failure of the run
             _LOG.warning("%s: %s", dst.label, exc)

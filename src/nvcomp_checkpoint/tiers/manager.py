@@ -21,8 +21,8 @@ from .chains import lies_in_place
 from .copier import Copier, NotCopied
 from .restore import Restored, Restorer
 from .retention import TierRetention
-from .schedule import CLOSE_TIMEOUT_S, RESTORE_TIMEOUT_S, Deadline, Tier
 from .saving import Tier0Saves
+from .schedule import CLOSE_TIMEOUT_S, RESTORE_TIMEOUT_S, Deadline, Tier
 from .tier0 import ExternalTier0, OwnTier0, Pins, Tier0
 from .units import TierStore, UnitManifest
 
@@ -68,9 +68,18 @@ class CheckpointManager:
     """
 
     def __init__(
-        self, tiers: list[Tier], *, async_save: bool = True, full_every: int | None = None, policy: CodecPolicy | None = None,
-        workers: int | None = None, clean: bool = True, on_copy_progress: Callable[[str, int, int], None] | None = None,
-        tier0_external: bool = False, incremental: bool | ChainPolicy = False, delta_base: str = "previous",
+        self,
+        tiers: list[Tier],
+        *,
+        async_save: bool = True,
+        full_every: int | None = None,
+        policy: CodecPolicy | None = None,
+        workers: int | None = None,
+        clean: bool = True,
+        on_copy_progress: Callable[[str, int, int], None] | None = None,
+        tier0_external: bool = False,
+        incremental: bool | ChainPolicy = False,
+        delta_base: str = "previous",
     ) -> None:
         if not tiers:
             raise ValueError("CheckpointManager needs at least one Tier")
@@ -91,7 +100,11 @@ class CheckpointManager:
         self.policy = CodecPolicy.of(policy, "CheckpointManager(policy=...)")
         self.tier0_external = bool(tier0_external)
         self.chain_policy: ChainPolicy | None = (
-            incremental if isinstance(incremental, ChainPolicy) else ChainPolicy(full_every or 10, delta_base) if incremental else None
+            incremental
+            if isinstance(incremental, ChainPolicy)
+            else ChainPolicy(full_every or 10, delta_base)
+            if incremental
+            else None
         )
         self.incremental = self.chain_policy is not None
         self.full_every = incremental.full_every if isinstance(incremental, ChainPolicy) else full_every
@@ -101,17 +114,29 @@ class CheckpointManager:
         self._stores = [TierStore(t, label) for t, label in zip(tiers, labels)]
         self._lock = threading.RLock()
         self._failures = FailureLog()  # every failed save and copy, raised once by save(), wait() or close()
-        self._tier0: Tier0 = ExternalTier0(self._stores[0], self._lock, self._failures) if tier0_external else OwnTier0(self._stores[0])
+        self._tier0: Tier0 = (
+            ExternalTier0(self._stores[0], self._lock, self._failures) if tier0_external else OwnTier0(self._stores[0])
+        )
         self._pins = Pins(self._tier0, self._lock)
         self._retention = TierRetention(self._stores, self._pins.steps)
         self._restorer = Restorer(self._stores, first=0 if self._tier0.managed else 1)
         for i, store in enumerate(self._stores):
             if clean and (i or self._tier0.managed):
                 _clean(store)
-        self._copier = Copier(self._stores, self._tier0, self._pins, self._retention, self._failures, self._lock, on_copy_progress)
+        self._copier = Copier(
+            self._stores, self._tier0, self._pins, self._retention, self._failures, self._lock, on_copy_progress
+        )
         self._tier0_saves = Tier0Saves(
-            self._stores[0], self._copier, self._retention, self._pins, self._failures, async_save=async_save, policy=self.policy,
-            workers=workers, full_every=self.full_every, chain_policy=self.chain_policy,
+            self._stores[0],
+            self._copier,
+            self._retention,
+            self._pins,
+            self._failures,
+            async_save=async_save,
+            policy=self.policy,
+            workers=workers,
+            full_every=self.full_every,
+            chain_policy=self.chain_policy,
         )
 
     @property
@@ -155,7 +180,9 @@ class CheckpointManager:
             directory = list_names(store.storage, store.root).get(f"step-{step:010d}", False)
         return self._tier0_saves.committed(step, directory, light)
 
-    def adopt(self, step: int, path: str | os.PathLike[str], *, light: bool = False, base: str | os.PathLike[str] | None = None) -> UnitManifest | None:
+    def adopt(
+        self, step: int, path: str | os.PathLike[str], *, light: bool = False, base: str | os.PathLike[str] | None = None
+    ) -> UnitManifest | None:
         """Copy a file or folder someone else wrote and made durable (a framework's checkpoint) as ``step``.
 
         The unit stays where it is, owned and rotated by whoever wrote it; its size and digests
@@ -179,7 +206,9 @@ class CheckpointManager:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if not isinstance(self._tier0, ExternalTier0):
-            raise CheckpointError(f"CheckpointManager.adopt(): tier 0 ({self.tiers[0].url}) is the manager's own; pass tier0_external=True")
+            raise CheckpointError(
+                f"CheckpointManager.adopt(): tier 0 ({self.tiers[0].url}) is the manager's own; pass tier0_external=True"
+            )
         manifest = self._tier0.adopt(step, path, light, base)
         if manifest is not None:
             self._copier.schedule(manifest)
@@ -241,14 +270,17 @@ class CheckpointManager:
         left += self._copier.not_copied(final=final)
         if left:
             listed = "; ".join(
-                f"step {p.step} to {p.tier} ({p.state}; still at {p.path})" if p.state != "saving" else
-                f"step {p.step} (still being saved to {p.path})" for p in left[:8]
+                f"step {p.step} to {p.tier} ({p.state}; still at {p.path})"
+                if p.state != "saving"
+                else f"step {p.step} (still being saved to {p.path})"
+                for p in left[:8]
             )
             more = f"; and {len(left) - 8} more" if len(left) > 8 else ""
             raise CopyTimeoutError(
                 f"{what}: gave up after {deadline.seconds or 0:g} s with {len(left)} save(s) or copies not done: {listed}{more}. "
                 "Nothing half-done is listed on a tier (a step is there once its manifest is); copy the steps left "
-                "later with `nvckpt sync`, or pass a longer timeout", tuple(left),
+                "later with `nvckpt sync`, or pass a longer timeout",
+                tuple(left),
             )
 
     def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
@@ -276,8 +308,14 @@ class CheckpointManager:
 
     # -- restoring ----------------------------------------------------------------------------
     def restore(
-        self, step: int | None = None, *, allow_light: bool = False, map_location: Any = None, weights_only: bool = True,
-        loader: Callable[[str, dict[str, Any] | None], Any] | None = None, timeout: float | None = RESTORE_TIMEOUT_S,
+        self,
+        step: int | None = None,
+        *,
+        allow_light: bool = False,
+        map_location: Any = None,
+        weights_only: bool = True,
+        loader: Callable[[str, dict[str, Any] | None], Any] | None = None,
+        timeout: float | None = RESTORE_TIMEOUT_S,
     ) -> Restored | None:
         """Load the newest step whose copy checks and loads, fastest tier first.
 
@@ -304,6 +342,7 @@ class CheckpointManager:
                 (:class:`~nvcomp_checkpoint.errors.TierNotFoundError`: its bucket does not exist).
             CheckpointError: Steps exist but no copy of any of them restores (every reason is named).
         """
+
         def load(i: int, m: UnitManifest, layout: list[tuple[UnitManifest, str]] | None) -> tuple[str, Any]:
             store = self._stores[i]
             where, opts = store.unit_path(m.step, m.directory), store.tier.storage_options
@@ -318,22 +357,28 @@ class CheckpointManager:
 
         return self._find(step, allow_light, timeout, every_byte=False, open_unit=load)
 
-    def locate(self, step: int | None = None, *, allow_light: bool = False, timeout: float | None = RESTORE_TIMEOUT_S) -> Restored | None:
+    def locate(
+        self, step: int | None = None, *, allow_light: bool = False, timeout: float | None = RESTORE_TIMEOUT_S
+    ) -> Restored | None:
         """The newest copy that checks (every byte against its manifest), without loading it (``r.state`` is None).
 
         For a framework that loads the checkpoint itself from ``r.path``; same order, fallback and ``timeout`` as :meth:`restore`.
         """
+
         def check_only(i: int, m: UnitManifest, layout: list[tuple[UnitManifest, str]] | None) -> tuple[str, Any]:
             return self._stores[i].unit_path(m.step, m.directory), None
 
         return self._find(step, allow_light, timeout, every_byte=True, open_unit=check_only)
 
-    def resume_path(self, local_dir: str | os.PathLike[str], *, allow_light: bool = False, timeout: float | None = RESTORE_TIMEOUT_S) -> Restored | None:
+    def resume_path(
+        self, local_dir: str | os.PathLike[str], *, allow_light: bool = False, timeout: float | None = RESTORE_TIMEOUT_S
+    ) -> Restored | None:
         """:meth:`locate`, for a framework that loads a local path: ``r.path`` is loadable as it is.
 
         A copy on an object store, and a delta whose chain keeps its framework's names, are first
         :meth:`fetch` ed into ``local_dir``; a candidate whose fetch or decode fails is skipped like any damaged copy.
         """
+
         def local_path(i: int, m: UnitManifest, layout: list[tuple[UnitManifest, str]] | None) -> tuple[str, Any]:
             store = self._stores[i]
             if not is_url(store.root) and (layout is None or lies_in_place(store, layout)):
@@ -344,14 +389,18 @@ class CheckpointManager:
 
         return self._find(None, allow_light, timeout, every_byte=True, open_unit=local_path)
 
-    def _find(self, step: int | None, allow_light: bool, timeout: float | None, *, every_byte: bool, open_unit: Any) -> Restored | None:
+    def _find(
+        self, step: int | None, allow_light: bool, timeout: float | None, *, every_byte: bool, open_unit: Any
+    ) -> Restored | None:
         deadline = Deadline(timeout)
         self._retention.abandon({})  # known again only once this restore has listed the tiers
         with self._lock:
             pending = list(self._tier0_saves.saving)
         for group in pending:
             group.finished.wait(deadline.left())
-        found, abandoned = self._restorer.find(step, allow_light=allow_light, every_byte=every_byte, open_unit=open_unit, deadline=deadline)
+        found, abandoned = self._restorer.find(
+            step, allow_light=allow_light, every_byte=every_byte, open_unit=open_unit, deadline=deadline
+        )
         self._retention.abandon(abandoned)
         return found
 

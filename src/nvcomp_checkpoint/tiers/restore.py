@@ -11,7 +11,15 @@ from typing import Any, Callable
 from ..errors import CheckpointError, FormatError, TierUnavailableError
 from ..storage import LOCAL, is_storage_error, local_lock
 from .chains import (
-    chain_layout, chain_manifests, check_chain, decode_errors, laid_out_errors, lay_out, layout_key, lies_in_place, remove_quietly,
+    chain_layout,
+    chain_manifests,
+    check_chain,
+    decode_errors,
+    laid_out_errors,
+    lay_out,
+    layout_key,
+    lies_in_place,
+    remove_quietly,
     scratch_folder,
 )
 from .schedule import Deadline, run_within
@@ -118,7 +126,9 @@ class Restorer:
                     if not in_place:
                         why = decode_errors([entry_path(laid, e) for e in manifest.files if e.index_xxh3 is not None], None)
                         if why is not None:
-                            raise FormatError(f"{head}: step {step} from {src.label}, laid out with its chain, does not decode: {why}")
+                            raise FormatError(
+                                f"{head}: step {step} from {src.label}, laid out with its chain, does not decode: {why}"
+                            )
                     try:
                         LOCAL.rename(tmp, final)  # atomic; a folder there (another process's) makes it fail
                         tmp = None
@@ -138,7 +148,13 @@ class Restorer:
             return head
 
     def find(
-        self, step: int | None, *, allow_light: bool, every_byte: bool, open_unit: OpenUnit, deadline: Deadline,
+        self,
+        step: int | None,
+        *,
+        allow_light: bool,
+        every_byte: bool,
+        open_unit: OpenUnit,
+        deadline: Deadline,
     ) -> tuple[Restored | None, dict[int, set[int]]]:
         """The newest step whose copy checks and opens, fastest tier first (see :meth:`CheckpointManager.restore`),
         and the newer steps on each tier that the run abandons by resuming from it.
@@ -159,7 +175,9 @@ class Restorer:
         def refuse() -> TierUnavailableError:
             first = unavailable[min(unavailable)]
             detail = "; ".join(f"step {s} on {t}: {r}" for s, t, r in skipped if s >= 0)[:QUOTE_CHARS]
-            return type(first)(f"restore: {first}" + (f" (and the tiers listed restore no newer step: {detail})" if detail else ""))
+            return type(first)(
+                f"restore: {first}" + (f" (and the tiers listed restore no newer step: {detail})" if detail else "")
+            )
 
         candidates = sorted(found, reverse=True) if step is None else ([step] if step in found else [])
         if not candidates:
@@ -199,7 +217,9 @@ class Restorer:
         detail = "; ".join(f"step {s} on {t}: {r}" for s, t, r in skipped)
         raise CheckpointError(f"no copy of any step restores ({detail})")
 
-    def _restored(self, r: Restored, listed: dict[int, tuple[dict[int, UnitManifest], dict[int, str]]], unread: set[int]) -> tuple[Restored, dict[int, set[int]]]:
+    def _restored(
+        self, r: Restored, listed: dict[int, tuple[dict[int, UnitManifest], dict[int, str]]], unread: set[int]
+    ) -> tuple[Restored, dict[int, set[int]]]:
         """``r`` with the newer steps the run abandons (its saves remove them), and those steps per tier; all of it said in the log."""
         abandoned: dict[int, set[int]] = {}
         kept: list[str] = []
@@ -207,7 +227,12 @@ class Restorer:
             newer = sorted(s for s in manifests if s > r.step)
             abandoned[i] = {s for s in newer if s not in unread}
             kept += [f"{s} on {self._stores[i].label}" for s in newer if s in unread]
-        pairs = tuple(sorted(((s, self._stores[i].label) for i, ss in abandoned.items() for s in ss), key=lambda p: (p[0], self.labels.index(p[1]))))
+        pairs = tuple(
+            sorted(
+                ((s, self._stores[i].label) for i, ss in abandoned.items() for s in ss),
+                key=lambda p: (p[0], self.labels.index(p[1])),
+            )
+        )
         parts = [f"restore: step {r.step} ({'light' if r.light else 'full'}) from {r.tier_name}"]
         newer_skips = [f"step {s} on {t}: {why}" for s, t, why in r.skipped if s > r.step]
         other = [f"step {s} on {t}: {why}" if s >= 0 else f"{t}: {why}" for s, t, why in r.skipped if s <= r.step]
@@ -216,16 +241,23 @@ class Restorer:
         if other:
             parts.append("also skipped: " + "; ".join(other))
         if pairs:
-            parts.append("each save of this run removes the abandoned steps above it: " + "; ".join(
-                f"{', '.join(str(s) for s in sorted(ss))} on {self._stores[i].label}" for i, ss in sorted(abandoned.items()) if ss
-            ))
+            parts.append(
+                "each save of this run removes the abandoned steps above it: "
+                + "; ".join(
+                    f"{', '.join(str(s) for s in sorted(ss))} on {self._stores[i].label}"
+                    for i, ss in sorted(abandoned.items())
+                    if ss
+                )
+            )
         if kept:
             parts.append("kept, since they could not be read (not found damaged): " + ", ".join(kept))
         parts.append(f"from {r.path}")
         _LOG.log(logging.WARNING if r.skipped or pairs else logging.INFO, "%s", "; ".join(parts))
         return replace(r, abandoned=pairs), abandoned
 
-    def _list_tiers(self, deadline: Deadline) -> tuple[dict[int, tuple[dict[int, UnitManifest], dict[int, str]]], dict[int, TierUnavailableError]]:
+    def _list_tiers(
+        self, deadline: Deadline
+    ) -> tuple[dict[int, tuple[dict[int, UnitManifest], dict[int, str]]], dict[int, TierUnavailableError]]:
         """Every tier's :meth:`TierStore.listing`, at once, each on a thread of its own, by ``deadline``;
         and the error of each tier that could not be listed by then."""
         calls = {i: store.listing for i, store in enumerate(self._stores) if i >= self.first}

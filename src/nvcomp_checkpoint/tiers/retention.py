@@ -27,7 +27,10 @@ def retained_steps(steps: Iterable[int], keep: int | None, keep_every_steps: int
 
 
 def steps_to_remove(
-    manifests: dict[int, UnitManifest], keep: int | None, keep_every_steps: int | None, protect: Iterable[int] = (),
+    manifests: dict[int, UnitManifest],
+    keep: int | None,
+    keep_every_steps: int | None,
+    protect: Iterable[int] = (),
 ) -> list[int]:
     """The steps of a tier that retention removes, oldest first: never its newest step, its newest full step,
     ``protect``, or a base that a kept delta needs (a chain goes as a whole)."""
@@ -90,7 +93,10 @@ class TierRetention:
             for step in replaced:
                 _LOG.warning(
                     "%s: removing step %d, newer than step %d just saved: a run resumed from an older step "
-                    "replaces the steps after it", store.label, step, top,
+                    "replaces the steps after it",
+                    store.label,
+                    step,
+                    top,
                 )
                 store.remove_unit(step, manifests.pop(step).directory)
             for step in kept_newer:
@@ -100,7 +106,10 @@ class TierRetention:
                 _LOG.warning(
                     "%s: steps %s are newer than step %d just saved, and this run did not see them when it restored "
                     "(restore() was not called, or could not list this tier): they are kept, and a restore prefers "
-                    "them; remove them by hand if they belong to an abandoned run", store.label, kept_newer, top,
+                    "them; remove them by hand if they belong to an abandoned run",
+                    store.label,
+                    kept_newer,
+                    top,
                 )
             expired = steps_to_remove(manifests, tier.keep, tier.keep_every_steps, self.pinned() if i == 0 else ())
             for step in expired:

@@ -28,8 +28,18 @@ class Tier0Saves:
     failures go to the manager's :class:`~nvcomp_checkpoint.failures.FailureLog` (raised by the next save)."""
 
     def __init__(
-        self, store: TierStore, copier: Copier, retention: TierRetention, pins: Pins, failures: FailureLog, *,
-        async_save: bool, policy: CodecPolicy, workers: int | None, full_every: int | None, chain_policy: ChainPolicy | None,
+        self,
+        store: TierStore,
+        copier: Copier,
+        retention: TierRetention,
+        pins: Pins,
+        failures: FailureLog,
+        *,
+        async_save: bool,
+        policy: CodecPolicy,
+        workers: int | None,
+        full_every: int | None,
+        chain_policy: ChainPolicy | None,
     ) -> None:
         self.store, self.copier, self.retention, self.pins = store, copier, retention, pins
         self.async_save, self.policy, self.workers = async_save, policy, workers
@@ -82,9 +92,15 @@ class Tier0Saves:
             release()
 
         started = time.perf_counter()
-        group = self.sequence.begin(self.store.unit_path(step, False), started=started, commit=commit, failed=failed, info={"step": step})
-        kwargs: dict[str, Any] = {"metadata": meta, "storage_options": self.store.tier.write_options(), "workers": self.workers,
-                  "base": None if base is None else self.store.unit_path(base, False)}
+        group = self.sequence.begin(
+            self.store.unit_path(step, False), started=started, commit=commit, failed=failed, info={"step": step}
+        )
+        kwargs: dict[str, Any] = {
+            "metadata": meta,
+            "storage_options": self.store.tier.write_options(),
+            "workers": self.workers,
+            "base": None if base is None else self.store.unit_path(base, False),
+        }
         try:
             if self.async_save:
                 with self.changed:

@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 from .. import metrics
 from ..errors import CheckpointError, CheckpointWriteError
 from ..failures import FailureLog
-from ..storage import LocalStorage, storage_for
+from ..storage import storage_for
 from .units import TierStore, UnitManifest, is_folder
 
 __all__ = ["Tier0", "OwnTier0", "ExternalTier0", "Pins"]
@@ -81,9 +81,11 @@ class ExternalTier0:
     def path(self, path: str | os.PathLike[str]) -> str:
         """``path`` as tier 0's storage names it (absolute for a local folder)."""
         _, spath = storage_for(os.fspath(path), self.store.tier.storage_options)
-        return os.path.abspath(spath) if isinstance(self.store.storage, LocalStorage) else spath
+        return os.path.abspath(spath) if self.store.storage.is_local else spath
 
-    def adopt(self, step: int, path: str | os.PathLike[str], light: bool, base: str | os.PathLike[str] | None) -> UnitManifest | None:
+    def adopt(
+        self, step: int, path: str | os.PathLike[str], light: bool, base: str | os.PathLike[str] | None
+    ) -> UnitManifest | None:
         """The manifest of the unit at ``path`` as ``step`` (None: not to be copied); see :meth:`CheckpointManager.adopt`."""
         spath = self.path(path)  # absolute: the copy runs later, maybe after a chdir
         if not self.store.storage.exists(spath):

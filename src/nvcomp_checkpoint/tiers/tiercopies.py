@@ -32,9 +32,13 @@ class TierCopies:
         on_copy_progress: As for :class:`CheckpointManager`.
     """
 
-    def __init__(self, tiers: Iterable[Tier], owner: str, *, on_copy_progress: Callable[[str, int, int], None] | None = None) -> None:
+    def __init__(
+        self, tiers: Iterable[Tier], owner: str, *, on_copy_progress: Callable[[str, int, int], None] | None = None
+    ) -> None:
         if isinstance(tiers, (Tier, str, bytes, os.PathLike)):
-            raise TypeError(f"{owner}(tiers=...) takes a list of nvcomp_checkpoint.Tier, got one {type(tiers).__name__}; wrap it in [...]")
+            raise TypeError(
+                f"{owner}(tiers=...) takes a list of nvcomp_checkpoint.Tier, got one {type(tiers).__name__}; wrap it in [...]"
+            )
         tiers = list(tiers)
         if not tiers:
             raise ValueError(f"{owner}(tiers=[]): give at least one nc.Tier to copy to, or leave tiers unset")
@@ -61,12 +65,19 @@ class TierCopies:
         """The manager (made on first use; tier 0 is the folder of ``near``, or the working directory)."""
         with self._lock:
             if self._manager is None:
-                root = os.path.dirname(os.path.abspath(os.fspath(near))) if near is not None and not is_url(os.fspath(near)) else None
+                root = (
+                    os.path.dirname(os.path.abspath(os.fspath(near)))
+                    if near is not None and not is_url(os.fspath(near))
+                    else None
+                )
                 if near is not None and is_url(os.fspath(near)):
                     root = os.fspath(near).rstrip("/").rsplit("/", 1)[0]
                 source = Tier(root or os.getcwd(), name=self.label)
                 self._manager = CheckpointManager(
-                    [source, *self.tiers], async_save=False, tier0_external=True, on_copy_progress=self.on_copy_progress,
+                    [source, *self.tiers],
+                    async_save=False,
+                    tier0_external=True,
+                    on_copy_progress=self.on_copy_progress,
                 )
             return self._manager
 
@@ -100,7 +111,9 @@ class TierCopies:
         """The newest copy on the tiers that checks (see :meth:`CheckpointManager.locate`)."""
         return self.manager().locate(step, timeout=timeout)
 
-    def resume_path(self, local_dir: str | os.PathLike[str] | None = None, timeout: float | None = RESTORE_TIMEOUT_S) -> str | None:
+    def resume_path(
+        self, local_dir: str | os.PathLike[str] | None = None, timeout: float | None = RESTORE_TIMEOUT_S
+    ) -> str | None:
         """Where the newest restorable copy is (``None``: every tier was listed and none holds one, a fresh start).
 
         A tier that cannot be listed by ``timeout`` raises :class:`~nvcomp_checkpoint.errors.TierUnavailableError`

@@ -11,7 +11,7 @@ from typing import Callable
 import xxhash
 
 from ..errors import CheckpointWriteError, CopySourceError, CopySourceGoneError
-from ..storage import LocalStorage, upload_file, write_errors
+from ..storage import upload_file, write_errors
 from .units import COPY_CHUNK_BYTES, FileEntry, TierStore, UnitManifest, entry_path, quote
 
 __all__ = ["copy_unit", "copy_with_retries"]
@@ -30,7 +30,12 @@ def source_intact(src: TierStore, manifest: UnitManifest) -> bool:
 
 
 def copy_unit(
-    src: TierStore, dst: TierStore, manifest: UnitManifest, progress: ProgressFn | None = None, *, to: str | None = None,
+    src: TierStore,
+    dst: TierStore,
+    manifest: UnitManifest,
+    progress: ProgressFn | None = None,
+    *,
+    to: str | None = None,
 ) -> UnitManifest:
     """Copy one unit's files byte for byte, check them on ``dst``, then commit its manifest there.
 
@@ -55,7 +60,7 @@ def copy_unit(
         for entry in manifest.files:
             s_path = src.source_path(manifest, entry)
             d_path = dst.file_path(manifest, entry) if to is None else entry_path(to, entry)
-            if isinstance(src.storage, LocalStorage) and upload_local(src, dst, manifest, entry, s_path, d_path, written, progress, entries):
+            if src.storage.is_local and upload_local(src, dst, manifest, entry, s_path, d_path, written, progress, entries):
                 continue
             h = xxhash.xxh3_64()
             n = 0
@@ -97,11 +102,18 @@ def check_source(s_path: str, entry: FileEntry, n: int, digest: int) -> None:
 
 
 def upload_local(
-    src: TierStore, dst: TierStore, manifest: UnitManifest, entry: FileEntry, s_path: str, d_path: str,
-    written: list[str], progress: ProgressFn | None, entries: list[FileEntry],
+    src: TierStore,
+    dst: TierStore,
+    manifest: UnitManifest,
+    entry: FileEntry,
+    s_path: str,
+    d_path: str,
+    written: list[str],
+    progress: ProgressFn | None,
+    entries: list[FileEntry],
 ) -> bool:
     """A local file to an object store: parts uploaded in parallel (s3fs ``put_file``); False where not possible."""
-    if not getattr(dst.storage, "object_store", False):
+    if not dst.storage.is_object_store:
         return False
     # The source is checked first (a committed unit does not change): read once, from the page cache.
     n, h = os.path.getsize(s_path), xxhash.xxh3_64()

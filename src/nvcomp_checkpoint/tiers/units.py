@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ import xxhash
 from ..errors import CheckpointError, FormatError, TierNotFoundError, TierUnavailableError
 from ..format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
 from ..reader import CheckpointReader
-from ..storage import LocalStorage, Storage, abort_unfinished_uploads, is_temp_name, list_names, storage_for, write_errors
+from ..storage import Storage, abort_unfinished_uploads, is_temp_name, list_names, storage_for, write_errors
 from .schedule import Tier
 
 __all__ = ["FileEntry", "UnitManifest", "TierStore", "open_tier", "MANIFEST_SUFFIX", "COPY_CHUNK_BYTES"]
@@ -80,8 +79,13 @@ class UnitManifest:
 
     def to_json(self) -> bytes:
         doc = {
-            "format": MANIFEST_FORMAT, "version": 1, "step": self.step, "unit": self.unit, "directory": self.directory,
-            "light": self.light, "created": self.created,
+            "format": MANIFEST_FORMAT,
+            "version": 1,
+            "step": self.step,
+            "unit": self.unit,
+            "directory": self.directory,
+            "light": self.light,
+            "created": self.created,
             "files": [{"path": f.path, "size": f.size, "index_xxh3": f.index_xxh3, "xxh3": f.xxh3} for f in self.files],
         }
         if self.base is not None:
@@ -97,14 +101,20 @@ class UnitManifest:
             files = tuple(FileEntry(str(f["path"]), int(f["size"]), f.get("index_xxh3"), f.get("xxh3")) for f in doc["files"])
             base = doc.get("base")
             m = cls(
-                int(doc["step"]), bool(doc["directory"]), bool(doc["light"]), files, float(doc["created"]),
+                int(doc["step"]),
+                bool(doc["directory"]),
+                bool(doc["light"]),
+                files,
+                float(doc["created"]),
                 base=None if base is None else int(base),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise FormatError(f"{where}: damaged unit manifest ({exc})") from exc
         # Manifests written before the unit's name was recorded have none; their step is still checked.
         if "unit" in doc and doc["unit"] != m.unit:
-            raise FormatError(f"{where}: names unit {str(doc['unit'])[:80]}, but its step {m.step} is unit {m.unit} (edited or forged)")
+            raise FormatError(
+                f"{where}: names unit {str(doc['unit'])[:80]}, but its step {m.step} is unit {m.unit} (edited or forged)"
+            )
         return m
 
 
@@ -170,17 +180,15 @@ class TierStore:
 
     def _check_bucket(self) -> None:
         """An empty listing is an empty prefix of a bucket that exists, or an error naming the bucket."""
-        fs = getattr(self.storage, "fs", None)
-        if fs is None or not hasattr(fs, "call_s3") or "://" not in self.root:
-            return  # a local folder not created yet, or a store whose buckets this cannot tell apart
-        bucket = self.root.split("://", 1)[1].split("/", 1)[0]
-        try:
-            fs.call_s3("head_bucket", Bucket=bucket)
-        except FileNotFoundError as exc:
+        if "://" not in self.root:
+            return  # a local folder not created yet
+        # None: a store whose buckets cannot be told apart from an empty prefix (taken as empty).
+        if self.storage.bucket_exists(self.root) is False:
+            bucket = self.root.split("://", 1)[1].split("/", 1)[0]
             raise TierNotFoundError(
                 f"{self.label} ({self.root}): the bucket {bucket!r} does not exist (or not at this endpoint, for these "
                 "credentials); create it, or correct the tier's URL or storage_options"
-            ) from exc
+            )
 
     def steps(self) -> list[int]:
         """Steps whose manifest is committed, oldest first (raises :class:`TierUnavailableError` as :meth:`names`)."""
@@ -242,7 +250,7 @@ class TierStore:
     def remove_unit(self, step: int, directory: bool | None = None) -> None:
         """Unlist the step first (its manifest goes), then remove its bytes."""
         self.storage.remove(self.manifest_path(step))
-        for d in ((True, False) if directory is None else (directory,)):
+        for d in (True, False) if directory is None else (directory,):
             self.storage.remove(self.unit_path(step, d))
 
     def clean_leftovers(self) -> list[str]:
@@ -252,9 +260,11 @@ class TierStore:
         committed = {int(m.group(1)) for n in names if (m := MANIFEST_RE.match(n))}
         for name in names:
             m = UNIT_RE.match(name)
-            leftover = (m is not None and int(m.group(1)) not in committed) or (
-                name.startswith((".step-", "step-")) and ".tmp-" in name
-            ) or is_temp_name(name)
+            leftover = (
+                (m is not None and int(m.group(1)) not in committed)
+                or (name.startswith((".step-", "step-")) and ".tmp-" in name)
+                or is_temp_name(name)
+            )
             if leftover:
                 self.storage.remove(join_path(self.root, name))
                 removed.append(join_path(self.root, name))
@@ -265,14 +275,18 @@ class TierStore:
         return removed
 
     # -- checks -------------------------------------------------------------------------------
-    def describe(self, step: int, directory: bool, light: bool, source: str | None = None, base: int | None = None) -> UnitManifest:
+    def describe(
+        self, step: int, directory: bool, light: bool, source: str | None = None, base: int | None = None
+    ) -> UnitManifest:
         """The manifest of a unit just written to this tier by a save (tier 0), or at ``source``."""
         unit = self.unit_path(step, directory) if source is None else source
         entries = []
         if directory:
             rels = walk_files(self.storage, unit)
             if not rels:
-                raise CheckpointError(f"{unit}: the directory for step {step} is empty or missing; write the unit before commit()")
+                raise CheckpointError(
+                    f"{unit}: the directory for step {step} is empty or missing; write the unit before commit()"
+                )
         else:
             rels = [""]
         for rel in rels:
@@ -321,9 +335,7 @@ class TierStore:
 
 
 def is_folder(storage: Storage, path: str) -> bool:
-    if isinstance(storage, LocalStorage):
-        return os.path.isdir(path)
-    return bool(storage.fs.isdir(path))  # type: ignore[attr-defined]
+    return storage.isdir(path)
 
 
 def walk_files(storage: Storage, root: str, prefix: str = "") -> list[str]:
