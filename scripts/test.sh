@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Sets up .venv with the test extras and runs the whole test suite on the CPU.
+# Sets up .venv with the test extras, checks the code's shape (ruff, mypy), and runs the whole test
+# suite on the CPU in parallel (pytest-xdist). Extra arguments go to pytest, e.g.
+#   bash scripts/test.sh -m "not slow"      # the fast loop
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh test
 . .venv/bin/activate
+ruff check src tests benchmarks examples
+ruff format --check -q src tests benchmarks examples || { echo "ruff format would change files: run 'ruff format src tests benchmarks examples'" >&2; exit 1; }
+mypy
 set +e
-python -m pytest -q -p no:cacheprovider --durations=20 "$@"
+python -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" --durations=25 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
