@@ -98,3 +98,26 @@ def test_report_refuses_what_it_cannot_describe(tmp_path: Path) -> None:
     rank_file.unlink()
     with pytest.raises(FormatError, match=rf"{rank_file.name} named by the metadata are missing"):
         dcp_report(str(tmp_path / "ours"))
+
+
+def test_writer_takes_filesystem_writers_options_that_mean_something_and_names_the_rest(tmp_path) -> None:
+    from nvcomp_checkpoint.dcp import NvcompWriter
+
+    w = NvcompWriter(tmp_path, thread_count=3, single_file_per_rank=True, sync_files=True, overwrite=True)
+    assert w.workers == 3
+    refused = {
+        "per_thread_copy_ahead": (TypeError, "compresses chunk by chunk"),
+        "_extensions": (TypeError, "policy= instead"),
+        "serialization_format": (TypeError, "writes its own"),
+        "nonsense": (TypeError, "not an option of NvcompWriter or FileSystemWriter"),
+        "single_file_per_rank": (ValueError, "each rank writes one compressed file"),
+        "sync_files": (ValueError, "every file is fsynced"),
+        "overwrite": (ValueError, "replaces the checkpoint at its path as a whole"),
+    }
+    for name, (error, words) in refused.items():
+        value = False if name in ("single_file_per_rank", "sync_files", "overwrite") else 1
+        with pytest.raises(error, match=rf"NvcompWriter\({name}=") as info:
+            NvcompWriter(tmp_path, **{name: value})
+        assert words in str(info.value), (name, str(info.value))
+    with pytest.raises(ValueError, match=r"give one of them"):
+        NvcompWriter(tmp_path, workers=2, thread_count=3)

@@ -133,6 +133,16 @@ def _device_copy(obj: Any, on_device: Callable[[torch.Tensor], bool]) -> Any:
     return copy.deepcopy(obj)
 
 
+#: FileSystemWriter's options that mean nothing for a compressed writer, and why.
+_REFUSED_OPTIONS = {
+    "per_thread_copy_ahead": "FileSystemWriter's read-ahead of its copy threads; NvcompWriter compresses chunk by chunk "
+    "with a bounded window (workers= sets the threads)",
+    "_extensions": "a stream transform of FileSystemWriter (its ZStandard extension); NvcompWriter compresses with its "
+    "policy= instead",
+    "serialization_format": "FileSystemWriter's on-disk format; NvcompWriter writes its own (docs/format.md)",
+}
+
+
 class NvcompWriter(StorageWriter, BlockingAsyncStager):
     """Writes a DCP checkpoint directory whose rank files are compressed by nvcomp-checkpoint.
 
@@ -168,6 +178,11 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         device_budget_bytes: GPU memory per device that ``staging="device"`` may use for the
             clones. The background compression needs GPU memory of its own on top (nvCOMP's
             output and scratch buffers, bounded by the core's ``gpu_chunk_bytes`` batches).
+        thread_count, single_file_per_rank, sync_files, overwrite: ``FileSystemWriter``'s options,
+            so that this writer takes the same call: ``thread_count`` is ``workers``; the others
+            are what this writer always does (one file per rank, fsynced, replacing the checkpoint
+            at ``path``), and the opposite values are refused. ``per_thread_copy_ahead``,
+            ``_extensions`` and ``serialization_format`` are refused with the reason.
 
     Every rank file and ``.metadata`` are fsynced before they are renamed into place.
 
@@ -190,7 +205,33 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         save_tag: str | None = None,
         staging: str = "host",
         device_budget_bytes: int | None = None,
+        thread_count: int | None = None,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        overwrite: bool = True,
+        **filesystem_writer_options: Any,
     ) -> None:
+        # FileSystemWriter's options, so that a writer swapped in for it takes the same call: the
+        # ones that mean something here are honoured, the others refused by name (docs/dcp.md).
+        if filesystem_writer_options:
+            name = sorted(filesystem_writer_options)[0]
+            why = _REFUSED_OPTIONS.get(name, "it is not an option of NvcompWriter or FileSystemWriter")
+            raise TypeError(f"NvcompWriter({name}=...): {why}")
+        if not single_file_per_rank:
+            raise ValueError("NvcompWriter(single_file_per_rank=False): each rank writes one compressed file; leave it True")
+        if not sync_files:
+            raise ValueError("NvcompWriter(sync_files=False): every file is fsynced before the save commits; leave it True")
+        if not overwrite:
+            raise ValueError(
+                "NvcompWriter(overwrite=False): a save replaces the checkpoint at its path as a whole; check the path "
+                "first (nvcomp_checkpoint.dcp.read_stored_metadata) to keep one"
+            )
+        if thread_count is not None:
+            if workers is not None and workers != thread_count:
+                raise ValueError(f"NvcompWriter(workers={workers}, thread_count={thread_count}): give one of them")
+            if not isinstance(thread_count, int) or thread_count < 1:
+                raise ValueError(f"NvcompWriter(thread_count={thread_count!r}): a positive number of compression threads")
+            workers = thread_count
         if staging not in ("host", "device"):
             raise ValueError(f"NvcompWriter(staging={staging!r}): choose 'host' or 'device'")
         if staging == "device" and cache_staged_state_dict:
