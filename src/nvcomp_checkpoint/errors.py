@@ -7,6 +7,7 @@ the user can do about it.
 from __future__ import annotations
 
 import errno
+from typing import Any
 
 __all__ = [
     "CheckpointError",
@@ -125,7 +126,7 @@ class CopyTimeoutError(CheckpointError, TimeoutError):
     ``pending`` names each one: the step, the tier it was going to, and where it still is.
     """
 
-    def __init__(self, message: str, pending: tuple = ()) -> None:  # type: ignore[type-arg]
+    def __init__(self, message: str, pending: tuple[Any, ...] = ()) -> None:
         super().__init__(message)
         self.pending = pending
 

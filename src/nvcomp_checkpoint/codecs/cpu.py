@@ -123,6 +123,7 @@ class ZstdCpuCodec:
             # One-shot decoding allocates the declared size, or raw_size when none is declared;
             # both are bounded here. Anything else streams, so that a forged index size never
             # allocates more than the frames really hold.
+            out: bytes | bytearray
             if declared == raw_size or (declared < 0 and raw_size <= _ONE_SHOT_LIMIT):
                 out = dctx.decompress(frame, max_output_size=raw_size)
             else:
