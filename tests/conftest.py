@@ -52,6 +52,20 @@ def tree_equal():
     return assert_tree_equal
 
 
+_SLOW_TESTS = {
+    line.strip()
+    for line in (Path(__file__).parent / "slow_tests.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests listed in slow_tests.txt are ``slow``: ``pytest -m "not slow"`` is the fast loop."""
+    for item in items:
+        if item.nodeid in _SLOW_TESTS or item.nodeid.split("::")[0] in _SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _wide_cli_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CLI's tables are as wide as a 200-column terminal unless a test says otherwise

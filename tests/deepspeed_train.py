@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import time
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -107,7 +108,18 @@ def kill_during_t5(stage: int, rank: int) -> None:
 
         def save(obj, path, *args, **kwargs):  # noqa: ANN001, ANN202
             if os.sep + "t5" + os.sep in os.fspath(path):
-                kwargs["progress"] = lambda n: os.kill(os.getpid(), signal.SIGKILL)
+
+                def die(n: int, folder: str = os.path.dirname(os.fspath(path))) -> None:
+                    # Killed mid-write once rank 0 has a durable t5 file, so the tag is partial
+                    # (not empty) however the ranks are scheduled on a loaded machine.
+                    deadline = time.monotonic() + 60
+                    while time.monotonic() < deadline and not any(
+                        name.startswith("mp_rank_") or "zero_pp_rank_0_" in name for name in os.listdir(folder)
+                    ):
+                        time.sleep(0.05)
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+                kwargs["progress"] = die
             return real_save(obj, path, *args, **kwargs)
 
         nc.save = save

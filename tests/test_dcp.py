@@ -355,8 +355,15 @@ def test_async_save_loads_bit_identical(two_rank_run: Path) -> None:
         assert_tree_equal(_full(model, opt, loaded["extra"]), ref, name)
 
 
-def test_two_ranks_to_three_and_three_to_one(two_rank_run: Path) -> None:
+@pytest.fixture(scope="module")
+def three_rank_run(two_rank_run: Path) -> Path:
+    """The two-rank checkpoint loaded on three ranks, which save it again (and a ShardedTensor)."""
     _spawn(_reshard_to_three, 3, str(two_rank_run))
+    return two_rank_run
+
+
+def test_two_ranks_to_three_and_three_to_one(three_rank_run: Path) -> None:
+    two_rank_run = three_rank_run
     assert len([p for p in (two_rank_run / "ours3").iterdir() if p.suffix == ".nvcdcp"]) == 3
     ref = torch.load(two_rank_run / "ref.pt", weights_only=True)
     model, opt = _plain()
@@ -364,7 +371,8 @@ def test_two_ranks_to_three_and_three_to_one(two_rank_run: Path) -> None:
     assert_tree_equal(_full(model, opt, loaded["extra"]), ref, "3->1")
 
 
-def test_sharded_tensor_with_two_chunks_on_a_rank_loads_on_one_process(two_rank_run: Path) -> None:
+def test_sharded_tensor_with_two_chunks_on_a_rank_loads_on_one_process(three_rank_run: Path) -> None:
+    two_rank_run = three_rank_run
     files = sorted((two_rank_run / "sharded_tensor").glob("__0_*.nvcdcp"))
     assert len(files) == 1
     with nc.open(files[0]) as reader:
