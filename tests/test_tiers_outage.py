@@ -27,18 +27,11 @@ pytest.importorskip("boto3")
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-from test_tiers_s3 import _AWS_ENV, BUCKET, MotoServer  # noqa: E402 - after the skips
+from test_tiers_s3 import BUCKET, MotoServer, served  # noqa: E402 - after the skips
 
 
 class FrozenMoto(MotoServer):
-    def options(self) -> dict[str, Any]:
-        return {
-            "client_kwargs": {"endpoint_url": self.endpoint},
-            "key": "x",
-            "secret": "y",
-            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1, "read_timeout": 1},
-            "skip_instance_cache": True,
-        }
+    connect_timeout, read_timeout = 1, 1  # a frozen server is given up on in seconds
 
     @contextlib.contextmanager
     def frozen(self) -> Iterator[None]:
@@ -53,19 +46,8 @@ class FrozenMoto(MotoServer):
 
 @pytest.fixture(scope="module")
 def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FrozenMoto]:
-    saved = {k: os.environ.get(k) for k in _AWS_ENV}
-    os.environ.update(_AWS_ENV)
-    server = FrozenMoto(tmp_path_factory.mktemp("moto") / "moto_server.log")
-    server.start()
-    try:
+    with served(FrozenMoto(tmp_path_factory.mktemp("moto") / "moto_server.log")) as server:
         yield server
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _state(step: int) -> dict[str, Any]:

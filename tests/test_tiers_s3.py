@@ -6,6 +6,7 @@ SIGKILLed mid-upload, and the endpoint stopped mid-upload and restarted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -62,13 +63,20 @@ class MotoServer:
     def client(self) -> Any:
         return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
 
+    #: botocore's timeouts (s) in :meth:`options`.
+    connect_timeout, read_timeout = 2, 10
+
     def options(self) -> dict[str, Any]:
         # One botocore attempt per call and short timeouts: the tier's own retries are under test.
         return {
             "client_kwargs": {"endpoint_url": self.endpoint},
             "key": "x",
             "secret": "y",
-            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
+            "config_kwargs": {
+                "retries": {"max_attempts": 1},
+                "connect_timeout": self.connect_timeout,
+                "read_timeout": self.read_timeout,
+            },
             "skip_instance_cache": True,
         }
 
@@ -80,11 +88,12 @@ class MotoServer:
         return [u["Key"] for u in self.client().list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]
 
 
-@pytest.fixture
-def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+@contextlib.contextmanager
+def served(server: MotoServer) -> Iterator[MotoServer]:
+    """``server`` started, with dummy AWS credentials in the environment (nothing ever reaches real
+    AWS); stopped and the environment put back after."""
     saved = {k: os.environ.get(k) for k in _AWS_ENV}
-    os.environ.update(_AWS_ENV)  # dummies, so nothing ever reaches real AWS credentials
-    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto_server.log")
+    os.environ.update(_AWS_ENV)
     server.start()
     try:
         yield server
@@ -95,6 +104,12 @@ def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    with served(MotoServer(tmp_path_factory.mktemp("moto") / "moto_server.log")) as server:
+        yield server
 
 
 def _state(step: int, mib: int = 0) -> dict[str, Any]:
