@@ -28,6 +28,7 @@ from .filters.sub import sub_bytes_torch
 from .format.chain import DELTA_FORMAT_VERSION, SUB, SUB_FORMAT_VERSION, XOR, TensorDelta
 from .format.layout import (
     DELTA_MAGIC,
+    GUARD,
     MAGIC,
     MAX_INDEX_BYTES,
     QUANTIZED_DTYPES,
@@ -537,6 +538,7 @@ class CheckpointWriter:
                 "torch tensors (torch.from_numpy, torch.frombuffer), which are compressed and streamed"
             )
         version = self._version(planned)
+        self._write(GUARD)  # a stock torch.load stops here, naming our loader (format/guard.py)
         self._write({DELTA_FORMAT_VERSION: DELTA_MAGIC, SUB_FORMAT_VERSION: SUB_MAGIC}.get(version, MAGIC))
         skel_frame = self._write_skeleton(skeleton_bytes)
         frames_of: list[list[Frame]] = [[] for _ in planned]
