@@ -511,17 +511,15 @@ class NvcompStateHooks(SaveEntryPoint):
         files = [(_numbered("model", i), state, "model", i) for i, state in enumerate(states)]
         files += [(_numbered("optimizer", i), opt.state_dict(), "optimizer", i) for i, opt in enumerate(call.optimizers)]
         for name, state, kind, i in files:
-            kwargs = dict(
-                workers=self.workers,
-                metadata={"accelerate": {"kind": kind, "index": i, **meta}},
-                stream_wrapper=self.stream_wrapper,
-            )
+            base = None
             if self.incremental is not None and call.staging.parent == call.target.parent:
-                kwargs["base"] = self.incremental.base_for(call.target / name, slot=name)
+                base = self.incremental.base_for(call.target / name, slot=name)
+            path = call.staging / name
+            options = self._options(path, metadata={"accelerate": {"kind": kind, "index": i, **meta}}, base=base)
             if call.background:
-                self._save_file(call.group, name, state, call.staging / name, self.policy, **kwargs)
+                self._save_file(call.group, name, state, path, options)
             else:
-                call.group.add_report(name, nc.save(state, call.staging / name, self.policy, **kwargs))
+                call.group.add_report(name, self._save_now(state, path, options))
             (call.models if kind == "model" else call.optimizer_files).append(name)
 
     def _writes(self) -> bool:

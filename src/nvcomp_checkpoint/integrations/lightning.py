@@ -33,6 +33,7 @@ from nvcomp_checkpoint.entrypoint import (
     report_metrics,
 )
 from nvcomp_checkpoint.savegroup import SavedCallback
+from nvcomp_checkpoint.saveoptions import SaveOptions
 from nvcomp_checkpoint.storage import storage_for
 from nvcomp_checkpoint.tiers import Tier
 from nvcomp_checkpoint.version import install_hint
@@ -207,25 +208,26 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         info = {}
         if isinstance(checkpoint, Mapping):  # Lightning's counters, readable with `nvckpt inspect`
             info = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
-        kwargs = dict(
-            metadata={"written_by": type(self).__name__, **info, **(metadata or {})},
-            storage_options=self.fsspec_options or None,
-            stream_wrapper=self.stream_wrapper,
-        )
+        metadata = {"written_by": type(self).__name__, **info, **(metadata or {})}
         after = self._after_durable(info.get("global_step"), path, lambda r: self._tell_listeners(r, info))
+
+        def options(base: str | None) -> SaveOptions:
+            return self._options(path, policy=policy, metadata=metadata, storage_options=self.fsspec_options or None, base=base)
+
         try:
             if not self.async_save:
                 base = self.incremental.base_for(path) if self.incremental is not None else None
-                self._saved(nc.save(checkpoint, path, policy, workers=self.workers, base=base, **kwargs), after)
+                self._saved(self._save_now(checkpoint, path, options(base)), after)
                 return
             self._wait_for_slot()
             self._raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
             base = self.incremental.base_for(path) if self.incremental is not None else None
+            built = options(base)
             self._save_group(
                 path,
                 started,
                 after,
-                lambda group: self._save_file(group, "checkpoint", checkpoint, path, policy, base=base, **kwargs),
+                lambda group: self._save_file(group, "checkpoint", checkpoint, path, built),
                 failed=lambda exc: self._save_failed(path),  # in the background: whoever raises the error later
             )
         except BaseException:
