@@ -32,6 +32,7 @@ __all__ = [
     "BaseChain",
     "BaseSource",
     "ChainPolicy",
+    "chain_policy_of",
     "base_path_of",
     "chain_of",
     "relative_base_path",
@@ -613,6 +614,45 @@ class ChainPolicy:
         if self.base == "previous":
             return saved[-1]
         return saved[n - n % period]
+
+
+def chain_policy_of(
+    incremental: bool | ChainPolicy, full_every: int | None, delta_base: str | None, where: str
+) -> ChainPolicy | None:
+    """The one conversion of every ``incremental=`` argument (the manager, every integration): ``None`` without it.
+
+    Args:
+        incremental: ``False``, ``True`` (with ``full_every`` and ``delta_base``) or a :class:`ChainPolicy`.
+        full_every: With ``incremental=True``: a full save every ``full_every`` saves (``None``: 10).
+        delta_base: With ``incremental=True``: ``"previous"`` or ``"full"`` (``None``: ``"previous"``).
+        where: The constructor, named by errors (``"NvcompCheckpointIO"``).
+
+    Raises:
+        TypeError: ``incremental`` is neither a bool nor a :class:`ChainPolicy`.
+        ValueError: A :class:`ChainPolicy` together with ``full_every`` or ``delta_base`` (two answers
+            to one question), or an invalid ``full_every`` / ``delta_base``.
+    """
+    if isinstance(incremental, ChainPolicy):
+        given = [name for name, value in (("full_every", full_every), ("delta_base", delta_base)) if value is not None]
+        if given:
+            keywords = ", ".join(f"{name}=..." for name in given)
+            raise ValueError(
+                f"{where}(incremental=ChainPolicy(...), {keywords}): both say how the chain runs; give them in the "
+                f"ChainPolicy only: incremental=ChainPolicy(full_every={incremental.full_every}, base={incremental.base!r})"
+            )
+        return incremental
+    if not isinstance(incremental, bool):
+        raise TypeError(
+            f"{where}(incremental=...) takes True, False or a ChainPolicy(full_every=..., base=...), "
+            f"got {type(incremental).__name__}"
+        )
+    if not incremental:
+        return None
+    try:
+        return ChainPolicy(10 if full_every is None else full_every, "previous" if delta_base is None else delta_base)
+    except ValueError as exc:
+        name = "delta_base" if delta_base is not None and delta_base not in ("previous", "full") else "full_every"
+        raise ValueError(f"{where}(incremental=True, {name}=...): {exc}") from None
 
 
 def retained(keep: Iterable[str], base_of: Callable[[str], str | None]) -> list[str]:

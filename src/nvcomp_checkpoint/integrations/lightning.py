@@ -21,7 +21,7 @@ import torch
 from typing_extensions import override
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint import CodecPolicy, SaveReport
+from nvcomp_checkpoint import ChainPolicy, CodecPolicy, SaveReport
 from nvcomp_checkpoint.async_save import wait_for_path
 from nvcomp_checkpoint.entrypoint import (
     POLICY_OPTION_KEYS,
@@ -112,8 +112,10 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             :meth:`remove_checkpoint` keeps a file that a kept delta needs until that delta is removed.
             With ``tiers``, a delta reaches a tier after its chain and ``resume_path(local_dir)`` lays it
             out there with its chain.
-        full_every, delta_base: As for :class:`~nvcomp_checkpoint.ChainPolicy` (``full_every``
-            default 10, ``delta_base`` ``"previous"`` or ``"full"``).
+            ``True`` (with ``full_every`` and ``delta_base``) or a :class:`~nvcomp_checkpoint.ChainPolicy`.
+        full_every, delta_base: With ``incremental=True``: as for :class:`~nvcomp_checkpoint.ChainPolicy`
+            (``full_every`` default 10, ``delta_base`` ``"previous"`` (default) or ``"full"``); refused
+            together with a ``ChainPolicy``, which holds both.
         leader_load: On resume of replicated (DDP) state, one rank per node reads the checkpoint
             and sends it to the node's other ranks over the process group
             (:func:`nvcomp_checkpoint.load_broadcast`), instead of every rank fetching the same
@@ -144,9 +146,9 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         on_saved: SavedCallback | None = None,
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         tiers: list[Tier] | None = None,
-        incremental: bool = False,
+        incremental: bool | ChainPolicy = False,
         full_every: int | None = None,
-        delta_base: str = "previous",
+        delta_base: str | None = None,
         leader_load: bool = False,
     ) -> None:
         CheckpointIO.__init__(self)

@@ -22,6 +22,7 @@ from typing import IO, Any, Callable, NoReturn, TypeVar
 import torch
 
 import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.delta import chain_policy_of
 from nvcomp_checkpoint.dirconvert import (
     PLACEHOLDER_TAG,
     SUFFIX,
@@ -345,8 +346,8 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         compress_weights: ``None`` (default): compress the weights only when the Trainer is an
             :class:`NvcompTrainerMixin`, which can resume from them. ``True`` with a stock
             Trainer is refused when the Trainer is created.
-        incremental: Refused (``ValueError``): the Trainer deletes old ``checkpoint-N`` folders
-            itself, which could delete a base that a kept delta needs.
+        incremental: ``True`` or a :class:`~nvcomp_checkpoint.ChainPolicy` is refused (``ValueError``): the
+            Trainer deletes old ``checkpoint-N`` folders itself, which could delete a base that a kept delta needs.
         leader_load: On resume of replicated (DDP) state, one process per node reads each
             compressed file and sends it to the node's other processes over the process group
             (:func:`nvcomp_checkpoint.load_broadcast`), instead of every process reading the same
@@ -371,12 +372,12 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         compress_weights: bool | None = None,
         tiers: list[Tier] | None = None,
-        incremental: bool = False,
+        incremental: bool | nc.ChainPolicy = False,
         leader_load: bool = False,
     ) -> None:
-        if incremental:
+        if chain_policy_of(incremental, None, None, "NvcompTrainerCallback") is not None:
             raise ValueError(
-                "NvcompTrainerCallback(incremental=True) is not supported: the Trainer deletes old checkpoint-N "
+                f"NvcompTrainerCallback(incremental={incremental!r}) is not supported: the Trainer deletes old checkpoint-N "
                 "folders itself (save_total_limit, best-model rotation) without asking, which would delete bases "
                 "that kept deltas need. Save in full here, or use nc.CheckpointManager(tiers, incremental=True) or "
                 "the Lightning / Accelerate integrations' incremental=True."
