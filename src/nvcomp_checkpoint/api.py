@@ -290,7 +290,9 @@ def _load_plain(where: str, storage: Any, spath: str, map_location: MapLocation,
             if map_location is None and not torch.cuda.is_available():
                 # As for our own files: a checkpoint saved on a GPU still loads where there is none.
                 map_location = "cpu"
-            return torch.load(f, map_location=map_location, weights_only=weights_only)
+            # torch.load takes a dict, not any Mapping.
+            location = dict(map_location) if isinstance(map_location, Mapping) else map_location
+            return torch.load(f, map_location=location, weights_only=weights_only)
     except pickle.UnpicklingError as exc:
         text = str(exc)
         # torch's weights-only unpickler also says "Weights only load failed" for bytes that

@@ -13,7 +13,7 @@ import os
 import posixpath
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -161,7 +161,7 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 def bytes_xxh3(flat: torch.Tensor) -> int:
     """XXH3-64 of a 1-D uint8 tensor's bytes (a GPU tensor is copied to the host first)."""
     host = flat if flat.device.type == "cpu" else flat.cpu()
-    return xxhash.xxh3_64_intdigest(host.numpy()) if host.numel() else xxhash.xxh3_64_intdigest(b"")
+    return xxhash.xxh3_64_intdigest(host.numpy().data) if host.numel() else xxhash.xxh3_64_intdigest(b"")
 
 
 # -- choosing frames ----------------------------------------------------------------------------
@@ -221,9 +221,9 @@ def encode_cpu_chunk_against(data: np.ndarray, base: np.ndarray, item: Any) -> l
         candidates = [(op, pieces[i]) for op, pieces in split]
         if sample and len(plain) > 2 * sample:
             # Ties keep the earlier form, as pick_frames does.
-            estimates = [min(len(codec.encode(piece[:sample])), sample) for _, piece in candidates]
+            estimates = [min(len(codec.encode(piece[:sample].data)), sample) for _, piece in candidates]
             candidates = [candidates[estimates.index(min(estimates))]]
-        ((frame, op),) = pick_frames([(op, [piece], [codec.encode(piece)]) for op, piece in candidates], len)
+        ((frame, op),) = pick_frames([(op, [piece], [codec.encode(piece.data)]) for op, piece in candidates], len)
         out.append((frame, len(plain), xxhash.xxh3_64_intdigest(frame), op))
     return out
 
@@ -655,20 +655,23 @@ def chain_policy_of(
         raise ValueError(f"{where}(incremental=True, {name}=...): {exc}") from None
 
 
-def retained(keep: Iterable[str], base_of: Callable[[str], str | None]) -> list[str]:
+_Unit = TypeVar("_Unit", bound=Hashable)
+
+
+def retained(keep: Iterable[_Unit], base_of: Callable[[_Unit], _Unit | None]) -> list[_Unit]:
     """``keep`` and every base a kept checkpoint needs, transitively (a chain goes as a whole).
 
     Args:
-        keep: The checkpoints a retention rule keeps.
+        keep: The checkpoints a retention rule keeps (paths, or the steps of a tier's units).
         base_of: The base of a checkpoint, or None (e.g. ``lambda p: base_path_of(p, nc.open)``).
 
     Returns:
         The checkpoints not to delete, in the order first met.
     """
-    out: list[str] = []
-    seen: set[str] = set()
+    out: list[_Unit] = []
+    seen: set[_Unit] = set()
     for path in keep:
-        current: str | None = path
+        current: _Unit | None = path
         while current is not None and current not in seen:
             seen.add(current)
             out.append(current)

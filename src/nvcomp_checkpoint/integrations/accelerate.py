@@ -284,9 +284,9 @@ class NvcompStateHooks(SaveEntryPoint):
         self._previous = {name: accelerator.__dict__.get(name) for name in ("save_state", "load_state")}
         self._inner_save: Callable[..., Any] = accelerator.save_state
         self._inner_load: Callable[..., Any] = accelerator.load_state
-        accelerator.save_state = self.save_state  # type: ignore[method-assign]
-        accelerator.load_state = self.load_state  # type: ignore[method-assign]
-        accelerator._nvcomp_state_hooks = self  # type: ignore[attr-defined]
+        accelerator.save_state = self.save_state
+        accelerator.load_state = self.load_state
+        accelerator._nvcomp_state_hooks = self
 
     def remove(self) -> None:
         """Restore Accelerate's ``save_state``/``load_state`` on the accelerator.

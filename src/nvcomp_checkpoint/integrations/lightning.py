@@ -15,7 +15,7 @@ import os
 import sys
 import time
 import weakref
-from typing import IO, Any, Callable, Mapping, Optional
+from typing import IO, TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 from typing_extensions import override
@@ -38,21 +38,25 @@ from nvcomp_checkpoint.storage import storage_for
 from nvcomp_checkpoint.tiers import Tier
 from nvcomp_checkpoint.version import install_hint
 
-try:  # the unified package: `lightning.pytorch.Trainer` and `lightning.fabric.Fabric`
+if TYPE_CHECKING:  # checked against the unified package; the standalone ones have the same classes
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-except ImportError:  # pragma: no cover - only the standalone packages are installed
-    try:
-        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
-    except ImportError as exc:
-        raise ImportError(f"nvcomp_checkpoint.lightning needs Lightning: {install_hint('lightning')}") from exc
-
-try:  # the Trainer's callbacks; Fabric-only installs have no `lightning.pytorch`
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-except ImportError:  # pragma: no cover
-    try:
-        from pytorch_lightning.callbacks import Callback, ModelCheckpoint
-    except ImportError:
-        Callback = ModelCheckpoint = object  # type: ignore[assignment,misc]
+else:
+    try:  # the unified package: `lightning.pytorch.Trainer` and `lightning.fabric.Fabric`
+        from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    except ImportError:  # pragma: no cover - only the standalone packages are installed
+        try:
+            from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+        except ImportError as exc:
+            raise ImportError(f"nvcomp_checkpoint.lightning needs Lightning: {install_hint('lightning')}") from exc
+
+    try:  # the Trainer's callbacks; Fabric-only installs have no `lightning.pytorch`
+        from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    except ImportError:  # pragma: no cover
+        try:
+            from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+        except ImportError:
+            Callback = ModelCheckpoint = object
 
 __all__ = [
     "NvcompCheckpointIO",
@@ -346,7 +350,7 @@ def _check_strategy(trainer: Any) -> None:
     check_sharded_checkpoint_io(trainer.strategy)
 
 
-class NvcompStrategyCheck(Callback):  # type: ignore[misc,valid-type]
+class NvcompStrategyCheck(Callback):
     """Raises at ``setup`` (before any step) when the Trainer's strategy would bypass
     :class:`NvcompCheckpointIO` (Lightning's ``ModelParallelStrategy`` / ``FSDPStrategy`` saving
     sharded checkpoints). Lightning adds it to every Trainer built while an ``NvcompCheckpointIO``
@@ -382,11 +386,11 @@ class NvcompModelCheckpointMixin:
         return bool(trainer.strategy.reduce_boolean_decision(pending, all=False))
 
 
-class NvcompModelCheckpoint(NvcompModelCheckpointMixin, ModelCheckpoint):  # type: ignore[misc,valid-type]
+class NvcompModelCheckpoint(NvcompModelCheckpointMixin, ModelCheckpoint):
     """``lightning.pytorch``'s ``ModelCheckpoint`` with :class:`NvcompModelCheckpointMixin`; same arguments."""
 
 
-class NvcompCheckpointMetrics(Callback):  # type: ignore[misc,valid-type]
+class NvcompCheckpointMetrics(Callback):
     """Sends the sizes, ratios and times of every checkpoint save to the Trainer's loggers.
 
     Each durable save's :func:`report_metrics` go to ``logger.log_metrics(..., step=<the checkpoint's
