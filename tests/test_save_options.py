@@ -70,6 +70,12 @@ def test_public_save_checks_workers_before_writing(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="workers must be a positive int"):
             save(_state(), tmp_path / "a.nvc", workers=0)
     assert not (tmp_path / "a.nvc").exists()
+    # Where workers is a setting, it is checked when the setting is made, not at the first save.
+    from nvcomp_checkpoint.lightning import NvcompCheckpointIO
+
+    for make in (AsyncSaver, NvcompCheckpointIO, lambda **kw: nc.CheckpointManager([nc.Tier(tmp_path / "t0")], **kw)):
+        with pytest.raises(ValueError, match="workers must be a positive int"):
+            make(workers=0)
 
 
 def test_credentials_in_storage_options_never_reach_the_file(tmp_path: Path) -> None:

@@ -204,6 +204,7 @@ class AsyncSaver:
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        SaveOptions(workers=workers)  # checks workers now, not at the first save
         self.max_pending = max_pending
         self.workers = workers
         self.report_errors = report_errors
