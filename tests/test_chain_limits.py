@@ -152,7 +152,7 @@ def test_chain_policies_never_build_a_chain_past_the_limit(caplog, tmp_path):
         == f"s{MAX_CHAIN_DEPTH - 1}"
     )
     # The integrations' bookkeeping uses the same policy: the save after a chain at the limit is full.
-    files = IncrementalFiles("test", full_every=DEEP)
+    files = IncrementalFiles("test", nc.ChainPolicy(DEEP))
     bases = [files.base_for(tmp_path / f"f{n}.nvc") for n in range(MAX_CHAIN_DEPTH + 2)]
     assert bases[0] is None and bases[MAX_CHAIN_DEPTH + 1] is None and None not in bases[1 : MAX_CHAIN_DEPTH + 1]
 

@@ -63,15 +63,11 @@ class Saver(SaveEntryPoint):
         started = time.perf_counter()
         after = self._after_durable(step, path)
         base = None if self.incremental is None else self.incremental.base_for(path)
+        options = self._options(path, base=base)
         if not self.async_save:
-            self._saved(nc.save(tree, path, self.policy, stream_wrapper=self.stream_wrapper, base=base), after)
+            self._saved(self._save_now(tree, path, options), after)
             return
-        self._save_group(
-            path,
-            started,
-            after,
-            lambda g: self._save_file(g, "file", tree, path, self.policy, stream_wrapper=self.stream_wrapper, base=base),
-        )
+        self._save_group(path, started, after, lambda g: self._save_file(g, "file", tree, path, options))
 
     def remove(self, path: Path, deleted: list[str]) -> None:
         def delete(p: str) -> None:

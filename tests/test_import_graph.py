@@ -5,7 +5,7 @@ layer and those below):
 
     base        errors, version, tensors, workers, codecs/*, filters/*, metrics, failures
     format      format/*, policy, storage, report, filetype, pending, dirstore, delta
-    pipeline    writer, reader, snapshot
+    pipeline    writer, reader, snapshot, saveoptions
     api         api, async_save, savegroup, entrypoint/* (base, options, loading, reports), dirconvert, tiers/*,
                 incremental, dcp/*, broadcast, the package __init__
     adapters    cli/*, integrations/*, the short-name shims lightning/accelerate/transformers/deepspeed
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "version", "tensors", "workers", "codecs", "filters", "metrics", "failures")),
     ("format", ("format", "policy", "storage", "report", "filetype", "pending", "dirstore", "delta")),
-    ("pipeline", ("writer", "reader", "snapshot")),
+    ("pipeline", ("writer", "reader", "snapshot", "saveoptions")),
     ("api", ("api", "async_save", "savegroup", "entrypoint", "dirconvert", "tiers", "incremental", "dcp", "broadcast", "")),
     ("adapters", ("cli", "integrations", "lightning", "accelerate", "transformers", "deepspeed")),
 ]

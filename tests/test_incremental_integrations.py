@@ -133,7 +133,7 @@ def test_lightning_async_saves_with_deltas_and_last_ckpt(tmp_path):
 
 
 def test_last_ckpt_is_never_a_base_and_a_delta_never_replaces_its_chain(tmp_path):
-    book = IncrementalFiles("test", full_every=10, can_be_base=lambda p: not Path(p).name.startswith("last"))
+    book = IncrementalFiles("test", nc.ChainPolicy(10), can_be_base=lambda p: not Path(p).name.startswith("last"))
     a, last, b = tmp_path / "a.ckpt", tmp_path / "last.ckpt", tmp_path / "b.ckpt"
     assert book.base_for(a) is None
     assert book.base_for(last) == str(a)
@@ -258,7 +258,7 @@ def _small_save(book: IncrementalFiles, path: Path, step: int) -> str | None:
 
 def test_a_deleted_delta_no_longer_keeps_its_base(tmp_path: Path) -> None:
     # ModelCheckpoint's order (save the new file, then remove the k-th best) with s1 the best for a while.
-    book = IncrementalFiles("test", full_every=3)
+    book = IncrementalFiles("test", nc.ChainPolicy(3))
     p = {s: tmp_path / f"s{s}.ckpt" for s in range(1, 7)}
     names = lambda: sorted(f.name for f in tmp_path.glob("*.ckpt"))  # noqa: E731
     for s in (1, 2, 3):
@@ -277,7 +277,7 @@ def test_a_deleted_delta_no_longer_keeps_its_base(tmp_path: Path) -> None:
 
 
 def test_a_deleted_file_is_never_the_base_of_the_next_save(tmp_path: Path) -> None:
-    book = IncrementalFiles("test", full_every=5)
+    book = IncrementalFiles("test", nc.ChainPolicy(5))
     a, b, c = (tmp_path / f"{x}.ckpt" for x in "abc")
     _small_save(book, a, 1)
     _small_save(book, b, 2)
@@ -302,7 +302,7 @@ def test_a_removal_deferred_by_the_tier_copies_stays_listed_until_it_runs(tmp_pa
     folder = tmp_path / "ckpts"
     folder.mkdir()
     tiers = TierCopies([Tier(tmp_path / "shared")], "test", on_copy_progress=hold)
-    book = IncrementalFiles("test", full_every=1)
+    book = IncrementalFiles("test", nc.ChainPolicy(1))
     a, b, c = folder / "a.ckpt", folder / "b.ckpt", folder / "c.ckpt"
     _small_save(book, a, 1)
     tiers.adopt(1, a)
@@ -313,7 +313,7 @@ def test_a_removal_deferred_by_the_tier_copies_stays_listed_until_it_runs(tmp_pa
     assert a.exists()
     assert json.loads((folder / DEFERRED_NAME).read_text()) == ["a.ckpt"]
     # The process dies here: the next one finds a listed and deletes it at its first removal.
-    fresh = IncrementalFiles("test", full_every=1)
+    fresh = IncrementalFiles("test", nc.ChainPolicy(1))
     _small_save(fresh, c, 2)
     assert sorted(Path(q).name for q in fresh.remove(c, os.remove)) == ["a.ckpt", "c.ckpt"]
     assert not a.exists() and not (folder / DEFERRED_NAME).exists()

@@ -15,6 +15,7 @@ import torch
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointWriteError
 from nvcomp_checkpoint.savegroup import SaveSequence
+from nvcomp_checkpoint.saveoptions import SaveOptions
 
 
 class Slow:
@@ -78,8 +79,8 @@ def test_a_group_completes_once_when_every_file_is_durable(tmp_path: Path) -> No
     commits: list[tuple[dict[str, Any], bool]] = []
     seq = SaveSequence("test", on_saved=seen.append)
     group = seq.begin(tmp_path / "unit", commit=lambda reports: commits.append((reports, (tmp_path / "b.nvc").exists())))
-    seq.save(group, "a", _tree(1), tmp_path / "a.nvc", stream_wrapper=Slow(0.2))
-    seq.save(group, "b", _tree(2), tmp_path / "b.nvc")
+    seq.save(group, "a", _tree(1), tmp_path / "a.nvc", SaveOptions.of(tmp_path / "a.nvc", "save", stream_wrapper=Slow(0.2)))
+    seq.save(group, "b", _tree(2), tmp_path / "b.nvc", SaveOptions.of(tmp_path / "b.nvc", "save"))
     seq.seal(group)
     report = seq.result(group)
     assert len(commits) == 1 and sorted(commits[0][0]) == ["a", "b"] and commits[0][1]
@@ -96,8 +97,8 @@ def test_a_failed_file_fails_the_group_and_its_error_is_raised_once(tmp_path: Pa
     commits: list[Any] = []
     seq = SaveSequence("test", on_saved=seen.append)
     group = seq.begin(tmp_path / "unit", commit=commits.append, failed=cleaned.append)
-    seq.save(group, "a", _tree(1), tmp_path / "a.nvc")
-    seq.save(group, "b", _tree(2), tmp_path / "b.nvc", stream_wrapper=Full())
+    seq.save(group, "a", _tree(1), tmp_path / "a.nvc", SaveOptions.of(tmp_path / "a.nvc", "save"))
+    seq.save(group, "b", _tree(2), tmp_path / "b.nvc", SaveOptions.of(tmp_path / "b.nvc", "save", stream_wrapper=Full()))
     seq.seal(group)
     seq.wait()
     assert commits == [] and seen == [] and len(cleaned) == 1
@@ -115,7 +116,9 @@ def test_actions_wait_for_durability_and_are_skipped_after_a_failure(tmp_path: P
     ran: list[bool] = []
     gate = threading.Event()
     group = seq.begin(tmp_path / "new.nvc")
-    seq.save(group, "new", _tree(1), tmp_path / "new.nvc", stream_wrapper=Held(gate))
+    seq.save(
+        group, "new", _tree(1), tmp_path / "new.nvc", SaveOptions.of(tmp_path / "new.nvc", "save", stream_wrapper=Held(gate))
+    )
     seq.seal(group)
     assert seq.after_pending(lambda: ran.append((tmp_path / "new.nvc").exists()), str(old))
     assert ran == []  # queued behind the pending save
@@ -124,7 +127,7 @@ def test_actions_wait_for_durability_and_are_skipped_after_a_failure(tmp_path: P
     assert ran == [True]
     # A removal queued behind a save that fails is skipped, and said so with the failure.
     group = seq.begin(tmp_path / "bad.nvc")
-    seq.save(group, "bad", _tree(2), tmp_path / "bad.nvc", stream_wrapper=Full())
+    seq.save(group, "bad", _tree(2), tmp_path / "bad.nvc", SaveOptions.of(tmp_path / "bad.nvc", "save", stream_wrapper=Full()))
     seq.seal(group)
     seq.after_pending(lambda: ran.append(False), str(old))
     seq.wait()
@@ -147,7 +150,7 @@ def test_an_on_saved_callback_cannot_wait_for_itself(tmp_path: Path) -> None:
 
     seq = SaveSequence("test", on_saved=on_saved)
     group = seq.begin(tmp_path / "a.nvc")
-    seq.save(group, "a", _tree(1), tmp_path / "a.nvc")
+    seq.save(group, "a", _tree(1), tmp_path / "a.nvc", SaveOptions.of(tmp_path / "a.nvc", "save"))
     seq.seal(group)
     seq.wait()
     assert len(caught) == 1 and "on_saved" in str(caught[0]) and "wait for itself" in str(caught[0])
@@ -168,7 +171,7 @@ def test_max_pending_bounds_the_groups_in_flight(tmp_path: Path) -> None:
     seq = SaveSequence("test", max_pending=1)
     gate = threading.Event()
     first = seq.begin(tmp_path / "a.nvc")
-    seq.save(first, "a", _tree(1), tmp_path / "a.nvc", stream_wrapper=Held(gate))
+    seq.save(first, "a", _tree(1), tmp_path / "a.nvc", SaveOptions.of(tmp_path / "a.nvc", "save", stream_wrapper=Held(gate)))
     seq.seal(first)
     began: list[bool] = []
     second = threading.Thread(target=lambda: began.append((seq.begin(tmp_path / "b.nvc"), first.done())[1]))
@@ -198,7 +201,7 @@ def test_an_abandoned_group_commits_nothing_and_runs_nothing_queued_behind_it(tm
     ran: list[int] = []
     gate = threading.Event()
     group = seq.begin(tmp_path / "unit", commit=commits.append)
-    seq.save(group, "a", _tree(1), tmp_path / "a.nvc", stream_wrapper=Held(gate))
+    seq.save(group, "a", _tree(1), tmp_path / "a.nvc", SaveOptions.of(tmp_path / "a.nvc", "save", stream_wrapper=Held(gate)))
     assert seq.after_pending(lambda: ran.append(1), "old.nvc")
     gate.set()
     seq.abandon(group)  # the caller failed: waits for the file handed over, then gives up

@@ -31,6 +31,7 @@ from .pending import wait_for_path
 from .policy import CodecPolicy
 from .reader import CheckpointReader, MapLocation
 from .report import SaveReport
+from .saveoptions import SaveOptions
 from .storage import open_checkpoint_stream, storage_for, write_errors
 from .writer import CheckpointWriter, TreePlan
 
@@ -43,6 +44,7 @@ __all__ = [
     "VerifyResult",
     "VerifyProblem",
     "write_checkpoint",
+    "save_with_options",
     "log_report",
 ]
 
@@ -94,12 +96,25 @@ def save(
     Returns:
         A :class:`SaveReport` with raw and stored bytes, time and a per-component table.
     """
-    wait_for_path(path)
-    if base_state is not None and base is None:
-        raise ValueError("base_state is the state saved to `base`; pass base= too")
-    report = write_checkpoint(
-        obj, path, policy, metadata, storage_options, workers, progress, stream_wrapper, base=base, base_state=base_state
+    options = SaveOptions.of(
+        path,
+        "save",
+        policy=policy,
+        metadata=metadata,
+        storage_options=storage_options,
+        workers=workers,
+        progress=progress,
+        stream_wrapper=stream_wrapper,
+        base=base,
+        base_state=base_state,
     )
+    return save_with_options(obj, path, options)
+
+
+def save_with_options(obj: Any, path: str | os.PathLike[str], options: SaveOptions) -> SaveReport:
+    """:func:`save` with its options already built (:meth:`SaveOptions.of`): what entry points below the public API call."""
+    wait_for_path(path)
+    report = write_checkpoint(obj, path, options=options)
     log_report(report)
     return report
 
@@ -107,49 +122,52 @@ def save(
 def write_checkpoint(
     obj: Any,
     path: str | os.PathLike[str],
-    policy: CodecPolicy | Mapping[str, Any] | str | None,
-    metadata: dict[str, Any] | None,
-    storage_options: dict[str, Any] | None,
-    workers: int | None,
-    progress: Callable[[int], None] | None,
-    stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None,
+    *,
+    options: SaveOptions,
     pre_encoded: dict[int, Any] | None = None,
-    base: str | os.PathLike[str] | None = None,
-    base_state: Any = None,
     plan: TreePlan | None = None,
 ) -> SaveReport:
     """:func:`save` without waiting for async saves or logging (the async saver's worker runs this).
 
-    ``plan``: ``obj`` already flattened and planned (an async snapshot's), not done again.
+    Args:
+        options: Everything the caller asked of this save, built once by :meth:`SaveOptions.of`.
+        pre_encoded: Frames an async snapshot compressed on the GPU already, by tensor number.
+        plan: ``obj`` already flattened and planned (an async snapshot's), not done again.
     """
-    policy = CodecPolicy.of(policy, "save(policy=...)")
     where = os.fspath(path)
-    storage, spath = storage_for(path, storage_options)
+    storage, spath = storage_for(path, options.storage_options)
     start = time.perf_counter()
     # Temporary files of saves killed in this directory (where their writers can be told dead).
     storage.remove_stale_temp_files(os.path.dirname(spath))
+    base = options.base
     if base is not None:
         wait_for_path(base)
     source = (
-        BaseSource.open(base, where, CheckpointReader, base_state=base_state, storage_options=storage_options)
+        BaseSource.open(base, where, CheckpointReader, base_state=options.base_state, storage_options=options.storage_options)
         if base is not None
         else None
     )
     try:
         with write_errors(where):
             with storage.open_write(spath) as stream:
-                if stream_wrapper is not None:
-                    stream = stream_wrapper(stream)
+                if options.stream_wrapper is not None:
+                    stream = options.stream_wrapper(stream)
                 writer = CheckpointWriter(
-                    stream, policy, where, workers=workers, progress=progress, pre_encoded=pre_encoded, base=source
+                    stream,
+                    options.policy,
+                    where,
+                    workers=options.workers,
+                    progress=options.progress,
+                    pre_encoded=pre_encoded,
+                    base=source,
                 )
-                _, stats, raw = writer.write(obj, metadata, plan=plan)
+                _, stats, raw = writer.write(obj, options.metadata, plan=plan)
                 stored = writer.bytes_written
     finally:
         if source is not None:
             source.close()
     seconds = time.perf_counter() - start
-    return SaveReport(where, raw, stored, seconds, stats, seconds, base=None if base is None else os.fspath(base))
+    return SaveReport(where, raw, stored, seconds, stats, seconds, base=base)
 
 
 def log_report(report: SaveReport, what: str = "saved") -> None:
@@ -275,7 +293,9 @@ def _load_plain(where: str, storage: Any, spath: str, map_location: MapLocation,
             if map_location is None and not torch.cuda.is_available():
                 # As for our own files: a checkpoint saved on a GPU still loads where there is none.
                 map_location = "cpu"
-            return torch.load(f, map_location=map_location, weights_only=weights_only)
+            # torch.load takes a dict, not any Mapping.
+            location = dict(map_location) if isinstance(map_location, Mapping) else map_location
+            return torch.load(f, map_location=location, weights_only=weights_only)
     except pickle.UnpicklingError as exc:
         text = str(exc)
         # torch's weights-only unpickler also says "Weights only load failed" for bytes that

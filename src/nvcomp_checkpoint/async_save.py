@@ -23,8 +23,9 @@ from .failures import FailureLog
 from .pending import has_pending_save, path_key, wait_for_path, wait_for_saves
 from .policy import CodecPolicy
 from .report import SaveReport
+from .saveoptions import SaveOptions
 from .snapshot import Snapshot, SnapshotBuffers
-from .writer import PinnedRing, TreePlan, checked_metadata, plan_tensors, planned_copy, pre_encode_on_gpu
+from .writer import PinnedRing, TreePlan, plan_tensors, planned_copy, pre_encode_on_gpu
 
 __all__ = [
     "AsyncSaveHandle",
@@ -203,6 +204,7 @@ class AsyncSaver:
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        SaveOptions(workers=workers)  # checks workers now, not at the first save
         self.max_pending = max_pending
         self.workers = workers
         self.report_errors = report_errors
@@ -211,7 +213,7 @@ class AsyncSaver:
             gpu_budget_bytes=gpu_budget_bytes, pinned_bytes=pinned_bytes, reuse=reuse_buffers, max_pooled=max_pending
         )
         self._slots = threading.Semaphore(max_pending)
-        self._queue: queue.Queue[tuple[AsyncSaveHandle, Snapshot, dict[str, Any]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[AsyncSaveHandle, Snapshot, SaveOptions] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -254,27 +256,35 @@ class AsyncSaver:
                 nothing is written).
         """
         started = time.perf_counter()
+        options = SaveOptions.of(
+            path,
+            "save_async",
+            policy=policy,
+            metadata=metadata,
+            storage_options=storage_options,
+            workers=workers,
+            progress=progress,
+            stream_wrapper=stream_wrapper,
+            base=base,
+        )
+        return self.submit(obj, path, options, started=started)
+
+    def submit(
+        self, obj: Any, path: str | os.PathLike[str], options: SaveOptions, *, started: float | None = None
+    ) -> AsyncSaveHandle:
+        """:meth:`save` with its options already built (:meth:`SaveOptions.of`); ``started``: when the caller's save began.
+
+        ``options.workers`` ``None`` is this saver's ``workers``.
+        """
+        started = time.perf_counter() if started is None else started
         where = os.fspath(path)
-        policy = CodecPolicy.of(policy, "save_async(policy=...)")
-        # Checked and copied now: the caller may change its dict while the save runs.
-        metadata = checked_metadata(metadata, where)
+        if options.workers is None and self.workers is not None:
+            options = replace(options, workers=self.workers)
+        policy = options.policy
         if _EXITING:
             # The exit flush has run (and closed every saver): a background thread would be
             # killed with the interpreter, so the save is made here and now.
-            return self._save_now(
-                obj,
-                where,
-                started,
-                dict(
-                    policy=policy,
-                    metadata=metadata,
-                    storage_options=storage_options,
-                    workers=workers if workers is not None else self.workers,
-                    progress=progress,
-                    stream_wrapper=stream_wrapper,
-                    base=base,
-                ),
-            )
+            return self._save_now(obj, where, started, options)
         if self._closed:
             raise CheckpointError(f"{where}: this AsyncSaver is closed; create a new one to save")
         # Saves to this file by other savers land first, so the newest save wins, as it does
@@ -301,15 +311,6 @@ class AsyncSaver:
             raise
         handle = AsyncSaveHandle(self, where, started)
         handle.snapshot_host_bytes, handle.snapshot_gpu_bytes = snapshot.host_bytes, snapshot.gpu_bytes
-        kwargs = dict(
-            policy=policy,
-            metadata=metadata,
-            storage_options=storage_options,
-            workers=workers if workers is not None else self.workers,
-            progress=progress,
-            stream_wrapper=stream_wrapper,
-            base=None if base is None else os.fspath(base),
-        )
         with self._lock:
             if self._closed:
                 snapshot.release()
@@ -318,7 +319,7 @@ class AsyncSaver:
             self._live.append(handle)
             pending.register(handle)
             self._ensure_worker()
-            self._queue.put((handle, snapshot, kwargs))
+            self._queue.put((handle, snapshot, options))
         try:
             snapshot.wait_copied()  # the caller may change its tensors once this returns
         except BaseException:
@@ -335,9 +336,9 @@ class AsyncSaver:
         _LOG.debug("%s: async snapshot of %d bytes in %.3f s", where, snapshot.raw_bytes, snapshot.seconds)
         return handle
 
-    def _save_now(self, obj: Any, where: str, started: float, kwargs: dict[str, Any]) -> AsyncSaveHandle:
+    def _save_now(self, obj: Any, where: str, started: float, options: SaveOptions) -> AsyncSaveHandle:
         """A save made in the caller's thread, returned as a finished handle; errors are raised."""
-        report = write_checkpoint(obj, where, **kwargs)
+        report = write_checkpoint(obj, where, options=options)
         handle = AsyncSaveHandle(self, where, started)
         handle._report = replace(report, seconds=time.perf_counter() - started, seconds_blocked=time.perf_counter() - started)
         log_report(handle._report, "saved (synchronously: the interpreter is exiting)")
@@ -371,16 +372,16 @@ class AsyncSaver:
             item = self._queue.get()
             if item is None:
                 return
-            handle, snapshot, kwargs = item
+            handle, snapshot, options = item
             report: SaveReport | None = None
             error: BaseException | None = None
             try:
                 plan = TreePlan(
                     snapshot.skeleton,
-                    tuple(planned_copy(p, t, kwargs["policy"], handle.path) for p, t in zip(snapshot.checked, snapshot.tensors)),
+                    tuple(planned_copy(p, t, options.policy, handle.path) for p, t in zip(snapshot.checked, snapshot.tensors)),
                     snapshot.wait_copied,
                 )
-                report = write_checkpoint(None, handle.path, **kwargs, pre_encoded=snapshot.pre_encoded, plan=plan)
+                report = write_checkpoint(None, handle.path, options=options, pre_encoded=snapshot.pre_encoded, plan=plan)
                 handle._returned.wait()
                 report = replace(report, seconds=time.perf_counter() - handle._started, seconds_blocked=handle._blocked)
             except BaseException as exc:  # noqa: BLE001 - a waiter must never hang on a dead save

@@ -13,7 +13,7 @@ import os
 import posixpath
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ __all__ = [
     "BaseChain",
     "BaseSource",
     "ChainPolicy",
+    "chain_policy_of",
     "base_path_of",
     "chain_of",
     "relative_base_path",
@@ -160,7 +161,7 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 def bytes_xxh3(flat: torch.Tensor) -> int:
     """XXH3-64 of a 1-D uint8 tensor's bytes (a GPU tensor is copied to the host first)."""
     host = flat if flat.device.type == "cpu" else flat.cpu()
-    return xxhash.xxh3_64_intdigest(host.numpy()) if host.numel() else xxhash.xxh3_64_intdigest(b"")
+    return xxhash.xxh3_64_intdigest(host.numpy().data) if host.numel() else xxhash.xxh3_64_intdigest(b"")
 
 
 # -- choosing frames ----------------------------------------------------------------------------
@@ -220,9 +221,9 @@ def encode_cpu_chunk_against(data: np.ndarray, base: np.ndarray, item: Any) -> l
         candidates = [(op, pieces[i]) for op, pieces in split]
         if sample and len(plain) > 2 * sample:
             # Ties keep the earlier form, as pick_frames does.
-            estimates = [min(len(codec.encode(piece[:sample])), sample) for _, piece in candidates]
+            estimates = [min(len(codec.encode(piece[:sample].data)), sample) for _, piece in candidates]
             candidates = [candidates[estimates.index(min(estimates))]]
-        ((frame, op),) = pick_frames([(op, [piece], [codec.encode(piece)]) for op, piece in candidates], len)
+        ((frame, op),) = pick_frames([(op, [piece], [codec.encode(piece.data)]) for op, piece in candidates], len)
         out.append((frame, len(plain), xxhash.xxh3_64_intdigest(frame), op))
     return out
 
@@ -615,20 +616,62 @@ class ChainPolicy:
         return saved[n - n % period]
 
 
-def retained(keep: Iterable[str], base_of: Callable[[str], str | None]) -> list[str]:
+def chain_policy_of(
+    incremental: bool | ChainPolicy, full_every: int | None, delta_base: str | None, where: str
+) -> ChainPolicy | None:
+    """The one conversion of every ``incremental=`` argument (the manager, every integration): ``None`` without it.
+
+    Args:
+        incremental: ``False``, ``True`` (with ``full_every`` and ``delta_base``) or a :class:`ChainPolicy`.
+        full_every: With ``incremental=True``: a full save every ``full_every`` saves (``None``: 10).
+        delta_base: With ``incremental=True``: ``"previous"`` or ``"full"`` (``None``: ``"previous"``).
+        where: The constructor, named by errors (``"NvcompCheckpointIO"``).
+
+    Raises:
+        TypeError: ``incremental`` is neither a bool nor a :class:`ChainPolicy`.
+        ValueError: A :class:`ChainPolicy` together with ``full_every`` or ``delta_base`` (two answers
+            to one question), or an invalid ``full_every`` / ``delta_base``.
+    """
+    if isinstance(incremental, ChainPolicy):
+        given = [name for name, value in (("full_every", full_every), ("delta_base", delta_base)) if value is not None]
+        if given:
+            keywords = ", ".join(f"{name}=..." for name in given)
+            raise ValueError(
+                f"{where}(incremental=ChainPolicy(...), {keywords}): both say how the chain runs; give them in the "
+                f"ChainPolicy only: incremental=ChainPolicy(full_every={incremental.full_every}, base={incremental.base!r})"
+            )
+        return incremental
+    if not isinstance(incremental, bool):
+        raise TypeError(
+            f"{where}(incremental=...) takes True, False or a ChainPolicy(full_every=..., base=...), "
+            f"got {type(incremental).__name__}"
+        )
+    if not incremental:
+        return None
+    try:
+        return ChainPolicy(10 if full_every is None else full_every, "previous" if delta_base is None else delta_base)
+    except ValueError as exc:
+        name = "delta_base" if delta_base is not None and delta_base not in ("previous", "full") else "full_every"
+        raise ValueError(f"{where}(incremental=True, {name}=...): {exc}") from None
+
+
+_Unit = TypeVar("_Unit", bound=Hashable)
+
+
+def retained(keep: Iterable[_Unit], base_of: Callable[[_Unit], _Unit | None]) -> list[_Unit]:
     """``keep`` and every base a kept checkpoint needs, transitively (a chain goes as a whole).
 
     Args:
-        keep: The checkpoints a retention rule keeps.
+        keep: The checkpoints a retention rule keeps (paths, or the steps of a tier's units).
         base_of: The base of a checkpoint, or None (e.g. ``lambda p: base_path_of(p, nc.open)``).
 
     Returns:
         The checkpoints not to delete, in the order first met.
     """
-    out: list[str] = []
-    seen: set[str] = set()
+    out: list[_Unit] = []
+    seen: set[_Unit] = set()
     for path in keep:
-        current: str | None = path
+        current: _Unit | None = path
         while current is not None and current not in seen:
             seen.add(current)
             out.append(current)

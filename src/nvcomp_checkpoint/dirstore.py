@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -457,7 +458,7 @@ def rotate(
         return
     _LOG.warning("Deleting %d checkpoints beyond total_limit=%d.", excess, limit)
     for old in [d for d in ordered if d != keep][:excess]:
-        (when or _now)(old, lambda old=old: _delete_checkpoint(old, trash))
+        (when or _now)(old, functools.partial(_delete_checkpoint, old, trash))
 
 
 def _now(path: Path, delete: Callable[[], None]) -> None:

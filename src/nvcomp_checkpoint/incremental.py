@@ -55,8 +55,8 @@ class IncrementalFiles:
 
     Args:
         owner: Names the integration in messages.
-        full_every: A full file every ``full_every`` saves of a slot (None: 10).
-        base: ``"previous"`` or ``"full"``, as for :class:`~nvcomp_checkpoint.ChainPolicy`.
+        policy: When a save of a slot is full, and its base otherwise (default: ``ChainPolicy()``, a full
+            file every 10 saves); an integration's keywords become one by :func:`~nvcomp_checkpoint.delta.chain_policy_of`.
         can_be_base: False for paths the framework rewrites in place (Lightning's ``last.ckpt``):
             a file others depend on must not change.
         storage_options: fsspec options for URLs.
@@ -65,16 +65,14 @@ class IncrementalFiles:
     def __init__(
         self,
         owner: str,
-        full_every: int | None = None,
-        base: str = "previous",
+        policy: ChainPolicy | None = None,
         *,
         can_be_base: Callable[[str], bool] | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
-        try:
-            self.policy = ChainPolicy(10 if full_every is None else full_every, base)
-        except ValueError as exc:
-            raise ValueError(f"{owner}(incremental=True, full_every=...): {exc}") from None
+        if policy is not None and not isinstance(policy, ChainPolicy):
+            raise TypeError(f"{owner}: IncrementalFiles takes a ChainPolicy, got {type(policy).__name__}")
+        self.policy = ChainPolicy() if policy is None else policy
         self.owner = owner
         self.can_be_base = can_be_base or _any_file
         self.storage_options = storage_options

@@ -130,7 +130,7 @@ class CodecSpec:
         level: Compression level for codecs that have one.
         filter: ``"byteplane"`` (bytes of equal significance grouped) or ``"none"``.
         chunk_bytes: Raw bytes per chunk; chunks compress in parallel and stream to storage.
-            None (the default): the codec's default from the facts table (codecs/registry.py),
+            0 or None (the default): the codec's default from the facts table (codecs/registry.py),
             4 MiB for all but ``gdeflate``, whose nvCOMP chunks are 64 KiB at most.
         adaptive: ``zstd`` on the CPU only: each frame (byte plane) of 256 KiB or more is
             compressed with whichever of level 1's parameters and ``level``'s compresses a
@@ -143,7 +143,7 @@ class CodecSpec:
     codec: str = "zstd"
     level: int | None = 1
     filter: str = "byteplane"
-    chunk_bytes: int | None = None  # an int once the spec is built
+    chunk_bytes: int = 0  # 0 (or None): the codec's default, set when the spec is built
     adaptive: bool = False
 
     def __post_init__(self) -> None:
@@ -152,7 +152,7 @@ class CodecSpec:
         if self.filter not in FILTER_IDS:
             raise ValueError(f"unknown filter {self.filter!r}; choose one of {', '.join(FILTER_IDS)}")
         facts = codec_facts(self.codec)
-        if self.chunk_bytes is None:
+        if self.chunk_bytes is None or (self.chunk_bytes == 0 and not isinstance(self.chunk_bytes, bool)):
             object.__setattr__(self, "chunk_bytes", facts.default_chunk_bytes)
         if not isinstance(self.chunk_bytes, int) or isinstance(self.chunk_bytes, bool):
             raise ValueError(f"chunk_bytes must be an int (bytes), got {type(self.chunk_bytes).__name__} {self.chunk_bytes!r}")
@@ -301,8 +301,10 @@ class CodecPolicy:
     exp_avg_sq: CodecSpec = _DEFAULT
     gradients: CodecSpec = _DEFAULT
     other: CodecSpec = _DEFAULT
-    patterns: Mapping[str, Component | str] = field(default_factory=dict)
-    overrides: Mapping[str, CodecSpec | Mapping[str, Any] | str] = field(default_factory=dict)
+    # Typed as __post_init__ leaves them; like the component fields, they accept the other forms too
+    # (a component's name, a spec's dict or shorthand), converted there.
+    patterns: Mapping[str, Component] = field(default_factory=dict)
+    overrides: Mapping[str, CodecSpec] = field(default_factory=dict)
     min_compress_bytes: int = 2048
     device: str = "auto"
 
@@ -332,8 +334,9 @@ class CodecPolicy:
     @classmethod
     def uniform(cls, spec: CodecSpec | Mapping[str, Any] | str, **kwargs: Any) -> "CodecPolicy":
         """The same spec for every component (a spec, its dict, or a shorthand such as ``"zstd:3"``)."""
-        spec = _spec_field("policy", spec)
-        return cls(**{c.value: spec for c in Component}, **kwargs)
+        one = _spec_field("policy", spec)
+        specs: dict[str, Any] = {c.value: one for c in Component}
+        return cls(**specs, **kwargs)
 
     @classmethod
     def max_ratio(cls, level: int = MAX_RATIO_LEVEL, **kwargs: Any) -> "CodecPolicy":
@@ -348,7 +351,8 @@ class CodecPolicy:
         Files load anywhere, like the default's.
         """
         spec = CodecSpec(codec="zstd", level=level, filter="byteplane", adaptive=True)
-        return cls(**{c.value: spec for c in Component}, **kwargs)
+        specs: dict[str, Any] = {c.value: spec for c in Component}
+        return cls(**specs, **kwargs)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CodecPolicy":

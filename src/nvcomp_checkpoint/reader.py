@@ -534,8 +534,8 @@ class CheckpointReader:
             todo = [i for i, f in enumerate(frames) if not f.is_raw]
             if todo and codec is not None:
                 # The host bytes let zstd frames be checked before nvCOMP sees them (no copy back).
-                host = [view[frames[i].offset - base : frames[i].offset - base + frames[i].size] for i in todo]
-                results = codec.decode_batch([pieces[i] for i in todo], [frames[i].raw_size for i in todo], host_frames=host)
+                on_host = [view[frames[i].offset - base : frames[i].offset - base + frames[i].size] for i in todo]
+                results = codec.decode_batch([pieces[i] for i in todo], [frames[i].raw_size for i in todo], host_frames=on_host)
                 for i, r in zip(todo, results):
                     pieces[i] = r
             for k, (start, length, _) in enumerate(group):

@@ -21,6 +21,7 @@ from .async_save import AsyncSaveHandle, AsyncSaver, run_callback
 from .errors import CheckpointWriteError
 from .failures import FailureLog
 from .report import SaveReport, merge_reports
+from .saveoptions import SaveOptions
 
 __all__ = ["SaveGroup", "SaveSequence", "SavedCallback"]
 
@@ -163,14 +164,12 @@ class SaveSequence:
             self._groups.append(group)
         return group
 
-    def save(
-        self, group: SaveGroup, name: str, obj: Any, path: str | os.PathLike[str], policy: Any = None, **kwargs: Any
-    ) -> AsyncSaveHandle:
+    def save(self, group: SaveGroup, name: str, obj: Any, path: str | os.PathLike[str], options: SaveOptions) -> AsyncSaveHandle:
         """Snapshot ``obj`` and write it to ``path`` in the background as part ``name`` of ``group``.
 
-        Arguments are :meth:`AsyncSaver.save`'s.
+        ``options``: the save's (``options.workers`` ``None`` is the sequence's ``workers``).
         """
-        handle = self._async_saver().save(obj, path, policy, workers=kwargs.pop("workers", self.workers), **kwargs)
+        handle = self._async_saver().submit(obj, path, options)
         group._add_part()
 
         def done(h: AsyncSaveHandle) -> None:

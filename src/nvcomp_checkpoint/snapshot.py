@@ -613,10 +613,10 @@ def _copy_plain(skeleton: Any) -> Any:
                 node[key] = walk(value)
             return node
         if isinstance(node, tuple):
-            items = [walk(v) for v in node]
+            walked = [walk(v) for v in node]
             if hasattr(node, "_fields"):  # namedtuple
-                return type(node)(*items)
-            return type(node)(items) if type(node) is not tuple else tuple(items)
+                return type(node)(*walked)
+            return type(node)(walked) if type(node) is not tuple else tuple(walked)
         return leaf(node)
 
     return walk(skeleton)

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import IO, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -222,13 +223,12 @@ def _encode_cpu_chunk(data: np.ndarray, item: PlannedTensor) -> _Encoded:
     codec = cpu_codec(item.spec.codec, item.spec.level, item.spec.adaptive)
     out: _Encoded = []
     for part in parts:
-        if item.spec.codec == "none":
-            out.append((part, len(part), xxhash.xxh3_64_intdigest(part), ""))
-            continue
-        frame = codec.encode(part)
-        # A frame that does not shrink is stored raw: smaller, and faster to read.
-        stored = frame if len(frame) < len(part) else part
-        out.append((stored, len(part), xxhash.xxh3_64_intdigest(stored), ""))
+        # ``part.data``: the array's bytes as a memoryview (a 1-D uint8 array), what codecs and xxhash take.
+        frame = codec.encode(part.data) if item.spec.codec != "none" else None
+        if frame is not None and len(frame) < len(part):
+            out.append((frame, len(part), xxhash.xxh3_64_intdigest(frame), ""))
+        else:  # no codec, or a frame that does not shrink: stored raw (smaller, and faster to read)
+            out.append((part, len(part), xxhash.xxh3_64_intdigest(part.data), ""))
     return out
 
 
@@ -313,7 +313,7 @@ def _gpu_frames_to_host(batch: GpuFrames, device: torch.device, ring: PinnedRing
     pos = 0
     for f, raw_size, op in zip(frames, raw_sizes, ops):
         frame = host[pos : pos + f.numel()]
-        out.append((frame, raw_size, xxhash.xxh3_64_intdigest(frame), op))
+        out.append((frame, raw_size, xxhash.xxh3_64_intdigest(frame.data), op))
         pos += f.numel()
     return out
 
@@ -324,6 +324,18 @@ def _encode_gpu_chunks(
     ring.acquire(seq)
     assert item.device is not None
     return _gpu_frames_to_host(encode_gpu_batch(flat, starts, item, base), item.device, ring, seq)
+
+
+def _to_host(flat: torch.Tensor, start: int, end: int) -> np.ndarray:
+    """Bytes ``start:end`` of a device tensor's flat bytes, copied to the host."""
+    return flat[start:end].cpu().numpy()
+
+
+def _cpu_job(chunk: np.ndarray | Callable[[], np.ndarray], item: PlannedTensor, base: np.ndarray | None) -> _Encoded:
+    """One chunk compressed on the CPU, against ``base`` (the base's same bytes) where given; a callable
+    ``chunk`` copies a device tensor's bytes to the host first (in the job, one chunk at a time)."""
+    data = chunk() if callable(chunk) else chunk
+    return _encode_cpu_chunk(data, item) if base is None else encode_cpu_chunk_against(data, base, item)
 
 
 def _pre_encoded_to_host(batch: GpuFrames, item: PlannedTensor, ring: PinnedRing, seq: int) -> _Encoded:
@@ -493,7 +505,7 @@ class CheckpointWriter:
         self._wait_for: Callable[[int], None] | None = None
 
     def _write(self, data: bytes | memoryview | np.ndarray) -> int:
-        self.stream.write(data)
+        self.stream.write(data.data if isinstance(data, np.ndarray) else data)
         n = len(data) if not isinstance(data, np.ndarray) else data.nbytes
         self._pos += n
         return n
@@ -539,7 +551,7 @@ class CheckpointWriter:
             )
         version = self._version(planned)
         self._write(GUARD)  # a stock torch.load stops here, naming our loader (format/guard.py)
-        self._write({DELTA_FORMAT_VERSION: DELTA_MAGIC, SUB_FORMAT_VERSION: SUB_MAGIC}.get(version, MAGIC))
+        self._write(MAGIC if version is None else {DELTA_FORMAT_VERSION: DELTA_MAGIC, SUB_FORMAT_VERSION: SUB_MAGIC}[version])
         skel_frame = self._write_skeleton(skeleton_bytes)
         frames_of: list[list[Frame]] = [[] for _ in planned]
         self._ring = PinnedRing()
@@ -648,7 +660,7 @@ class CheckpointWriter:
         index_offset = self._pos
         self._write(index_bytes)
         self._write(pack_footer(index_offset, len(index_bytes), xxhash.xxh3_64_intdigest(index_bytes)))
-        ordered = {c.value: stats[c.value] for c in Component if c.value in stats}
+        ordered: dict[str, ComponentStats] = {c.value: stats[c.value] for c in Component if c.value in stats}
         return index, ordered, raw_total
 
     def _write_skeleton(self, data: bytes) -> Frame:
@@ -700,7 +712,7 @@ class CheckpointWriter:
                 # host and the write are left.
                 for batch in pre:
                     seq = self._ring.ticket()
-                    yield idx, sum(batch[1]), True, (lambda b=batch, it=item, q=seq: _pre_encoded_to_host(b, it, self._ring, q))
+                    yield idx, sum(batch[1]), True, partial(_pre_encoded_to_host, batch, item, self._ring, seq)
                 continue
             flat = flat_bytes(item.tensor)
             base = None
@@ -711,46 +723,14 @@ class CheckpointWriter:
                 for group in gpu_batches(item):
                     nbytes = min(group[-1] + item.chunk_bytes, item.nbytes) - group[0]
                     seq = self._ring.ticket()
-                    yield (
-                        idx,
-                        nbytes,
-                        True,
-                        (lambda f=flat, g=group, it=item, q=seq, b=base: _encode_gpu_chunks(f, g, it, self._ring, q, b)),
-                    )
+                    yield idx, nbytes, True, partial(_encode_gpu_chunks, flat, group, item, self._ring, seq, base)
                 continue
             on_cpu = flat.device.type == "cpu"
             host = flat.numpy() if on_cpu else None
             base_host = base.numpy() if base is not None else None
             for start in range(0, item.nbytes, item.chunk_bytes):
                 end = min(start + item.chunk_bytes, item.nbytes)
-                if base_host is not None:
-                    ref = base_host[start:end]
-                    if host is not None:
-                        yield (
-                            idx,
-                            end - start,
-                            False,
-                            (lambda c=host[start:end], r=ref, it=item: encode_cpu_chunk_against(c, r, it)),
-                        )
-                    else:
-                        yield (
-                            idx,
-                            end - start,
-                            False,
-                            (
-                                lambda f=flat, s=start, e=end, r=ref, it=item: encode_cpu_chunk_against(
-                                    f[s:e].cpu().numpy(), r, it
-                                )
-                            ),
-                        )
-                elif host is not None:
-                    chunk = host[start:end]
-                    yield idx, end - start, False, (lambda c=chunk, it=item: _encode_cpu_chunk(c, it))
-                else:
-                    # A device tensor compressed on the CPU crosses over one chunk at a time.
-                    yield (
-                        idx,
-                        end - start,
-                        False,
-                        (lambda f=flat, s=start, e=end, it=item: _encode_cpu_chunk(f[s:e].cpu().numpy(), it)),
-                    )
+                # A device tensor compressed on the CPU crosses over one chunk at a time, in the job.
+                chunk = host[start:end] if host is not None else partial(_to_host, flat, start, end)
+                ref = None if base_host is None else base_host[start:end]
+                yield idx, end - start, False, partial(_cpu_job, chunk, item, ref)

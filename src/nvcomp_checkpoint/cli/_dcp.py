@@ -155,7 +155,7 @@ def verify_plain_dcp(path: str, max_bytes: int | None = None) -> list[dict[str, 
     ``torch.load(weights_only=False)``). A flipped bit inside a tensor's elements cannot be seen
     in a plain file. ``max_bytes`` bounds each item read and decoded.
     """
-    from torch.distributed.checkpoint._extension import ExtensionRegistry
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
     files = read_dcp_files(path)
     metadata = files.metadata
@@ -183,7 +183,8 @@ def verify_plain_dcp(path: str, max_bytes: int | None = None) -> list[dict[str, 
                 data: Any = io.BytesIO(f.read(info.length))
                 try:
                     for ext in registry.from_descriptor_list(getattr(info, "transform_descriptors", None) or ()):
-                        data = ext.transform_from(data)
+                        if isinstance(ext, StreamTransformExtension):  # as DCP's FileSystemReader applies them
+                            data = ext.transform_from(data)
                     # A transform (zstd) may expand without bound: no more than max_bytes is taken.
                     raw = data.read() if max_bytes is None else data.read(max_bytes + 1)
                     if max_bytes is not None and len(raw) > max_bytes:

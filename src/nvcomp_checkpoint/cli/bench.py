@@ -150,7 +150,7 @@ def why_none(components: dict[str, Any], rec: dict[str, Any], storage_gbps: floa
 
 
 def _policy_for(choices: dict[str, Any]) -> nc.CodecPolicy:
-    specs = {}
+    specs: dict[str, Any] = {}
     for name, c in choices.items():
         if name in {comp.value for comp in nc.Component}:
             specs[name] = nc.CodecSpec(codec=c["codec"], level=c["level"], filter=c["filter"])

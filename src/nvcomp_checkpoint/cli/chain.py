@@ -57,18 +57,19 @@ def describe_chain(path: str) -> list[dict[str, Any]]:
         while True:
             ref = reader.index.base
             links.append({"path": reader.path, "depth": ref.depth if ref else 0, "file_bytes": reader.file_bytes, "error": None})
-            if reader.chain is None:
+            chain = reader.chain
+            if chain is None:
                 return links
-            if any(os.path.abspath(link["path"]) == os.path.abspath(reader.chain.path) for link in links):
+            if any(os.path.abspath(link["path"]) == os.path.abspath(chain.path) for link in links):
                 # The identity checks refuse such a base anyway; say what it is.
-                error = f"{reader.path}: its chain of bases loops back to {reader.chain.path} (a file met twice); its base records are corrupt or forged"
-                links.append({"path": reader.chain.path, "depth": None, "file_bytes": None, "error": error})
+                error = f"{reader.path}: its chain of bases loops back to {chain.path} (a file met twice); its base records are corrupt or forged"
+                links.append({"path": chain.path, "depth": None, "file_bytes": None, "error": error})
                 return links
             try:
                 # The base's reader, once its identity is checked; closed with the delta's reader.
-                reader = reader.chain.reader()
+                reader = chain.reader()
             except CheckpointError as exc:
-                links.append({"path": reader.chain.path, "depth": None, "file_bytes": None, "error": " ".join(str(exc).split())})
+                links.append({"path": chain.path, "depth": None, "file_bytes": None, "error": " ".join(str(exc).split())})
                 return links
     finally:
         first.close()

@@ -187,7 +187,7 @@ def _public(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _inspect_dir(args: argparse.Namespace) -> dict[str, Any]:
-    files = []
+    files: list[dict[str, Any]] = []
     all_infos: list[TensorInfo] = []
     for rel, kind in dir_files(args.path):
         full = os.path.join(args.path, rel)

@@ -376,7 +376,9 @@ class NvcompGpuCodec:
             )
         except Exception as exc:
             device_error = _device_error(exc, f"creating an nvCOMP {self._algorithm} codec on {self.device}")
-            if isinstance(exc, (TypeError, AttributeError, MemoryError)) or isinstance(device_error, GpuOutOfMemoryError):
+            if device_error is not None and (
+                isinstance(exc, (TypeError, AttributeError, MemoryError)) or isinstance(device_error, GpuOutOfMemoryError)
+            ):
                 raise device_error from exc  # a binding mismatch or no memory: not a missing install
             # On a machine whose driver is older than the wheel's CUDA, this is where it shows:
             # "CUDA driver version is insufficient for CUDA runtime version" (docs/facts.md, nvCOMP).
@@ -498,7 +500,7 @@ class NvcompGpuCodec:
         """Host copies of device frames, to be checked before nvCOMP sees them."""
         with torch.cuda.device(self.device):
             packed = torch.cat([f.reshape(-1) for f in frames]).cpu()
-        view = memoryview(packed.numpy()).cast("B")
+        view = packed.numpy().data.cast("B")
         out, pos = [], 0
         for f in frames:
             out.append(view[pos : pos + f.numel()])

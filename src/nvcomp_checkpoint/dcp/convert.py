@@ -68,7 +68,7 @@ def compress_directory(
     if any(isinstance(v, StoredItem) for v in (metadata.storage_data or {}).values()):
         raise CheckpointError(f"{src}: already a compressed DCP checkpoint")
     _check_target(dst, storage_options)
-    fqn_policy = FqnPolicy.of(CodecPolicy.of(policy))
+    fqn_policy = FqnPolicy.of(policy)
     registry = ExtensionRegistry()
     save_id = uuid.uuid4().hex[:12]
     records: dict[Any, StoredItem] = {}

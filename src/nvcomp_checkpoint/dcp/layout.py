@@ -134,8 +134,8 @@ def _record_start(data: bytes, where: str) -> int:
     """The offset just past the refusal pickle's STOP, found without running the pickle."""
     try:
         for op, _, pos in pickletools.genops(io.BytesIO(data[:4096])):
-            if op.name == "STOP":
-                return int(pos) + 1
+            if op.name == "STOP" and pos is not None:  # a BytesIO always tells its position
+                return pos + 1
     except Exception as exc:  # noqa: BLE001 - damaged bytes raise ValueError and others
         raise FormatError(f"{where}: the metadata's leading record is damaged ({exc})") from exc
     raise FormatError(f"{where}: the metadata's leading record is damaged (no end)")

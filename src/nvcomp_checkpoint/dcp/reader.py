@@ -287,7 +287,7 @@ def rank_file_problems(
     dtype of the metadata's chunk (a byte item: bytes). The shape bounds what a load decodes
     from the file to what the metadata states.
     """
-    digests = {stored.index_xxh3 for _, stored in records} - {None}
+    digests = {stored.index_xxh3 for _, stored in records if stored.index_xxh3 is not None}
     if digests and digests != {reader.index_xxh3}:
         recorded = ", ".join(f"{d:016x}" for d in sorted(digests))
         return [
@@ -405,16 +405,17 @@ class NvcompReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self._plain = None
 
-    def read_metadata(self, *args: Any) -> Metadata:  # type: ignore[override]
+    def read_metadata(self, *args: Any) -> Metadata:
         # No **kwargs: DCP then does not fall back to reading only its own rank's metadata of a
         # save without collectives (a load on other ranks would miss shards); read_stored_metadata
         # merges every rank's, and a failure reports only the real reason a load cannot start.
         if not self.path:
             raise CheckpointError("NvcompReader has no directory: pass NvcompReader(path) or dcp.load(..., checkpoint_id=path)")
         metadata = require_stored_metadata(self.path, self.storage_options, max_bytes=self.max_bytes)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

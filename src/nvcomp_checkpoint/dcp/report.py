@@ -163,7 +163,7 @@ def _rank_file(
         if not compressed:
             return RankFile(name, items, storage.size(spath))
         with CheckpointReader(where, storage_options=storage_options) as reader:
-            digests = {getattr(info, "index_xxh3", None) for _, info in records} - {None}
+            digests = {d for _, info in records if (d := getattr(info, "index_xxh3", None)) is not None}
             if digests and digests != {reader.index_xxh3}:
                 return RankFile(
                     name,

@@ -13,7 +13,7 @@ import fnmatch
 import io
 import os
 import uuid
-from typing import IO, Any, Callable, Sequence
+from typing import IO, Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ..errors import CheckpointError, FormatError
-from ..policy import CodecPolicy, Component, classify
+from ..policy import CodecPolicy, CodecSpec, Component, classify
 from ..storage import storage_for, write_errors
 from ..writer import CheckpointWriter
 from .layout import METADATA_NAME, SAVE_TAG, WORLD_SIZE_TAG, StoredItem, encode_metadata, join, rank_metadata_name, shard_name
@@ -64,7 +64,11 @@ class FqnPolicy(CodecPolicy):
         return fqn_component(key.split("@", 1)[0])
 
     @classmethod
-    def of(cls, policy: CodecPolicy) -> "FqnPolicy":
+    def of(cls, policy: CodecPolicy | Mapping[str, Any] | str | CodecSpec | None, where: str = "policy") -> "FqnPolicy":
+        """Any ``policy=`` form (:meth:`CodecPolicy.of`), classifying DCP names."""
+        policy = CodecPolicy.of(policy, where)
+        if isinstance(policy, FqnPolicy):
+            return policy
         return cls(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(CodecPolicy)})
 
 
@@ -244,7 +248,7 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.path = os.fspath(path) if path is not None else ""
-        self.policy = FqnPolicy.of(CodecPolicy.of(policy, "NvcompWriter(policy=...)"))
+        self.policy = FqnPolicy.of(policy, "NvcompWriter(policy=...)")
         self.workers = workers
         self.storage_options = storage_options
         self.stream_wrapper = stream_wrapper
@@ -351,6 +355,7 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
             else:
                 # A DTensor's local shard, perhaps a view or on a GPU: the core writes the
                 # values it shows, compressing CUDA tensors on their GPU where nvCOMP is present.
+                assert isinstance(data, torch.Tensor)
                 tree[key] = data.detach()
         where = join(self.path, name)
         storage, spath = storage_for(where, self.storage_options)

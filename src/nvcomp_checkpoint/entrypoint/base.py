@@ -9,10 +9,12 @@ import sys
 import time
 from typing import IO, Any, Callable, Mapping
 
+from ..api import save_with_options
 from ..incremental import IncrementalFiles, unit_base_of
 from ..policy import CodecPolicy
 from ..report import SaveReport
 from ..savegroup import SavedCallback, SaveGroup, SaveSequence
+from ..saveoptions import SaveOptions
 from ..tiers import Tier, TierCopies
 from .options import as_policy
 
@@ -84,6 +86,7 @@ class SaveEntryPoint:
         # Checks max_pending and on_saved; runs every on_saved callback and owns every background error.
         self._saves = SaveSequence(label, max_pending=max_pending, workers=workers, on_saved=on_saved, log_as=log_as)
         self.policy: CodecPolicy = as_policy(policy, f"{label}(policy=...)")
+        SaveOptions(policy=self.policy, workers=workers)  # checks workers now, not at the first save
         self.workers = workers
         self.async_save = bool(async_save)
         self.max_pending = max_pending
@@ -214,9 +217,35 @@ class SaveEntryPoint:
         self._saves.seal(group)  # completes now, or once the last background part is durable
         return None if background else self._saves.result(group)
 
-    def _save_file(self, group: SaveGroup, name: str, obj: Any, path: Any, policy: CodecPolicy, **kwargs: Any) -> None:
-        """Part ``name`` of ``group``: ``obj`` saved to ``path`` in the background (``kwargs``: of :func:`nvcomp_checkpoint.save`)."""
-        self._saves.save(group, name, obj, path, policy, **kwargs)
+    def _options(
+        self,
+        path: Any,
+        *,
+        policy: CodecPolicy | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        base: str | os.PathLike[str] | None = None,
+    ) -> SaveOptions:
+        """The options of one save to ``path``: this entry point's ``policy`` (unless the save has its own),
+        ``workers`` and ``stream_wrapper``, with the save's index ``metadata``, fsspec options and delta ``base``."""
+        return SaveOptions.of(
+            path,
+            self._saves.label,
+            policy=self.policy if policy is None else policy,
+            metadata=metadata,
+            storage_options=storage_options,
+            workers=self.workers,
+            stream_wrapper=self.stream_wrapper,
+            base=base,
+        )
+
+    def _save_now(self, obj: Any, path: Any, options: SaveOptions) -> SaveReport:
+        """``obj`` saved to ``path`` in the caller's thread (hand the report to :meth:`_saved` or a group)."""
+        return save_with_options(obj, path, options)
+
+    def _save_file(self, group: SaveGroup, name: str, obj: Any, path: Any, options: SaveOptions) -> None:
+        """Part ``name`` of ``group``: ``obj`` saved to ``path`` in the background (``options``: from :meth:`_options`)."""
+        self._saves.save(group, name, obj, path, options)
 
     def _run_job(self, group: SaveGroup, name: str, job: Callable[[], SaveReport]) -> None:
         """Part ``name`` of ``group``: ``job`` run on the background thread (a conversion), its report the part's."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from ..delta import ChainPolicy, chain_policy_of
 from ..incremental import IncrementalFiles
 from ..policy import CodecPolicy
 
@@ -55,16 +56,26 @@ def policy_and_metadata(
 
 
 def incremental_files(
-    label: str, incremental: bool, full_every: int | None, delta_base: str, **options: Any
+    label: str,
+    incremental: bool | ChainPolicy,
+    full_every: int | None = None,
+    delta_base: str | None = None,
+    **options: Any,
 ) -> IncrementalFiles | None:
-    """An integration's ``incremental=True`` option (``None`` without it); checked before anything is set up.
+    """An integration's ``incremental=`` option (``None`` without it); checked before anything is set up.
+
+    ``incremental`` is ``True`` (with ``full_every``, default 10, and ``delta_base``, default
+    ``"previous"``) or a :class:`~nvcomp_checkpoint.ChainPolicy`, converted by
+    :func:`~nvcomp_checkpoint.delta.chain_policy_of`, as the manager's is. ``options``: of :class:`IncrementalFiles`.
 
     With ``tiers=`` too, each delta is adopted with its base (:meth:`SaveEntryPoint._after_durable`):
     a tier gets a delta after its chain, and ``resume_path()`` lays a delta out with its chain.
 
     Raises:
-        ValueError: ``full_every`` or ``delta_base`` is invalid.
+        TypeError: ``incremental`` is neither a bool nor a ChainPolicy.
+        ValueError: ``full_every`` or ``delta_base`` is invalid, or given with a ChainPolicy.
     """
-    if not incremental:
+    policy = chain_policy_of(incremental, full_every, delta_base, label)
+    if policy is None:
         return None
-    return IncrementalFiles(label, full_every, delta_base, **options)
+    return IncrementalFiles(label, policy, **options)

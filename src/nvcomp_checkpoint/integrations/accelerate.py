@@ -43,6 +43,7 @@ except ImportError as exc:
     ) from exc
 
 import nvcomp_checkpoint as nc
+from nvcomp_checkpoint import ChainPolicy
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, incremental_files, load_tree
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError, StateSaveError
@@ -118,9 +119,9 @@ def register_nvcomp_hooks(
     on_saved: Callable[[nc.SaveReport], Any] | None = None,
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
     tiers: list[Tier] | None = None,
-    incremental: bool = False,
+    incremental: bool | ChainPolicy = False,
     full_every: int | None = None,
-    delta_base: str = "previous",
+    delta_base: str | None = None,
     leader_load: bool = False,
 ) -> "NvcompStateHooks":
     """Make ``accelerator.save_state``/``load_state`` compress model weights and optimizer state.
@@ -141,8 +142,10 @@ def register_nvcomp_hooks(
             and the first save of a process); ``total_limit`` rotation keeps every folder a kept
             one needs. A folder updated in place is saved in full. With ``tiers``, a delta folder
             reaches a tier after its chain and ``resume_path(local_dir)`` lays it out there with its chain.
-        full_every, delta_base: As for :class:`~nvcomp_checkpoint.ChainPolicy` (``full_every``
-            default 10, ``delta_base`` ``"previous"`` or ``"full"``).
+            ``True`` (with ``full_every`` and ``delta_base``) or a :class:`~nvcomp_checkpoint.ChainPolicy`.
+        full_every, delta_base: With ``incremental=True``: as for :class:`~nvcomp_checkpoint.ChainPolicy`
+            (``full_every`` default 10, ``delta_base`` ``"previous"`` (default) or ``"full"``); refused
+            together with a ``ChainPolicy``, which holds both.
         leader_load: In ``load_state`` of replicated (DDP) state, one process per node reads each
             ``.nvc`` file and sends it to the node's other processes over the process group
             (:func:`nvcomp_checkpoint.load_broadcast`), instead of every process reading the same
@@ -253,9 +256,9 @@ class NvcompStateHooks(SaveEntryPoint):
         on_saved: Callable[[nc.SaveReport], Any] | None = None,
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         tiers: list[Tier] | None = None,
-        incremental: bool = False,
+        incremental: bool | ChainPolicy = False,
         full_every: int | None = None,
-        delta_base: str = "previous",
+        delta_base: str | None = None,
         leader_load: bool = False,
     ) -> None:
         # Checked first: a wrong argument must not leave the accelerator half wrapped.
@@ -281,9 +284,9 @@ class NvcompStateHooks(SaveEntryPoint):
         self._previous = {name: accelerator.__dict__.get(name) for name in ("save_state", "load_state")}
         self._inner_save: Callable[..., Any] = accelerator.save_state
         self._inner_load: Callable[..., Any] = accelerator.load_state
-        accelerator.save_state = self.save_state  # type: ignore[method-assign]
-        accelerator.load_state = self.load_state  # type: ignore[method-assign]
-        accelerator._nvcomp_state_hooks = self  # type: ignore[attr-defined]
+        accelerator.save_state = self.save_state
+        accelerator.load_state = self.load_state
+        accelerator._nvcomp_state_hooks = self
 
     def remove(self) -> None:
         """Restore Accelerate's ``save_state``/``load_state`` on the accelerator.
@@ -511,17 +514,15 @@ class NvcompStateHooks(SaveEntryPoint):
         files = [(_numbered("model", i), state, "model", i) for i, state in enumerate(states)]
         files += [(_numbered("optimizer", i), opt.state_dict(), "optimizer", i) for i, opt in enumerate(call.optimizers)]
         for name, state, kind, i in files:
-            kwargs = dict(
-                workers=self.workers,
-                metadata={"accelerate": {"kind": kind, "index": i, **meta}},
-                stream_wrapper=self.stream_wrapper,
-            )
+            base = None
             if self.incremental is not None and call.staging.parent == call.target.parent:
-                kwargs["base"] = self.incremental.base_for(call.target / name, slot=name)
+                base = self.incremental.base_for(call.target / name, slot=name)
+            path = call.staging / name
+            options = self._options(path, metadata={"accelerate": {"kind": kind, "index": i, **meta}}, base=base)
             if call.background:
-                self._save_file(call.group, name, state, call.staging / name, self.policy, **kwargs)
+                self._save_file(call.group, name, state, path, options)
             else:
-                call.group.add_report(name, nc.save(state, call.staging / name, self.policy, **kwargs))
+                call.group.add_report(name, self._save_now(state, path, options))
             (call.models if kind == "model" else call.optimizer_files).append(name)
 
     def _writes(self) -> bool:

@@ -263,7 +263,8 @@ def load_fsdp_optimizer(
     sd_options = _accelerate_fsdp._prepare_sd_options(fsdp_plugin)
     with _state_dict_context(fsdp_plugin, model):
         if full:
-            state = None
+            # None on the ranks that receive the state from rank 0 (rank0_only), as Accelerate passes it.
+            state: Any = None
             if accelerator.process_index == 0 or not fsdp_plugin.optim_state_dict_config.rank0_only:
                 state = nc.load(compressed)
         else:

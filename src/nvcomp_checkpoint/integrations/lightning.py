@@ -15,13 +15,13 @@ import os
 import sys
 import time
 import weakref
-from typing import IO, Any, Callable, Mapping, Optional
+from typing import IO, TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 from typing_extensions import override
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint import CodecPolicy, SaveReport
+from nvcomp_checkpoint import ChainPolicy, CodecPolicy, SaveReport
 from nvcomp_checkpoint.async_save import wait_for_path
 from nvcomp_checkpoint.entrypoint import (
     POLICY_OPTION_KEYS,
@@ -33,25 +33,30 @@ from nvcomp_checkpoint.entrypoint import (
     report_metrics,
 )
 from nvcomp_checkpoint.savegroup import SavedCallback
+from nvcomp_checkpoint.saveoptions import SaveOptions
 from nvcomp_checkpoint.storage import storage_for
 from nvcomp_checkpoint.tiers import Tier
 from nvcomp_checkpoint.version import install_hint
 
-try:  # the unified package: `lightning.pytorch.Trainer` and `lightning.fabric.Fabric`
+if TYPE_CHECKING:  # checked against the unified package; the standalone ones have the same classes
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-except ImportError:  # pragma: no cover - only the standalone packages are installed
-    try:
-        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
-    except ImportError as exc:
-        raise ImportError(f"nvcomp_checkpoint.lightning needs Lightning: {install_hint('lightning')}") from exc
-
-try:  # the Trainer's callbacks; Fabric-only installs have no `lightning.pytorch`
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-except ImportError:  # pragma: no cover
-    try:
-        from pytorch_lightning.callbacks import Callback, ModelCheckpoint
-    except ImportError:
-        Callback = ModelCheckpoint = object  # type: ignore[assignment,misc]
+else:
+    try:  # the unified package: `lightning.pytorch.Trainer` and `lightning.fabric.Fabric`
+        from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    except ImportError:  # pragma: no cover - only the standalone packages are installed
+        try:
+            from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+        except ImportError as exc:
+            raise ImportError(f"nvcomp_checkpoint.lightning needs Lightning: {install_hint('lightning')}") from exc
+
+    try:  # the Trainer's callbacks; Fabric-only installs have no `lightning.pytorch`
+        from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    except ImportError:  # pragma: no cover
+        try:
+            from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+        except ImportError:
+            Callback = ModelCheckpoint = object
 
 __all__ = [
     "NvcompCheckpointIO",
@@ -111,8 +116,10 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             :meth:`remove_checkpoint` keeps a file that a kept delta needs until that delta is removed.
             With ``tiers``, a delta reaches a tier after its chain and ``resume_path(local_dir)`` lays it
             out there with its chain.
-        full_every, delta_base: As for :class:`~nvcomp_checkpoint.ChainPolicy` (``full_every``
-            default 10, ``delta_base`` ``"previous"`` or ``"full"``).
+            ``True`` (with ``full_every`` and ``delta_base``) or a :class:`~nvcomp_checkpoint.ChainPolicy`.
+        full_every, delta_base: With ``incremental=True``: as for :class:`~nvcomp_checkpoint.ChainPolicy`
+            (``full_every`` default 10, ``delta_base`` ``"previous"`` (default) or ``"full"``); refused
+            together with a ``ChainPolicy``, which holds both.
         leader_load: On resume of replicated (DDP) state, one rank per node reads the checkpoint
             and sends it to the node's other ranks over the process group
             (:func:`nvcomp_checkpoint.load_broadcast`), instead of every rank fetching the same
@@ -143,9 +150,9 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         on_saved: SavedCallback | None = None,
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         tiers: list[Tier] | None = None,
-        incremental: bool = False,
+        incremental: bool | ChainPolicy = False,
         full_every: int | None = None,
-        delta_base: str = "previous",
+        delta_base: str | None = None,
         leader_load: bool = False,
     ) -> None:
         CheckpointIO.__init__(self)
@@ -207,25 +214,26 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         info = {}
         if isinstance(checkpoint, Mapping):  # Lightning's counters, readable with `nvckpt inspect`
             info = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
-        kwargs = dict(
-            metadata={"written_by": type(self).__name__, **info, **(metadata or {})},
-            storage_options=self.fsspec_options or None,
-            stream_wrapper=self.stream_wrapper,
-        )
+        metadata = {"written_by": type(self).__name__, **info, **(metadata or {})}
         after = self._after_durable(info.get("global_step"), path, lambda r: self._tell_listeners(r, info))
+
+        def options(base: str | None) -> SaveOptions:
+            return self._options(path, policy=policy, metadata=metadata, storage_options=self.fsspec_options or None, base=base)
+
         try:
             if not self.async_save:
                 base = self.incremental.base_for(path) if self.incremental is not None else None
-                self._saved(nc.save(checkpoint, path, policy, workers=self.workers, base=base, **kwargs), after)
+                self._saved(self._save_now(checkpoint, path, options(base)), after)
                 return
             self._wait_for_slot()
             self._raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
             base = self.incremental.base_for(path) if self.incremental is not None else None
+            built = options(base)
             self._save_group(
                 path,
                 started,
                 after,
-                lambda group: self._save_file(group, "checkpoint", checkpoint, path, policy, base=base, **kwargs),
+                lambda group: self._save_file(group, "checkpoint", checkpoint, path, built),
                 failed=lambda exc: self._save_failed(path),  # in the background: whoever raises the error later
             )
         except BaseException:
@@ -342,7 +350,7 @@ def _check_strategy(trainer: Any) -> None:
     check_sharded_checkpoint_io(trainer.strategy)
 
 
-class NvcompStrategyCheck(Callback):  # type: ignore[misc,valid-type]
+class NvcompStrategyCheck(Callback):
     """Raises at ``setup`` (before any step) when the Trainer's strategy would bypass
     :class:`NvcompCheckpointIO` (Lightning's ``ModelParallelStrategy`` / ``FSDPStrategy`` saving
     sharded checkpoints). Lightning adds it to every Trainer built while an ``NvcompCheckpointIO``
@@ -378,11 +386,11 @@ class NvcompModelCheckpointMixin:
         return bool(trainer.strategy.reduce_boolean_decision(pending, all=False))
 
 
-class NvcompModelCheckpoint(NvcompModelCheckpointMixin, ModelCheckpoint):  # type: ignore[misc,valid-type]
+class NvcompModelCheckpoint(NvcompModelCheckpointMixin, ModelCheckpoint):
     """``lightning.pytorch``'s ``ModelCheckpoint`` with :class:`NvcompModelCheckpointMixin`; same arguments."""
 
 
-class NvcompCheckpointMetrics(Callback):  # type: ignore[misc,valid-type]
+class NvcompCheckpointMetrics(Callback):
     """Sends the sizes, ratios and times of every checkpoint save to the Trainer's loggers.
 
     Each durable save's :func:`report_metrics` go to ``logger.log_metrics(..., step=<the checkpoint's

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, ContextManager, Mapping, Optional, cast
 
 import torch
 from typing_extensions import override
@@ -45,7 +45,7 @@ def _policy_of(policy: CodecPolicy | Mapping[str, Any] | None, strategy: Any) ->
         if io is None:
             break
         if isinstance(getattr(io, "policy", None), CodecPolicy):
-            return io.policy  # type: ignore[no-any-return]
+            return io.policy
         io = getattr(io, "checkpoint_io", None)
     return None
 
@@ -367,7 +367,8 @@ class NvcompFSDPStrategy(FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         assert self.model is not None and self.lightning_module is not None
-        with _get_sharded_state_dict_context(self.model):
+        # Lightning annotates its helper as a Generator; it returns FSDP's state_dict_type context manager.
+        with cast(ContextManager[None], _get_sharded_state_dict_context(self.model)):
             module_state = {"model": self.model.state_dict()}
             dcp.load(module_state, storage_reader=NvcompReader(path))
             self.model.load_state_dict(module_state["model"], strict=self.lightning_module.strict_loading)

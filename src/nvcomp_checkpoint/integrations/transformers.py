@@ -17,11 +17,13 @@ import time
 import warnings
 import weakref
 from pathlib import Path
+from types import FrameType
 from typing import IO, Any, Callable, NoReturn, TypeVar
 
 import torch
 
 import nvcomp_checkpoint as nc
+from nvcomp_checkpoint.delta import chain_policy_of
 from nvcomp_checkpoint.dirconvert import (
     PLACEHOLDER_TAG,
     SUFFIX,
@@ -345,8 +347,8 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         compress_weights: ``None`` (default): compress the weights only when the Trainer is an
             :class:`NvcompTrainerMixin`, which can resume from them. ``True`` with a stock
             Trainer is refused when the Trainer is created.
-        incremental: Refused (``ValueError``): the Trainer deletes old ``checkpoint-N`` folders
-            itself, which could delete a base that a kept delta needs.
+        incremental: ``True`` or a :class:`~nvcomp_checkpoint.ChainPolicy` is refused (``ValueError``): the
+            Trainer deletes old ``checkpoint-N`` folders itself, which could delete a base that a kept delta needs.
         leader_load: On resume of replicated (DDP) state, one process per node reads each
             compressed file and sends it to the node's other processes over the process group
             (:func:`nvcomp_checkpoint.load_broadcast`), instead of every process reading the same
@@ -371,12 +373,12 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         compress_weights: bool | None = None,
         tiers: list[Tier] | None = None,
-        incremental: bool = False,
+        incremental: bool | nc.ChainPolicy = False,
         leader_load: bool = False,
     ) -> None:
-        if incremental:
+        if chain_policy_of(incremental, None, None, "NvcompTrainerCallback") is not None:
             raise ValueError(
-                "NvcompTrainerCallback(incremental=True) is not supported: the Trainer deletes old checkpoint-N "
+                f"NvcompTrainerCallback(incremental={incremental!r}) is not supported: the Trainer deletes old checkpoint-N "
                 "folders itself (save_total_limit, best-model rotation) without asking, which would delete bases "
                 "that kept deltas need. Save in full here, or use nc.CheckpointManager(tiers, incremental=True) or "
                 "the Lightning / Accelerate integrations' incremental=True."
@@ -425,7 +427,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
             )
         self._weights = self._resumes_itself if self.compress_weights is None else bool(self.compress_weights)
         if fsdp:  # NvcompTrainerMixin writes the FSDP state compressed itself (integrations/transformers_fsdp.py)
-            transformers_fsdp.check_fsdp_callback(trainer, self._resumes_itself, self.compress_weights, args.output_dir)
+            transformers_fsdp.check_fsdp_callback(trainer, self._resumes_itself, self.compress_weights, _output_dir(args))
             self._weights = False
         if trainer is not None and not self._resumes_itself:
             # on_train_begin restores the optimizer state the Trainer skipped: first, so that the
@@ -447,7 +449,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         wanted = args.resume_from_checkpoint  # set by the example scripts' --resume_from_checkpoint
         if isinstance(wanted, str) and os.path.isdir(wanted) and compressed_copy(wanted, _WEIGHTS) is not None:
             raise nc.CheckpointError(f"{wanted}: {fix}")
-        latest = _newest_checkpoint(args.output_dir)
+        latest = _newest_checkpoint(_output_dir(args))
         if latest is not None and compressed_copy(latest, _WEIGHTS) is not None:
             logger.warning("%s: if this run resumes from it, %s", latest, fix)
 
@@ -475,7 +477,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         if not args.should_save:
             return  # other ranks: the main process owns the checkpoint files
         self._wait_for_saves("on_save")  # normally nothing is pending here: see on_step_end
-        directory = _saved_checkpoint(args.output_dir, state.global_step)
+        directory = _saved_checkpoint(_output_dir(args), state.global_step)
         if directory is None:
             logger.warning("NvcompTrainerCallback: no checkpoint-%d directory under %s", state.global_step, args.output_dir)
             return
@@ -598,16 +600,26 @@ def _skip_optimizer_placeholder(trainer: Trainer) -> None:
     def load(checkpoint: str | None) -> None:
         if checkpoint is not None and is_placeholder(Path(checkpoint) / _OPTIMIZER):
             return None
-        return stock(checkpoint)  # type: ignore[no-any-return]
+        return stock(checkpoint)
 
     load._nvcomp_skips_placeholder = True  # type: ignore[attr-defined]
     trainer._load_optimizer_and_scheduler = load  # type: ignore[method-assign]
 
 
+def _output_dir(args: TrainingArguments) -> str:
+    """``args.output_dir``, which the Trainer sets (``"trainer_output"`` when not given) before any callback runs."""
+    if args.output_dir is None:
+        raise nc.CheckpointError(
+            "NvcompTrainerCallback: TrainingArguments.output_dir is None; the callback converts the checkpoint-N "
+            "folders under it: pass TrainingArguments(output_dir=...)"
+        )
+    return str(args.output_dir)
+
+
 def _trainer_locals(needs: str = "self") -> dict[str, Any] | None:
     """The local variables of the innermost ``Trainer`` method on the stack that has ``needs``
     (callbacks are not handed the Trainer itself)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(40):
         if frame is None:
             return None
@@ -629,7 +641,7 @@ def _resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path | 
         return Path(found) if isinstance(found, (str, os.PathLike)) else None
     if state.global_step == 0:
         return None
-    guess = _saved_checkpoint(args.output_dir, state.global_step)
+    guess = _saved_checkpoint(_output_dir(args), state.global_step)
     if guess is None:
         raise nc.CheckpointError(
             f"{args.output_dir}: NvcompTrainerCallback cannot tell which checkpoint this run resumed from (step "
@@ -685,6 +697,16 @@ class NvcompTrainerMixin:
     read; under FSDP, each save ends with a barrier before the callback's ``on_save``.
     """
 
+    # What the mixin uses of the Trainer it is mixed into (annotations only: the Trainer sets them;
+    # Any where the Trainer's own annotation differs between transformers 4 and 5).
+    args: TrainingArguments
+    state: TrainerState
+    model: Any
+    optimizer: Any
+    lr_scheduler: Any
+    callback_handler: Any
+    _issue_warnings_after_load: Callable[[Any], None]
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         fsdp = transformers_fsdp.fsdp_enabled(self)
         weights = self._nvcomp_settled(
@@ -696,7 +718,7 @@ class NvcompTrainerMixin:
         if weights is None or self._nvcomp_delegates():
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         logger.info("Loading model from %s.", weights)
-        model = self.model if model is None else model  # type: ignore[attr-defined]
+        model = self.model if model is None else model
         self._nvcomp_load_weights(model, weights)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -718,11 +740,11 @@ class NvcompTrainerMixin:
             self.args,
             self.optimizer,
             self.lr_scheduler,
-            self._nvcomp_leader_load(),  # type: ignore[attr-defined]
+            self._nvcomp_leader_load(),
         )
 
     def _load_best_model(self) -> None:
-        best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
+        best = self.state.best_model_checkpoint
         fsdp = transformers_fsdp.fsdp_enabled(self)
         weights = self._nvcomp_settled(
             lambda: compressed_copy(best, _WEIGHTS) if best and not fsdp else None, f"loading the best model from {best}"
@@ -732,8 +754,8 @@ class NvcompTrainerMixin:
                 return super()._load_best_model()  # type: ignore[misc]
         if weights is None or self._nvcomp_delegates():
             return super()._load_best_model()  # type: ignore[misc]
-        logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)  # type: ignore[attr-defined]
-        self._nvcomp_load_weights(self.model, weights)  # type: ignore[attr-defined]
+        logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
+        self._nvcomp_load_weights(self.model, weights)
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         # The Trainer rotates old checkpoints inside this call: none may still be converting.
@@ -756,15 +778,15 @@ class NvcompTrainerMixin:
         state_dict = _load_tree(weights, "model", "cpu", self._nvcomp_leader_load())
         load_result = model.load_state_dict(state_dict, False)
         del state_dict
-        self._issue_warnings_after_load(load_result)  # type: ignore[attr-defined]
+        self._issue_warnings_after_load(load_result)
 
     def _nvcomp_leader_load(self) -> bool:
         # The option lives on the callback, which holds the integration's settings.
-        callbacks = self.callback_handler.callbacks  # type: ignore[attr-defined]
+        callbacks = self.callback_handler.callbacks
         return any(isinstance(cb, NvcompTrainerCallback) and cb.leader_load for cb in callbacks)
 
     def _nvcomp_settled(self, decide: Callable[[], _T], where: str) -> _T:
-        return _settled(self.args.world_size, self._nvcomp_leader_load(), decide, where)  # type: ignore[attr-defined]
+        return _settled(self.args.world_size, self._nvcomp_leader_load(), decide, where)
 
     def _nvcomp_delegates(self) -> bool:
         # DeepSpeed loads checkpoints its own way (the callback refuses it); FSDP goes through

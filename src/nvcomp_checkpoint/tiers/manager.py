@@ -12,10 +12,11 @@ import threading
 from typing import Any, Callable
 
 from ..api import load as _load
-from ..delta import ChainPolicy
+from ..delta import ChainPolicy, chain_policy_of
 from ..errors import CheckpointError, CopyTimeoutError, FormatError
 from ..failures import FailureLog
 from ..policy import CodecPolicy
+from ..saveoptions import SaveOptions
 from ..storage import is_url, list_names
 from .chains import lies_in_place
 from .copier import Copier, NotCopied
@@ -49,7 +50,9 @@ class CheckpointManager:
             Retention keeps every base a kept step needs, a delta is committed on a tier only
             after its base, and restore treats a delta whose chain is broken as a damaged copy.
             The first save of a manager is full.
-        delta_base: With ``incremental=True``: ``"previous"`` or ``"full"`` (see :class:`~nvcomp_checkpoint.ChainPolicy`).
+        delta_base: With ``incremental=True``: ``"previous"`` (default) or ``"full"`` (see
+            :class:`~nvcomp_checkpoint.ChainPolicy`). It and ``full_every`` are refused together with a
+            ``ChainPolicy``, which holds both.
         policy: Codec settings of the saves.
         workers: Compression threads.
         clean: Remove leftovers of interrupted saves and copies from every tier now. Only one
@@ -79,7 +82,7 @@ class CheckpointManager:
         on_copy_progress: Callable[[str, int, int], None] | None = None,
         tier0_external: bool = False,
         incremental: bool | ChainPolicy = False,
-        delta_base: str = "previous",
+        delta_base: str | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("CheckpointManager needs at least one Tier")
@@ -87,27 +90,20 @@ class CheckpointManager:
             raise ValueError(f"Tier 0 ({tiers[0].url}) takes every save; give its schedule to a later tier instead")
         if is_url(tiers[0].url):
             _LOG.info("tier 0 is %s: every save is written there directly", tiers[0].url)
-        if full_every is not None and (not isinstance(full_every, int) or full_every < 1):
+        if full_every is not None and (not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1):
             raise ValueError(f"full_every must be a positive integer or None, got {full_every!r}")
-        if incremental and tier0_external:
+        self.chain_policy: ChainPolicy | None = chain_policy_of(incremental, full_every, delta_base, "CheckpointManager")
+        if self.chain_policy is not None and tier0_external:
             raise ValueError(
                 "CheckpointManager(incremental=True, tier0_external=True): the framework writes tier 0 itself; give "
                 "the framework's integration incremental=True instead (its files are then deltas, adopted with their base)"
             )
-        if isinstance(incremental, ChainPolicy) and (full_every is not None or delta_base != "previous"):
-            raise ValueError("CheckpointManager(incremental=ChainPolicy(...)): give full_every and base in the ChainPolicy only")
         self.tiers, self.async_save, self.workers, self.on_copy_progress = list(tiers), async_save, workers, on_copy_progress
         self.policy = CodecPolicy.of(policy, "CheckpointManager(policy=...)")
+        SaveOptions(policy=self.policy, workers=workers)  # checks workers now, not at the first save
         self.tier0_external = bool(tier0_external)
-        self.chain_policy: ChainPolicy | None = (
-            incremental
-            if isinstance(incremental, ChainPolicy)
-            else ChainPolicy(full_every or 10, delta_base)
-            if incremental
-            else None
-        )
         self.incremental = self.chain_policy is not None
-        self.full_every = incremental.full_every if isinstance(incremental, ChainPolicy) else full_every
+        self.full_every = self.chain_policy.full_every if self.chain_policy is not None else full_every
         labels = [t.name or f"tier{i}" for i, t in enumerate(tiers)]
         if len(set(labels)) != len(labels):
             raise ValueError(f"tier names must differ, got {labels}")

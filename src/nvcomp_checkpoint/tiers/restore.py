@@ -120,7 +120,8 @@ class Restorer:
         # The lock only saves work (processes at once copy the chain once); the rename keeps it whole.
         with local_lock(os.path.join(root, f".{name}.lock")):
             if not LOCAL.isdir(final):
-                tmp: str | None = scratch_folder(root, f".{name}.tmp")
+                tmp = scratch_folder(root, f".{name}.tmp")
+                renamed = False
                 try:
                     laid = lay_out(src, layout, tmp, in_place=in_place)
                     if not in_place:
@@ -131,13 +132,13 @@ class Restorer:
                             )
                     try:
                         LOCAL.rename(tmp, final)  # atomic; a folder there (another process's) makes it fail
-                        tmp = None
+                        renamed = True
                         return head
                     except OSError:
                         if not LOCAL.isdir(final):
                             raise
                 finally:
-                    if tmp is not None:
+                    if not renamed:
                         remove_quietly(tmp)
             why = laid_out_errors(layout, final, decode=not in_place)
             if why is not None:
@@ -166,7 +167,8 @@ class Restorer:
         found: dict[int, list[tuple[int, UnitManifest | str]]] = {}
         skipped: list[tuple[int, str, str]] = [(-1, self._stores[i].label, str(e)) for i, e in sorted(unavailable.items())]
         for i, (manifests, problems) in sorted(listed.items()):
-            for s, entry in sorted({**manifests, **problems}.items()):
+            units: dict[int, UnitManifest | str] = {**manifests, **problems}
+            for s, entry in sorted(units.items()):
                 found.setdefault(s, []).append((i, entry))
         # Tier 0 takes every save and keeps its newest: no other tier holds a step newer than that one.
         on_tier0 = [s for s, entries in found.items() if any(i == 0 for i, _ in entries)] if 0 in listed else []

@@ -8,12 +8,13 @@ import time
 from typing import Any
 
 from .. import metrics
-from ..api import save as _save_sync
+from ..api import save_with_options
 from ..delta import ChainPolicy
 from ..errors import CheckpointWriteError
 from ..failures import FailureLog
 from ..policy import CodecPolicy
 from ..savegroup import SaveGroup, SaveSequence
+from ..saveoptions import SaveOptions
 from .copier import Copier
 from .light import light_tree
 from .retention import TierRetention
@@ -95,19 +96,23 @@ class Tier0Saves:
         group = self.sequence.begin(
             self.store.unit_path(step, False), started=started, commit=commit, failed=failed, info={"step": step}
         )
-        kwargs: dict[str, Any] = {
-            "metadata": meta,
-            "storage_options": self.store.tier.write_options(),
-            "workers": self.workers,
-            "base": None if base is None else self.store.unit_path(base, False),
-        }
+        path = self.store.unit_path(step, False)
         try:
+            options = SaveOptions.of(
+                path,
+                "CheckpointManager.save",
+                policy=self.policy,
+                metadata=meta,
+                storage_options=self.store.tier.write_options(),
+                workers=self.workers,
+                base=None if base is None else self.store.unit_path(base, False),
+            )
             if self.async_save:
                 with self.changed:
                     self.saving[group] = step
-                handle = self.sequence.save(group, "unit", tree, self.store.unit_path(step, False), self.policy, **kwargs)
+                handle = self.sequence.save(group, "unit", tree, path, options)
             else:
-                report = _save_sync(tree, self.store.unit_path(step, False), self.policy, **kwargs)
+                report = save_with_options(tree, path, options)
                 group.add_report("unit", report)
         except BaseException:
             self.sequence.abandon(group)  # calls no callback of the group: its cleanup is done here
