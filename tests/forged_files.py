@@ -15,7 +15,7 @@ import zipfile
 import torch
 import xxhash
 
-from nvcomp_checkpoint.format.layout import FOOTER, MAGIC, Frame, Index, pack_footer, unpack_footer
+from nvcomp_checkpoint.format.layout import FOOTER, GUARD, MAGIC, Frame, Index, pack_footer, unpack_footer
 from nvcomp_checkpoint.format.skeleton import TensorRef
 
 __all__ = [
@@ -195,14 +195,15 @@ def with_object_tree(valid: bytes, tree: bytes) -> bytes:
     offset, size, _ = unpack_footer(valid[-FOOTER.size :], len(valid), "valid")
     index = Index.from_json_bytes(valid[offset : offset + size], offset, "valid")
     old = index.skeleton
-    assert old.offset == len(MAGIC), "the writer puts the object tree first"
-    frame = Frame(len(MAGIC), len(tree), len(tree), xxhash.xxh3_64_intdigest(tree))
+    # The writer puts the object tree first, after the guard and the magic.
+    assert old.offset == len(GUARD) + len(MAGIC) and valid[: old.offset] == GUARD + MAGIC
+    frame = Frame(old.offset, len(tree), len(tree), xxhash.xxh3_64_intdigest(tree))
     delta = len(tree) - old.size
     tensors = tuple(
         dataclasses.replace(t, frames=tuple(dataclasses.replace(f, offset=f.offset + delta) for f in t.frames))
         for t in index.tensors
     )
-    body = MAGIC + tree + valid[old.offset + old.size : offset]
+    body = valid[: old.offset] + tree + valid[old.offset + old.size : offset]
     new_index = Index(frame, tensors, index.metadata).to_json_bytes()
     return body + new_index + pack_footer(len(body), len(new_index), xxhash.xxh3_64_intdigest(new_index))
 

@@ -207,8 +207,8 @@ def test_a_rank_file_that_does_not_read_is_named_and_the_others_still_listed(
     assert code == 0 and "OSError" in rows[0]["note"] and rows[1]["raw_bytes"] > 0 and "note" not in rows[1], rows
     code, out = _nvckpt(capsys, "verify", str(broken))
     assert code == 1 and f"FAILED {first}: cannot be read: OSError" in out, out
-    # A rank file whose header is damaged is no longer one of ours by its first bytes; verify
-    # still names it (and checks the other rank file) instead of passing the directory.
+    # A rank file whose header is damaged is no longer one of ours by its first bytes (its footer
+    # says it was); verify still names it (and checks the other rank file) instead of passing the directory.
     headless = tmp_path / "headless"
     shutil.copytree(ours, headless)
     victim = sorted(headless.glob("*.nvcdcp"))[1]
@@ -216,6 +216,6 @@ def test_a_rank_file_that_does_not_read_is_named_and_the_others_still_listed(
     code, out = _nvckpt(capsys, "verify", str(headless), "--json")
     d = json.loads(out)
     assert code == 1 and d["files"] == 1 and d["tensors"] > 0, d
-    assert [(f["file"], f["tensor"]) for f in d["failures"]] == [(str(victim), None)] and "NVCKPT magic" in d["failures"][0][
+    assert [(f["file"], f["tensor"]) for f in d["failures"]] == [(str(victim), None)] and "header is damaged" in d["failures"][0][
         "error"
     ], d

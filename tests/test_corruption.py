@@ -34,6 +34,7 @@ import forged_files as forged
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointNotFoundError, ChecksumError, FormatError, UnsafeCheckpointError
+from nvcomp_checkpoint.format.layout import GUARD
 
 FOOTER = struct.Struct("<QQQ8s")
 
@@ -84,7 +85,9 @@ def _load_error(path: Path, **kwargs: Any) -> CheckpointError:
 def _regions(path: Path, data: bytes) -> list[tuple[int, int, str, Any]]:
     """``(start, end, kind, detail)`` covering every byte of a valid file."""
     index_offset, index_size, _, _ = FOOTER.unpack(data[-FOOTER.size :])
-    out: list[tuple[int, int, str, Any]] = [(0, 6, "magic", None), (6, 8, "version", None)]
+    g = len(GUARD) if data.startswith(GUARD) else 0  # files written before the guard start with the magic
+    out: list[tuple[int, int, str, Any]] = [(0, g, "guard", None)] if g else []
+    out += [(g, g + 6, "magic", None), (g + 6, g + 8, "version", None)]
     with nc.open(path) as reader:
         sk = reader.index.skeleton
         out.append((sk.offset, sk.offset + sk.size, "skeleton", None))
@@ -134,7 +137,7 @@ def test_flipped_byte_anywhere_is_detected(valid, tmp_path):
             elif kind in ("skeleton", "index", "footer-hash"):
                 assert isinstance(err, ChecksumError), (pos, kind, msg)
                 assert ("object tree" if kind == "skeleton" else "index") in msg
-            elif kind == "magic":
+            elif kind in ("guard", "magic"):
                 assert type(err) is FormatError and "header is damaged" in msg, msg
             elif kind == "version":
                 assert type(err) is FormatError and ("damaged header" in msg or "format version" in msg), msg
@@ -673,10 +676,11 @@ def test_regression_reserved_header_byte(valid, tmp_path):
     # Was: "format version 1; this nvcomp-checkpoint reads version 1. Upgrade to read it."
     _, data, _ = valid
     path = tmp_path / "reserved.nvc"
-    path.write_bytes(data[:7] + b"\x01" + data[8:])
+    g = len(GUARD)
+    path.write_bytes(data[: g + 7] + b"\x01" + data[g + 8 :])
     err = _load_error(path)
     assert "damaged header" in str(err) and "Upgrade" not in str(err)
-    path.write_bytes(data[:6] + b"\x09" + data[7:])
+    path.write_bytes(data[: g + 6] + b"\x09" + data[g + 7 :])
     assert "Upgrade" in str(_load_error(path))
 
 

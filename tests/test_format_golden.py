@@ -1,5 +1,8 @@
 """Golden-file tests: a checkpoint written once by ``tests/data/make_golden.py`` decodes forever.
 
+The golden files of versions 1, 2 and 3 were written before the guard; ``golden_v1_guard.nvc`` is
+``golden_v1.nvc`` with it (``make_golden_guard.py``), and today's writer reproduces it.
+
 Also pins that the writer is deterministic (same tree, same metadata: same bytes) and that the
 file follows ``docs/format.md``: a reader written from the document alone decodes it.
 """
@@ -27,6 +30,14 @@ from conftest import assert_tree_equal
 
 DATA = Path(__file__).resolve().parent / "data"
 GOLDEN = DATA / "golden_v1.nvc"
+#: golden_v1.nvc as a writer with the guard writes it (docs/format.md "The guard").
+GOLDEN_GUARD = DATA / "golden_v1_guard.nvc"
+#: The guard, as docs/format.md states it.
+GUARD = (
+    b"\x80\x02cnvcomp_checkpoint.format.guard\n"
+    b"compressed_by_nvcomp-checkpoint:load_it_with_nvcomp_checkpoint.load(path)"
+    b"_or_Lightning_Trainer(plugins=[NvcompCheckpointIO()])\n."
+)
 EXPECTED = json.loads((DATA / "golden_v1.expected.json").read_text())
 
 _spec = importlib.util.spec_from_file_location("make_golden", DATA / "make_golden.py")
@@ -89,8 +100,9 @@ def test_golden_multi_chunk_entry():
 
 def _spec_reader(data: bytes, base: dict[str, np.ndarray] | None = None) -> tuple[dict, dict[str, np.ndarray]]:
     """Decodes a version-1 file, or a version-2 or -3 delta given its base's tensors, following docs/format.md alone."""
-    version = data[6]
-    assert data[:6] == b"NVCKPT" and data[7] == 0 and version in ((1,) if base is None else (2, 3))
+    start = len(GUARD) if data.startswith(GUARD) else 0  # the guard, or a file written before it
+    version = data[start + 6]
+    assert data[start : start + 6] == b"NVCKPT" and data[start + 7] == 0 and version in ((1,) if base is None else (2, 3))
     index_offset, index_size, index_hash, magic = struct.unpack("<QQQ8s", data[-32:])
     assert magic == b"NVCKEND\x00" and index_offset + index_size == len(data) - 32
     raw_index = data[index_offset : index_offset + index_size]
@@ -157,21 +169,55 @@ def _undo_sub(chunk: np.ndarray, ref: np.ndarray, width: int, ops: list[list[str
         elems[i] = x
 
 
-def test_golden_matches_format_document():
-    data = GOLDEN.read_bytes()
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_GUARD], ids=["v1", "v1-guard"])
+def test_golden_matches_format_document(golden):
+    data = golden.read_bytes()
     index, tensors = _spec_reader(data)
     assert index["metadata"] == EXPECTED["metadata"]
     for key, want in EXPECTED["tensors"].items():
         assert make_golden.hashlib.sha256(tensors[key].tobytes()).hexdigest() == want["sha256"], key
     # Frames lie in the data region, in file order, without overlaps.
     spans = sorted([tuple(index["skeleton"][:2])] + [(f[0], f[1]) for t in index["tensors"] for f in t["frames"]])
-    assert spans[0][0] == 8
+    assert spans[0][0] == (len(GUARD) if golden == GOLDEN_GUARD else 0) + 8
     for (a, n), (b, _) in zip(spans, spans[1:]):
         assert a + n <= b
     assert spans[-1][0] + spans[-1][1] <= struct.unpack("<Q", data[-32:-24])[0]
 
 
-# -- (b) today's writer reproduces the golden bytes ------------------------------------------
+# -- the guard (a layout revision of every version) ---------------------------------------------
+
+
+def _as_guarded(data: bytes) -> bytes:
+    """A file written before the guard as a writer with it writes it, by docs/format.md alone: the
+    guard in front, every offset (frames, skeleton, index) moved by its length, the index
+    re-serialized compactly in its key order and its digest in the footer updated."""
+    index_offset, index_size, _, magic = struct.unpack("<QQQ8s", data[-32:])
+    index = json.loads(data[index_offset : index_offset + index_size])
+    shift = len(GUARD)
+    index["skeleton"][0] += shift
+    for t in index["tensors"]:
+        for frame in t["frames"]:
+            frame[0] += shift
+    raw = json.dumps(index, separators=(",", ":"), allow_nan=False).encode()
+    footer = struct.pack("<QQQ8s", index_offset + shift, len(raw), xxhash.xxh3_64_intdigest(raw), magic)
+    return GUARD + data[:index_offset] + raw + footer
+
+
+def test_golden_guard_is_the_golden_file_with_the_guard():
+    assert not GOLDEN.read_bytes().startswith(GUARD) and GOLDEN.read_bytes()[:6] == b"NVCKPT"
+    assert GOLDEN_GUARD.read_bytes() == _as_guarded(GOLDEN.read_bytes())
+
+
+def test_golden_guard_decodes_to_expected_tree():
+    assert_tree_equal(make_golden.golden_tree(), nc.load(GOLDEN_GUARD))
+    with nc.open(GOLDEN_GUARD) as reader:
+        assert reader.metadata == EXPECTED["metadata"]
+        for key, want in EXPECTED["tensors"].items():
+            assert make_golden.tensor_digest(reader.read(key)) == want["sha256"], key
+        assert all(err is None for _, err in reader.verify())
+
+
+# -- (b) today's writer reproduces the golden bytes (with the guard) ------------------------------
 
 
 def _resave(tmp_path: Path, workers: int | None = 1, name: str = "resave.nvc") -> bytes:
@@ -192,7 +238,7 @@ def test_resave_reproduces_golden_bytes(tmp_path):
             pytest.fail(message)
         pytest.skip(message)
     fresh = _resave(tmp_path)
-    golden = GOLDEN.read_bytes()
+    golden = GOLDEN_GUARD.read_bytes()
     if fresh != golden:
         first = next(i for i, (a, b) in enumerate(zip(fresh, golden)) if a != b) if len(fresh) == len(golden) else None
         pytest.fail(f"writer output changed: {len(fresh)} vs {len(golden)} bytes, first difference at {first}")
@@ -223,7 +269,7 @@ def test_resave_same_layout_any_version(tmp_path):
             for fa, fb in zip(a.frames, b.frames):
                 if fa.is_raw and fb.is_raw:
                     assert (fa.size, fa.xxh) == (fb.size, fb.xxh), key
-    assert fresh[:8] == GOLDEN.read_bytes()[:8]
+    assert fresh[: len(GUARD) + 8] == GUARD + GOLDEN.read_bytes()[:8]
 
 
 def test_writer_is_deterministic_across_worker_counts(tmp_path):
@@ -301,7 +347,7 @@ def test_resave_reproduces_golden_delta_bytes(tmp_path, monkeypatch):
         workers=1,
         base=tmp_path / GOLDEN.name,
     )
-    assert path.read_bytes() == GOLDEN_DELTA.read_bytes()
+    assert path.read_bytes() == _as_guarded(GOLDEN_DELTA.read_bytes())
 
 
 # -- the "sub" golden file (format version 3) ----------------------------------------------------
@@ -350,4 +396,4 @@ def test_resave_reproduces_golden_sub_bytes(tmp_path):
         workers=1,
         base=tmp_path / GOLDEN.name,
     )
-    assert path.read_bytes() == GOLDEN_SUB.read_bytes()
+    assert path.read_bytes() == _as_guarded(GOLDEN_SUB.read_bytes())

@@ -14,6 +14,9 @@ import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
 from nvcomp_checkpoint.delta import ChainPolicy, base_path_of, chain_of, retained
 from nvcomp_checkpoint.errors import BaseCheckpointError, CheckpointError, FormatError
+from nvcomp_checkpoint.format.layout import GUARD
+
+G = len(GUARD)  # files start with the guard, then the magic (docs/format.md)
 
 #: Fixed metadata: files of one state are byte-identical whatever the clock.
 META = {"created_by": "test", "torch": "pinned", "created": 0.0}
@@ -204,16 +207,16 @@ def test_missing_base_at_save_names_it(tmp_path):
 
 def test_full_file_keeps_format_version_one(tmp_path):
     nc.save(_state(10), tmp_path / "full.nvc")
-    assert (tmp_path / "full.nvc").read_bytes()[:8] == b"NVCKPT\x01\x00"
+    assert (tmp_path / "full.nvc").read_bytes()[: G + 8] == GUARD + b"NVCKPT\x01\x00"
     _save_chain(tmp_path, [1, 2])
     # Version 3: the writer tried the difference ("sub" frames) on the weights.
-    assert (tmp_path / "ckpt-2.nvc").read_bytes()[:8] == b"NVCKPT\x03\x00"
+    assert (tmp_path / "ckpt-2.nvc").read_bytes()[G : G + 8] == b"NVCKPT\x03\x00"
 
 
 def test_delta_header_and_index_version_must_agree(tmp_path):
     paths = _save_chain(tmp_path, [1, 2])
     data = bytearray(paths[1].read_bytes())
-    data[6] = 1  # a version-1 header on a delta file
+    data[G + 6] = 1  # a version-1 header on a delta file
     paths[1].write_bytes(bytes(data))
     with pytest.raises(FormatError, match="version"):
         nc.load(paths[1])

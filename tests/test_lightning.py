@@ -32,7 +32,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 import nvcomp_checkpoint as nc  # noqa: E402
 from conftest import assert_tree_equal  # noqa: E402
 from nvcomp_checkpoint import CodecPolicy  # noqa: E402
-from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, UnsafeCheckpointError  # noqa: E402
+from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError, UnsafeCheckpointError  # noqa: E402
 from nvcomp_checkpoint.lightning import (  # noqa: E402
     NvcompCheckpointIO,
     NvcompCheckpointMetrics,
@@ -409,10 +409,31 @@ def test_load_from_checkpoint(runs):
     # a plain checkpoint goes straight to Lightning
     plain = load_from_checkpoint(TinyModule, runs["plain_ckpt"])
     assert_tree_equal(torch.load(runs["plain_ckpt"], weights_only=True)["state_dict"], plain.state_dict())
-    # Lightning's own loader reads a compressed file with torch.load, which has no hook for another
-    # format: torch's words (the format's magic read as pickle opcodes), as docs/lightning.md says.
-    with pytest.raises(pickle.UnpicklingError, match="Unsupported operand 86"):
-        TinyModule.load_from_checkpoint(runs["nvc_ckpt"])
+    # Lightning's own loaders read a compressed file with torch.load, which has no hook for another
+    # format: the file's guard makes torch name ours (docs/lightning.md, "What stock loaders say").
+    from lightning.fabric.utilities.cloud_io import _load as fabric_load
+    from lightning.pytorch.core.saving import pl_load
+
+    hints = ("nvcomp_checkpoint.load(path)", "Trainer(plugins=[NvcompCheckpointIO()])")
+    for weights_only in (None, True):  # None: torch's default, weights-only
+        for stock in (
+            lambda: TinyModule.load_from_checkpoint(runs["nvc_ckpt"], weights_only=weights_only),
+            lambda: pl_load(runs["nvc_ckpt"], weights_only=weights_only),
+            lambda: fabric_load(str(runs["nvc_ckpt"]), weights_only=weights_only),
+        ):
+            with pytest.raises(pickle.UnpicklingError) as caught:
+                stock()
+            assert all(hint in str(caught.value) for hint in hints), str(caught.value)
+    # Torch's advice, weights_only=False, reaches our refusal, which names the plugin's loaders.
+    for stock in (
+        lambda: TinyModule.load_from_checkpoint(runs["nvc_ckpt"], weights_only=False),
+        lambda: fabric_load(runs["nvc_ckpt"], weights_only=False),
+        # What a Trainer without the plugin resumes with.
+        lambda: TorchCheckpointIO().load_checkpoint(runs["nvc_ckpt"], weights_only=False),
+    ):
+        with pytest.raises(FormatError) as refused:
+            stock()
+        assert all(h in str(refused.value) for h in (*hints, "NvcompCheckpointIO().load_checkpoint")), str(refused.value)
 
 
 def test_fabric_save_and_load(tmp_path):

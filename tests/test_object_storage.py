@@ -15,6 +15,7 @@ import torch
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
 from nvcomp_checkpoint.errors import FormatError, UnsupportedObjectError
+from nvcomp_checkpoint.format.layout import GUARD
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("s3fs")
@@ -79,7 +80,7 @@ def test_s3_save_load_roundtrip(s3):
     assert nc.is_nvcomp_checkpoint(url, storage_options=s3["options"])
     assert_tree_equal(state, nc.load(url, storage_options=s3["options"]))
     # The object is a complete checkpoint: the same bytes load from a local copy too.
-    assert _object(s3, "run/ckpt.nvc")[:6] == b"NVCKPT"
+    assert _object(s3, "run/ckpt.nvc")[len(GUARD) : len(GUARD) + 6] == b"NVCKPT"
 
 
 def test_s3_open_reads_one_tensor_by_range(s3):

@@ -19,6 +19,9 @@ from conftest import assert_tree_equal
 from nvcomp_checkpoint.delta import pick_frames, undo_chunk_, undo_chunk_np_
 from nvcomp_checkpoint.errors import BaseCheckpointError, CheckpointError, ChecksumError, FormatError
 from nvcomp_checkpoint.filters.sub import sub_bytes, sub_bytes_torch, undo_planes_, undo_planes_np_
+from nvcomp_checkpoint.format.layout import GUARD
+
+G = len(GUARD)  # files start with the guard, then the magic (docs/format.md)
 
 META = {"created_by": "test", "torch": "pinned", "created": 0.0}
 
@@ -161,7 +164,7 @@ def _chain(tmp_path: Path, steps: list[int]) -> list[Path]:
 def test_delta_with_sub_frames_loads_and_reads_bit_exactly(tmp_path):
     paths = _chain(tmp_path, [20, 30, 40])
     for path, step in zip(paths[1:], (30, 40)):
-        assert path.read_bytes()[:8] == b"NVCKPT\x03\x00"
+        assert path.read_bytes()[: G + 8] == GUARD + b"NVCKPT\x03\x00"
         ops = _ops(path)
         assert "sub" in ops["optimizer/state/0/exp_avg_sq"], ops
         assert "sub" not in ops["optimizer/state/0/exp_avg"]  # first moments are not tried
@@ -181,7 +184,7 @@ def test_sub_shrinks_second_moments_against_xor_alone(tmp_path, monkeypatch):
     with_sub = nc.save(_state(40), tmp_path / "sub.nvc", base=base)
     monkeypatch.setattr(nc.delta, "SUB_COMPONENTS", frozenset())
     xor_only = nc.save(_state(40), tmp_path / "xor.nvc", base=base)
-    assert (tmp_path / "xor.nvc").read_bytes()[:8] == b"NVCKPT\x02\x00"  # nothing tried: version 2
+    assert (tmp_path / "xor.nvc").read_bytes()[G : G + 8] == b"NVCKPT\x02\x00"  # nothing tried: version 2
     with nc.open(tmp_path / "sub.nvc") as a, nc.open(tmp_path / "xor.nvc") as b:
         sa, sb = a.entry("optimizer/state/0/exp_avg_sq").stored_bytes, b.entry("optimizer/state/0/exp_avg_sq").stored_bytes
     assert sa < sb and with_sub.stored_bytes < xor_only.stored_bytes
@@ -273,7 +276,7 @@ def _rewrite_index(path: Path, edit) -> None:
     index = json.dumps(doc, separators=(",", ":")).encode()
     head = bytearray(data[:offset])
     if "version" in doc and isinstance(doc["version"], int) and 0 < doc["version"] < 256:
-        head[6] = doc["version"]
+        head[G + 6] = doc["version"]
     path.write_bytes(bytes(head) + index + struct.pack("<QQQ8s", offset, len(index), xxhash.xxh3_64_intdigest(index), magic))
 
 
@@ -308,7 +311,7 @@ def test_sub_frame_of_an_eight_byte_tensor_is_refused(tmp_path):
 def test_newer_format_version_asks_to_upgrade(tmp_path):
     paths = _chain(tmp_path, [20, 30])
     data = bytearray(paths[1].read_bytes())
-    data[6] = 4
+    data[G + 6] = 4
     paths[1].write_bytes(bytes(data))
     with pytest.raises(FormatError, match="version 4.*Upgrade"):
         nc.open(paths[1])
@@ -317,7 +320,7 @@ def test_newer_format_version_asks_to_upgrade(tmp_path):
 def test_header_and_index_versions_must_agree_for_sub_deltas(tmp_path):
     paths = _chain(tmp_path, [20, 30])
     data = bytearray(paths[1].read_bytes())
-    data[6] = 2  # a version-2 header on a file whose index says 3
+    data[G + 6] = 2  # a version-2 header on a file whose index says 3
     paths[1].write_bytes(bytes(data))
     with pytest.raises(FormatError, match="version"):
         nc.open(paths[1])

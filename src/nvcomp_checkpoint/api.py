@@ -25,7 +25,7 @@ from .filetype import (
     kind_of,
     path_contents,
 )
-from .format.layout import FOOTER_MAGIC, MAGIC
+from .format.layout import FOOTER_MAGIC, MAGIC, magic_offset
 from .format.skeleton import check_torch_archive, weights_only_detail
 from .pending import wait_for_path
 from .policy import CodecPolicy
@@ -192,7 +192,8 @@ def log_report(report: SaveReport, what: str = "saved") -> None:
 
 
 def is_nvcomp_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
-    """True if ``path`` is a file that starts with this format's magic (once pending async saves to it land).
+    """True if ``path`` is a file that starts with this format's guard and magic, or its magic (files written
+    before the guard), once pending async saves to it land.
 
     A failed async save to ``path`` is not raised here (the file there is the previous one); it
     stays for ``wait_for_saves``, the saver, or the next save to report.
@@ -201,7 +202,7 @@ def is_nvcomp_checkpoint(path: str | os.PathLike[str], storage_options: dict[str
     storage, spath = storage_for(path, storage_options)
     try:
         with storage.open_read(spath) as f:
-            return f.read(6) == MAGIC[:6]
+            return magic_offset(f.read(HEAD_BYTES)) is not None
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return False
 
@@ -255,8 +256,6 @@ def _check_plain_head(where: str, storage: Any, spath: str, head: bytes) -> None
     """Refuse, with the right reason, a file that is neither format before unpickling it."""
     size = storage.size(spath)
     kind = kind_of(head, size)
-    if kind == TORCH:
-        return
     if kind == SAFETENSORS:
         raise FormatError(
             f"{where}: a safetensors file, not a checkpoint of this library or of torch.save; read it with "
@@ -267,10 +266,14 @@ def _check_plain_head(where: str, storage: Any, spath: str, head: bytes) -> None
     if MAGIC.startswith(head):
         raise FormatError(f"{where}: {len(head)} bytes is too small to be a checkpoint (truncated?)")
     if size >= len(FOOTER_MAGIC):
+        # Also for what looks like a torch.save file: a damaged guard (docs/format.md) starts
+        # like a pickle, and unpickling it would only repeat its hint.
         with storage.open_read(spath) as f:
             f.seek(size - len(FOOTER_MAGIC))
             if f.read(len(FOOTER_MAGIC)) == FOOTER_MAGIC:
                 raise FormatError(f"{where}: an nvcomp-checkpoint file whose header is damaged; restore it from another copy")
+    if kind == TORCH:
+        return
     raise FormatError(
         f"{where}: not a checkpoint: neither an nvcomp-checkpoint file nor a torch.save file (it starts with {head[:8]!r})"
     )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Collection, Mapping
 
 from .errors import FormatError
-from .format.layout import MAGIC
+from .format.layout import GUARD, MAGIC
 from .storage import Storage, list_names, open_checkpoint_stream
 
 __all__ = [
@@ -39,8 +39,8 @@ TORCH = "torch.save"
 SAFETENSORS = "safetensors"
 OTHER = "other"
 
-#: How many leading bytes :func:`kind_of` needs.
-HEAD_BYTES = max(9, len(MAGIC))
+#: How many leading bytes :func:`kind_of` needs: the guard and the magic.
+HEAD_BYTES = max(9, len(GUARD) + len(MAGIC))
 
 #: The first bytes of a zip archive: what ``torch.save`` writes by default.
 ZIP_HEAD = b"PK\x03\x04"
@@ -52,8 +52,15 @@ _MAX_SAFETENSORS_HEADER = 100_000_000
 
 
 def kind_of(head: bytes, size: int) -> str:
-    """The kind of a file of ``size`` bytes that starts with ``head`` (at least :data:`HEAD_BYTES` of them, if it has them)."""
-    if head[:6] == MAGIC[:6]:
+    """The kind of a file of ``size`` bytes that starts with ``head`` (at least :data:`HEAD_BYTES` of them, if it has them).
+
+    Ours: the magic first (files written before the guard), or the guard's bytes as far as the
+    head or the guard goes (the reader then checks it whole, and says "truncated" for a file
+    that ends inside it). ``torch.save`` never starts with that pickle: it starts with its
+    magic number, not a GLOBAL.
+    """
+    n = min(len(head), len(GUARD))
+    if head[:6] == MAGIC[:6] or (n and head[:n] == GUARD[:n] and (n >= 3 or len(head) >= size)):
         return NVCOMP
     if head[:4] == ZIP_HEAD or head[:2] in _PICKLE_PROTOCOLS:
         return TORCH

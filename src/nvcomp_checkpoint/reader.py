@@ -19,10 +19,21 @@ import xxhash
 from .codecs import cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
 from .delta import BaseChain
 from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError, SizeLimitError, UnsafeCheckpointError
-from .filetype import HEAD_BYTES, SAFETENSORS, TORCH, kind_of
+from .filetype import HEAD_BYTES, NVCOMP, SAFETENSORS, TORCH, kind_of
 from .filters import ByteplaneFilter
 from .format.chain import MAX_CHAIN_DEPTH
-from .format.layout import FOOTER, MAGIC, READ_VERSIONS, Frame, Index, TensorEntry, unpack_footer
+from .format.layout import (
+    FOOTER,
+    FOOTER_MAGIC,
+    GUARD,
+    MAGIC,
+    READ_VERSIONS,
+    Frame,
+    Index,
+    TensorEntry,
+    magic_offset,
+    unpack_footer,
+)
 from .format.skeleton import check_skeleton, decode_skeleton, tensor_paths, unflatten
 from .policy import Component
 from .report import ComponentStats, ComponentSummary
@@ -136,11 +147,22 @@ class CheckpointReader:
 
     def _read_index(self) -> Index:
         size = self._size
-        if size < len(MAGIC) + FOOTER.size:
-            raise FormatError(f"{self.path}: {size} bytes is too small to be a checkpoint (truncated?)")
         head = self._read_at(0, min(size, HEAD_BYTES))
-        if head[:6] != MAGIC[:6]:
-            raise FormatError(f"{self.path}: {_not_ours(kind_of(head, size))}")
+        kind = kind_of(head, size)
+        # Files written since the guard start with it (docs/format.md "The guard"), earlier ones
+        # with the magic; offsets in the index are from the file's start either way.
+        start = len(GUARD) if kind == NVCOMP and head[:6] != MAGIC[:6] else 0
+        if size < start + len(MAGIC) + FOOTER.size:
+            raise FormatError(f"{self.path}: {size} bytes is too small to be a checkpoint (truncated?)")
+        if magic_offset(head) != start or kind != NVCOMP:
+            # A damaged guard can look like another kind's first bytes; our footer tells.
+            if kind == NVCOMP or self._read_at(size - len(FOOTER_MAGIC), len(FOOTER_MAGIC)) == FOOTER_MAGIC:
+                raise FormatError(
+                    f"{self.path}: an nvcomp-checkpoint file whose header is damaged (its guard or magic); "
+                    "restore it from another copy"
+                )
+            raise FormatError(f"{self.path}: {_not_ours(kind)}")
+        head = head[start:]
         if head[6] > READ_VERSIONS[-1]:
             raise FormatError(
                 f"{self.path}: format version {head[6]}; this nvcomp-checkpoint reads versions up to {READ_VERSIONS[-1]}. Upgrade to read it."
@@ -150,13 +172,14 @@ class CheckpointReader:
                 f"{self.path}: damaged header (version byte {head[6]}, reserved byte {head[7]}; expected "
                 f"{MAGIC[6]} and {MAGIC[7]}); restore the file from another copy"
             )
-        offset, isize, digest = unpack_footer(self._read_at(size - FOOTER.size, FOOTER.size), size, self.path)
+        data_start = start + len(MAGIC)
+        offset, isize, digest = unpack_footer(self._read_at(size - FOOTER.size, FOOTER.size), size, self.path, data_start)
         data = self._read_at(offset, isize)
         if xxhash.xxh3_64_intdigest(data) != digest:
             raise ChecksumError(f"{self.path}: the index is corrupt (checksum mismatch)")
         #: The footer's digest of the index: the file's identity, which a delta of it records.
         self.index_xxh3 = digest
-        index = Index.from_json_bytes(data, offset, self.path)
+        index = Index.from_json_bytes(data, offset, self.path, data_start)
         if index.version != head[6]:
             raise FormatError(
                 f"{self.path}: the header says format version {head[6]}, the index {index.version}; the file is damaged"

@@ -29,6 +29,7 @@ from .filters.sub import sub_bytes_torch
 from .format.chain import DELTA_FORMAT_VERSION, SUB, SUB_FORMAT_VERSION, XOR, TensorDelta
 from .format.layout import (
     DELTA_MAGIC,
+    GUARD,
     MAGIC,
     MAX_INDEX_BYTES,
     QUANTIZED_DTYPES,
@@ -549,6 +550,7 @@ class CheckpointWriter:
                 "torch tensors (torch.from_numpy, torch.frombuffer), which are compressed and streamed"
             )
         version = self._version(planned)
+        self._write(GUARD)  # a stock torch.load stops here, naming our loader (format/guard.py)
         self._write(MAGIC if version is None else {DELTA_FORMAT_VERSION: DELTA_MAGIC, SUB_FORMAT_VERSION: SUB_MAGIC}[version])
         skel_frame = self._write_skeleton(skeleton_bytes)
         frames_of: list[list[Frame]] = [[] for _ in planned]

@@ -1,7 +1,8 @@
 """The on-disk layout of a checkpoint file (specified in ``docs/format.md``).
 
-``MAGIC | skeleton frame | tensor frames ... | index (JSON) | footer``: written strictly front to
-back, so it streams to object storage; the index at the end is the commit point.
+``GUARD | MAGIC | skeleton frame | tensor frames ... | index (JSON) | footer``: written strictly
+front to back, so it streams to object storage; the index at the end is the commit point. Files
+written before the guard start with the magic and read as before.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from ..codecs import CODEC_IDS, CodecConfig
 from ..codecs.registry import CHUNK_CAP_BYTES
 from ..errors import FormatError
 from ..filters import FILTER_IDS
+from . import guard
 from .chain import DELTA_FORMAT_VERSION, FRAME_OPS, SUB, SUB_FORMAT_VERSION, SUB_WIDTHS, BaseRef, TensorDelta
 
 __all__ = [
+    "GUARD",
     "MAGIC",
+    "magic_offset",
     "SAVE_METADATA_KEYS",
     "DELTA_MAGIC",
     "SUB_MAGIC",
@@ -51,6 +55,10 @@ SUB_MAGIC = b"NVCKPT" + bytes([SUB_FORMAT_VERSION, 0])
 #: Format versions this reader reads, oldest first.
 READ_VERSIONS = (FORMAT_VERSION, DELTA_FORMAT_VERSION, SUB_FORMAT_VERSION)
 FOOTER_MAGIC = b"NVCKEND\x00"
+#: Starts every file written since the guard (docs/format.md "The guard"), before the magic: one
+#: protocol-2 pickle, ``PROTO 2, GLOBAL guard.MODULE guard.NAME, STOP``, fixed ASCII bytes. A stock
+#: ``torch.load`` stops on it with the loader to use; readers compare it exactly, never unpickle it.
+GUARD = b"\x80\x02c" + guard.MODULE.encode("ascii") + b"\n" + guard.NAME.encode("ascii") + b"\n."
 #: The index metadata every save writes itself (a converted or rebased file gets fresh ones).
 SAVE_METADATA_KEYS = ("created_by", "torch", "created")
 #: index offset (u64), index size (u64), xxh3-64 of the index (u64), FOOTER_MAGIC; little-endian.
@@ -81,12 +89,25 @@ def dtype_from_name(name: str, where: str) -> torch.dtype:
     return dtype
 
 
+def magic_offset(head: bytes) -> int | None:
+    """Where the magic lies in a file that starts with ``head`` (at least ``len(GUARD) + 6`` bytes of
+    it, if it has them): just after the exact guard, or at 0 (files written before the guard);
+    None when neither."""
+    if head.startswith(GUARD) and head[len(GUARD) : len(GUARD) + 6] == MAGIC[:6]:
+        return len(GUARD)
+    return 0 if head[:6] == MAGIC[:6] else None
+
+
 def pack_footer(index_offset: int, index_size: int, index_hash: int) -> bytes:
     return FOOTER.pack(index_offset, index_size, index_hash, FOOTER_MAGIC)
 
 
-def unpack_footer(data: bytes, file_size: int, where: str) -> tuple[int, int, int]:
-    """Footer fields, checked against the file size so nothing absurd is allocated."""
+def unpack_footer(data: bytes, file_size: int, where: str, data_start: int = len(MAGIC)) -> tuple[int, int, int]:
+    """Footer fields, checked against the file size so nothing absurd is allocated.
+
+    ``data_start``: where the file's data begins (after the guard and the magic); the default,
+    the magic's length, is the lowest any file has.
+    """
     if len(data) != FOOTER.size:
         raise FormatError(f"{where}: file is truncated (no complete footer)")
     offset, size, digest, magic = FOOTER.unpack(data)
@@ -94,7 +115,7 @@ def unpack_footer(data: bytes, file_size: int, where: str) -> tuple[int, int, in
         raise FormatError(
             f"{where}: no checkpoint footer; the file is truncated (an interrupted save?) or not an nvcomp-checkpoint file"
         )
-    if size > MAX_INDEX_BYTES or offset < len(MAGIC) or offset + size != file_size - FOOTER.size:
+    if size > MAX_INDEX_BYTES or offset < data_start or offset + size != file_size - FOOTER.size:
         raise FormatError(
             f"{where}: footer claims an index of {size} bytes at {offset}, impossible in a file of {file_size} bytes"
         )
@@ -300,7 +321,9 @@ class Index:
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
     @classmethod
-    def from_json_bytes(cls, data: bytes, data_end: int, where: str) -> "Index":
+    def from_json_bytes(cls, data: bytes, data_end: int, where: str, data_start: int = len(MAGIC)) -> "Index":
+        """The index in ``data``; every frame must lie in ``[data_start, data_end)``: after the
+        guard (if any) and the magic, before the index."""
         try:
             doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, NaN
@@ -325,7 +348,6 @@ class Index:
             metadata = doc.get("metadata", {})
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise FormatError(f"{where}: malformed index ({exc!r})") from exc
-        data_start = len(MAGIC)
         if not (data_start <= skeleton.offset and 0 <= skeleton.size and skeleton.offset + skeleton.size <= data_end) or not (
             0 <= skeleton.raw_size <= MAX_INDEX_BYTES
         ):
