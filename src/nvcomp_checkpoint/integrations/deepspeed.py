@@ -16,21 +16,28 @@ writes (:data:`DEEPSPEED_SAFE_GLOBALS`); any other class is refused, named in th
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
-from nvcomp_checkpoint.errors import CheckpointNotFoundError, CheckpointWriteError, FormatError
-from nvcomp_checkpoint.filetype import HEAD_BYTES, NVCOMP, kind_of
+from nvcomp_checkpoint.deepspeed_layout import (
+    DEEPSPEED_PATTERNS,
+    MANIFEST_NAME,
+    SAFE_GLOBAL_NAMES,
+    check_tag_complete,
+    deepspeed_safe_globals,
+    load_deepspeed_file,
+    write_latest,
+    write_manifest,
+)
+from nvcomp_checkpoint.deepspeed_layout import deepspeed_policy as _layout_policy
+from nvcomp_checkpoint.errors import CheckpointWriteError
 from nvcomp_checkpoint.storage import LocalStorage
 from nvcomp_checkpoint.version import install_hint
 
@@ -52,135 +59,18 @@ __all__ = [
     "deepspeed_safe_globals",
     "load_deepspeed_file",
     "check_tag_complete",
+    "SAFE_GLOBAL_NAMES",
 ]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
 
-#: The tag's commit record, written by rank 0 once every rank's files are durable, before ``latest``.
-MANIFEST_NAME = "nvckpt_manifest.json"
-_MANIFEST_FORMAT = "nvcomp-checkpoint deepspeed tag v1"
-
-#: DeepSpeed keeps the fp32 master weights as flat partitions whose names say nothing of weights
-#: (``single_partition_of_fp32_groups/0``): without these globs they would be classified as "other"
-#: and miss the byte-plane codec settings of weights. The moments (``.../state/0/exp_avg``) already
-#: classify by their own names. ``*`` also matches ``/``, so each glob covers both the ZeRO files and
-#: the model-states file, where ZeRO stage 0 keeps the optimizer (``optimizer/...``).
-DEEPSPEED_PATTERNS: dict[str, str] = {
-    "*/single_partition_of_fp32_groups/*": "weights",  # ZeRO 1/2, bf16 optimizer
-    "*/fp32_flat_groups/*": "weights",  # ZeRO 3
-    "*/fp32_groups_flat/*": "weights",  # fp16 fused optimizer (stage 0)
-    "*/fp32_groups/*": "weights",  # fp16 unfused optimizer (stage 0)
-}
-
-#: Every class DeepSpeed pickles into its checkpoint files (besides what ``torch.load(weights_only=True)``
-#: allows anyway): the ZeRO optimizers' loss scaler and stage, and ZeRO 1/2's parameter slice map.
+#: Every class DeepSpeed pickles into its checkpoint files: :data:`SAFE_GLOBAL_NAMES` resolved.
 DEEPSPEED_SAFE_GLOBALS: tuple[Any, ...] = (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
-
-_ALLOW_LOCK = threading.Lock()
-_ALLOW_USERS = 0
-_ALLOW_ADDED: list[Any] = []
-
-
-@contextlib.contextmanager
-def deepspeed_safe_globals() -> Iterator[None]:
-    """Allow :data:`DEEPSPEED_SAFE_GLOBALS` in weights-only loads while the block runs.
-
-    torch's ``safe_globals`` context manager edits one process-wide set, so its exit in one thread
-    would withdraw the classes from a load running in another: the classes are added by the first
-    user and withdrawn by the last, and a class the process had allowed already is left alone.
-    """
-    global _ALLOW_USERS
-    with _ALLOW_LOCK:
-        if _ALLOW_USERS == 0:
-            present = set(map(id, torch.serialization.get_safe_globals()))
-            _ALLOW_ADDED[:] = [g for g in DEEPSPEED_SAFE_GLOBALS if id(g) not in present]
-            torch.serialization.add_safe_globals(list(_ALLOW_ADDED))
-        _ALLOW_USERS += 1
-    try:
-        yield
-    finally:
-        with _ALLOW_LOCK:
-            _ALLOW_USERS -= 1
-            if _ALLOW_USERS == 0 and _ALLOW_ADDED:
-                from torch._weights_only_unpickler import _remove_safe_globals  # noqa: PLC0415 - torch has no public remove
-
-                _remove_safe_globals(list(_ALLOW_ADDED))
-                _ALLOW_ADDED.clear()
 
 
 def deepspeed_policy(policy: CodecPolicy | Mapping[str, Any] | str | None = None) -> CodecPolicy:
     """``policy`` (any form :meth:`CodecPolicy.of` takes) with :data:`DEEPSPEED_PATTERNS` under the user's own patterns."""
-    base = CodecPolicy.of(policy, "attach(policy=...)")
-    return base.with_overrides(patterns={**DEEPSPEED_PATTERNS, **{k: v.value for k, v in base.patterns.items()}})
-
-
-def load_deepspeed_file(path: str | os.PathLike[str], map_location: Any = None) -> Any:
-    """Load one file of a DeepSpeed checkpoint, ours or plain ``torch.save``, without trusting its pickle.
-
-    A file in a tag directory that has a manifest is loaded only if every file the manifest names
-    is there with its committed size.
-
-    Raises:
-        CheckpointNotFoundError: ``path``, or another file of its committed tag, is missing.
-        FormatError: A file of the tag differs in size from the one committed.
-        UnsafeCheckpointError: The file holds a class outside :data:`DEEPSPEED_SAFE_GLOBALS` (named).
-    """
-    tag_dir = os.path.dirname(os.fspath(path))
-    if not check_tag_complete(tag_dir) and _is_ours(path):
-        # Our files without a manifest: a save that died before every rank's files were durable.
-        raise FormatError(
-            f"{path}: its tag {os.path.basename(tag_dir)!r} was never committed (no {MANIFEST_NAME}: a save was "
-            "interrupted); load the tag `latest` names, or another"
-        )
-    with deepspeed_safe_globals():
-        return nc.load(path, map_location=map_location, weights_only=True)
-
-
-def check_tag_complete(tag_dir: str) -> bool:
-    """Raise unless every file the manifest of ``tag_dir`` names is there with its committed size.
-
-    Returns:
-        True if the tag has a manifest (and is complete), False if it has none (a plain DeepSpeed tag,
-        or one of ours whose save never committed).
-    """
-    manifest_path = os.path.join(tag_dir, MANIFEST_NAME)
-    try:
-        with open(manifest_path, "rb") as f:
-            raw = f.read(1 << 24)
-    except FileNotFoundError:
-        return False
-    try:
-        manifest = json.loads(raw)
-        files = manifest["files"]
-        if manifest.get("format") != _MANIFEST_FORMAT or not isinstance(files, dict):
-            raise ValueError("not a manifest of this library")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise FormatError(f"{manifest_path}: unreadable tag manifest ({type(exc).__name__}); the tag cannot be trusted") from exc
-    for name, size in sorted(files.items()):
-        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-            raise FormatError(f"{manifest_path}: names {name!r}, not a file of the tag directory")
-        path = os.path.join(tag_dir, name)
-        try:
-            actual = os.stat(path).st_size
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(
-                f"{path}: missing from committed tag {manifest.get('tag')!r} (its manifest names it); "
-                "restore the file or load another tag"
-            ) from None
-        if actual != size:
-            raise FormatError(
-                f"{path}: {actual} bytes, but tag {manifest.get('tag')!r} committed {size}; the file was changed or truncated"
-            )
-    return True
-
-
-def _is_ours(path: str | os.PathLike[str]) -> bool:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(HEAD_BYTES)
-        return kind_of(head, os.path.getsize(path)) == NVCOMP
-    except OSError:
-        return False  # nc.load names the missing or unreadable file
+    return _layout_policy(policy, "attach(policy=...)")
 
 
 @dataclass
@@ -332,11 +222,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
         for theirs in gathered:
             everything.update(theirs["files"])
         if _rank() == 0 and everything:  # nothing of the tag's own (save_16bit_model): no tag to commit
-            manifest = {"format": _MANIFEST_FORMAT, "tag": pending.tag, "world_size": len(gathered), "files": everything}
-            storage = LocalStorage()
-            storage.write_bytes(os.path.join(tag_dir, MANIFEST_NAME), json.dumps(manifest, indent=1, sort_keys=True).encode())
+            write_manifest(tag_dir, pending.tag, len(gathered), everything)
             if pending.save_latest:
-                storage.write_bytes(os.path.join(pending.save_dir, "latest"), pending.tag.encode())
+                write_latest(pending.save_dir, pending.tag)
         # No rank leaves before `latest` names the tag: a load right after the save must see it.
         _barrier()
         self.reports = pending.reports
