@@ -22,7 +22,7 @@ import torch
 from .api import load
 from .errors import CheckpointNotFoundError, FormatError, UnsupportedObjectError
 from .filetype import HEAD_BYTES, NVCOMP, kind_of
-from .policy import CodecPolicy
+from .policy import CodecPolicy, Component
 from .storage import LOCAL
 
 __all__ = [
@@ -314,7 +314,7 @@ def is_ours(path: str | os.PathLike[str]) -> bool:
 def deepspeed_policy(policy: CodecPolicy | Mapping[str, Any] | str | None = None, where: str = "policy") -> CodecPolicy:
     """``policy`` (any form :meth:`CodecPolicy.of` takes) with :data:`DEEPSPEED_PATTERNS` under the user's own patterns."""
     base = CodecPolicy.of(policy, where)
-    return base.with_overrides(patterns={**DEEPSPEED_PATTERNS, **{k: v.value for k, v in base.patterns.items()}})
+    return base.with_overrides(patterns={**DEEPSPEED_PATTERNS, **{k: Component(v).value for k, v in base.patterns.items()}})
 
 
 # -- the allow-list ------------------------------------------------------------------------------
