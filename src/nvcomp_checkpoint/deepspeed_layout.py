@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from .api import load
-from .errors import CheckpointNotFoundError, FormatError, UnsupportedObjectError
+from .errors import CheckpointError, CheckpointNotFoundError, FormatError, UnsupportedObjectError
 from .filetype import HEAD_BYTES, NVCOMP, kind_of
 from .policy import CodecPolicy, Component
 from .storage import LOCAL
@@ -211,12 +211,14 @@ def read_manifest(tag_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     return manifest
 
 
-def tag_problems(tag_dir: str | os.PathLike[str]) -> list[str]:
+def tag_problems(tag_dir: str | os.PathLike[str], *, read_partition_count: bool = False) -> list[str]:
     """Everything that keeps ``tag_dir`` from being a complete tag, one message per problem (empty: complete).
 
     With a manifest: every file it names is there with its committed size. Without one (a plain
     DeepSpeed tag): the ranks of each kind of per-rank file run from 0 without a gap, the model
     states are there, and none of the files is ours (ours without a manifest: a save that never committed).
+    With ``read_partition_count``, the lowest rank's ZeRO file of a plain tag is read for the number
+    of partitions DeepSpeed wrote (``partition_count``), so a missing last rank is found too.
     """
     tag_dir = os.fspath(tag_dir)
     tag = os.path.basename(os.path.normpath(tag_dir))
@@ -261,11 +263,29 @@ def tag_problems(tag_dir: str | os.PathLike[str]) -> list[str]:
         if f.rank is not None:
             prefix = f.name.split("zero_pp_rank_")[0] if "zero_pp_rank_" in f.name else "expp"
             by_kind.setdefault((f.kind, prefix), []).append(f.rank)
-    for (kind, _), ranks in sorted(by_kind.items()):
-        missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+    for (kind, prefix), ranks in sorted(by_kind.items()):
+        count = max(ranks) + 1
+        if read_partition_count and kind == OPTIM_PARTITION and prefix != "expp":
+            count = max(
+                count, _partition_count(os.path.join(tag_dir, f"{prefix}zero_pp_rank_{min(ranks)}_mp_rank_00_optim_states.pt"))
+            )
+        missing = sorted(set(range(count)) - set(ranks))
         if missing:
             problems.append(f"{tag_dir}: the {kind} files of ranks {missing} are missing (ranks up to {max(ranks)} are there)")
     return problems
+
+
+def _partition_count(path: str) -> int:
+    """The number of ZeRO partitions a DeepSpeed optimizer file says were written (0 when it does not say)."""
+    if not os.path.exists(path):
+        return 0
+    try:
+        state = load_deepspeed_file(path, map_location="cpu")
+    except CheckpointError:
+        return 0  # the file's own check reports it
+    count = state.get("optimizer_state_dict", {}).get("partition_count") if isinstance(state, dict) else None
+    counts = count if isinstance(count, (list, tuple)) else [count]
+    return max((c for c in counts if isinstance(c, int) and not isinstance(c, bool)), default=0)
 
 
 def check_tag_complete(tag_dir: str | os.PathLike[str]) -> bool:
