@@ -37,8 +37,11 @@ from nvcomp_checkpoint.deepspeed_layout import (
     write_manifest,
 )
 from nvcomp_checkpoint.deepspeed_layout import deepspeed_policy as _layout_policy
+from nvcomp_checkpoint.entrypoint import incremental_files
 from nvcomp_checkpoint.errors import CheckpointWriteError
+from nvcomp_checkpoint.incremental import unit_base_of
 from nvcomp_checkpoint.storage import LocalStorage
+from nvcomp_checkpoint.tiers import Tier, TierCopies
 from nvcomp_checkpoint.version import install_hint
 
 try:
@@ -80,6 +83,7 @@ class _PendingTag:
     save_dir: str
     tag: str
     save_latest: bool
+    step: int | None = None  # the engine's global step when the save began: the tiers name copies by it
     files: dict[str, str] = field(default_factory=dict)  # absolute path -> name in the tag dir
     handles: list[nc.AsyncSaveHandle] = field(default_factory=list)
     reports: list[SaveReport] = field(default_factory=list)
@@ -103,7 +107,14 @@ class NvcompCheckpointEngine(CheckpointEngine):
         async_save: bool = False,
         workers: int | None = None,
         on_commit: Callable[[str, str, list[SaveReport]], None] | None = None,
+        tiers: list[Tier] | None = None,
+        incremental: bool = False,
+        full_every: int | None = None,
+        delta_base: str = "previous",
     ) -> None:
+        # Checked first: a wrong argument must not leave anything half set up.
+        self.tiers: TierCopies | None = None if tiers is None else TierCopies(tiers, "attach")
+        self.incremental = incremental_files("attach", incremental, full_every, delta_base)
         super().__init__(None)
         self.name = "NvcompCheckpointEngine"
         self.policy = deepspeed_policy(policy)
@@ -116,6 +127,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._pending: _PendingTag | None = None
         self._uncommitted: _PendingTag | None = None  # async: saved, waiting for DeepSpeed's commit
         self._saver = nc.AsyncSaver(max_pending=2, report_errors=False, workers=workers) if async_save else None
+        #: Set by attach(): the engine's global step, read when a save begins.
+        self.current_step: Callable[[], int | None] = lambda: None
 
     # -- DeepSpeed's CheckpointEngine interface -------------------------------------------------
 
@@ -124,7 +137,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         # is collective), and two tags' files must never be in flight under one `latest`.
         self.wait()
         save_latest = info.save_latest if self.latest_requested is None else self.latest_requested
-        self._pending = _PendingTag(os.fspath(info.save_dir), str(info.tag), bool(save_latest))
+        self._pending = _PendingTag(os.fspath(info.save_dir), str(info.tag), bool(save_latest), self.current_step())
 
     def save(self, state_dict: Any, path: str) -> None:
         pending = self._pending_for(path)
@@ -135,10 +148,17 @@ class NvcompCheckpointEngine(CheckpointEngine):
             with LocalStorage().open_write(path) as f:
                 torch.save(state_dict, f)
             return
-        if self._saver is not None:
-            pending.handles.append(self._saver.save(state_dict, path, self.policy, workers=self.workers))
-        else:
-            pending.reports.append(nc.save(state_dict, path, self.policy, workers=self.workers))
+        # incremental: each file is a delta against the same file of the previous tag (a full one every full_every).
+        base = None if self.incremental is None else self.incremental.base_for(path, slot=os.path.basename(path))
+        try:
+            if self._saver is not None:
+                pending.handles.append(self._saver.save(state_dict, path, self.policy, workers=self.workers, base=base))
+            else:
+                pending.reports.append(nc.save(state_dict, path, self.policy, workers=self.workers, base=base))
+        except BaseException:
+            if self.incremental is not None:
+                self.incremental.failed(os.path.basename(path), path)
+            raise
         pending.files[os.path.abspath(path)] = os.path.basename(path)
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -175,6 +195,27 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self.wait()
         if self._saver is not None:
             self._saver.close()
+        if self.tiers is not None:
+            # The end of the run: the newest tag reaches every tier whose schedule skipped it.
+            self.tiers.wait(final=True)
+
+    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
+        """The newest tag copied to ``tiers`` that checks, as a local folder (None: no copy; a fresh start).
+
+        Collective (call it on every rank): rank 0 finds the copy (downloading one from an object store
+        into ``local_dir``, default ``.nvckpt-restore`` in the working directory) and every rank gets its
+        path, so ``local_dir`` must be visible to every rank (one node, or a shared file system). Load it
+        with ``engine.load_checkpoint(os.path.dirname(path), tag=os.path.basename(path))``.
+
+        Raises:
+            ValueError: ``attach`` was given no ``tiers``.
+        """
+        if self.tiers is None:
+            raise ValueError("NvcompCheckpointEngine.resume_path(): no tiers; pass attach(engine, tiers=[nc.Tier(...)])")
+        found = [self.tiers.resume_path(local_dir) if _rank() == 0 else None]
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(found, src=0)
+        return found[0]
 
     # -- ours ----------------------------------------------------------------------------------
 
@@ -184,6 +225,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self._uncommitted, self._pending = self._pending, None
         if self._uncommitted is not None:
             self._commit(self._uncommitted)
+        if self.tiers is not None:
+            self.tiers.wait()
 
     def _pending_for(self, path: str) -> _PendingTag:
         if self._pending is None:
@@ -211,11 +254,15 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self._pending = None
         if self._uncommitted is pending:
             self._uncommitted = None
+        if error is not None and self.incremental is not None:
+            self.incremental.failed()  # the next save is a full one
         if error is not None:
             raise CheckpointWriteError(
                 f"{tag_dir}: this rank's files of tag {pending.tag!r} failed ({error}); the tag is not committed"
             ) from error
         failed = [rank for rank, theirs in enumerate(gathered) if not theirs["ok"]]
+        if failed and self.incremental is not None:
+            self.incremental.failed()
         if failed:
             raise CheckpointWriteError(f"{tag_dir}: ranks {failed} failed to write tag {pending.tag!r}; the tag is not committed")
         everything: dict[str, int] = {}
@@ -227,6 +274,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 write_latest(pending.save_dir, pending.tag)
         # No rank leaves before `latest` names the tag: a load right after the save must see it.
         _barrier()
+        if self.tiers is not None and _rank() == 0 and everything and pending.step is not None:
+            # The committed tag is a folder unit of tier 0 (the save dir); a delta tag is adopted with its base tag.
+            base = None if self.incremental is None else unit_base_of(tag_dir)
+            self.tiers.adopt(pending.step, tag_dir, base)
         self.reports = pending.reports
         if self.on_commit is not None:
             self.on_commit(pending.save_dir, pending.tag, pending.reports)
@@ -256,6 +307,11 @@ def attach(
     async_save: bool = False,
     workers: int | None = None,
     on_commit: Callable[[str, str, list[SaveReport]], None] | None = None,
+    tiers: list[Tier] | None = None,
+    incremental: bool = False,
+    full_every: int | None = None,
+    delta_base: str = "previous",
+    leader_load: bool = False,
 ) -> NvcompCheckpointEngine:
     """Make ``engine`` (a ``deepspeed.DeepSpeedEngine``) save compressed checkpoints and load ours and plain ones.
 
@@ -272,16 +328,43 @@ def attach(
             ``NvcompCheckpointEngine.wait()`` (all collective).
         workers: Compression threads per rank (default: every core).
         on_commit: Called on every rank as ``on_commit(save_dir, tag, reports)`` once a tag is committed.
+        tiers: :class:`~nvcomp_checkpoint.Tier` s each committed tag is copied to (by rank 0, in the
+            background, named by the engine's global step at the save); the save folder is tier 0.
+            ``NvcompCheckpointEngine.resume_path()`` finds the newest copy that checks (a fresh node).
+        incremental: Each file of a tag is saved as a delta against the same file of the previous tag
+            this process saved, a full tag every ``full_every`` (default 10) tags; ``delta_base``:
+            ``"previous"`` or ``"full"``, as for :class:`~nvcomp_checkpoint.ChainPolicy`. A delta tag
+            needs its base tags: remove a tag only when no kept tag is a delta against it.
+        leader_load: Refused: every rank of a ZeRO run reads its own partition file, so there is no
+            file one rank could read for the others (see docs/deepspeed.md).
+
+    Raises:
+        ValueError: ``leader_load=True``, or an invalid ``tiers`` / ``full_every``.
 
     Returns:
         The installed :class:`NvcompCheckpointEngine` (``engine.checkpoint_engine``).
     """
+    if leader_load:
+        raise ValueError(
+            "attach(leader_load=True): DeepSpeed's ZeRO ranks each load their own optimizer partition file "
+            "(zero_pp_rank_N_...), so no file is read by every rank for one to broadcast; drop leader_load"
+        )
     old = getattr(engine, "checkpoint_engine", None)
     if old is not None and getattr(old, "is_decoupled", lambda: False)():
         raise ValueError(
             f"attach(): the engine already has a decoupled checkpoint engine ({type(old).__name__}) with saves in flight; attach before saving"
         )
-    ours = NvcompCheckpointEngine(policy, async_save=async_save, workers=workers, on_commit=on_commit)
+    ours = NvcompCheckpointEngine(
+        policy,
+        async_save=async_save,
+        workers=workers,
+        on_commit=on_commit,
+        tiers=tiers,
+        incremental=incremental,
+        full_every=full_every,
+        delta_base=delta_base,
+    )
+    ours.current_step = lambda: getattr(engine, "global_steps", None)
     engine.checkpoint_engine = ours
     original = engine.save_checkpoint
 
