@@ -77,7 +77,8 @@ class TinyMoE(TinyGPT):
         from deepspeed.moe.layer import MoE
 
         mlp = nn.Sequential(nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(), nn.Linear(4 * HIDDEN, HIDDEN))
-        self.moe = MoE(hidden_size=HIDDEN, expert=mlp, num_experts=2, ep_size=2, k=1)
+        # No random token selection: the gate must not draw from the RNG, which a checkpoint does not hold.
+        self.moe = MoE(hidden_size=HIDDEN, expert=mlp, num_experts=2, ep_size=2, k=1, use_rts=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))

@@ -397,3 +397,30 @@ def test_cli_on_deepspeed_folders_and_zero_to_fp32_of_decompressed(
     (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     code, out = _cli("verify", str(work), capsys=capsys)
     assert code == 1 and "ranks [1]" in out, out
+
+
+def test_leader_load_is_refused_naming_why() -> None:
+    from nvcomp_checkpoint.deepspeed import attach
+
+    engine = object()  # refused before the engine is touched
+    with pytest.raises(ValueError, match=r"leader_load=True.*own optimizer partition"):
+        attach(engine, leader_load=True)
+
+
+def test_tiers_and_full_every_are_checked_before_the_engine_is_touched(tmp_path: Path) -> None:
+    from nvcomp_checkpoint.deepspeed import attach
+
+    class Engine:
+        checkpoint_engine = None
+
+        def save_checkpoint(self, *args: object, **kwargs: object) -> bool:
+            return True
+
+    engine = Engine()
+    with pytest.raises(TypeError, match=r"attach\(tiers=...\) takes a list"):
+        attach(engine, tiers=nc.Tier(tmp_path / "t"))
+    with pytest.raises(ValueError, match=r"attach\(incremental=True, full_every=...\)"):
+        attach(engine, incremental=True, full_every=0)
+    assert engine.checkpoint_engine is None
+    with pytest.raises(ValueError, match="no tiers"):
+        attach(engine).resume_path()

@@ -206,3 +206,65 @@ def test_a_reduce_to_a_function_is_refused_naming_it(tmp_path: Path) -> None:
     torch.save({"x": _Exec()}, path)
     with pytest.raises(UnsafeCheckpointError, match="system"):
         load_deepspeed_file(path)
+
+
+def _plain_deepspeed_folder(root: Path) -> Path:
+    """A plain DeepSpeed folder shaped as ZeRO-2 writes it (2 ranks), made without training."""
+    tag = root / "t1"
+    tag.mkdir(parents=True)
+    torch.manual_seed(0)
+    torch.save({"module": {"w": torch.randn(256)}, "ds_version": "0.19"}, tag / "mp_rank_00_model_states.pt")
+    for rank in range(2):
+        state = {"single_partition_of_fp32_groups": [torch.randn(128)], "partition_count": [2]}
+        torch.save({"optimizer_state_dict": state, "ds_version": "0.19"}, tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    (root / "latest").write_text("t1")
+    return tag
+
+
+def test_in_place_compress_killed_midway_is_refused_until_rerun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nvcomp_checkpoint.cli.main import main
+    from nvcomp_checkpoint.deepspeed_layout import CONVERTING_NAME, MANIFEST_NAME
+    from nvcomp_checkpoint.errors import FormatError
+
+    tag = _plain_deepspeed_folder(tmp_path / "ckpt")
+    before = {p.name: torch.load(p, weights_only=True) for p in tag.iterdir()}
+    real_save = nc.save
+    saved: list[str] = []
+
+    def dies_on_the_second_file(obj, path, *args, **kwargs):  # noqa: ANN001, ANN202
+        if saved:
+            raise KeyboardInterrupt  # as a kill would: the first file converted, the rest not
+        saved.append(str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(nc, "save", dies_on_the_second_file)
+    with pytest.raises(KeyboardInterrupt):
+        from nvcomp_checkpoint.cli._deepspeed import convert_in_place
+
+        convert_in_place(str(tmp_path / "ckpt"), True, nc.CodecPolicy(), None, lambda name: None)
+    assert (tag / CONVERTING_NAME).exists() and not (tag / MANIFEST_NAME).exists()
+    # The half-converted tag is refused on every file, naming the command that finishes it.
+    for p in tag.glob("*.pt"):
+        with pytest.raises(FormatError, match="run the same command again"):
+            load_deepspeed_file(p)
+    assert main(["verify", str(tmp_path / "ckpt")]) == 1
+    monkeypatch.setattr(nc, "save", real_save)
+    assert main(["compress", str(tmp_path / "ckpt")]) == 0  # resumes
+    assert not (tag / CONVERTING_NAME).exists() and (tag / MANIFEST_NAME).exists()
+    assert (tmp_path / "ckpt" / "latest").read_text() == "t1"
+    for name, tree in before.items():
+        assert nc.is_nvcomp_checkpoint(tag / name)
+        assert_tree_equal(load_deepspeed_file(tag / name), tree)
+    assert main(["verify", str(tmp_path / "ckpt")]) == 0
+
+
+def test_verify_names_a_missing_last_rank_of_a_plain_tag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from nvcomp_checkpoint.cli.main import main
+
+    tag = _plain_deepspeed_folder(tmp_path / "ckpt")
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    assert main(["verify", str(tmp_path / "ckpt")]) == 1
+    assert "ranks [1]" in capsys.readouterr().out
+    (tmp_path / "ckpt" / "latest").write_text("t9")
+    assert main(["verify", str(tmp_path / "ckpt")]) == 1
+    assert "names tag 't9'" in capsys.readouterr().out
