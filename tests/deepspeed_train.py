@@ -211,10 +211,11 @@ def main() -> None:
                 resumed["after_t6"] = train(engine, 1)
                 engine.save_checkpoint(target, tag="t7")
             if name == "plain":
-                # Committed at the next optimizer step, not before: `latest` waits for every rank's files.
+                # Committed at an optimizer step once every rank's files are durable (or by wait()), not
+                # before: `latest` waits for every rank's files.
                 assert not os.path.exists(os.path.join(target, "latest"))
                 resumed["after_async"] = train(engine, 1)
-                torch.distributed.barrier()
+                ours.wait()
                 with open(os.path.join(target, "latest")) as f:
                     assert f.read() == "t5"
                 engine.save_checkpoint(target, tag="t6")

@@ -140,7 +140,7 @@ def test_killed_save_leaves_latest_on_the_last_complete_tag(run: tuple[int, Path
             load_deepspeed_file(path)
 
 
-def test_async_save_commits_at_the_next_step_with_the_same_files_as_sync(run: tuple[int, Path]) -> None:
+def test_async_save_commits_once_durable_with_the_same_files_as_sync(run: tuple[int, Path]) -> None:
     _, root = run
     assert (root / "sync" / "latest").read_text() == "t7"
     assert (root / "async" / "latest").read_text() == "t6"

@@ -45,6 +45,7 @@ from nvcomp_checkpoint.tiers import Tier, TierCopies
 from nvcomp_checkpoint.version import install_hint
 
 try:
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -93,8 +94,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
     """DeepSpeed's ``CheckpointEngine`` with every file written compressed; built by :func:`attach`.
 
     With ``async_save`` the engine is *decoupled* in DeepSpeed's sense: ``save_checkpoint`` returns once
-    each file's snapshot is taken, and DeepSpeed commits the tag at the next optimizer step (or
-    :meth:`wait` does, on every rank).
+    each file's snapshot is taken, and DeepSpeed commits the tag at the first optimizer step at which
+    every rank's files are durable (or :meth:`wait` does, on every rank).
 
     Attributes:
         reports: The :class:`SaveReport` of each file this rank saved for the last committed tag.
@@ -134,8 +135,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
 
     def create(self, info: CheckpointCommitInfo) -> None:
         # An async tag still uncommitted is committed first: every rank is here (save_checkpoint
-        # is collective), and two tags' files must never be in flight under one `latest`.
-        self.wait()
+        # is collective), and two tags' files must never be in flight under one `latest`. Copies to
+        # the tiers go on in the background.
+        self._commit_in_flight()
         save_latest = info.save_latest if self.latest_requested is None else self.latest_requested
         self._pending = _PendingTag(os.fspath(info.save_dir), str(info.tag), bool(save_latest), self.current_step())
 
@@ -188,6 +190,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self._uncommitted, self._pending = self._pending, None
         if self._uncommitted is None:
             return None
+        if not self._written_on_every_rank(self._uncommitted):
+            # DeepSpeed asks at every optimizer step: the tag is committed at the first step where
+            # every rank's files are durable, so the step never waits for the background writes.
+            return None
         return CheckpointCommitInfo(tag=self._uncommitted.tag, save_dir=self._uncommitted.save_dir, save_latest=False)
 
     def cleanup(self) -> None:
@@ -220,13 +226,28 @@ class NvcompCheckpointEngine(CheckpointEngine):
     # -- ours ----------------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Commit the async tag still in flight, if any (collective: call it on every rank)."""
+        """Commit the async tag still in flight, if any, then wait for the copies to ``tiers`` (collective: call it on every rank)."""
+        self._commit_in_flight()
+        if self.tiers is not None:
+            self.tiers.wait()
+
+    def _commit_in_flight(self) -> None:
         if self._pending is not None and self._saver is not None and self._pending.files:
             self._uncommitted, self._pending = self._pending, None
         if self._uncommitted is not None:
             self._commit(self._uncommitted)
-        if self.tiers is not None:
-            self.tiers.wait()
+
+    def _written_on_every_rank(self, pending: _PendingTag) -> bool:
+        """Whether every rank's background writes of ``pending`` are done (failed ones count: the commit reports them).
+
+        Collective: every rank asks at the same optimizer step, so they agree on when to commit.
+        """
+        done = all(handle.done() for handle in pending.handles)
+        if not (dist.is_available() and dist.is_initialized()):
+            return done
+        flag = torch.tensor([int(done)], dtype=torch.int32, device=get_accelerator().current_device_name())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _pending_for(self, path: str) -> _PendingTag:
         if self._pending is None:
@@ -324,8 +345,9 @@ def attach(
         policy: Codec settings (see :meth:`CodecPolicy.of`); :data:`DEEPSPEED_PATTERNS` classify the
             flat fp32 master partitions as weights under the user's own ``patterns``.
         async_save: Snapshot each file and write it in the background; the tag is committed at the
-            next optimizer step, the next ``save_checkpoint``, ``engine.destroy()`` or
-            ``NvcompCheckpointEngine.wait()`` (all collective).
+            first optimizer step at which every rank's files are durable (a step never waits for the
+            writes), or by the next ``save_checkpoint``, ``engine.destroy()`` or
+            ``NvcompCheckpointEngine.wait()`` (all collective), which wait for them.
         workers: Compression threads per rank (default: every core).
         on_commit: Called on every rank as ``on_commit(save_dir, tag, reports)`` once a tag is committed.
         tiers: :class:`~nvcomp_checkpoint.Tier` s each committed tag is copied to (by rank 0, in the
