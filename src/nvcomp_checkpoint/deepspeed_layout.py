@@ -221,12 +221,8 @@ def tag_problems(tag_dir: str | os.PathLike[str], *, read_partition_count: bool 
     of partitions DeepSpeed wrote (``partition_count``), so a missing last rank is found too.
     """
     tag_dir = os.fspath(tag_dir)
-    tag = os.path.basename(os.path.normpath(tag_dir))
     if os.path.exists(os.path.join(tag_dir, CONVERTING_NAME)):
-        return [
-            f"{tag_dir}: `nvckpt compress/decompress` was converting this tag in place and did not finish; "
-            "run the same command again to finish it"
-        ]
+        return [_converting(tag_dir)]
     try:
         manifest = read_manifest(tag_dir)
     except FormatError as exc:
@@ -234,28 +230,11 @@ def tag_problems(tag_dir: str | os.PathLike[str], *, read_partition_count: bool 
     names = sorted(n for n in os.listdir(tag_dir) if not n.startswith("."))
     problems = []
     if manifest is not None:
-        for name, size in sorted(manifest["files"].items()):
-            path = os.path.join(tag_dir, name)
-            try:
-                actual = os.stat(path).st_size
-            except FileNotFoundError:
-                problems.append(
-                    f"{path}: missing from committed tag {manifest.get('tag')!r} (its manifest names it); "
-                    "restore the file or load another tag"
-                )
-                continue
-            if actual != size:
-                problems.append(
-                    f"{path}: {actual} bytes, but tag {manifest.get('tag')!r} committed {size}; the file was changed or truncated"
-                )
-        return problems
+        return [str(exc) for exc in _manifest_problems(tag_dir, manifest)]
     files = [classify_file(n) for n in names]
     ours = [f.name for f in files if f.kind != OTHER_FILE and is_ours(os.path.join(tag_dir, f.name))]
     if ours:
-        problems.append(
-            f"{os.path.join(tag_dir, ours[0])}: its tag {tag!r} was never committed (no {MANIFEST_NAME}: a save was "
-            "interrupted); load the tag `latest` names, or another"
-        )
+        problems.append(_never_committed(os.path.join(tag_dir, ours[0])))
     if not any(f.kind == MODEL_STATES for f in files):
         problems.append(f"{tag_dir}: no model states file (mp_rank_00_model_states.pt or zero_pp_rank_*_model_states.pt)")
     by_kind: dict[tuple[str, str], list[int]] = {}
@@ -301,24 +280,52 @@ def check_tag_complete(tag_dir: str | os.PathLike[str]) -> bool:
     """
     tag_dir = os.fspath(tag_dir)
     if os.path.exists(os.path.join(tag_dir, CONVERTING_NAME)):
-        raise FormatError(tag_problems(tag_dir)[0])
+        raise FormatError(_converting(tag_dir))
     manifest = read_manifest(tag_dir)
     if manifest is None:
         return False
+    for problem in _manifest_problems(tag_dir, manifest):
+        raise problem
+    return True
+
+
+def _manifest_problems(tag_dir: str, manifest: dict[str, Any]) -> list[FormatError]:
+    """A file the manifest names that is missing (:class:`CheckpointNotFoundError`) or of another size, each named."""
+    problems: list[FormatError] = []
     for name, size in sorted(manifest["files"].items()):
         path = os.path.join(tag_dir, name)
         try:
             actual = os.stat(path).st_size
         except FileNotFoundError:
-            raise CheckpointNotFoundError(
-                f"{path}: missing from committed tag {manifest.get('tag')!r} (its manifest names it); "
-                "restore the file or load another tag"
-            ) from None
-        if actual != size:
-            raise FormatError(
-                f"{path}: {actual} bytes, but tag {manifest.get('tag')!r} committed {size}; the file was changed or truncated"
+            problems.append(
+                CheckpointNotFoundError(
+                    f"{path}: missing from committed tag {manifest.get('tag')!r} (its manifest names it); "
+                    "restore the file or load another tag"
+                )
             )
-    return True
+            continue
+        if actual != size:
+            problems.append(
+                FormatError(
+                    f"{path}: {actual} bytes, but tag {manifest.get('tag')!r} committed {size}; the file was changed or truncated"
+                )
+            )
+    return problems
+
+
+def _converting(tag_dir: str) -> str:
+    return (
+        f"{tag_dir}: `nvckpt compress/decompress` was converting this tag in place and did not finish; "
+        "run the same command again to finish it"
+    )
+
+
+def _never_committed(path: str) -> str:
+    tag = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return (
+        f"{path}: its tag {tag!r} was never committed (no {MANIFEST_NAME}: a save was interrupted); "
+        "load the tag `latest` names, or another"
+    )
 
 
 def is_ours(path: str | os.PathLike[str]) -> bool:
@@ -443,9 +450,6 @@ def load_deepspeed_file(path: str | os.PathLike[str], map_location: Any = None) 
     tag_dir = os.path.dirname(os.fspath(path))
     if not check_tag_complete(tag_dir) and is_ours(path):
         # Our files without a manifest: a save that died before every rank's files were durable.
-        raise FormatError(
-            f"{path}: its tag {os.path.basename(tag_dir)!r} was never committed (no {MANIFEST_NAME}: a save was "
-            "interrupted); load the tag `latest` names, or another"
-        )
+        raise FormatError(_never_committed(os.fspath(path)))
     with deepspeed_safe_globals():
         return load(path, map_location=map_location, weights_only=True)
