@@ -11,7 +11,8 @@
 * ``resume``: fresh processes attach, ``load_checkpoint`` each folder (``latest``) and train 2 steps
   (losses: ``ROOT/resumed.json``); the engine resumed from ``ours`` saves incrementally (``ROOT/sync``:
   t5 full, t6 a delta, t7 full), the one from ``plain`` asynchronously (``ROOT/async``), copying to an S3
-  tier when ``NVCKPT_DS_S3`` names a moto endpoint; fresh engines resume from the delta tag and the tier.
+  tier when ``NVCKPT_DS_S3`` names a moto endpoint; a fresh engine then resumes from the tier, or without
+  one from the delta tag.
 """
 
 from __future__ import annotations
@@ -224,12 +225,13 @@ def main() -> None:
                     assert f.read() == "t6"
                 resumed["after_async_t6"] = train(engine, 1)
                 engine.destroy()
-        # A fresh engine from the delta tag t6 (its chain: t5) continues as the saving one did.
-        engine = make_engine(stage)
-        attach(engine)
-        engine.load_checkpoint(os.path.join(root, "sync"), tag="t6")
-        resumed["from_delta_t6"] = train(engine, 1)
-        if tiers is not None:
+        if tiers is None:
+            # A fresh engine from the delta tag t6 (its chain: t5) continues as the saving one did.
+            engine = make_engine(stage)
+            attach(engine)
+            engine.load_checkpoint(os.path.join(root, "sync"), tag="t6")
+            resumed["from_delta_t6"] = train(engine, 1)
+        else:
             # A fresh node: the async folder is gone; every rank loads the newest copy on the S3 tier.
             torch.distributed.barrier()
             if rank == 0:
