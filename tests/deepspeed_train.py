@@ -6,9 +6,13 @@
   it compressed (``ROOT/ours``); train 2 more steps (their losses: ``ROOT/ref.json``); then save ``t5``,
   during which a rank is killed with SIGKILL (stage 2: rank 1 in the middle of writing its file;
   stage 3: rank 0 when every rank's files are durable and the manifest is about to be written).
-* ``matrix``: ZeRO 0 (fp32, bf16), 1 and 2 (bf16): save, resume in a new engine, next losses (``ROOT/matrix.json``).
+* ``matrix``: ZeRO 0 (fp32, bf16, and fp32 with a DeepSpeed MoE layer of 2 experts, one per rank), 1 and
+  2 (bf16): save, resume in a new engine, next losses (``ROOT/matrix.json``).
 * ``resume``: fresh processes attach, ``load_checkpoint`` each folder (``latest``) and train 2 steps
-  (losses: ``ROOT/resumed.json``).
+  (losses: ``ROOT/resumed.json``); the engine resumed from ``ours`` saves incrementally (``ROOT/sync``:
+  t5 full, t6 a delta, t7 full), the one from ``plain`` asynchronously (``ROOT/async``), copying to an S3
+  tier when ``NVCKPT_DS_S3`` names a moto endpoint; a fresh engine then resumes from the tier, or without
+  one from the delta tag.
 """
 
 from __future__ import annotations
@@ -66,10 +70,34 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(h))
 
 
-def make_engine(stage: int, bf16: bool = False, **model_kwargs: int) -> deepspeed.DeepSpeedEngine:
+class TinyMoE(TinyGPT):
+    """TinyGPT whose first block's MLP is a DeepSpeed MoE layer: 2 experts, one per rank (ep_size=2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        mlp = nn.Sequential(nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(), nn.Linear(4 * HIDDEN, HIDDEN))
+        # No random token selection: the gate must not draw from the RNG, which a checkpoint does not hold.
+        self.moe = MoE(hidden_size=HIDDEN, expert=mlp, num_experts=2, ep_size=2, k=1, use_rts=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+        h = h + self.moe(h)[0]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln_f(h))
+
+
+def make_engine(stage: int, bf16: bool = False, moe: bool = False, **model_kwargs: int) -> deepspeed.DeepSpeedEngine:
     torch.manual_seed(0)
-    model = TinyGPT(**model_kwargs)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model = TinyMoE() if moe else TinyGPT(**model_kwargs)
+    params: object = model.parameters()
+    if moe:
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "all"})
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "zero_optimization": {"stage": stage},
@@ -141,9 +169,11 @@ def main() -> None:
     engine = make_engine(stage) if mode != "matrix" else None
     if mode == "first":
         train(engine, 3)
-        engine.save_checkpoint(os.path.join(root, "plain"), tag="t3")
+        # universal_checkpoint_info: what DeepSpeed's ds_to_universal requires of a checkpoint (Megatron writes it).
+        client_state = {"universal_checkpoint_info": {}}
+        engine.save_checkpoint(os.path.join(root, "plain"), tag="t3", client_state=client_state)
         attach(engine)
-        engine.save_checkpoint(os.path.join(root, "ours"), tag="t3")
+        engine.save_checkpoint(os.path.join(root, "ours"), tag="t3", client_state=client_state)
         engine.save_16bit_model(os.path.join(root, "export"))  # an export for other tools: stays torch.save
         ref = train(engine, 2)
         if rank == 0:
@@ -155,29 +185,66 @@ def main() -> None:
         raise AssertionError("the t5 save should have been killed")
     if mode == "resume":
         resumed = {}
+        s3 = os.environ.get("NVCKPT_DS_S3")  # a moto endpoint: the async engine's tags are copied to an S3 tier
+        tiers = None
+        if s3:
+            options = {"client_kwargs": {"endpoint_url": s3}, "key": "x", "secret": "y", "skip_instance_cache": True}
+            tiers = [nc.Tier(f"s3://tiers/ds-zero{stage}", storage_options=options)]
         for name in ("ours", "plain"):
             if name == "plain":
                 engine = make_engine(stage)
             # The engine resumed from the plain folder saves asynchronously: its tag t5 must hold what
-            # the other engine's synchronous t5 holds (both trained from t3 on the same batches).
-            ours = attach(engine, async_save=name == "plain")
+            # the other engine's synchronous t5 holds (both trained from t3 on the same batches). The
+            # synchronous one saves incrementally (t5 full, t6 a delta, t7 full: full_every=2).
+            if name == "ours":
+                ours = attach(engine, incremental=True, full_every=2)
+            else:
+                ours = attach(engine, async_save=True, tiers=tiers)
             path, _ = engine.load_checkpoint(os.path.join(root, name))
             assert path is not None and os.path.basename(os.path.dirname(path)) == "t3", path
             assert engine.global_steps == 3, engine.global_steps
             resumed[name] = train(engine, 2)
             target = os.path.join(root, "sync" if name == "ours" else "async")
             engine.save_checkpoint(target, tag="t5")
+            if name == "ours":
+                resumed["before_t6"] = train(engine, 1)
+                engine.save_checkpoint(target, tag="t6")
+                resumed["after_t6"] = train(engine, 1)
+                engine.save_checkpoint(target, tag="t7")
             if name == "plain":
-                # Committed at the next optimizer step, not before: `latest` waits for every rank's files.
+                # Committed at an optimizer step once every rank's files are durable (or by wait()), not
+                # before: `latest` waits for every rank's files.
                 assert not os.path.exists(os.path.join(target, "latest"))
                 resumed["after_async"] = train(engine, 1)
-                torch.distributed.barrier()
+                ours.wait()
                 with open(os.path.join(target, "latest")) as f:
                     assert f.read() == "t5"
                 engine.save_checkpoint(target, tag="t6")
-                ours.wait()
+                ours.wait()  # the commit, then the copies to the tier
                 with open(os.path.join(target, "latest")) as f:
                     assert f.read() == "t6"
+                resumed["after_async_t6"] = train(engine, 1)
+                engine.destroy()
+        if tiers is None:
+            # A fresh engine from the delta tag t6 (its chain: t5) continues as the saving one did.
+            engine = make_engine(stage)
+            attach(engine)
+            engine.load_checkpoint(os.path.join(root, "sync"), tag="t6")
+            resumed["from_delta_t6"] = train(engine, 1)
+        else:
+            # A fresh node: the async folder is gone; every rank loads the newest copy on the S3 tier.
+            torch.distributed.barrier()
+            if rank == 0:
+                os.rename(os.path.join(root, "async"), os.path.join(root, "async-gone"))
+            torch.distributed.barrier()
+            engine = make_engine(stage)
+            found = attach(engine, tiers=tiers).resume_path(os.path.join(root, "restore"))
+            assert found is not None
+            engine.load_checkpoint(os.path.dirname(found), tag=os.path.basename(found))
+            resumed["tier"] = {"path": found, "step": engine.global_steps, "losses": train(engine, 1)}
+            torch.distributed.barrier()
+            if rank == 0:
+                os.rename(os.path.join(root, "async-gone"), os.path.join(root, "async"))
         if rank == 0:
             with open(os.path.join(root, "resumed.json"), "w") as f:
                 json.dump(resumed, f)
@@ -186,14 +253,14 @@ def main() -> None:
     if mode == "matrix":
         # Other ZeRO stages and bf16: save after 2 steps, resume in a new engine, same next losses.
         results = {}
-        for stage, bf16 in ((0, False), (0, True), (1, True), (2, True)):
-            engine = make_engine(stage, bf16)
+        for stage, bf16, moe in ((0, False, False), (0, True, False), (1, True, False), (2, True, False), (0, False, True)):
+            engine = make_engine(stage, bf16, moe)
             train(engine, 2)
             attach(engine)
-            folder = os.path.join(root, f"zero{stage}{'-bf16' if bf16 else ''}")
+            folder = os.path.join(root, f"zero{stage}{'-bf16' if bf16 else ''}{'-moe' if moe else ''}")
             engine.save_checkpoint(folder, tag="a")
             ref = train(engine, 2)
-            resumed = make_engine(stage, bf16)
+            resumed = make_engine(stage, bf16, moe)
             attach(resumed)
             resumed.load_checkpoint(folder)
             results[os.path.basename(folder)] = {

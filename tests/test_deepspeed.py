@@ -30,6 +30,9 @@ from nvcomp_checkpoint.errors import CheckpointNotFoundError, FormatError, Unsaf
 from nvcomp_checkpoint.filetype import NVCOMP, TORCH, kind_of  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("deepspeed_train.py")
+#: The ZeRO stage whose resume run also copies to an S3 tier and resumes from it (one stage: the suite's time);
+#: the other stage's resume run loads its delta tag in a fresh engine (deepspeed_train.py).
+TIER_STAGE = 3
 ENV = {
     "DS_ACCELERATOR": "cpu",
     "OMP_NUM_THREADS": "1",
@@ -60,7 +63,9 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     assert "should have been killed" not in first.stderr
     # The resume reads `latest` and must land on t3; save_checkpoint there leaves the folder as it was.
     snapshot = {p: p.stat().st_size for p in (root / "ours").rglob("*") if p.is_file()}
-    run_python(
+    from test_tiers_s3 import BUCKET, MotoServer, served
+
+    resume = (
         "-m",
         "torch.distributed.run",
         "--standalone",
@@ -70,9 +75,15 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         "resume",
         str(stage),
         str(root),
-        cwd=root,
-        **ENV,
     )
+    if stage == TIER_STAGE:
+        # The async engine's tags are copied to an S3 tier (moto's server), and a fresh engine resumes from it.
+        with served(MotoServer(root / "moto_server.log")) as server:
+            run_python(*resume, cwd=root, NVCKPT_DS_S3=server.endpoint, **ENV)
+            (root / "s3_keys.json").write_text(json.dumps(server.keys(f"ds-zero{stage}/")))
+        assert BUCKET == "tiers"  # the bucket deepspeed_train.py names
+    else:
+        run_python(*resume, cwd=root, **ENV)
     assert {p: p.stat().st_size for p in (root / "ours").rglob("*") if p.is_file()} == snapshot
     return stage, root
 
@@ -133,9 +144,9 @@ def test_killed_save_leaves_latest_on_the_last_complete_tag(run: tuple[int, Path
             load_deepspeed_file(path)
 
 
-def test_async_save_commits_at_the_next_step_with_the_same_files_as_sync(run: tuple[int, Path]) -> None:
+def test_async_save_commits_once_durable_with_the_same_files_as_sync(run: tuple[int, Path]) -> None:
     _, root = run
-    assert (root / "sync" / "latest").read_text() == "t5"
+    assert (root / "sync" / "latest").read_text() == "t7"
     assert (root / "async" / "latest").read_text() == "t6"
     names = sorted(p.name for p in (root / "sync" / "t5").iterdir())
     assert names == sorted(p.name for p in (root / "async" / "t5").iterdir())
@@ -147,6 +158,42 @@ def test_async_save_commits_at_the_next_step_with_the_same_files_as_sync(run: tu
             _comparable(load_deepspeed_file(root / "sync" / "t5" / name)),
             _comparable(load_deepspeed_file(root / "async" / "t5" / name)),
         )
+
+
+def test_incremental_tags_are_deltas_of_the_previous_tag_and_resume_identically(run: tuple[int, Path]) -> None:
+    from nvcomp_checkpoint.delta import base_path_of
+    from nvcomp_checkpoint.reader import CheckpointReader
+
+    stage, root = run
+    resumed = json.loads((root / "resumed.json").read_text())
+    sync = root / "sync"
+    names = sorted(p.name for p in (sync / "t6").iterdir() if p.name != MANIFEST_NAME)
+    assert names == sorted(p.name for p in (sync / "t5").iterdir() if p.name != MANIFEST_NAME)
+    for name in names:
+        assert base_path_of(str(sync / "t5" / name), CheckpointReader) is None  # the process's first save: full
+        assert base_path_of(str(sync / "t6" / name), CheckpointReader) == str(sync / "t5" / name)
+        assert base_path_of(str(sync / "t7" / name), CheckpointReader) is None  # full_every=2
+    assert sum((sync / "t6" / n).stat().st_size for n in names) < sum((sync / "t5" / n).stat().st_size for n in names)
+    if stage == TIER_STAGE:
+        pytest.skip("the fresh engine from the delta tag runs in the other stage's run (suite time)")
+    # A fresh engine loads the delta tag through its chain and continues as the saving engine did.
+    assert resumed["from_delta_t6"] == resumed["after_t6"]
+
+
+def test_tags_are_copied_to_an_s3_tier_and_a_fresh_node_resumes_from_it(run: tuple[int, Path]) -> None:
+    stage, root = run
+    if stage != TIER_STAGE:
+        pytest.skip(f"carried by the ZeRO-{TIER_STAGE} run only (suite time)")
+    resumed = json.loads((root / "resumed.json").read_text())
+    keys = json.loads((root / "s3_keys.json").read_text())
+    copied = {k.split("/")[1] for k in keys}
+    assert {"step-0000000005", "step-0000000006"} <= copied, keys
+    tag_files = sorted(p.name for p in (root / "async" / "t6").iterdir())
+    for name in tag_files:  # every file of the tag, its manifest included
+        assert any(k.split("/")[1] == "step-0000000006" and k.endswith("/" + name) for k in keys), (name, keys)
+    assert resumed["tier"]["step"] == 6
+    assert resumed["tier"]["losses"] == resumed["after_async_t6"]
+    assert Path(resumed["tier"]["path"]).is_relative_to(root / "restore")
 
 
 def test_flat_master_weights_and_moments_are_classified(run: tuple[int, Path]) -> None:
@@ -175,7 +222,7 @@ def test_deepspeed_classes_are_allowed_only_during_the_load(run: tuple[int, Path
 
 
 @pytest.mark.slow
-def test_zero0_zero1_and_bf16_resume_with_identical_losses(tmp_path: Path) -> None:
+def test_zero0_zero1_bf16_and_moe_resume_with_identical_losses(tmp_path: Path) -> None:
     run_python(
         "-m",
         "torch.distributed.run",
@@ -190,12 +237,19 @@ def test_zero0_zero1_and_bf16_resume_with_identical_losses(tmp_path: Path) -> No
         **ENV,
     )
     results = json.loads((tmp_path / "matrix.json").read_text())
-    assert sorted(results) == ["zero0", "zero0-bf16", "zero1-bf16", "zero2-bf16"]
+    assert sorted(results) == ["zero0", "zero0-bf16", "zero0-moe", "zero1-bf16", "zero2-bf16"]
     for name, r in results.items():
         assert r["resumed"] == r["ref"], name
         for f in r["files"]:
             assert f == MANIFEST_NAME or _kind(tmp_path / name / "a" / f) == NVCOMP, (name, f)
     assert "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt" in results["zero2-bf16"]["files"]
+    # MoE: one file per expert (each rank writes its own) and one optimizer file per expert-parallel rank.
+    assert {
+        "layer_0_expert_0_mp_rank_00_model_states.pt",
+        "layer_0_expert_1_mp_rank_00_model_states.pt",
+        "expp_rank_0_mp_rank_00_optim_states.pt",
+        "expp_rank_1_mp_rank_00_optim_states.pt",
+    } <= set(results["zero0-moe"]["files"])
     with nc.open(tmp_path / "zero2-bf16" / "a" / "mp_rank_00_model_states.pt") as reader:
         weights = [t for t in reader.index.tensors if t.key.startswith("module/")]
     assert weights and all(t.component == "weights" and t.dtype == torch.bfloat16 for t in weights)
@@ -273,3 +327,108 @@ def test_manifest_that_is_not_json_is_refused(tmp_path: Path) -> None:
     (tag / MANIFEST_NAME).write_bytes(b"\x00{not json")
     with pytest.raises(FormatError, match="unreadable tag manifest"):
         load_deepspeed_file(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+
+def _cli(*argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    from nvcomp_checkpoint.cli.main import main
+
+    capsys.readouterr()
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def test_cli_on_deepspeed_folders_and_zero_to_fp32_of_decompressed(
+    run: tuple[int, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`nvckpt` verify / compress (in place) / inspect / decompress on the run's folders, without --trust;
+    DeepSpeed's own zero_to_fp32 reads the decompressed folder's fp32 weights bit for bit."""
+    import shutil
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    stage, root = run
+    expected = get_fp32_state_dict_from_zero_checkpoint(str(root / "plain"))
+    work = tmp_path / "plain"
+    shutil.copytree(root / "plain", work)
+    assert _cli("verify", str(work), capsys=capsys)[0] == 0
+    assert _cli("compress", str(work), "--json", capsys=capsys)[0] == 0
+    tag = work / "t3"
+    names = sorted(p.name for p in tag.iterdir())
+    assert MANIFEST_NAME in names and (work / "latest").read_text() == "t3"
+    for name in names:
+        if name != MANIFEST_NAME:
+            assert _kind(tag / name) == NVCOMP, name
+    assert check_tag_complete(str(tag))
+    code, out = _cli("verify", str(work), capsys=capsys)
+    assert code == 0 and "2 tags" not in out and "OK" in out, out
+    code, out = _cli("inspect", str(work), "--json", capsys=capsys)
+    rows = json.loads(out)["files"]
+    optim = sorted((r["rank"], r["kind"]) for r in rows if r["kind"] == "optim partition")
+    assert optim == [(0, "optim partition"), (1, "optim partition")]
+    assert all(r["format"] == NVCOMP for r in rows), rows
+    # ZeRO-3's model-states files hold no weights (a few hundred bytes): the partitions carry the ratio.
+    assert all(r["raw_bytes"] > r["stored_bytes"] for r in rows if r["kind"] == "optim partition"), rows
+    # The attach-written folder (t3 complete, t5 killed mid-save) decompressed into a new folder: t5 is skipped.
+    code, out = _cli("decompress", str(root / "ours"), str(tmp_path / "d"), "--json", capsys=capsys)
+    assert code == 0
+    actions = {r["file"].split("/")[0]: r["action"] for r in json.loads(out)["files"]}
+    assert actions == {"t3": "decompressed", "t5": "skipped"}
+    assert (tmp_path / "d" / "latest").read_text() == "t3"
+    assert all(_kind(p) == TORCH for p in (tmp_path / "d" / "t3").iterdir())
+    assert_tree_equal(get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "d")), expected)
+    # DeepSpeed's ds_to_universal reads it too: each parameter's fp32.pt is the plain checkpoint's weight.
+    run_python(
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(tmp_path / "d" / "t3"),
+        "--output_folder",
+        str(tmp_path / "universal"),
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+        cwd=tmp_path,
+        **ENV,
+    )
+    universal = {}
+    for name, weight in expected.items():
+        saved = torch.load(tmp_path / "universal" / "zero" / name / "fp32.pt", weights_only=True)
+        # ZeRO-2's fp32.pt is {"param": tensor, "cat_dim": ...}; ZeRO-3's the flat tensor.
+        universal[name] = (saved["param"] if isinstance(saved, dict) else saved).reshape(weight.shape)
+    assert_tree_equal(universal, dict(expected))
+    # Compressed in place, then decompressed in place: the plain folder's fp32 weights again.
+    assert _cli("decompress", str(work), capsys=capsys)[0] == 0
+    assert not (tag / MANIFEST_NAME).exists()
+    assert_tree_equal(get_fp32_state_dict_from_zero_checkpoint(str(work)), expected)
+    # A rank's file missing: verify fails naming it, and compress leaves the tag alone.
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    code, out = _cli("verify", str(work), capsys=capsys)
+    assert code == 1 and "ranks [1]" in out, out
+
+
+def test_leader_load_is_refused_naming_why() -> None:
+    from nvcomp_checkpoint.deepspeed import attach
+
+    engine = object()  # refused before the engine is touched
+    with pytest.raises(ValueError, match=r"leader_load=True.*own optimizer partition"):
+        attach(engine, leader_load=True)
+
+
+def test_tiers_and_full_every_are_checked_before_the_engine_is_touched(tmp_path: Path) -> None:
+    from nvcomp_checkpoint.deepspeed import attach
+
+    class Engine:
+        checkpoint_engine = None
+
+        def save_checkpoint(self, *args: object, **kwargs: object) -> bool:
+            return True
+
+    engine = Engine()
+    with pytest.raises(TypeError, match=r"attach\(tiers=...\) takes a list"):
+        attach(engine, tiers=nc.Tier(tmp_path / "t"))
+    with pytest.raises(ValueError, match=r"attach\(incremental=True, full_every=...\)"):
+        attach(engine, incremental=True, full_every=0)
+    assert engine.checkpoint_engine is None
+    with pytest.raises(ValueError, match="no tiers"):
+        attach(engine).resume_path()

@@ -32,7 +32,22 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "version", "tensors", "workers", "codecs", "filters", "metrics", "failures")),
     ("format", ("format", "policy", "storage", "report", "filetype", "pending", "dirstore", "delta")),
     ("pipeline", ("writer", "reader", "snapshot", "saveoptions")),
-    ("api", ("api", "async_save", "savegroup", "entrypoint", "dirconvert", "tiers", "incremental", "dcp", "broadcast", "")),
+    (
+        "api",
+        (
+            "api",
+            "async_save",
+            "savegroup",
+            "entrypoint",
+            "dirconvert",
+            "tiers",
+            "incremental",
+            "dcp",
+            "broadcast",
+            "deepspeed_layout",
+            "",
+        ),
+    ),
     ("adapters", ("cli", "integrations", "lightning", "accelerate", "transformers", "deepspeed")),
 ]
 # The tiers package, one module per job, lowest first: a module imports only those before it.

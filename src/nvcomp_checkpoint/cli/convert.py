@@ -21,7 +21,7 @@ from nvcomp_checkpoint.format.layout import SAVE_METADATA_KEYS
 from nvcomp_checkpoint.report import component_rows, format_bytes, overhead_note
 from nvcomp_checkpoint.storage import LOCAL, is_url, storage_for, write_errors
 
-from . import _dcp, _policy
+from . import _dcp, _deepspeed, _policy
 from ._ui import EXIT_OK, Reporter, check_workers, make_table, print_json, stdout_console
 from .sources import (
     DIRECTORY,
@@ -51,7 +51,11 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         ),
     )
     p.add_argument("src", help="checkpoint file or directory to convert")
-    p.add_argument("dst", help="output file (or directory when SRC is a directory)")
+    p.add_argument(
+        "dst",
+        nargs="?",
+        help="output file (or directory when SRC is a directory); a DeepSpeed folder without DST is converted in place",
+    )
     p.add_argument(
         "--policy",
         help="codec policy: a JSON file or inline JSON of CodecPolicy.to_dict() form (a `bench --json` "
@@ -81,7 +85,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         ),
     )
     d.add_argument("src", help="nvcomp-checkpoint file, or a directory made by `nvckpt compress`")
-    d.add_argument("dst", help="output file or directory")
+    d.add_argument("dst", nargs="?", help="output file or directory; a DeepSpeed folder without DST is converted in place")
     d.add_argument(
         "--to",
         choices=["auto", "torch", "safetensors"],
@@ -475,6 +479,44 @@ def _convert_dcp(args: argparse.Namespace, what: str, policy: nc.CodecPolicy | N
     return EXIT_OK
 
 
+# -- DeepSpeed checkpoint folders -------------------------------------------------------------
+def _convert_deepspeed(args: argparse.Namespace, what: str, policy: nc.CodecPolicy | None = None) -> int:
+    """A DeepSpeed folder (tags, ``latest``) converts tag by tag, file by file: in place without DST,
+    else into a copy staged next to DST and put there in one rename."""
+    reporter = Reporter(args.quiet)
+    to_ours = what == "compress"
+
+    def started(name: str) -> None:
+        reporter.start(f"{what}ing {name}")
+
+    try:
+        if args.dst is None or (os.path.exists(args.dst) and os.path.samefile(args.src, args.dst)):
+            rows = _deepspeed.convert_in_place(args.src, to_ours, policy, getattr(args, "workers", None), started)
+        else:
+            _check_dst_dir(args.src, args.dst, args.force)
+            tmp = _tmp_dir_for(args.dst)
+            try:
+                for rel, kind in dir_files(args.src):
+                    _copy_file(rel, kind, os.path.join(args.src, rel), tmp)
+                rows = _deepspeed.convert_in_place(os.fspath(tmp), to_ours, policy, getattr(args, "workers", None), started)
+                _commit_dir(tmp, args.dst)
+            except BaseException:
+                LOCAL.remove(os.fspath(tmp))
+                raise
+    finally:
+        reporter.stop()
+    if args.json:
+        print_json({"source": args.src, "destination": args.dst or args.src, "layout": "deepspeed", "files": rows})
+    elif not args.quiet:
+        _print_dir_rows(f"{args.src} -> {args.dst or args.src} (DeepSpeed)", rows)
+    return EXIT_OK
+
+
+def _need_dst(args: argparse.Namespace) -> None:
+    if args.dst is None:
+        raise CheckpointError(f"{args.src}: give the output path (DST); only a DeepSpeed folder is converted in place")
+
+
 # -- commands -------------------------------------------------------------------------------
 def run_compress(args: argparse.Namespace) -> int:
     # Every option is checked before any input is read: a typo fails in a second, not after a 100 GB load.
@@ -484,6 +526,9 @@ def run_compress(args: argparse.Namespace) -> int:
     kind = sniff(args.src)
     if kind == DIRECTORY and args.base:
         raise CheckpointError(f"{args.src}: --base takes single files; compress a directory without it")
+    if kind == DIRECTORY and _deepspeed.is_deepspeed_dir(args.src):
+        return _convert_deepspeed(args, "compress", policy)
+    _need_dst(args)
     if kind == DIRECTORY and _dcp.is_dcp_dir(args.src):
         return _convert_dcp(args, "compress", policy)
     if args.base and sniff(args.base) != NVCOMP:
@@ -528,6 +573,9 @@ def run_compress(args: argparse.Namespace) -> int:
 
 def run_decompress(args: argparse.Namespace) -> int:
     reporter = Reporter(args.quiet)
+    if sniff(args.src) == DIRECTORY and _deepspeed.is_deepspeed_dir(args.src):
+        return _convert_deepspeed(args, "decompress")
+    _need_dst(args)
     if sniff(args.src) == DIRECTORY and _dcp.is_dcp_dir(args.src):
         return _convert_dcp(args, "decompress")
     if sniff(args.src) == DIRECTORY:

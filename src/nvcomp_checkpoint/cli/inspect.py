@@ -20,7 +20,7 @@ from nvcomp_checkpoint.errors import UnsafeCheckpointError
 from nvcomp_checkpoint.report import COMPONENT_COLUMNS, codec_notes, component_rows, format_bytes, overhead_note
 from nvcomp_checkpoint.storage import stale_temp_files
 
-from . import _dcp
+from . import _dcp, _deepspeed
 from ._ui import EXIT_OK, make_table, print_json, stdout_console
 from .chain import chain_text, describe_chain
 from .sources import DIRECTORY, NVCOMP, OTHER, TensorInfo, dir_files, open_source, sniff
@@ -318,9 +318,47 @@ def _run_inspect_dcp(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run_inspect_deepspeed(args: argparse.Namespace) -> int:
+    """A DeepSpeed folder: one row per file of every tag (rank, kind, raw and stored size, ratio)."""
+    d = _deepspeed.describe(args.path)
+    if args.json:
+        print_json(d)
+        return EXIT_OK
+    rows = []
+    for f in d["files"]:
+        kind = f["kind"] + (f" {f['expert'][0]}/{f['expert'][1]}" if f["expert"] else "")
+        rows.append(
+            [
+                f["tag"],
+                f["file"],
+                "-" if f["rank"] is None else f["rank"],
+                kind,
+                f["format"],
+                format_bytes(f["raw_bytes"]),
+                format_bytes(f["stored_bytes"]),
+                f"{f['raw_bytes'] / f['stored_bytes']:.3f}x" if f["stored_bytes"] else "-",
+            ]
+        )
+    raw = sum(f["raw_bytes"] for f in d["files"])
+    stored = sum(f["stored_bytes"] for f in d["files"])
+    rows.append(["total", "", "", "", "", format_bytes(raw), format_bytes(stored), f"{raw / stored:.3f}x" if stored else "-"])
+    latest = f", latest: {d['latest']}" if d["latest"] else ""
+    stdout_console().print(
+        make_table(
+            f"{args.path} (DeepSpeed{latest})",
+            ["tag", "file", "rank", "kind", "format", "raw", "stored", "ratio"],
+            rows,
+            numeric_from=5,
+        )
+    )
+    return EXIT_OK
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     kind = sniff(args.path)
     console = stdout_console()
+    if kind == DIRECTORY and _deepspeed.is_deepspeed_dir(args.path):
+        return _run_inspect_deepspeed(args)
     if kind == DIRECTORY and _dcp.is_dcp_dir(args.path):
         return _run_inspect_dcp(args)
     if kind == DIRECTORY:

@@ -15,7 +15,7 @@ from nvcomp_checkpoint.errors import CheckpointError, CodecUnavailableError, For
 from nvcomp_checkpoint.report import format_bytes
 from nvcomp_checkpoint.storage import stale_temp_files
 
-from . import _dcp
+from . import _dcp, _deepspeed
 from ._ui import EXIT_FAILED, EXIT_OK, Reporter, print_json, stdout_console
 from .chain import describe_chain
 from .sources import DIRECTORY, NVCOMP, SAFETENSORS, TORCH, dir_files, sniff
@@ -120,8 +120,38 @@ def verify_file(path: str, reporter: Reporter, max_bytes: int | None = None) -> 
     }
 
 
+def _run_verify_deepspeed(args: argparse.Namespace) -> int:
+    """A DeepSpeed folder: every tag complete (its manifest, or every rank's files), every file read as the attached engine reads it."""
+    limit = default_max_bytes() if args.max_bytes is None else (args.max_bytes or None)
+    failures, checked = _deepspeed.problems(args.path, limit)
+    ok = not failures
+    if args.json:
+        print_json({"path": args.path, "layout": "deepspeed", "ok": ok, "files": checked, "failures": failures})
+    else:
+        console = stdout_console()
+        for f in failures:
+            where = "" if f["file"] in f["error"] else f"{f['file']}: "
+            console.print(f"FAILED {where}{f['error']}", markup=False, highlight=False)
+        if ok and not args.quiet:
+            tags = len(_deepspeed.tags_of(args.path))
+            console.print(
+                f"OK {args.path}: DeepSpeed checkpoint, {_count(tags, 'tag')}, {_count(checked, 'file')} verified",
+                markup=False,
+                highlight=False,
+            )
+        elif not ok:
+            console.print(
+                f"FAILED {args.path}: {_count(len(failures), 'problem')} in {_count(checked, 'file')}",
+                markup=False,
+                highlight=False,
+            )
+    return EXIT_OK if ok else EXIT_FAILED
+
+
 def run_verify(args: argparse.Namespace) -> int:
     kind = sniff(args.path)
+    if kind == DIRECTORY and _deepspeed.is_deepspeed_dir(args.path):
+        return _run_verify_deepspeed(args)
     reporter = Reporter(args.quiet)
     stale: list[str] = []
     extra: list[dict[str, Any]] = []

@@ -16,25 +16,36 @@ writes (:data:`DEEPSPEED_SAFE_GLOBALS`); any other class is refused, named in th
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
-from nvcomp_checkpoint.errors import CheckpointNotFoundError, CheckpointWriteError, FormatError
-from nvcomp_checkpoint.filetype import HEAD_BYTES, NVCOMP, kind_of
+from nvcomp_checkpoint.deepspeed_layout import (
+    DEEPSPEED_PATTERNS,
+    MANIFEST_NAME,
+    SAFE_GLOBAL_NAMES,
+    check_tag_complete,
+    deepspeed_safe_globals,
+    load_deepspeed_file,
+    write_latest,
+    write_manifest,
+)
+from nvcomp_checkpoint.deepspeed_layout import deepspeed_policy as _layout_policy
+from nvcomp_checkpoint.entrypoint import incremental_files
+from nvcomp_checkpoint.errors import CheckpointWriteError
+from nvcomp_checkpoint.incremental import unit_base_of
 from nvcomp_checkpoint.storage import LocalStorage
+from nvcomp_checkpoint.tiers import Tier, TierCopies
 from nvcomp_checkpoint.version import install_hint
 
 try:
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -52,135 +63,18 @@ __all__ = [
     "deepspeed_safe_globals",
     "load_deepspeed_file",
     "check_tag_complete",
+    "SAFE_GLOBAL_NAMES",
 ]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
 
-#: The tag's commit record, written by rank 0 once every rank's files are durable, before ``latest``.
-MANIFEST_NAME = "nvckpt_manifest.json"
-_MANIFEST_FORMAT = "nvcomp-checkpoint deepspeed tag v1"
-
-#: DeepSpeed keeps the fp32 master weights as flat partitions whose names say nothing of weights
-#: (``single_partition_of_fp32_groups/0``): without these globs they would be classified as "other"
-#: and miss the byte-plane codec settings of weights. The moments (``.../state/0/exp_avg``) already
-#: classify by their own names. ``*`` also matches ``/``, so each glob covers both the ZeRO files and
-#: the model-states file, where ZeRO stage 0 keeps the optimizer (``optimizer/...``).
-DEEPSPEED_PATTERNS: dict[str, str] = {
-    "*/single_partition_of_fp32_groups/*": "weights",  # ZeRO 1/2, bf16 optimizer
-    "*/fp32_flat_groups/*": "weights",  # ZeRO 3
-    "*/fp32_groups_flat/*": "weights",  # fp16 fused optimizer (stage 0)
-    "*/fp32_groups/*": "weights",  # fp16 unfused optimizer (stage 0)
-}
-
-#: Every class DeepSpeed pickles into its checkpoint files (besides what ``torch.load(weights_only=True)``
-#: allows anyway): the ZeRO optimizers' loss scaler and stage, and ZeRO 1/2's parameter slice map.
+#: Every class DeepSpeed pickles into its checkpoint files: :data:`SAFE_GLOBAL_NAMES` resolved.
 DEEPSPEED_SAFE_GLOBALS: tuple[Any, ...] = (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
-
-_ALLOW_LOCK = threading.Lock()
-_ALLOW_USERS = 0
-_ALLOW_ADDED: list[Any] = []
-
-
-@contextlib.contextmanager
-def deepspeed_safe_globals() -> Iterator[None]:
-    """Allow :data:`DEEPSPEED_SAFE_GLOBALS` in weights-only loads while the block runs.
-
-    torch's ``safe_globals`` context manager edits one process-wide set, so its exit in one thread
-    would withdraw the classes from a load running in another: the classes are added by the first
-    user and withdrawn by the last, and a class the process had allowed already is left alone.
-    """
-    global _ALLOW_USERS
-    with _ALLOW_LOCK:
-        if _ALLOW_USERS == 0:
-            present = set(map(id, torch.serialization.get_safe_globals()))
-            _ALLOW_ADDED[:] = [g for g in DEEPSPEED_SAFE_GLOBALS if id(g) not in present]
-            torch.serialization.add_safe_globals(list(_ALLOW_ADDED))
-        _ALLOW_USERS += 1
-    try:
-        yield
-    finally:
-        with _ALLOW_LOCK:
-            _ALLOW_USERS -= 1
-            if _ALLOW_USERS == 0 and _ALLOW_ADDED:
-                from torch._weights_only_unpickler import _remove_safe_globals  # noqa: PLC0415 - torch has no public remove
-
-                _remove_safe_globals(list(_ALLOW_ADDED))
-                _ALLOW_ADDED.clear()
 
 
 def deepspeed_policy(policy: CodecPolicy | Mapping[str, Any] | str | None = None) -> CodecPolicy:
     """``policy`` (any form :meth:`CodecPolicy.of` takes) with :data:`DEEPSPEED_PATTERNS` under the user's own patterns."""
-    base = CodecPolicy.of(policy, "attach(policy=...)")
-    return base.with_overrides(patterns={**DEEPSPEED_PATTERNS, **{k: v.value for k, v in base.patterns.items()}})
-
-
-def load_deepspeed_file(path: str | os.PathLike[str], map_location: Any = None) -> Any:
-    """Load one file of a DeepSpeed checkpoint, ours or plain ``torch.save``, without trusting its pickle.
-
-    A file in a tag directory that has a manifest is loaded only if every file the manifest names
-    is there with its committed size.
-
-    Raises:
-        CheckpointNotFoundError: ``path``, or another file of its committed tag, is missing.
-        FormatError: A file of the tag differs in size from the one committed.
-        UnsafeCheckpointError: The file holds a class outside :data:`DEEPSPEED_SAFE_GLOBALS` (named).
-    """
-    tag_dir = os.path.dirname(os.fspath(path))
-    if not check_tag_complete(tag_dir) and _is_ours(path):
-        # Our files without a manifest: a save that died before every rank's files were durable.
-        raise FormatError(
-            f"{path}: its tag {os.path.basename(tag_dir)!r} was never committed (no {MANIFEST_NAME}: a save was "
-            "interrupted); load the tag `latest` names, or another"
-        )
-    with deepspeed_safe_globals():
-        return nc.load(path, map_location=map_location, weights_only=True)
-
-
-def check_tag_complete(tag_dir: str) -> bool:
-    """Raise unless every file the manifest of ``tag_dir`` names is there with its committed size.
-
-    Returns:
-        True if the tag has a manifest (and is complete), False if it has none (a plain DeepSpeed tag,
-        or one of ours whose save never committed).
-    """
-    manifest_path = os.path.join(tag_dir, MANIFEST_NAME)
-    try:
-        with open(manifest_path, "rb") as f:
-            raw = f.read(1 << 24)
-    except FileNotFoundError:
-        return False
-    try:
-        manifest = json.loads(raw)
-        files = manifest["files"]
-        if manifest.get("format") != _MANIFEST_FORMAT or not isinstance(files, dict):
-            raise ValueError("not a manifest of this library")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise FormatError(f"{manifest_path}: unreadable tag manifest ({type(exc).__name__}); the tag cannot be trusted") from exc
-    for name, size in sorted(files.items()):
-        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-            raise FormatError(f"{manifest_path}: names {name!r}, not a file of the tag directory")
-        path = os.path.join(tag_dir, name)
-        try:
-            actual = os.stat(path).st_size
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(
-                f"{path}: missing from committed tag {manifest.get('tag')!r} (its manifest names it); "
-                "restore the file or load another tag"
-            ) from None
-        if actual != size:
-            raise FormatError(
-                f"{path}: {actual} bytes, but tag {manifest.get('tag')!r} committed {size}; the file was changed or truncated"
-            )
-    return True
-
-
-def _is_ours(path: str | os.PathLike[str]) -> bool:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(HEAD_BYTES)
-        return kind_of(head, os.path.getsize(path)) == NVCOMP
-    except OSError:
-        return False  # nc.load names the missing or unreadable file
+    return _layout_policy(policy, "attach(policy=...)")
 
 
 @dataclass
@@ -190,6 +84,7 @@ class _PendingTag:
     save_dir: str
     tag: str
     save_latest: bool
+    step: int | None = None  # the engine's global step when the save began: the tiers name copies by it
     files: dict[str, str] = field(default_factory=dict)  # absolute path -> name in the tag dir
     handles: list[nc.AsyncSaveHandle] = field(default_factory=list)
     reports: list[SaveReport] = field(default_factory=list)
@@ -199,8 +94,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
     """DeepSpeed's ``CheckpointEngine`` with every file written compressed; built by :func:`attach`.
 
     With ``async_save`` the engine is *decoupled* in DeepSpeed's sense: ``save_checkpoint`` returns once
-    each file's snapshot is taken, and DeepSpeed commits the tag at the next optimizer step (or
-    :meth:`wait` does, on every rank).
+    each file's snapshot is taken, and DeepSpeed commits the tag at the first optimizer step at which
+    every rank's files are durable (or :meth:`wait` does, on every rank).
 
     Attributes:
         reports: The :class:`SaveReport` of each file this rank saved for the last committed tag.
@@ -213,7 +108,14 @@ class NvcompCheckpointEngine(CheckpointEngine):
         async_save: bool = False,
         workers: int | None = None,
         on_commit: Callable[[str, str, list[SaveReport]], None] | None = None,
+        tiers: list[Tier] | None = None,
+        incremental: bool = False,
+        full_every: int | None = None,
+        delta_base: str = "previous",
     ) -> None:
+        # Checked first: a wrong argument must not leave anything half set up.
+        self.tiers: TierCopies | None = None if tiers is None else TierCopies(tiers, "attach")
+        self.incremental = incremental_files("attach", incremental, full_every, delta_base)
         super().__init__(None)
         self.name = "NvcompCheckpointEngine"
         self.policy = deepspeed_policy(policy)
@@ -226,15 +128,18 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._pending: _PendingTag | None = None
         self._uncommitted: _PendingTag | None = None  # async: saved, waiting for DeepSpeed's commit
         self._saver = nc.AsyncSaver(max_pending=2, report_errors=False, workers=workers) if async_save else None
+        #: Set by attach(): the engine's global step, read when a save begins.
+        self.current_step: Callable[[], int | None] = lambda: None
 
     # -- DeepSpeed's CheckpointEngine interface -------------------------------------------------
 
     def create(self, info: CheckpointCommitInfo) -> None:
         # An async tag still uncommitted is committed first: every rank is here (save_checkpoint
-        # is collective), and two tags' files must never be in flight under one `latest`.
-        self.wait()
+        # is collective), and two tags' files must never be in flight under one `latest`. Copies to
+        # the tiers go on in the background.
+        self._commit_in_flight()
         save_latest = info.save_latest if self.latest_requested is None else self.latest_requested
-        self._pending = _PendingTag(os.fspath(info.save_dir), str(info.tag), bool(save_latest))
+        self._pending = _PendingTag(os.fspath(info.save_dir), str(info.tag), bool(save_latest), self.current_step())
 
     def save(self, state_dict: Any, path: str) -> None:
         pending = self._pending_for(path)
@@ -245,10 +150,17 @@ class NvcompCheckpointEngine(CheckpointEngine):
             with LocalStorage().open_write(path) as f:
                 torch.save(state_dict, f)
             return
-        if self._saver is not None:
-            pending.handles.append(self._saver.save(state_dict, path, self.policy, workers=self.workers))
-        else:
-            pending.reports.append(nc.save(state_dict, path, self.policy, workers=self.workers))
+        # incremental: each file is a delta against the same file of the previous tag (a full one every full_every).
+        base = None if self.incremental is None else self.incremental.base_for(path, slot=os.path.basename(path))
+        try:
+            if self._saver is not None:
+                pending.handles.append(self._saver.save(state_dict, path, self.policy, workers=self.workers, base=base))
+            else:
+                pending.reports.append(nc.save(state_dict, path, self.policy, workers=self.workers, base=base))
+        except BaseException:
+            if self.incremental is not None:
+                self.incremental.failed(os.path.basename(path), path)
+            raise
         pending.files[os.path.abspath(path)] = os.path.basename(path)
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -278,6 +190,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self._uncommitted, self._pending = self._pending, None
         if self._uncommitted is None:
             return None
+        if not self._written_on_every_rank(self._uncommitted):
+            # DeepSpeed asks at every optimizer step: the tag is committed at the first step where
+            # every rank's files are durable, so the step never waits for the background writes.
+            return None
         return CheckpointCommitInfo(tag=self._uncommitted.tag, save_dir=self._uncommitted.save_dir, save_latest=False)
 
     def cleanup(self) -> None:
@@ -285,15 +201,53 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self.wait()
         if self._saver is not None:
             self._saver.close()
+        if self.tiers is not None:
+            # The end of the run: the newest tag reaches every tier whose schedule skipped it.
+            self.tiers.wait(final=True)
+
+    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
+        """The newest tag copied to ``tiers`` that checks, as a local folder (None: no copy; a fresh start).
+
+        Collective (call it on every rank): rank 0 finds the copy (downloading one from an object store
+        into ``local_dir``, default ``.nvckpt-restore`` in the working directory) and every rank gets its
+        path, so ``local_dir`` must be visible to every rank (one node, or a shared file system). Load it
+        with ``engine.load_checkpoint(os.path.dirname(path), tag=os.path.basename(path))``.
+
+        Raises:
+            ValueError: ``attach`` was given no ``tiers``.
+        """
+        if self.tiers is None:
+            raise ValueError("NvcompCheckpointEngine.resume_path(): no tiers; pass attach(engine, tiers=[nc.Tier(...)])")
+        found = [self.tiers.resume_path(local_dir) if _rank() == 0 else None]
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(found, src=0)
+        return found[0]
 
     # -- ours ----------------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Commit the async tag still in flight, if any (collective: call it on every rank)."""
+        """Commit the async tag still in flight, if any, then wait for the copies to ``tiers`` (collective: call it on every rank)."""
+        self._commit_in_flight()
+        if self.tiers is not None:
+            self.tiers.wait()
+
+    def _commit_in_flight(self) -> None:
         if self._pending is not None and self._saver is not None and self._pending.files:
             self._uncommitted, self._pending = self._pending, None
         if self._uncommitted is not None:
             self._commit(self._uncommitted)
+
+    def _written_on_every_rank(self, pending: _PendingTag) -> bool:
+        """Whether every rank's background writes of ``pending`` are done (failed ones count: the commit reports them).
+
+        Collective: every rank asks at the same optimizer step, so they agree on when to commit.
+        """
+        done = all(handle.done() for handle in pending.handles)
+        if not (dist.is_available() and dist.is_initialized()):
+            return done
+        flag = torch.tensor([int(done)], dtype=torch.int32, device=get_accelerator().current_device_name())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _pending_for(self, path: str) -> _PendingTag:
         if self._pending is None:
@@ -321,24 +275,30 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self._pending = None
         if self._uncommitted is pending:
             self._uncommitted = None
+        if error is not None and self.incremental is not None:
+            self.incremental.failed()  # the next save is a full one
         if error is not None:
             raise CheckpointWriteError(
                 f"{tag_dir}: this rank's files of tag {pending.tag!r} failed ({error}); the tag is not committed"
             ) from error
         failed = [rank for rank, theirs in enumerate(gathered) if not theirs["ok"]]
+        if failed and self.incremental is not None:
+            self.incremental.failed()
         if failed:
             raise CheckpointWriteError(f"{tag_dir}: ranks {failed} failed to write tag {pending.tag!r}; the tag is not committed")
         everything: dict[str, int] = {}
         for theirs in gathered:
             everything.update(theirs["files"])
         if _rank() == 0 and everything:  # nothing of the tag's own (save_16bit_model): no tag to commit
-            manifest = {"format": _MANIFEST_FORMAT, "tag": pending.tag, "world_size": len(gathered), "files": everything}
-            storage = LocalStorage()
-            storage.write_bytes(os.path.join(tag_dir, MANIFEST_NAME), json.dumps(manifest, indent=1, sort_keys=True).encode())
+            write_manifest(tag_dir, pending.tag, len(gathered), everything)
             if pending.save_latest:
-                storage.write_bytes(os.path.join(pending.save_dir, "latest"), pending.tag.encode())
+                write_latest(pending.save_dir, pending.tag)
         # No rank leaves before `latest` names the tag: a load right after the save must see it.
         _barrier()
+        if self.tiers is not None and _rank() == 0 and everything and pending.step is not None:
+            # The committed tag is a folder unit of tier 0 (the save dir); a delta tag is adopted with its base tag.
+            base = None if self.incremental is None else unit_base_of(tag_dir)
+            self.tiers.adopt(pending.step, tag_dir, base)
         self.reports = pending.reports
         if self.on_commit is not None:
             self.on_commit(pending.save_dir, pending.tag, pending.reports)
@@ -368,6 +328,11 @@ def attach(
     async_save: bool = False,
     workers: int | None = None,
     on_commit: Callable[[str, str, list[SaveReport]], None] | None = None,
+    tiers: list[Tier] | None = None,
+    incremental: bool = False,
+    full_every: int | None = None,
+    delta_base: str = "previous",
+    leader_load: bool = False,
 ) -> NvcompCheckpointEngine:
     """Make ``engine`` (a ``deepspeed.DeepSpeedEngine``) save compressed checkpoints and load ours and plain ones.
 
@@ -380,20 +345,48 @@ def attach(
         policy: Codec settings (see :meth:`CodecPolicy.of`); :data:`DEEPSPEED_PATTERNS` classify the
             flat fp32 master partitions as weights under the user's own ``patterns``.
         async_save: Snapshot each file and write it in the background; the tag is committed at the
-            next optimizer step, the next ``save_checkpoint``, ``engine.destroy()`` or
-            ``NvcompCheckpointEngine.wait()`` (all collective).
+            first optimizer step at which every rank's files are durable (a step never waits for the
+            writes), or by the next ``save_checkpoint``, ``engine.destroy()`` or
+            ``NvcompCheckpointEngine.wait()`` (all collective), which wait for them.
         workers: Compression threads per rank (default: every core).
         on_commit: Called on every rank as ``on_commit(save_dir, tag, reports)`` once a tag is committed.
+        tiers: :class:`~nvcomp_checkpoint.Tier` s each committed tag is copied to (by rank 0, in the
+            background, named by the engine's global step at the save); the save folder is tier 0.
+            ``NvcompCheckpointEngine.resume_path()`` finds the newest copy that checks (a fresh node).
+        incremental: Each file of a tag is saved as a delta against the same file of the previous tag
+            this process saved, a full tag every ``full_every`` (default 10) tags; ``delta_base``:
+            ``"previous"`` or ``"full"``, as for :class:`~nvcomp_checkpoint.ChainPolicy`. A delta tag
+            needs its base tags: remove a tag only when no kept tag is a delta against it.
+        leader_load: Refused: every rank of a ZeRO run reads its own partition file, so there is no
+            file one rank could read for the others (see docs/deepspeed.md).
+
+    Raises:
+        ValueError: ``leader_load=True``, or an invalid ``tiers`` / ``full_every``.
 
     Returns:
         The installed :class:`NvcompCheckpointEngine` (``engine.checkpoint_engine``).
     """
+    if leader_load:
+        raise ValueError(
+            "attach(leader_load=True): DeepSpeed's ZeRO ranks each load their own optimizer partition file "
+            "(zero_pp_rank_N_...), so no file is read by every rank for one to broadcast; drop leader_load"
+        )
     old = getattr(engine, "checkpoint_engine", None)
     if old is not None and getattr(old, "is_decoupled", lambda: False)():
         raise ValueError(
             f"attach(): the engine already has a decoupled checkpoint engine ({type(old).__name__}) with saves in flight; attach before saving"
         )
-    ours = NvcompCheckpointEngine(policy, async_save=async_save, workers=workers, on_commit=on_commit)
+    ours = NvcompCheckpointEngine(
+        policy,
+        async_save=async_save,
+        workers=workers,
+        on_commit=on_commit,
+        tiers=tiers,
+        incremental=incremental,
+        full_every=full_every,
+        delta_base=delta_base,
+    )
+    ours.current_step = lambda: getattr(engine, "global_steps", None)
     engine.checkpoint_engine = ours
     original = engine.save_checkpoint
 

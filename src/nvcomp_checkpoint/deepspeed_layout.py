@@ -1,0 +1,455 @@
+"""What a DeepSpeed checkpoint folder looks like, without importing DeepSpeed: file names, ``latest``,
+the tag manifest, and the allow-list of the classes DeepSpeed pickles into its files.
+
+Shared by the DeepSpeed integration (``attach``) and ``nvckpt`` (which may not import integrations), so
+that both read a tag the same way and neither trusts a pickle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import re
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from .api import load
+from .errors import CheckpointError, CheckpointNotFoundError, FormatError, UnsupportedObjectError
+from .filetype import HEAD_BYTES, NVCOMP, kind_of
+from .policy import CodecPolicy, Component
+from .storage import LOCAL
+
+__all__ = [
+    "MANIFEST_NAME",
+    "MANIFEST_FORMAT",
+    "CONVERTING_NAME",
+    "LATEST_NAME",
+    "SAFE_GLOBAL_NAMES",
+    "DEEPSPEED_PATTERNS",
+    "MODEL_STATES",
+    "OPTIM_PARTITION",
+    "EXPERT",
+    "OTHER_FILE",
+    "TagFile",
+    "classify_file",
+    "is_tag_dir",
+    "is_deepspeed_dir",
+    "tag_dirs",
+    "read_latest",
+    "write_latest",
+    "read_manifest",
+    "write_manifest",
+    "check_tag_complete",
+    "tag_problems",
+    "is_ours",
+    "deepspeed_policy",
+    "deepspeed_safe_globals",
+    "safe_global_objects",
+    "load_deepspeed_file",
+]
+
+#: The tag's commit record, written once every rank's files are durable, before ``latest``.
+MANIFEST_NAME = "nvckpt_manifest.json"
+MANIFEST_FORMAT = "nvcomp-checkpoint deepspeed tag v1"
+#: Present in a tag while ``nvckpt compress/decompress`` converts its files in place.
+CONVERTING_NAME = "nvckpt_converting.json"
+#: DeepSpeed's pointer to the newest tag: a file holding the tag's name.
+LATEST_NAME = "latest"
+
+#: Every class DeepSpeed pickles into its checkpoint files (besides what ``torch.load(weights_only=True)``
+#: allows anyway), by ``module.name``: the ZeRO and fp16 optimizers' loss scalers, the ZeRO stage, and
+#: ZeRO 1/2's parameter slice map. Part of the format of a DeepSpeed tag: pinned by tests.
+SAFE_GLOBAL_NAMES: tuple[str, ...] = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+#: DeepSpeed keeps the fp32 master weights as flat partitions whose names say nothing of weights
+#: (``single_partition_of_fp32_groups/0``): without these globs they would be classified as "other"
+#: and miss the byte-plane codec settings of weights. The moments (``.../state/0/exp_avg``) already
+#: classify by their own names. ``*`` also matches ``/``, so each glob covers both the ZeRO files and
+#: the model-states file, where ZeRO stage 0 keeps the optimizer (``optimizer/...``).
+DEEPSPEED_PATTERNS: dict[str, str] = {
+    "*/single_partition_of_fp32_groups/*": "weights",  # ZeRO 1/2, bf16 optimizer
+    "*/fp32_flat_groups/*": "weights",  # ZeRO 3
+    "*/fp32_groups_flat/*": "weights",  # fp16 fused optimizer (stage 0)
+    "*/fp32_groups/*": "weights",  # fp16 unfused optimizer (stage 0)
+}
+
+MODEL_STATES = "model states"
+OPTIM_PARTITION = "optim partition"
+EXPERT = "expert"
+OTHER_FILE = "other"
+
+# DeepSpeed's file names (deepspeed/runtime/engine.py: _get_ckpt_name, _get_zero_ckpt_name,
+# _get_expert_ckpt_name, _get_optimizer_ckpt_name; pipeline layers in pipe/module.py).
+_NAMES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"mp_rank_(?P<mp>\d+)_model_states\.pt"), MODEL_STATES),
+    (re.compile(r"zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt"), MODEL_STATES),
+    (re.compile(r"(?:bf16_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt"), OPTIM_PARTITION),
+    (re.compile(r"expp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt"), OPTIM_PARTITION),
+    (re.compile(r"layer_(?P<layer>\d+)_expert_(?P<expert>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt"), EXPERT),
+    (re.compile(r"layer_(?P<layer>\d+)-model_(?P<mp>\d+)-model_states\.pt"), MODEL_STATES),
+)
+
+
+@dataclass(frozen=True)
+class TagFile:
+    """One file of a DeepSpeed tag, by its name.
+
+    Attributes:
+        name: The file name.
+        kind: :data:`MODEL_STATES`, :data:`OPTIM_PARTITION`, :data:`EXPERT` or :data:`OTHER_FILE`.
+        rank: The data-parallel (or expert-parallel) rank the file belongs to; None for a file of
+            the whole model (``mp_rank_00_model_states.pt``, an expert file).
+        mp_rank: The model-parallel rank, or None.
+        expert: ``(layer, expert)`` of an expert file, else None.
+    """
+
+    name: str
+    kind: str
+    rank: int | None = None
+    mp_rank: int | None = None
+    expert: tuple[int, int] | None = None
+
+
+def classify_file(name: str) -> TagFile:
+    """The :class:`TagFile` of a file name of a DeepSpeed tag (:data:`OTHER_FILE` if DeepSpeed does not write it)."""
+    for pattern, kind in _NAMES:
+        m = pattern.fullmatch(name)
+        if m is None:
+            continue
+        groups = m.groupdict()
+        rank = int(groups["rank"]) if groups.get("rank") is not None else None
+        mp = int(groups["mp"]) if groups.get("mp") is not None else None
+        expert = (int(groups["layer"]), int(groups["expert"])) if groups.get("expert") is not None else None
+        return TagFile(name, kind, rank, mp, expert)
+    return TagFile(name, OTHER_FILE)
+
+
+def is_tag_dir(path: str | os.PathLike[str]) -> bool:
+    """True when the local folder ``path`` holds files with DeepSpeed's names (a tag)."""
+    try:
+        names = os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return any(classify_file(n).kind != OTHER_FILE for n in names)
+
+
+def tag_dirs(path: str | os.PathLike[str]) -> list[str]:
+    """The tags (sub-folder names, sorted) of a DeepSpeed checkpoint folder."""
+    root = os.fspath(path)
+    return sorted(n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n)) and is_tag_dir(os.path.join(root, n)))
+
+
+def is_deepspeed_dir(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a DeepSpeed checkpoint folder (tags, usually ``latest``) or one tag of it."""
+    return os.path.isdir(path) and (is_tag_dir(path) or bool(tag_dirs(path)))
+
+
+def read_latest(save_dir: str | os.PathLike[str]) -> str | None:
+    """The tag ``save_dir/latest`` names, or None without one.
+
+    Raises:
+        FormatError: ``latest`` is empty or names a path outside ``save_dir``.
+    """
+    path = os.path.join(os.fspath(save_dir), LATEST_NAME)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4096)
+    except FileNotFoundError:
+        return None
+    tag = raw.decode("utf-8", "replace").strip()
+    if not tag or os.path.basename(tag) != tag or tag in (".", ".."):
+        raise FormatError(f"{path}: names {tag!r}, not a tag folder of {save_dir}; write the newest complete tag's name into it")
+    return tag
+
+
+def write_latest(save_dir: str | os.PathLike[str], tag: str) -> None:
+    """Point ``save_dir/latest`` at ``tag``, atomically (a kill leaves the old or the new name, never a torn one)."""
+    LOCAL.write_bytes(os.path.join(os.fspath(save_dir), LATEST_NAME), tag.encode())
+
+
+def write_manifest(tag_dir: str | os.PathLike[str], tag: str, world_size: int, files: Mapping[str, int]) -> None:
+    """Commit a tag: the manifest (every file of every rank with its size), atomically. Every file must be durable."""
+    manifest = {"format": MANIFEST_FORMAT, "tag": tag, "world_size": world_size, "files": dict(files)}
+    LOCAL.write_bytes(os.path.join(os.fspath(tag_dir), MANIFEST_NAME), json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+
+def read_manifest(tag_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The manifest of ``tag_dir``, checked for form (not against the files), or None without one.
+
+    Raises:
+        FormatError: The manifest is not one of this library's, or names a path outside the tag.
+    """
+    manifest_path = os.path.join(os.fspath(tag_dir), MANIFEST_NAME)
+    try:
+        with open(manifest_path, "rb") as f:
+            raw = f.read(1 << 24)
+    except FileNotFoundError:
+        return None
+    try:
+        manifest = json.loads(raw)
+        files = manifest["files"]
+        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+            raise ValueError("not a manifest of this library")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"{manifest_path}: unreadable tag manifest ({type(exc).__name__}); the tag cannot be trusted") from exc
+    for name, size in files.items():
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise FormatError(f"{manifest_path}: names {name!r}, not a file of the tag directory")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise FormatError(f"{manifest_path}: gives {name!r} the size {size!r}, not a number of bytes")
+    return manifest
+
+
+def tag_problems(tag_dir: str | os.PathLike[str], *, read_partition_count: bool = False) -> list[str]:
+    """Everything that keeps ``tag_dir`` from being a complete tag, one message per problem (empty: complete).
+
+    With a manifest: every file it names is there with its committed size. Without one (a plain
+    DeepSpeed tag): the ranks of each kind of per-rank file run from 0 without a gap, the model
+    states are there, and none of the files is ours (ours without a manifest: a save that never committed).
+    With ``read_partition_count``, the lowest rank's ZeRO file of a plain tag is read for the number
+    of partitions DeepSpeed wrote (``partition_count``), so a missing last rank is found too.
+    """
+    tag_dir = os.fspath(tag_dir)
+    if os.path.exists(os.path.join(tag_dir, CONVERTING_NAME)):
+        return [_converting(tag_dir)]
+    try:
+        manifest = read_manifest(tag_dir)
+    except FormatError as exc:
+        return [str(exc)]
+    names = sorted(n for n in os.listdir(tag_dir) if not n.startswith("."))
+    problems = []
+    if manifest is not None:
+        return [str(exc) for exc in _manifest_problems(tag_dir, manifest)]
+    files = [classify_file(n) for n in names]
+    ours = [f.name for f in files if f.kind != OTHER_FILE and is_ours(os.path.join(tag_dir, f.name))]
+    if ours:
+        problems.append(_never_committed(os.path.join(tag_dir, ours[0])))
+    if not any(f.kind == MODEL_STATES for f in files):
+        problems.append(f"{tag_dir}: no model states file (mp_rank_00_model_states.pt or zero_pp_rank_*_model_states.pt)")
+    by_kind: dict[tuple[str, str], list[int]] = {}
+    for f in files:
+        if f.rank is not None:
+            prefix = f.name.split("zero_pp_rank_")[0] if "zero_pp_rank_" in f.name else "expp"
+            by_kind.setdefault((f.kind, prefix), []).append(f.rank)
+    for (kind, prefix), ranks in sorted(by_kind.items()):
+        count = max(ranks) + 1
+        if read_partition_count and kind == OPTIM_PARTITION and prefix != "expp":
+            count = max(
+                count, _partition_count(os.path.join(tag_dir, f"{prefix}zero_pp_rank_{min(ranks)}_mp_rank_00_optim_states.pt"))
+            )
+        missing = sorted(set(range(count)) - set(ranks))
+        if missing:
+            problems.append(f"{tag_dir}: the {kind} files of ranks {missing} are missing (ranks up to {max(ranks)} are there)")
+    return problems
+
+
+def _partition_count(path: str) -> int:
+    """The number of ZeRO partitions a DeepSpeed optimizer file says were written (0 when it does not say)."""
+    if not os.path.exists(path):
+        return 0
+    try:
+        state = load_deepspeed_file(path, map_location="cpu")
+    except CheckpointError:
+        return 0  # the file's own check reports it
+    count = state.get("optimizer_state_dict", {}).get("partition_count") if isinstance(state, dict) else None
+    counts = count if isinstance(count, (list, tuple)) else [count]
+    return max((c for c in counts if isinstance(c, int) and not isinstance(c, bool)), default=0)
+
+
+def check_tag_complete(tag_dir: str | os.PathLike[str]) -> bool:
+    """Raise unless every file the manifest of ``tag_dir`` names is there with its committed size.
+
+    Returns:
+        True if the tag has a manifest (and is complete), False if it has none (a plain DeepSpeed tag,
+        or one of ours whose save never committed).
+
+    Raises:
+        CheckpointNotFoundError: A file the manifest names is missing.
+        FormatError: The manifest is unreadable, a size differs, or the tag is being converted in place.
+    """
+    tag_dir = os.fspath(tag_dir)
+    if os.path.exists(os.path.join(tag_dir, CONVERTING_NAME)):
+        raise FormatError(_converting(tag_dir))
+    manifest = read_manifest(tag_dir)
+    if manifest is None:
+        return False
+    for problem in _manifest_problems(tag_dir, manifest):
+        raise problem
+    return True
+
+
+def _manifest_problems(tag_dir: str, manifest: dict[str, Any]) -> list[FormatError]:
+    """A file the manifest names that is missing (:class:`CheckpointNotFoundError`) or of another size, each named."""
+    problems: list[FormatError] = []
+    for name, size in sorted(manifest["files"].items()):
+        path = os.path.join(tag_dir, name)
+        try:
+            actual = os.stat(path).st_size
+        except FileNotFoundError:
+            problems.append(
+                CheckpointNotFoundError(
+                    f"{path}: missing from committed tag {manifest.get('tag')!r} (its manifest names it); "
+                    "restore the file or load another tag"
+                )
+            )
+            continue
+        if actual != size:
+            problems.append(
+                FormatError(
+                    f"{path}: {actual} bytes, but tag {manifest.get('tag')!r} committed {size}; the file was changed or truncated"
+                )
+            )
+    return problems
+
+
+def _converting(tag_dir: str) -> str:
+    return (
+        f"{tag_dir}: `nvckpt compress/decompress` was converting this tag in place and did not finish; "
+        "run the same command again to finish it"
+    )
+
+
+def _never_committed(path: str) -> str:
+    tag = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return (
+        f"{path}: its tag {tag!r} was never committed (no {MANIFEST_NAME}: a save was interrupted); "
+        "load the tag `latest` names, or another"
+    )
+
+
+def is_ours(path: str | os.PathLike[str]) -> bool:
+    """Whether the file at ``path`` is an nvcomp-checkpoint file (False when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEAD_BYTES)
+        return kind_of(head, os.path.getsize(path)) == NVCOMP
+    except OSError:
+        return False  # the load names the missing or unreadable file
+
+
+def deepspeed_policy(policy: CodecPolicy | Mapping[str, Any] | str | None = None, where: str = "policy") -> CodecPolicy:
+    """``policy`` (any form :meth:`CodecPolicy.of` takes) with :data:`DEEPSPEED_PATTERNS` under the user's own patterns."""
+    base = CodecPolicy.of(policy, where)
+    return base.with_overrides(patterns={**DEEPSPEED_PATTERNS, **{k: Component(v).value for k, v in base.patterns.items()}})
+
+
+# -- the allow-list ------------------------------------------------------------------------------
+
+
+class _StandIn:
+    """What a DeepSpeed object is read as where DeepSpeed is not installed: its state, nothing of its code.
+
+    ``nvckpt inspect`` and ``verify`` read such files; writing one back (compress, decompress) needs
+    the real class, so pickling a stand-in fails naming what to install.
+    """
+
+    _name = ""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{self._name} (DeepSpeed not installed)>"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise UnsupportedObjectError(
+            f"a {self._name} read from a DeepSpeed checkpoint cannot be written back without DeepSpeed: "
+            "pip install deepspeed (or 'nvcomp-checkpoint[deepspeed]')"
+        )
+
+
+def _resolve(name: str) -> Any:
+    """The object ``name`` (one of :data:`SAFE_GLOBAL_NAMES`) stands for.
+
+    Only the modules of the allow-list are imported here, never one a file names; without DeepSpeed a
+    stand-in is registered under the name instead (``(object, name)``, torch's form for that).
+    """
+    if name not in SAFE_GLOBAL_NAMES:  # pragma: no cover - callers pass only the allow-list
+        raise ValueError(f"{name}: not in the DeepSpeed allow-list")
+    module_name, _, attr = name.rpartition(".")
+    module = sys.modules.get(module_name)
+    if module is None:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            module = None
+    obj = getattr(module, attr, None) if module is not None else None
+    if obj is not None and f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}" == name:
+        return obj
+    stand_in = type(attr, (_StandIn,), {"_name": name, "__module__": __name__})
+    return (stand_in, name)
+
+
+_ALLOW_LOCK = threading.Lock()
+_ALLOW_USERS = 0
+_ALLOW_ADDED: list[Any] = []
+_RESOLVED: list[Any] = []
+
+
+def safe_global_objects() -> list[Any]:
+    """The allow-list as torch's ``add_safe_globals`` takes it: DeepSpeed's classes, or ``(stand-in, name)`` pairs."""
+    with _ALLOW_LOCK:
+        if not _RESOLVED:
+            _RESOLVED.extend(_resolve(name) for name in SAFE_GLOBAL_NAMES)
+        return list(_RESOLVED)
+
+
+@contextlib.contextmanager
+def deepspeed_safe_globals() -> Iterator[None]:
+    """Allow :data:`SAFE_GLOBAL_NAMES` in weights-only loads while the block runs.
+
+    torch's ``safe_globals`` context manager edits one process-wide set, so its exit in one thread
+    would withdraw the classes from a load running in another: the classes are added by the first
+    user and withdrawn by the last, and a class the process had allowed already is left alone.
+    """
+    global _ALLOW_USERS
+    objects = safe_global_objects()
+    with _ALLOW_LOCK:
+        if _ALLOW_USERS == 0:
+            present = set(map(id, torch.serialization.get_safe_globals()))
+            _ALLOW_ADDED[:] = [g for g in objects if id(g) not in present]
+            torch.serialization.add_safe_globals(list(_ALLOW_ADDED))
+        _ALLOW_USERS += 1
+    try:
+        yield
+    finally:
+        with _ALLOW_LOCK:
+            _ALLOW_USERS -= 1
+            if _ALLOW_USERS == 0 and _ALLOW_ADDED:
+                from torch._weights_only_unpickler import _remove_safe_globals  # noqa: PLC0415 - torch has no public remove
+
+                _remove_safe_globals(list(_ALLOW_ADDED))
+                _ALLOW_ADDED.clear()
+
+
+def load_deepspeed_file(path: str | os.PathLike[str], map_location: Any = None) -> Any:
+    """Load one file of a DeepSpeed checkpoint, ours or plain ``torch.save``, without trusting its pickle.
+
+    A file in a tag directory that has a manifest is loaded only if every file the manifest names
+    is there with its committed size.
+
+    Raises:
+        CheckpointNotFoundError: ``path``, or another file of its committed tag, is missing.
+        FormatError: A file of the tag differs in size from the one committed, or the tag was never committed.
+        UnsafeCheckpointError: The file holds a class outside :data:`SAFE_GLOBAL_NAMES` (named).
+    """
+    tag_dir = os.path.dirname(os.fspath(path))
+    if not check_tag_complete(tag_dir) and is_ours(path):
+        # Our files without a manifest: a save that died before every rank's files were durable.
+        raise FormatError(_never_committed(os.fspath(path)))
+    with deepspeed_safe_globals():
+        return load(path, map_location=map_location, weights_only=True)
