@@ -32,6 +32,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import nvcomp_checkpoint as nc  # noqa: E402
+from nvcomp_checkpoint.errors import CheckpointError  # noqa: E402
 
 DIM, BATCH, STEPS = 16, 2, 3
 ZERO = {"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
@@ -79,6 +80,11 @@ def accelerate_run(mode: str, root: str) -> None:
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if mode == "resume":
+        try:  # what the DeepSpeed path does not implement is refused before anything is wrapped
+            register_nvcomp_hooks(acc, async_save=True)
+            raise AssertionError("async_save with DeepSpeed should be refused")
+        except CheckpointError as exc:
+            assert "async_save" in str(exc) and "prepare" not in vars(acc), exc  # noqa: PT017
         hooks = register_nvcomp_hooks(acc)  # before prepare: attached to the engine prepare creates
     model, optimizer = acc.prepare(model, optimizer)
 
@@ -114,6 +120,7 @@ def accelerate_run(mode: str, root: str) -> None:
         resumed[name] = train(2)
     write_json(root, "resumed.json", resumed)
     hooks.remove()
+    assert "prepare" not in vars(acc)  # Accelerator.prepare is the class's again
 
 
 # -- the HF Trainer --------------------------------------------------------------------------------
@@ -155,7 +162,7 @@ def hf_run(mode: str, root: str) -> None:
             disable_tqdm=True,
         )
         losses = Losses()
-        callbacks = [losses] + ([NvcompTrainerCallback()] if kind != "stock" else [])
+        callbacks = [losses] + ([NvcompTrainerCallback(async_save=kind == "refused")] if kind != "stock" else [])
         cls = NvcompTrainer if kind == "nvcomp-trainer" else Trainer
         return cls(model=Net(), args=args, train_dataset=Batches(), callbacks=callbacks), losses
 
@@ -166,6 +173,11 @@ def hf_run(mode: str, root: str) -> None:
         ours.train()
         write_json(root, "ref.json", losses.losses[STEPS:])
         return
+    try:  # refused when the Trainer is built, before any step
+        trainer("refused", "refused", STEPS)
+        raise AssertionError("async_save with DeepSpeed should be refused")
+    except CheckpointError as exc:
+        assert "async_save" in str(exc), exc  # noqa: PT017
     resumed = {}
     for name, kind in (("ours", "callback"), ("plain", "nvcomp-trainer")):
         t, losses = trainer(kind, f"resumed-{name}", STEPS + 2)

@@ -115,3 +115,57 @@ def test_lightning_deepspeed_strategy_writes_compressed_and_resumes(tmp_path: Pa
     run_python(*TORCHRUN, "lightning", "first", str(tmp_path), cwd=tmp_path, **ENV)
     _check_tags(tmp_path / "ours" / "checkpoint", tmp_path / "plain" / "checkpoint")
     _resumes(tmp_path, "lightning")
+
+
+# -- what needs no ranks ---------------------------------------------------------------------------
+def test_lightning_stock_deepspeed_strategy_with_the_plugin_is_refused_and_ours_takes_its_policy() -> None:
+    pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from nvcomp_checkpoint import CodecPolicy, Tier
+    from nvcomp_checkpoint.errors import CheckpointError
+    from nvcomp_checkpoint.integrations.lightning_deepspeed import check_deepspeed_checkpoint_io
+    from nvcomp_checkpoint.lightning import NvcompCheckpointIO, NvcompDeepSpeedStrategy
+
+    stock = DeepSpeedStrategy(stage=2)
+    check_deepspeed_checkpoint_io(stock)  # no plugin: nothing to refuse
+    stock.checkpoint_io = NvcompCheckpointIO()
+    with pytest.raises(CheckpointError, match="NvcompDeepSpeedStrategy"):
+        check_deepspeed_checkpoint_io(stock)
+    policy = CodecPolicy(min_compress_bytes=4096)
+    ours = NvcompDeepSpeedStrategy(stage=2)
+    ours.checkpoint_io = NvcompCheckpointIO(policy)
+    check_deepspeed_checkpoint_io(ours)
+    assert ours.policy == policy
+    assert NvcompDeepSpeedStrategy(stage=2, policy={"min_compress_bytes": 1024}).policy == CodecPolicy(min_compress_bytes=1024)
+    for plugin, match in (
+        (NvcompCheckpointIO(async_save=True), r"async_save=True"),
+        (NvcompCheckpointIO(tiers=[Tier("/nonexistent-tier")]), r"tiers=\.\.\."),
+    ):
+        ours.checkpoint_io = plugin
+        with pytest.raises(CheckpointError, match=match):
+            check_deepspeed_checkpoint_io(ours)
+
+
+def test_lightning_deepspeed_strategy_on_the_cpu_is_refused_by_lightning_before_any_step(tmp_path: Path) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    import torch
+
+    from nvcomp_checkpoint.lightning import NvcompDeepSpeedStrategy
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+        def training_step(self, x: torch.Tensor, i: int) -> torch.Tensor:
+            raise AssertionError("no step may run")
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=NvcompDeepSpeedStrategy(stage=2), logger=False, default_root_dir=tmp_path
+    )
+    with pytest.raises(RuntimeError, match="only supported on CUDA GPUs"):
+        trainer.fit(Module(), torch.utils.data.DataLoader(torch.zeros(4, 2)))

@@ -66,14 +66,33 @@ class NvcompDeepSpeedStrategy(DeepSpeedStrategy):
 
 
 def check_deepspeed_checkpoint_io(strategy: Any) -> None:
-    """Refuse Lightning's stock ``DeepSpeedStrategy`` given an ``NvcompCheckpointIO``: it never calls the plugin.
+    """Refuse Lightning's stock ``DeepSpeedStrategy`` given an ``NvcompCheckpointIO`` (it never calls the
+    plugin), and the plugin options :class:`NvcompDeepSpeedStrategy` cannot honour.
 
     Raises:
-        CheckpointError: naming :class:`NvcompDeepSpeedStrategy`.
+        CheckpointError: naming :class:`NvcompDeepSpeedStrategy`, or the option to drop.
     """
-    if not isinstance(strategy, DeepSpeedStrategy) or isinstance(strategy, NvcompDeepSpeedStrategy):
+    if not isinstance(strategy, DeepSpeedStrategy):
         return
-    if nvcomp_plugin(strategy) is None:
+    plugin = nvcomp_plugin(strategy)
+    if plugin is None:
+        return
+    if isinstance(strategy, NvcompDeepSpeedStrategy):
+        refused = [
+            name
+            for name, on in (
+                ("async_save=True", getattr(plugin, "async_save", False)),
+                ("tiers=...", getattr(plugin, "tiers", None) is not None),
+                ("incremental=True", getattr(plugin, "incremental", None) is not None),
+            )
+            if on
+        ]
+        if refused:
+            raise CheckpointError(
+                f"NvcompCheckpointIO({', '.join(refused)}) with {type(strategy).__name__}: every rank writes its "
+                "DeepSpeed files compressed through the engine, synchronously and in full, without the plugin; "
+                "these options are not implemented for that path. Drop them (the plugin's policy is used)."
+            )
         return
     raise CheckpointError(
         f"NvcompCheckpointIO was given to Lightning's {type(strategy).__name__}, which saves through the DeepSpeed "
