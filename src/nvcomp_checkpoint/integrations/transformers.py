@@ -485,7 +485,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Resuming with a stock Trainer: load the compressed optimizer state it skipped."""
         if self._deepspeed:
-            self._check_deepspeed_attached(kwargs.get("model"))
+            self._check_deepspeed_attached()
             return
         if self._resumes_itself:
             return
@@ -541,10 +541,12 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
             # model, the final rotation, the end of the process) must see a finished directory.
             self._wait_for_saves("on_save at the end of training")
 
-    def _check_deepspeed_attached(self, model: Any) -> None:
+    def _check_deepspeed_attached(self) -> None:
+        from nvcomp_checkpoint.integrations.deepspeed import NvcompCheckpointEngine, is_deepspeed_engine  # noqa: PLC0415
+
         trainer = (_trainer_locals() or {}).get("self")
         engine = getattr(trainer, "model_wrapped", None)
-        if engine is not None and type(getattr(engine, "checkpoint_engine", None)).__name__ != "NvcompCheckpointEngine":
+        if is_deepspeed_engine(engine) and not isinstance(engine.checkpoint_engine, NvcompCheckpointEngine):
             # The Trainer prepared its engine through another accelerator than the one seen at on_init_end.
             raise nc.CheckpointError(
                 f"NvcompTrainerCallback: the Trainer's DeepSpeed engine ({type(engine).__name__}) was created without "
