@@ -4,7 +4,8 @@ Per framework, one 2-rank CPU run (tests/deepspeed_frameworks_train.py) saves th
 through our integration and records the next losses (Accelerate's is then killed with SIGKILL in the
 middle of a third save); fresh processes resume from both folders with our integration. Lightning's
 DeepSpeedStrategy refuses the CPU: its run lifts that one check (see the script), and
-``benchmarks/gpu_fsdp_check.py`` runs the unmodified strategy on a GPU.
+``benchmarks/gpu_deepspeed_check.py`` (a step of ``benchmarks/gpu_check.sh``) runs the unmodified
+strategy on a GPU.
 """
 
 from __future__ import annotations
