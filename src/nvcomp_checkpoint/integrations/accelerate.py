@@ -666,7 +666,7 @@ class NvcompStateHooks(SaveEntryPoint):
 
 
 # -- DeepSpeed --------------------------------------------------------------------------------
-def _check_deepspeed_hooks(*, async_save: bool, tiers: Any, incremental: bool, leader_load: bool) -> None:
+def _check_deepspeed_hooks(*, async_save: bool, tiers: Any, incremental: object, leader_load: bool) -> None:
     """What ``register_nvcomp_hooks`` refuses of a DeepSpeed Accelerator, before the first save."""
     refused = [
         name

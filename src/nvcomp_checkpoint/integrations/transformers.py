@@ -546,7 +546,11 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
 
         trainer = (_trainer_locals() or {}).get("self")
         engine = getattr(trainer, "model_wrapped", None)
-        if is_deepspeed_engine(engine) and not isinstance(engine.checkpoint_engine, NvcompCheckpointEngine):
+        if (
+            engine is not None
+            and is_deepspeed_engine(engine)
+            and not isinstance(engine.checkpoint_engine, NvcompCheckpointEngine)
+        ):
             # The Trainer prepared its engine through another accelerator than the one seen at on_init_end.
             raise nc.CheckpointError(
                 f"NvcompTrainerCallback: the Trainer's DeepSpeed engine ({type(engine).__name__}) was created without "
