@@ -63,16 +63,16 @@ def _tests(out: Path) -> str:
     return text + (f"; failed: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}" if names else "")
 
 
-def _fsdp_rows(out: Path) -> list[dict[str, Any]]:
+def _fsdp_rows(out: Path, prefix: str = "gpu_fsdp_check: ") -> list[dict[str, Any]]:
     rows = []
     try:
         lines = (out / "gpu_check.log").read_text(errors="replace").splitlines()
     except OSError:
         return rows
     for line in lines:
-        if line.startswith("gpu_fsdp_check: "):
+        if line.startswith(prefix):
             try:
-                rows.append(json.loads(line[len("gpu_fsdp_check: ") :]))
+                rows.append(json.loads(line[len(prefix) :]))
             except ValueError:
                 continue
     return rows
@@ -143,6 +143,9 @@ def build(out: Path) -> str:
         rows.append(
             (f"  {r.get('case')}", outcome + seconds, str(r.get("detail", "")).replace("|", "/").replace("\n", " ")[:400])
         )
+    for r in _fsdp_rows(out, "gpu_deepspeed_check: "):
+        detail = r.get("why") or f"losses {r.get('resumed')} vs {r.get('ref')}, {r.get('files')} files"
+        rows.append((f"DeepSpeed: {r.get('case')}", f"{r.get('status')} ({_step_result(steps, 'deepspeed')})", str(detail)[:400]))
     total = sum(s for _, s, _ in steps.values())
     limits = sum(limit for _, _, limit in steps.values())
     rows.append(("all steps", f"{total:.0f} s", f"their limits add up to {limits} s, and 4 s for this table"))

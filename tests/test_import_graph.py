@@ -243,7 +243,14 @@ def _integration_framework(module: str) -> str:
 
 # The HF Trainer saves FSDP state with Accelerate's fsdp_utils functions: its FSDP module swaps in
 # the Accelerate integration's (the one pair of integrations allowed to depend on each other).
-BUILT_ON = {(f"{PACKAGE}.integrations.transformers_fsdp", f"{PACKAGE}.integrations.accelerate_fsdp")}
+# DeepSpeed's engine is what Accelerate, the Trainer and Lightning run under with DeepSpeed: their
+# integrations attach its checkpoint engine through the DeepSpeed integration (attach_once, attach_after).
+BUILT_ON = {
+    (f"{PACKAGE}.integrations.transformers_fsdp", f"{PACKAGE}.integrations.accelerate_fsdp"),
+    (f"{PACKAGE}.integrations.accelerate", f"{PACKAGE}.integrations.deepspeed"),
+    (f"{PACKAGE}.integrations.transformers", f"{PACKAGE}.integrations.deepspeed"),
+    (f"{PACKAGE}.integrations.lightning_deepspeed", f"{PACKAGE}.integrations.deepspeed"),
+}
 
 
 def test_integrations_do_not_import_each_other() -> None:

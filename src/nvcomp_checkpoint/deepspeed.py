@@ -12,14 +12,20 @@ from .integrations.deepspeed import (
     MANIFEST_NAME,
     NvcompCheckpointEngine,
     attach,
+    attach_after,
+    attach_once,
     check_tag_complete,
     deepspeed_policy,
     deepspeed_safe_globals,
+    is_deepspeed_engine,
     load_deepspeed_file,
 )
 
 __all__ = [
     "attach",
+    "attach_after",
+    "attach_once",
+    "is_deepspeed_engine",
     "NvcompCheckpointEngine",
     "DEEPSPEED_PATTERNS",
     "DEEPSPEED_SAFE_GLOBALS",

@@ -15,6 +15,7 @@ from .integrations.lightning import (
     load_from_checkpoint,
     report_metrics,
 )
+from .integrations.lightning_deepspeed import NvcompDeepSpeedStrategy
 from .integrations.lightning_sharded import NvcompFSDPStrategy, NvcompModelParallelStrategy, check_sharded_checkpoint_io
 
 __all__ = [
@@ -27,5 +28,6 @@ __all__ = [
     "STORAGE_OPTION_KEYS",
     "NvcompModelParallelStrategy",
     "NvcompFSDPStrategy",
+    "NvcompDeepSpeedStrategy",
     "check_sharded_checkpoint_io",
 ]

@@ -82,8 +82,13 @@ _STATE_FILE = re.compile(
             )
         ]
         + [re.escape(SCALER_NAME), rf"{re.escape(RNG_STATE_NAME)}_\d+\.pkl", r"custom_checkpoint_\d+\.pkl"]
+        # DeepSpeed's: a tag folder per model (pytorch_model, pytorch_model_1 ...), `latest`, and the
+        # recovery scripts it copies next to them.
+        + [rf"{re.escape(MODEL_NAME)}(_\d+)?", "latest", r"zero_to_fp32\.py", r"zero_to_torch\.py"]
     )
 )
+# A DeepSpeed model's tag folder in a save_state directory (Accelerate's ckpt_id).
+_DEEPSPEED_TAG = re.compile(rf"{re.escape(MODEL_NAME)}(_\d+)?")
 # Accelerate's own model and optimizer files, which these hooks write as .nvc instead.
 _PLAIN_STATE_FILE = re.compile(
     rf"({re.escape(SAFE_MODEL_NAME)}|{re.escape(MODEL_NAME)})(_\d+)?\.(safetensors|bin)|{re.escape(OPTIMIZER_NAME)}(_\d+)?\.bin"
@@ -104,7 +109,6 @@ with nvcomp_checkpoint.dcp.NvcompReader), or pytorch_model_fsdp.nvc and optimize
 - Read one file: nvcomp_checkpoint.load("model.nvc")
 """
 _UNSUPPORTED = {
-    DistributedType.DEEPSPEED: "DeepSpeed",
     DistributedType.MEGATRON_LM: "Megatron-LM",
     DistributedType.XLA: "XLA",
 }
@@ -159,10 +163,13 @@ def register_nvcomp_hooks(
         ``save_state``/``load_state``.
 
     Raises:
-        CheckpointError: The accelerator uses DeepSpeed, Megatron-LM or XLA, or FSDP with
-            ``async_save``, or already has these hooks. (FSDP state is compressed: sharded through
+        CheckpointError: The accelerator uses Megatron-LM or XLA, or FSDP with ``async_save``, or
+            DeepSpeed with ``async_save``, ``tiers``, ``incremental`` or ``leader_load``, or already
+            has these hooks. (FSDP state is compressed: sharded through
             :class:`~nvcomp_checkpoint.dcp.NvcompWriter`, full into ``.nvc`` files; see
-            :mod:`nvcomp_checkpoint.integrations.accelerate_fsdp`.)
+            :mod:`nvcomp_checkpoint.integrations.accelerate_fsdp`. DeepSpeed's checkpoint is written
+            compressed by :func:`nvcomp_checkpoint.deepspeed.attach`'s engine, attached to each
+            DeepSpeed engine ``prepare`` creates: see ``docs/accelerate.md``.)
 
     Example:
         >>> accelerator = Accelerator()
@@ -184,6 +191,8 @@ def register_nvcomp_hooks(
         )
     if accelerator.distributed_type == DistributedType.FSDP:
         accelerate_fsdp.check_fsdp_hooks(accelerator.state.fsdp_plugin, async_save)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        _check_deepspeed_hooks(async_save=async_save, tiers=tiers, incremental=incremental, leader_load=leader_load)
     if isinstance(getattr(accelerator, "_nvcomp_state_hooks", None), NvcompStateHooks):
         raise CheckpointError(
             "register_nvcomp_hooks: this Accelerator already has nvcomp-checkpoint hooks; call .remove() on "
@@ -287,6 +296,9 @@ class NvcompStateHooks(SaveEntryPoint):
         accelerator.save_state = self.save_state
         accelerator.load_state = self.load_state
         accelerator._nvcomp_state_hooks = self
+        self._restore_prepare: Callable[[], None] | None = None
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            self._restore_prepare = _attach_deepspeed(accelerator, self.policy, self.workers)
 
     def remove(self) -> None:
         """Restore Accelerate's ``save_state``/``load_state`` on the accelerator.
@@ -306,6 +318,8 @@ class NvcompStateHooks(SaveEntryPoint):
         try:
             self.close("remove()")
         finally:
+            if self._restore_prepare is not None:
+                self._restore_prepare()  # the engines stay attached: their checkpoints stay loadable
             for name in ("save_state", "load_state"):
                 previous = self._previous[name]
                 if previous is None:
@@ -425,6 +439,8 @@ class NvcompStateHooks(SaveEntryPoint):
         if self.accelerator.distributed_type == DistributedType.FSDP:
             fields.update(accelerate_fsdp.fsdp_manifest_fields(self.accelerator))
         target, new = call.target, set(LOCAL.listdir(os.fspath(call.staging)))
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            fields["deepspeed"] = {"tags": sorted(n for n in new if _DEEPSPEED_TAG.fullmatch(n))}
         previous = _STORE.publish(
             call.staging,
             target,
@@ -432,8 +448,9 @@ class NvcompStateHooks(SaveEntryPoint):
             marker=_MARKER_TEXT,
             saved=_is_state_file,
             first=lambda n: n.endswith(".nvc"),
-            # .nvc files (and DCP rank files) carry a checksum per chunk; hashing them again would double the reads.
-            hashed=lambda p: p.suffix not in (".nvc", ".nvcdcp"),
+            # .nvc files (and DCP rank files, DeepSpeed's files written by our engine) carry a checksum per
+            # chunk; hashing them again would double the reads.
+            hashed=lambda p: p.suffix not in (".nvc", ".nvcdcp") and not _is_deepspeed_file(call.staging, p),
             obsolete=lambda previous: [
                 *previous.get("models", []),
                 *previous.get("optimizers", []),
@@ -479,10 +496,12 @@ class NvcompStateHooks(SaveEntryPoint):
         acc = self.accelerator
         config = acc.project_configuration
         fsdp = acc.distributed_type == DistributedType.FSDP  # every rank writes its shards (accelerate_fsdp)
+        # Every rank writes its partition through the attached engine (save_checkpoint per model).
+        deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
         handle = acc.register_save_state_pre_hook(self._save_hook)
-        acc._optimizers = call.optimizers if fsdp else []
+        acc._optimizers = call.optimizers if fsdp or deepspeed else []
         config.automatic_checkpoint_naming = False
-        self._saving = None if fsdp else call
+        self._saving = None if fsdp or deepspeed else call
         try:
             # The committing process's group gets each FSDP file's or DCP directory's report (all ranks' files).
             on_saved = call.group.add_report if call.group is not None else None
@@ -494,6 +513,8 @@ class NvcompStateHooks(SaveEntryPoint):
                 else contextlib.nullcontext()
             ):
                 self._inner_save(str(call.staging), safe_serialization=safe_serialization, **kwargs)
+            if deepspeed and call.group is not None:
+                _report_deepspeed(acc, call)
         finally:
             self._saving = None
             config.automatic_checkpoint_naming = auto
@@ -579,6 +600,10 @@ class NvcompStateHooks(SaveEntryPoint):
         if manifest is None:  # saved without these hooks
             self._inner_load(os.fspath(path), load_kwargs, **load_model_func_kwargs)
             return
+        if "deepspeed" in manifest or acc.distributed_type == DistributedType.DEEPSPEED:
+            _check_deepspeed_loadable(acc, path, manifest)
+            self._inner_load(os.fspath(path), load_kwargs, **load_model_func_kwargs)
+            return
         if "fsdp" in manifest or acc.distributed_type == DistributedType.FSDP:
             accelerate_fsdp.check_loadable(acc, path, manifest)
             with accelerate_fsdp.nvcomp_fsdp_functions(accelerate.accelerator):
@@ -638,6 +663,67 @@ class NvcompStateHooks(SaveEntryPoint):
         for optimizer, name in zip(call.optimizers, call.manifest["optimizers"]):
             state = load_tree(call.path / name, call.map_location, weights_only=call.weights_only, leader_load=self.leader_load)
             optimizer.load_state_dict(state)
+
+
+# -- DeepSpeed --------------------------------------------------------------------------------
+def _check_deepspeed_hooks(*, async_save: bool, tiers: Any, incremental: object, leader_load: bool) -> None:
+    """What ``register_nvcomp_hooks`` refuses of a DeepSpeed Accelerator, before the first save."""
+    refused = [
+        name
+        for name, value in (
+            ("async_save", async_save),
+            ("tiers", tiers),
+            ("incremental", incremental),
+            ("leader_load", leader_load),
+        )
+        if value
+    ]
+    if refused:
+        raise CheckpointError(
+            f"register_nvcomp_hooks({', '.join(f'{n}=...' for n in refused)}) with DeepSpeed: each rank writes its "
+            "ZeRO partition through the DeepSpeed engine, synchronously and from its own files, and these "
+            "options are not implemented for that path. Drop them, or call nvcomp_checkpoint.deepspeed.attach("
+            "accelerator.deepspeed_engine_wrapped.engine, async_save=True) and engine.save_checkpoint yourself."
+        )
+
+
+def _attach_deepspeed(accelerator: Accelerator, policy: nc.CodecPolicy, workers: int | None) -> Callable[[], None]:
+    """Attach our checkpoint engine to each DeepSpeed engine the accelerator has prepared or will prepare."""
+    # Imported here: the hooks of an Accelerator without DeepSpeed must not need DeepSpeed.
+    from nvcomp_checkpoint.integrations.deepspeed import attach_after  # noqa: PLC0415
+
+    return attach_after(accelerator, "prepare", lambda: list(accelerator._models), policy=policy, workers=workers)
+
+
+def _report_deepspeed(accelerator: Accelerator, call: _SaveCall) -> None:
+    """Give the save's group this process's reports of the DeepSpeed files (its own partition and model states)."""
+    for model in accelerator._models:
+        engine = getattr(model, "checkpoint_engine", None)
+        for report in getattr(engine, "reports", None) or []:
+            name = os.path.relpath(report.path, call.staging).replace(os.sep, "/")
+            if not name.startswith(".."):
+                call.group.add_report(name, report)  # type: ignore[union-attr]
+
+
+def _is_deepspeed_file(staging: Path, path: Path) -> bool:
+    rel = path.relative_to(staging).parts
+    return len(rel) == 2 and _DEEPSPEED_TAG.fullmatch(rel[0]) is not None
+
+
+def _check_deepspeed_loadable(accelerator: Accelerator, path: Path, manifest: dict[str, Any]) -> None:
+    """A DeepSpeed save loads into a DeepSpeed Accelerator only, and only with as many models as it holds."""
+    tags = (manifest.get("deepspeed") or {}).get("tags")
+    if accelerator.distributed_type != DistributedType.DEEPSPEED or not isinstance(tags, list):
+        saved = "DeepSpeed" if isinstance(tags, list) else "without DeepSpeed"
+        raise CheckpointError(
+            f"{path}: saved {saved}, but this Accelerator {'uses' if accelerator.distributed_type == DistributedType.DEEPSPEED else 'does not use'} "
+            "DeepSpeed; load it with the same distributed setup as the run that saved it."
+        )
+    if len(tags) != len(accelerator._models):
+        raise CheckpointError(
+            f"{path}: holds {len(tags)} DeepSpeed model(s) ({', '.join(tags) or 'none'}) but {len(accelerator._models)} "
+            "are prepared; prepare the same models as the run that saved it."
+        )
 
 
 # -- what is specific to Accelerate's directories ------------------------------------------

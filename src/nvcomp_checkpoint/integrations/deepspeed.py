@@ -16,10 +16,11 @@ writes (:data:`DEEPSPEED_SAFE_GLOBALS`); any other class is refused, named in th
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,9 @@ __all__ = [
     "load_deepspeed_file",
     "check_tag_complete",
     "SAFE_GLOBAL_NAMES",
+    "attach_once",
+    "attach_after",
+    "is_deepspeed_engine",
 ]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
@@ -405,3 +409,72 @@ def attach(
     save_checkpoint.__doc__ = original.__doc__
     engine.save_checkpoint = save_checkpoint
     return ours
+
+
+# -- attaching to the engines a framework creates ------------------------------------------------
+# Accelerate, the HF Trainer and Lightning create their DeepSpeed engines inside their own calls
+# (Accelerator.prepare, DeepSpeedStrategy.init_deepspeed), and load a checkpoint right after; the
+# integrations attach there through these two functions, so all three attach the same way.
+
+
+def attach_once(engine: Any, **options: Any) -> NvcompCheckpointEngine:
+    """:func:`attach` unless ``engine`` already saves through an :class:`NvcompCheckpointEngine`; returns that engine.
+
+    Frameworks call save and load many times on one engine; attaching again would wrap
+    ``save_checkpoint`` twice and drop the engine of the first attach.
+    """
+    current = getattr(engine, "checkpoint_engine", None)
+    if isinstance(current, NvcompCheckpointEngine):
+        return current
+    return attach(engine, **options)
+
+
+def is_deepspeed_engine(obj: Any) -> bool:
+    """True for a ``deepspeed.DeepSpeedEngine`` (what ``deepspeed.initialize`` returns)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: PLC0415 - DeepSpeed's engine module is heavy
+
+    return isinstance(obj, DeepSpeedEngine)
+
+
+def attach_after(owner: Any, method: str, engines: Callable[[], Iterable[Any]], **options: Any) -> Callable[[], None]:
+    """Attach to each DeepSpeed engine ``engines()`` yields, now and after every call of ``owner.<method>``.
+
+    ``owner.<method>`` is where a framework creates its engines (``Accelerator.prepare``): wrapping
+    it attaches before anything the framework does next, such as the HF Trainer's resume, which
+    loads the DeepSpeed checkpoint right after ``prepare``, before any callback runs.
+
+    Args:
+        owner: The object whose method creates the engines.
+        method: The method's name; it is replaced by a wrapper on ``owner`` itself.
+        engines: Lists the objects to attach to; those that are not DeepSpeed engines are skipped.
+        **options: :func:`attach`'s keyword arguments.
+
+    Returns:
+        A function that puts ``owner.<method>`` back (the engines stay attached).
+    """
+
+    def attach_all() -> None:
+        for engine in engines():
+            if is_deepspeed_engine(engine):
+                attach_once(engine, **options)
+
+    inner = getattr(owner, method)
+    had_own = method in vars(owner)
+
+    @functools.wraps(inner)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = inner(*args, **kwargs)
+        attach_all()
+        return result
+
+    setattr(owner, method, wrapper)
+    attach_all()
+
+    def restore() -> None:
+        if vars(owner).get(method) is wrapper:
+            if had_own:
+                setattr(owner, method, inner)
+            else:
+                delattr(owner, method)
+
+    return restore

@@ -343,11 +343,13 @@ _LIVE_PLUGINS: "weakref.WeakSet[NvcompCheckpointIO]" = weakref.WeakSet()
 
 
 def _check_strategy(trainer: Any) -> None:
-    """Refuse, at setup, a stock sharded strategy that would write uncompressed checkpoints
+    """Refuse, at setup, a stock sharded or DeepSpeed strategy that would write uncompressed checkpoints
     while an :class:`NvcompCheckpointIO` sits on it (see ``check_sharded_checkpoint_io``)."""
+    from .lightning_deepspeed import check_deepspeed_checkpoint_io
     from .lightning_sharded import check_sharded_checkpoint_io
 
     check_sharded_checkpoint_io(trainer.strategy)
+    check_deepspeed_checkpoint_io(trainer.strategy)
 
 
 class NvcompStrategyCheck(Callback):

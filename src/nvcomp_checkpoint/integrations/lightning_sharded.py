@@ -36,7 +36,7 @@ except ImportError as exc:  # pragma: no cover
 __all__ = ["NvcompModelParallelStrategy", "NvcompFSDPStrategy", "check_sharded_checkpoint_io"]
 
 
-def _policy_of(policy: CodecPolicy | Mapping[str, Any] | None, strategy: Any) -> CodecPolicy | None:
+def policy_of(policy: CodecPolicy | Mapping[str, Any] | None, strategy: Any) -> CodecPolicy | None:
     if policy is not None:
         return as_policy(policy, f"{type(strategy).__name__}(policy=...)")
     # An NvcompCheckpointIO passed as a plugin brings its policy along.
@@ -50,7 +50,7 @@ def _policy_of(policy: CodecPolicy | Mapping[str, Any] | None, strategy: Any) ->
     return None
 
 
-def _nvcomp_plugin(strategy: Any) -> Any:
+def nvcomp_plugin(strategy: Any) -> Any:
     """The strategy's ``NvcompCheckpointIO`` (found by the method it offers sharded strategies,
     inside wrappers), or None."""
     io = strategy._checkpoint_io
@@ -63,7 +63,7 @@ def _nvcomp_plugin(strategy: Any) -> Any:
 
 def _check_plugin_options(strategy: Any) -> None:
     """What an ``NvcompCheckpointIO`` offers for one-file saves and a sharded save cannot do."""
-    plugin = _nvcomp_plugin(strategy)
+    plugin = nvcomp_plugin(strategy)
     if plugin is None:
         return
     name = type(strategy).__name__
@@ -209,7 +209,7 @@ def _save_lightning_checkpoint(
             f"`{type(strategy).__name__}.save_checkpoint(..., storage_options=...)` is not supported for sharded "
             f"checkpoints; set the codec policy with {type(strategy).__name__}(policy=...)"
         )
-    plugin = _nvcomp_plugin(strategy)  # its options were checked at setup (check_sharded_checkpoint_io)
+    plugin = nvcomp_plugin(strategy)  # its options were checked at setup (check_sharded_checkpoint_io)
     path = Path(strategy.broadcast(filepath))
     converted = {model_key: checkpoint.pop("state_dict")}
     converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
@@ -262,7 +262,7 @@ class NvcompModelParallelStrategy(ModelParallelStrategy):
 
     @property
     def policy(self) -> CodecPolicy | None:
-        return _policy_of(self._nvckpt_policy, self)
+        return policy_of(self._nvckpt_policy, self)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -336,7 +336,7 @@ class NvcompFSDPStrategy(FSDPStrategy):
 
     @property
     def policy(self) -> CodecPolicy | None:
-        return _policy_of(self._nvckpt_policy, self)
+        return policy_of(self._nvckpt_policy, self)
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -399,16 +399,15 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         self.compress_weights = compress_weights
         self._weights = bool(compress_weights)
         self._resumes_itself = False  # the Trainer is an NvcompTrainerMixin: it loads what we wrote
+        self._deepspeed = False  # the Trainer runs DeepSpeed: its engine writes compressed files itself
         _CALLBACKS.add(self)
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Reject the setups whose checkpoints this callback cannot convert, or that could not resume."""
-        if args.deepspeed:
-            raise nc.CheckpointError(
-                f"{args.output_dir}: NvcompTrainerCallback compresses the Trainer's own optimizer.pt and model "
-                "weights; with DeepSpeed the optimizer state is written in DeepSpeed's own sharded format, "
-                "which it does not convert. Remove the callback for this run."
-            )
+        trainer = (_trainer_locals() or {}).get("self")
+        if args.deepspeed or getattr(trainer, "is_deepspeed_enabled", False):
+            self._attach_deepspeed(args, trainer)
+            return
         fsdp = bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
         if args.push_to_hub and str(getattr(args.hub_strategy, "value", args.hub_strategy)) in ("checkpoint", "all_checkpoints"):
             # The Trainer uploads checkpoint-N in the background while on_save would rewrite it.
@@ -416,7 +415,6 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
                 f"{args.output_dir}: hub_strategy={args.hub_strategy!r} uploads each checkpoint directory in the "
                 "background while NvcompTrainerCallback rewrites it. Use hub_strategy='every_save' or 'end'."
             )
-        trainer = (_trainer_locals() or {}).get("self")
         self._resumes_itself = isinstance(trainer, NvcompTrainerMixin)
         if self.compress_weights and trainer is not None and not self._resumes_itself:
             raise nc.CheckpointError(
@@ -439,6 +437,37 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
             _skip_optimizer_placeholder(trainer)
             self._check_stock_resume(args, trainer)
 
+    def _attach_deepspeed(self, args: TrainingArguments, trainer: Trainer | None) -> None:
+        """DeepSpeed: the engine writes the checkpoint's DeepSpeed part (``global_stepN/``, ``latest``) compressed.
+
+        The Trainer creates the engine in ``accelerator.prepare`` and, on a resume, loads the DeepSpeed
+        checkpoint right after it, before any callback runs: our engine is attached there. The
+        Trainer's other files (``model.safetensors``, the export ``from_pretrained`` reads, the
+        scheduler, RNG states) stay as it writes them; this callback converts nothing itself.
+        """
+        refused = [n for n, v in (("async_save", self.async_save), ("tiers", self.tiers), ("leader_load", self.leader_load)) if v]
+        if self.compress_weights:
+            refused.append("compress_weights")
+        if refused:
+            raise nc.CheckpointError(
+                f"{args.output_dir}: NvcompTrainerCallback({', '.join(f'{n}=...' for n in refused)}) with DeepSpeed: each "
+                "rank writes its ZeRO partition compressed through the DeepSpeed engine, synchronously, and "
+                "model.safetensors stays the plain export from_pretrained reads; these options are not implemented "
+                "for that path. Drop them."
+            )
+        if trainer is None:
+            raise nc.CheckpointError(
+                f"{args.output_dir}: NvcompTrainerCallback with DeepSpeed must be passed to the Trainer "
+                "(Trainer(..., callbacks=[NvcompTrainerCallback()])), so it can attach to the DeepSpeed engine "
+                "before a resume loads the checkpoint."
+            )
+        from nvcomp_checkpoint.integrations.deepspeed import attach_after  # noqa: PLC0415 - needs DeepSpeed
+
+        self._deepspeed = True
+        self._weights = False
+        accelerator = trainer.accelerator
+        attach_after(accelerator, "prepare", lambda: list(accelerator._models), policy=self.policy, workers=self.workers)
+
     def _check_stock_resume(self, args: TrainingArguments, trainer: Trainer) -> None:
         """A stock Trainer cannot read compressed weights: say so now, not with its own error at train()."""
         fix = (
@@ -455,6 +484,9 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Resuming with a stock Trainer: load the compressed optimizer state it skipped."""
+        if self._deepspeed:
+            self._check_deepspeed_attached()
+            return
         if self._resumes_itself:
             return
         checkpoint = _resumed_checkpoint(args, state)
@@ -469,6 +501,8 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Convert the checkpoint the Trainer has just written (after its rotation)."""
+        if self._deepspeed:  # written compressed by the DeepSpeed engine already
+            return
         entered = time.perf_counter()
         if self.tiers is not None:
             # The Trainer has no barrier between writing checkpoint-N and on_save: every rank's
@@ -506,6 +540,23 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
             # The last save: nothing left to overlap with, and what follows (loading the best
             # model, the final rotation, the end of the process) must see a finished directory.
             self._wait_for_saves("on_save at the end of training")
+
+    def _check_deepspeed_attached(self) -> None:
+        from nvcomp_checkpoint.integrations.deepspeed import NvcompCheckpointEngine, is_deepspeed_engine  # noqa: PLC0415
+
+        trainer = (_trainer_locals() or {}).get("self")
+        engine = getattr(trainer, "model_wrapped", None)
+        if (
+            engine is not None
+            and is_deepspeed_engine(engine)
+            and not isinstance(engine.checkpoint_engine, NvcompCheckpointEngine)
+        ):
+            # The Trainer prepared its engine through another accelerator than the one seen at on_init_end.
+            raise nc.CheckpointError(
+                f"NvcompTrainerCallback: the Trainer's DeepSpeed engine ({type(engine).__name__}) was created without "
+                "the callback seeing it, so its checkpoints would be written uncompressed; pass the callback to "
+                "the Trainer's constructor."
+            )
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Before the Trainer saves (and rotates), let the pending conversion finish."""

@@ -1,0 +1,286 @@
+"""2-rank DeepSpeed ZeRO-2 runs on the CPU (gloo) through Accelerate, the HF Trainer and Lightning, for
+tests/test_deepspeed_frameworks.py.
+
+``python -m torch.distributed.run --nproc_per_node 2 tests/deepspeed_frameworks_train.py FRAMEWORK MODE ROOT``
+with FRAMEWORK ``accelerate``, ``hf`` or ``lightning`` and MODE:
+
+* ``first``: train 3 steps and save the same state twice, plain (the framework's stock DeepSpeed save,
+  ``ROOT/plain``) and compressed (our integration, ``ROOT/ours``); train 2 more steps (their losses:
+  ``ROOT/ref.json``). Accelerate then starts a third save, during which rank 1 is killed with SIGKILL.
+* ``resume``: fresh processes resume with our integration from ``ROOT/ours`` and from ``ROOT/plain`` and
+  train the same 2 steps (losses: ``ROOT/resumed.json``, with ``{"ours": [...], "plain": [...]}``).
+
+Lightning's DeepSpeedStrategy refuses any accelerator but CUDA in ``setup_environment``; here that one
+check is lifted (``_OnCPU``) so that everything else runs as on a GPU: the strategy, DeepSpeed's engine,
+Lightning's save and restore. With ``NVCKPT_DS_GPU=1`` (``benchmarks/gpu_deepspeed_check.py``, one
+process) the unmodified strategies run on CUDA device 0 instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed.ops  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import nvcomp_checkpoint as nc  # noqa: E402
+from nvcomp_checkpoint.errors import CheckpointError  # noqa: E402
+
+DIM, BATCH, STEPS = 16, 2, 3
+ZERO = {"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    """The batch of a rank at a step: a resumed run sees what the uninterrupted one saw."""
+    return torch.randn(BATCH, DIM, generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        out = self.b(torch.relu(self.a(x)))
+        return {"loss": (out - x.flip(-1)).pow(2).mean(), "logits": out}
+
+
+GPU = os.environ.get("NVCKPT_DS_GPU") == "1"
+
+
+def write_json(root: str, name: str, obj: object) -> None:
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(root, name), "w") as f:
+            json.dump(obj, f)
+    torch.distributed.barrier()
+
+
+# -- Accelerate ------------------------------------------------------------------------------------
+def accelerate_run(mode: str, root: str) -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+
+    plugin = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=1)
+    plugin.deepspeed_config.update(ZERO, train_micro_batch_size_per_gpu=BATCH, train_batch_size=2 * BATCH)
+    # Without a backend named, Accelerate on a machine without GPUs counts one process (and each rank
+    # would save as the main one); DeepSpeed's ranks still run over gloo.
+    acc = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    assert acc.num_processes == 2, acc.num_processes
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if mode == "resume":
+        try:  # what the DeepSpeed path does not implement is refused before anything is wrapped
+            register_nvcomp_hooks(acc, async_save=True)
+            raise AssertionError("async_save with DeepSpeed should be refused")
+        except CheckpointError as exc:
+            assert "async_save" in str(exc) and "prepare" not in vars(acc), exc  # noqa: PT017
+        hooks = register_nvcomp_hooks(acc)  # before prepare: attached to the engine prepare creates
+    model, optimizer = acc.prepare(model, optimizer)
+
+    def train(steps: int) -> list[float]:
+        losses = []
+        for _ in range(steps):
+            loss = model(batch(acc.process_index, model.global_steps))["loss"]
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    if mode == "first":
+        train(STEPS)
+        acc.save_state(os.path.join(root, "plain"))  # stock: no hooks yet
+        hooks = register_nvcomp_hooks(acc)  # after prepare: attached at once
+        acc.save_state(os.path.join(root, "ours"))
+        write_json(root, "reports.json", sorted(hooks.last_reports) if acc.is_main_process else [])
+        write_json(root, "ref.json", train(2))
+        if acc.process_index == 1:
+
+            def save(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            nc.save = save
+        acc.save_state(os.path.join(root, "killed"))
+        raise AssertionError("the save of 'killed' should have been killed")
+    resumed = {}
+    for name in ("ours", "plain"):
+        acc.load_state(os.path.join(root, name))
+        assert model.global_steps == STEPS, model.global_steps
+        resumed[name] = train(2)
+    write_json(root, "resumed.json", resumed)
+    hooks.remove()
+    assert "prepare" not in vars(acc)  # Accelerator.prepare is the class's again
+
+
+# -- the HF Trainer --------------------------------------------------------------------------------
+class Batches(torch.utils.data.Dataset):
+    """Sample i of the run; the Trainer's sampler and its skipping on resume decide which rank sees it."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.randn(DIM, generator=torch.Generator().manual_seed(i))}
+
+
+def hf_run(mode: str, root: str) -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from nvcomp_checkpoint.transformers import NvcompTrainer, NvcompTrainerCallback
+
+    class Losses(TrainerCallback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            if logs and "loss" in logs:
+                self.losses.append(logs["loss"])
+
+    def trainer(kind: str, out: str, max_steps: int) -> tuple[Trainer, Losses]:
+        torch.manual_seed(0)
+        args = TrainingArguments(
+            output_dir=os.path.join(root, out),
+            per_device_train_batch_size=BATCH,
+            max_steps=max_steps,
+            save_steps=STEPS,
+            logging_steps=1,
+            learning_rate=1e-2,
+            lr_scheduler_type="constant",
+            deepspeed={**ZERO, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"},
+            report_to=[],
+            disable_tqdm=True,
+        )
+        losses = Losses()
+        callbacks = [losses] + ([NvcompTrainerCallback(async_save=kind == "refused")] if kind != "stock" else [])
+        cls = NvcompTrainer if kind == "nvcomp-trainer" else Trainer
+        return cls(model=Net(), args=args, train_dataset=Batches(), callbacks=callbacks), losses
+
+    if mode == "first":
+        plain, _ = trainer("stock", "plain", STEPS)
+        plain.train()
+        ours, losses = trainer("callback", "ours", STEPS + 2)
+        ours.train()
+        write_json(root, "ref.json", losses.losses[STEPS:])
+        return
+    try:  # refused when the Trainer is built, before any step
+        trainer("refused", "refused", STEPS)
+        raise AssertionError("async_save with DeepSpeed should be refused")
+    except CheckpointError as exc:
+        assert "async_save" in str(exc), exc  # noqa: PT017
+    resumed = {}
+    for name, kind in (("ours", "callback"), ("plain", "nvcomp-trainer")):
+        t, losses = trainer(kind, f"resumed-{name}", STEPS + 2)
+        t.train(resume_from_checkpoint=os.path.join(root, name, f"checkpoint-{STEPS}"))
+        resumed[name] = losses.losses
+    write_json(root, "resumed.json", resumed)
+
+
+# -- Lightning -------------------------------------------------------------------------------------
+def lightning_run(mode: str, root: str) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+    from lightning.pytorch.strategies.ddp import DDPStrategy
+
+    from nvcomp_checkpoint.lightning import NvcompDeepSpeedStrategy
+
+    class _OnCPU:
+        def setup_environment(self) -> None:
+            DDPStrategy.setup_environment(self)  # everything DeepSpeedStrategy does but its CUDA check
+
+    class Stock(_OnCPU, DeepSpeedStrategy):
+        pass
+
+    class Ours(_OnCPU, NvcompDeepSpeedStrategy):
+        pass
+
+    if GPU:  # Lightning's own strategies, unmodified, on one CUDA device
+        Stock, Ours = DeepSpeedStrategy, NvcompDeepSpeedStrategy  # type: ignore[misc]
+    world = 1 if GPU else 2
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+            self.losses: list[float] = []
+
+        def training_step(self, x: torch.Tensor, i: int) -> torch.Tensor:
+            loss = self.net(batch(self.global_rank, self.trainer.global_step).to(self.device))["loss"]
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(torch.zeros(64, DIM), batch_size=BATCH)
+
+    class SaveAt(pl.Callback):
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+            if trainer.global_step == STEPS:
+                trainer.save_checkpoint(self.path)
+
+    def fit(cls: type, max_steps: int, ckpt_path: str | None = None, save: str | None = None) -> Module:
+        torch.manual_seed(0)
+        devices = (
+            {"process_group_backend": "nccl"}
+            if GPU
+            else {
+                "process_group_backend": "gloo",
+                "parallel_devices": [torch.device("cpu", i) for i in range(2)],
+            }
+        )
+        strategy = cls(config={**ZERO, "train_micro_batch_size_per_gpu": BATCH}, **devices)
+        trainer = pl.Trainer(
+            accelerator="gpu" if GPU else "cpu",
+            devices=world,
+            strategy=strategy,
+            max_steps=max_steps,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            logger=False,
+            default_root_dir=root,
+            callbacks=[SaveAt(save)] if save else [],
+        )
+        module = Module()
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return module
+
+    if mode == "first":
+        fit(Stock, STEPS, save=os.path.join(root, "plain"))
+        module = fit(Ours, STEPS + 2, save=os.path.join(root, "ours"))
+        write_json(root, "ref.json", module.losses[STEPS:])
+        return
+    resumed = {}
+    for name in ("ours", "plain"):
+        module = fit(Ours, STEPS + 2, os.path.join(root, name))
+        resumed[name] = module.losses
+    write_json(root, "resumed.json", resumed)
+
+
+def main() -> None:
+    framework, mode, root = sys.argv[1:4]
+    # The CPU accelerator JIT-builds a shared-memory allreduce (minutes of C++ on a cold cache).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    torch.set_num_threads(1)
+    if framework != "lightning":  # Lightning's strategy initialises the process group itself
+        deepspeed.init_distributed(dist_backend="gloo")
+    {"accelerate": accelerate_run, "hf": hf_run, "lightning": lightning_run}[framework](mode, root)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""DeepSpeed ZeRO-2 through Accelerate, the HF Trainer and Lightning: compressed files, and resumes in fresh processes.
+
+Per framework, one 2-rank CPU run (tests/deepspeed_frameworks_train.py) saves the same state plain and
+through our integration and records the next losses (Accelerate's is then killed with SIGKILL in the
+middle of a third save); fresh processes resume from both folders with our integration. Lightning's
+DeepSpeedStrategy refuses the CPU: its run lifts that one check (see the script), and
+``benchmarks/gpu_deepspeed_check.py`` (a step of ``benchmarks/gpu_check.sh``) runs the unmodified
+strategy on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_tree_equal, run_python
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'nvcomp-checkpoint[deepspeed]')")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from nvcomp_checkpoint.deepspeed import MANIFEST_NAME  # noqa: E402
+from nvcomp_checkpoint.filetype import NVCOMP, TORCH, kind_of  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("deepspeed_frameworks_train.py")
+ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1] / "src"), str(SCRIPT.parent), os.environ.get("PYTHONPATH", "")]),
+}
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT))
+
+
+def _kind(path: Path) -> str:
+    with open(path, "rb") as f:
+        return kind_of(f.read(16), path.stat().st_size)
+
+
+def _deepspeed_files(tag_dir: Path) -> list[str]:
+    return sorted(p.name for p in tag_dir.iterdir() if p.name != MANIFEST_NAME)
+
+
+def _check_tags(ours: Path, plain: Path) -> None:
+    """Our tag folder holds DeepSpeed's files under its names, compressed, and the commit record."""
+    names = _deepspeed_files(plain)
+    assert names == [
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
+    assert _deepspeed_files(ours) == names
+    assert (ours / MANIFEST_NAME).is_file()
+    for name in names:
+        assert _kind(ours / name) == NVCOMP, name
+        assert _kind(plain / name) == TORCH, name
+    assert (ours.parent / "latest").read_text() == ours.name
+
+
+def _resumes(root: Path, framework: str) -> None:
+    run_python(*TORCHRUN, framework, "resume", str(root), cwd=root, **ENV)
+    ref = json.loads((root / "ref.json").read_text())
+    resumed = json.loads((root / "resumed.json").read_text())
+    assert len(ref) == 2
+    assert resumed == {"ours": ref, "plain": ref}
+
+
+@pytest.mark.slow
+def test_accelerate_save_state_writes_deepspeed_compressed_and_resumes_after_a_kill(tmp_path: Path) -> None:
+    first = subprocess.run(
+        [sys.executable, *TORCHRUN, "accelerate", "first", str(tmp_path)],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONWARNINGS="ignore", **ENV),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    # The third save is killed by design: the run must end with that SIGKILL, not finish or fail otherwise.
+    assert first.returncode != 0 and "Signal 9 (SIGKILL)" in first.stdout + first.stderr, (
+        first.stdout[-2000:] + first.stderr[-4000:]
+    )
+    assert "should have been killed" not in first.stderr
+    _check_tags(tmp_path / "ours" / "pytorch_model", tmp_path / "plain" / "pytorch_model")
+    manifest = json.loads((tmp_path / "ours" / "nvcomp_checkpoint.json").read_text())
+    assert manifest["deepspeed"] == {"tags": ["pytorch_model"]}
+    assert manifest["models"] == [] and manifest["optimizers"] == []
+    assert "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt" in manifest["files"]
+    # The main process's report: its own partition and the model states.
+    assert json.loads((tmp_path / "reports.json").read_text()) == [
+        "pytorch_model/mp_rank_00_model_states.pt",
+        "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    ]
+    # The killed save committed nothing.
+    assert not (tmp_path / "killed").exists()
+    _resumes(tmp_path, "accelerate")
+
+
+@pytest.mark.slow
+def test_hf_trainer_with_deepspeed_writes_the_deepspeed_part_compressed_and_resumes(tmp_path: Path) -> None:
+    run_python(*TORCHRUN, "hf", "first", str(tmp_path), cwd=tmp_path, **ENV)
+    ours, plain = tmp_path / "ours" / "checkpoint-3", tmp_path / "plain" / "checkpoint-3"
+    _check_tags(ours / "global_step3", plain / "global_step3")
+    # The callback converts nothing of the Trainer's own: the weights stay the export from_pretrained reads.
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in plain.iterdir())
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    weights = safetensors_torch.load_file(ours / "model.safetensors")
+    assert_tree_equal(weights, safetensors_torch.load_file(plain / "model.safetensors"))  # the same 3 steps
+    _resumes(tmp_path, "hf")
+    # NvcompTrainer resumed from the plain folder and writes ours from then on.
+    _check_tags(tmp_path / "resumed-plain" / "checkpoint-5" / "global_step5", plain / "global_step3")
+
+
+@pytest.mark.slow
+def test_lightning_deepspeed_strategy_writes_compressed_and_resumes(tmp_path: Path) -> None:
+    run_python(*TORCHRUN, "lightning", "first", str(tmp_path), cwd=tmp_path, **ENV)
+    _check_tags(tmp_path / "ours" / "checkpoint", tmp_path / "plain" / "checkpoint")
+    _resumes(tmp_path, "lightning")
+
+
+# -- what needs no ranks ---------------------------------------------------------------------------
+def test_lightning_stock_deepspeed_strategy_with_the_plugin_is_refused_and_ours_takes_its_policy() -> None:
+    pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from nvcomp_checkpoint import CodecPolicy, Tier
+    from nvcomp_checkpoint.errors import CheckpointError
+    from nvcomp_checkpoint.integrations.lightning_deepspeed import check_deepspeed_checkpoint_io
+    from nvcomp_checkpoint.lightning import NvcompCheckpointIO, NvcompDeepSpeedStrategy
+
+    stock = DeepSpeedStrategy(stage=2)
+    check_deepspeed_checkpoint_io(stock)  # no plugin: nothing to refuse
+    stock.checkpoint_io = NvcompCheckpointIO()
+    with pytest.raises(CheckpointError, match="NvcompDeepSpeedStrategy"):
+        check_deepspeed_checkpoint_io(stock)
+    policy = CodecPolicy(min_compress_bytes=4096)
+    ours = NvcompDeepSpeedStrategy(stage=2)
+    ours.checkpoint_io = NvcompCheckpointIO(policy)
+    check_deepspeed_checkpoint_io(ours)
+    assert ours.policy == policy
+    assert NvcompDeepSpeedStrategy(stage=2, policy={"min_compress_bytes": 1024}).policy == CodecPolicy(min_compress_bytes=1024)
+    for plugin, match in (
+        (NvcompCheckpointIO(async_save=True), r"async_save=True"),
+        (NvcompCheckpointIO(tiers=[Tier("/nonexistent-tier")]), r"tiers=\.\.\."),
+    ):
+        ours.checkpoint_io = plugin
+        with pytest.raises(CheckpointError, match=match):
+            check_deepspeed_checkpoint_io(ours)
+
+
+def test_lightning_deepspeed_strategy_on_the_cpu_is_refused_by_lightning_before_any_step(tmp_path: Path) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    import torch
+
+    from nvcomp_checkpoint.lightning import NvcompDeepSpeedStrategy
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+        def training_step(self, x: torch.Tensor, i: int) -> torch.Tensor:
+            raise AssertionError("no step may run")
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=NvcompDeepSpeedStrategy(stage=2), logger=False, default_root_dir=tmp_path
+    )
+    with pytest.raises(RuntimeError, match="only supported on CUDA GPUs"):
+        trainer.fit(Module(), torch.utils.data.DataLoader(torch.zeros(4, 2)))
