@@ -308,9 +308,9 @@ def test_sub_frame_of_an_eight_byte_tensor_is_refused(tmp_path):
 def test_newer_format_version_asks_to_upgrade(tmp_path):
     paths = _chain(tmp_path, [20, 30])
     data = bytearray(paths[1].read_bytes())
-    data[6] = 4
+    data[6] = 5
     paths[1].write_bytes(bytes(data))
-    with pytest.raises(FormatError, match="version 4.*Upgrade"):
+    with pytest.raises(FormatError, match="version 5.*Upgrade"):
         nc.open(paths[1])
 
 

@@ -228,7 +228,7 @@ _RAW = CodecSpec(codec="none", level=None, filter="none")
 _SPEC_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "codec": ((str,), "a str (a codec id such as 'zstd')"),
     "level": ((int, type(None)), "an int or None"),
-    "filter": ((str,), "a str ('byteplane' or 'none')"),
+    "filter": ((str,), "a str ('byteplane', 'rotplane' or 'none')"),
     "chunk_bytes": ((int, type(None)), "an int (bytes) or None"),
     "adaptive": ((bool,), "a bool"),
 }
