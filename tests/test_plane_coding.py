@@ -161,3 +161,26 @@ def test_the_sampled_choice_never_loses_to_either_parameter_set_on_whole_planes(
         ours = len(ZstdCpuCodec(1).encode(memoryview(plane)))
         each = [len(zstandard.ZstdCompressor(compression_params=p).compress(plane)) for p in _LARGE_LEVEL1.values()]
         assert ours == min(each)
+
+
+def _frame_bytes(path, key: str) -> list[bytes]:
+    data = path.read_bytes()
+    with nc.open(path) as reader:
+        return [data[f.offset : f.offset + f.size] for f in reader.entry(key).frames]
+
+
+def test_a_delta_codes_its_plain_planes_as_a_full_save_of_the_same_policy_does(tmp_path) -> None:
+    # max_ratio's adaptive coding holds in deltas too: a plane stored plain (no base form wins on
+    # unrelated values) is the very frame a full save writes, not a non-adaptive level-19 frame.
+    g = torch.Generator().manual_seed(3)
+    shape = (LARGE_FRAME_BYTES + 5, 2)
+    base = {"model": {"w": (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)}}
+    later = {"model": {"w": (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)}}
+    policy = nc.CodecPolicy.uniform(nc.CodecSpec("zstd", 19, "byteplane", adaptive=True))
+    nc.save(base, tmp_path / "base.nvc", policy=policy)
+    nc.save(later, tmp_path / "full.nvc", policy=policy)
+    nc.save(later, tmp_path / "delta.nvc", policy=policy, base=tmp_path / "base.nvc")
+    with nc.open(tmp_path / "delta.nvc") as reader:
+        assert not any(f.op for f in reader.entry("model/w").frames)
+    assert _frame_bytes(tmp_path / "delta.nvc", "model/w") == _frame_bytes(tmp_path / "full.nvc", "model/w")
+    assert_tree_equal(nc.load(tmp_path / "delta.nvc"), later)

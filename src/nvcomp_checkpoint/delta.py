@@ -207,7 +207,7 @@ PICK_SAMPLE_BYTES = 128 << 10
 def encode_cpu_chunk_against(data: np.ndarray, base: np.ndarray, item: Any) -> list[Encoded]:
     """Frames of one chunk of a tensor that has a base, each plain, XORed or subtracted (``item``: a planned tensor)."""
     filt = item.plane_filter()
-    codec = cpu_codec(item.spec.codec, item.spec.level)
+    codec = cpu_codec(item.spec.codec, item.spec.level, item.spec.adaptive)
     transformed = [("", data), (XOR, xor_bytes(data, base))]
     if tries_sub(item):
         transformed.append((SUB, sub_bytes(data, base, item.width)))
