@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .byteplane import ByteplaneFilter
+from .byteplane import _SPLIT_BLOCK_BYTES, ByteplaneFilter
 
 __all__ = ["ROTATE_WIDTHS", "RotatedByteplaneFilter", "exponent_rotation"]
 
@@ -21,6 +21,7 @@ ROTATE_WIDTHS = (2, 4)
 #: dtypes whose sign is followed by exactly 8 exponent bits. Others keep plain byte planes.
 _EXPONENT_ROTATION = {torch.bfloat16: 1, torch.float32: 1}
 _SIGNED = {2: torch.int16, 4: torch.int32}
+_NUMPY_WORDS = {2: np.uint16, 4: np.uint32}
 
 
 def exponent_rotation(dtype: torch.dtype) -> int:
@@ -47,6 +48,34 @@ class RotatedByteplaneFilter(ByteplaneFilter):
         super().__init__(width)
         self.rotate = rotate
         self._bits = 8 * width
+        self._word = _NUMPY_WORDS[width]
+        self._block = _SPLIT_BLOCK_BYTES // width
+
+    def split(self, data: np.ndarray) -> list[np.ndarray]:
+        """Planes of the rotated words of ``data`` (1-D uint8, length a multiple of ``width``)."""
+        if self.rotate >= 8:
+            return super().split(data)
+        # Under a byte of rotation, plane k > 0 is the word shifted right by 8k - r and narrowed,
+        # as fast as a plain plane, and plane 0 is (low byte << r) | (top r bits), in uint8: the
+        # rotated words are never formed (fp32 split in 2.6 ms per 4 MiB instead of 3.8 ms).
+        n = data.size // self.width
+        planes = np.empty((self.width, n), dtype=np.uint8)
+        words = data.view(self._word)
+        block = self._block
+        shifted = np.empty(min(block, n), dtype=words.dtype)
+        top = np.empty(min(block, n), dtype=np.uint8)
+        for start in range(0, n, block):
+            end = min(n, start + block)
+            src, tmp, low = words[start:end], shifted[: end - start], planes[0, start:end]
+            for p in range(1, self.width):
+                np.right_shift(src, 8 * p - self.rotate, out=tmp)
+                np.copyto(planes[p, start:end], tmp, casting="unsafe")
+            np.right_shift(src, self._bits - self.rotate, out=tmp)
+            np.copyto(top[: end - start], tmp, casting="unsafe")
+            np.copyto(low, src, casting="unsafe")
+            np.multiply(low, np.uint8(1 << self.rotate), out=low)  # wraps; numpy's uint8 shift is 40x slower
+            np.bitwise_or(low, top[: end - start], out=low)
+        return list(planes)
 
     def _forward(self, words: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> np.ndarray:
         np.left_shift(words, self.rotate, out=out)
