@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE))
 import checkpoints  # noqa: E402  (benchmarks/ is not a package)
 import nvcomp_checkpoint as nc  # noqa: E402
 from methods import map_tensors  # noqa: E402
+from nvcomp_checkpoint import delta as delta_module  # noqa: E402
 from nvcomp_checkpoint.report import format_table  # noqa: E402
 
 __all__ = ["main", "subset_state", "PEER_METHODS"]
@@ -529,10 +530,17 @@ def run_delta(name: str, max_mb: float, repeat: int, only: list[str] | None) -> 
     methods: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="nvckpt-peers-", dir=os.environ.get("BENCH_DIR")) as tmp:
         work = Path(tmp)
-        for label, make in OUR_POLICIES.items():
+        ours = [(label, make, False) for label, make in OUR_POLICIES.items()]
+        ours.append(("ours (default), every component, every op", OUR_POLICIES["ours (default)"], True))
+        for label, make, every in ours:
             if only and label not in only:
                 continue
             policy = make()
+            if every:
+                # The writer's choice per plane among plain / XOR / difference, tried on every
+                # component (delta.XOR_COMPONENTS and SUB_COMPONENTS name the ones it tries).
+                tried = delta_module.XOR_COMPONENTS, delta_module.SUB_COMPONENTS
+                delta_module.XOR_COMPONENTS = delta_module.SUB_COMPONENTS = frozenset(c.value for c in nc.Component)
             nc.save(base, work / "base.nvc", policy=policy)
             fulls, deltas = [], []
             for _ in range(repeat):
@@ -542,6 +550,8 @@ def run_delta(name: str, max_mb: float, repeat: int, only: list[str] | None) -> 
                 start = time.perf_counter()
                 nc.save(later, work / "delta.nvc", policy=policy, base=work / "base.nvc")
                 deltas.append(time.perf_counter() - start)
+            if every:
+                delta_module.XOR_COMPONENTS, delta_module.SUB_COMPONENTS = tried
             identical(later, nc.load(work / "delta.nvc"), f"{label} delta")
             with nc.open(work / "delta.nvc") as reader:
                 comps = {c: s.stored_bytes for c, s in reader.summary().items()}

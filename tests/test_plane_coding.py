@@ -91,12 +91,15 @@ def _bf16_exponent_plane(scale: float) -> bytes:
 
 
 @pytest.mark.parametrize("scale", [0.02, 1.0])
-def test_level1_codes_a_bf16_exponent_plane_as_small_as_level19(scale: float) -> None:
+@pytest.mark.parametrize("nbytes", [1 << 19, 200 << 10, 100 << 10, 40 << 10, 16 << 10])
+def test_level1_codes_a_bf16_exponent_plane_as_small_as_level19(scale: float, nbytes: int) -> None:
     # A trained weight's exponent plane has short matches that cost more than they save;
-    # level 1 must not spend bits on them (libzstd's optimal parser at level 19 does not).
-    plane = _bf16_exponent_plane(scale)
+    # level 1 must not spend bits on them (libzstd's optimal parser at level 19 does not),
+    # whatever the plane's size: a 384 x 384 bf16 matrix's plane is 144 KiB.
+    plane = _bf16_exponent_plane(scale)[:nbytes]
     ours = len(ZstdCpuCodec(1).encode(memoryview(plane)))
     best = len(zstandard.ZstdCompressor(level=19).compress(plane))
+    # (Below 16 KiB a frame's headers and Huffman table dominate: a few bytes either way.)
     assert ours <= best * 1.005, f"level 1: {ours} bytes, level 19: {best}"
 
 

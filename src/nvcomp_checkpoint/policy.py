@@ -128,7 +128,10 @@ class CodecSpec:
         codec: Codec id: ``"zstd"`` (portable), ``"none"``, or a GPU-only nvCOMP codec
             (``"ans"``, ``"bitcomp"``, ``"gdeflate"``, ``"cascaded"``).
         level: Compression level for codecs that have one.
-        filter: ``"byteplane"`` (bytes of equal significance grouped) or ``"none"``.
+        filter: ``"byteplane"`` (bytes of equal significance grouped), ``"rotplane"`` (the
+            same, after rotating each bf16 / fp32 element left by one bit so that its whole
+            exponent is one plane; other dtypes get plain byte planes; files are format
+            version 4, which readers before it refuse) or ``"none"``.
         chunk_bytes: Raw bytes per chunk; chunks compress in parallel and stream to storage.
             None (the default): the codec's default from the facts table (codecs/registry.py),
             4 MiB for all but ``gdeflate``, whose nvCOMP chunks are 64 KiB at most.
