@@ -223,6 +223,12 @@ class CodecSpec:
 
 
 _DEFAULT = CodecSpec()
+#: Weights and second moments: byte planes of elements rotated so that a bf16 / fp32 exponent is
+#: one whole plane (filters/rotate.py). Measured (benchmarks/README.md, "Peer coders"), it pays
+#: where the sign is random or constant and the exponent's last bit is not (weights +0.8%,
+#: second moments +0.2%); first moments and gradients lose 1-3% (their signs come in runs, which
+#: the plain top plane codes, and the rotation moves them into the incompressible low plane).
+_ROTATED = CodecSpec(filter="rotplane")
 #: libzstd level of :meth:`CodecPolicy.max_ratio` (chosen in benchmarks/README.md, "Peer coders").
 MAX_RATIO_LEVEL = 19
 _RAW = CodecSpec(codec="none", level=None, filter="none")
@@ -279,9 +285,10 @@ def _glob_mapping(name: str, value: Any, what: str) -> dict[str, Any]:
 class CodecPolicy:
     """Codec settings for each component, user classification patterns and per-tensor overrides.
 
-    The defaults (zstd level 1 over byte planes for every component) were measured on real
-    checkpoints (see ``benchmarks/README.md``) and are portable: a file written with them loads
-    on any machine, with or without a GPU.
+    The defaults (zstd level 1 over byte planes for every component, the planes of weights and
+    second moments rotated, ``filter="rotplane"``) were measured on real checkpoints (see
+    ``benchmarks/README.md``) and are portable: a file written with them loads on any machine,
+    with or without a GPU, by a reader of format version 4 (files with rotated planes are version 4).
 
     Args:
         weights, exp_avg, exp_avg_sq, gradients, other: The :class:`CodecSpec` per component
@@ -299,9 +306,9 @@ class CodecPolicy:
             ``overrides['head.*']: ...`` for an entry) and what it expects.
     """
 
-    weights: CodecSpec = _DEFAULT
+    weights: CodecSpec = _ROTATED
     exp_avg: CodecSpec = _DEFAULT
-    exp_avg_sq: CodecSpec = _DEFAULT
+    exp_avg_sq: CodecSpec = _ROTATED
     gradients: CodecSpec = _DEFAULT
     other: CodecSpec = _DEFAULT
     patterns: Mapping[str, Component | str] = field(default_factory=dict)
@@ -351,7 +358,10 @@ class CodecPolicy:
         Files load anywhere, like the default's.
         """
         spec = CodecSpec(codec="zstd", level=level, filter="byteplane", adaptive=True)
-        return cls(**{c.value: spec for c in Component}, **kwargs)
+        specs = {c.value: spec for c in Component}
+        for name in ("weights", "exp_avg_sq"):  # as the default: where the rotation pays
+            specs[name] = replace(spec, filter=_ROTATED.filter)
+        return cls(**specs, **kwargs)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CodecPolicy":
