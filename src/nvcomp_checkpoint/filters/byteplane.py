@@ -22,7 +22,7 @@ FILTER_IDS = ("none", "byteplane", "rotplane")
 #: Unsigned words as wide as an element: planes are taken out of them by shifts.
 _WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: Shifted words handled per step, sized to stay in a core's L2 cache.
-_SPLIT_BLOCK_BYTES = 256 << 10
+SPLIT_BLOCK_BYTES = 256 << 10
 _JOIN_BLOCK = 1 << 17
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian torch build is supported
@@ -64,7 +64,7 @@ class ByteplaneFilter:
         # the shifted words stay in cache: same bytes as numpy's strided transpose copy, 1.3x
         # (8-byte) to 3.5x (2-byte elements) faster (measured in benchmarks/README.md).
         words = data.view(_WORDS[self.width])
-        block = _SPLIT_BLOCK_BYTES // self.width
+        block = SPLIT_BLOCK_BYTES // self.width
         shifted = np.empty(min(block, n), dtype=words.dtype)
         staged = np.empty_like(shifted) if self._transforms else shifted
         for start in range(0, n, block):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .byteplane import _SPLIT_BLOCK_BYTES, ByteplaneFilter
+from .byteplane import SPLIT_BLOCK_BYTES, ByteplaneFilter
 
 __all__ = ["ROTATE_WIDTHS", "RotatedByteplaneFilter", "exponent_rotation"]
 
@@ -49,7 +49,7 @@ class RotatedByteplaneFilter(ByteplaneFilter):
         self.rotate = rotate
         self._bits = 8 * width
         self._word = _NUMPY_WORDS[width]
-        self._block = _SPLIT_BLOCK_BYTES // width
+        self._block = SPLIT_BLOCK_BYTES // width
 
     def split(self, data: np.ndarray) -> list[np.ndarray]:
         """Planes of the rotated words of ``data`` (1-D uint8, length a multiple of ``width``)."""
