@@ -218,7 +218,7 @@ def encode_cpu_chunk_against(data: np.ndarray, base: np.ndarray, item: Any) -> l
         candidates = [(op, pieces[i]) for op, pieces in split]
         if sample and len(plain) > 2 * sample:
             # Ties keep the earlier form, as pick_frames does.
-            estimates = [min(len(codec.encode(piece[:sample])), sample) for _, piece in candidates]
+            estimates = [min(codec.estimate(piece[:sample]), sample) for _, piece in candidates]
             candidates = [candidates[estimates.index(min(estimates))]]
         ((frame, op),) = pick_frames([(op, [piece], [codec.encode(piece)]) for op, piece in candidates], len)
         out.append((frame, len(plain), xxhash.xxh3_64_intdigest(frame), op))

@@ -124,6 +124,11 @@ class ZstdCpuCodec:
             return fast[best].compress(data)
         return self._cctx().compress(data)
 
+    def estimate(self, data: memoryview) -> int:
+        # One compression with libzstd's own parameters for the level: the delta writer ranks
+        # a sample's forms with it, where choosing a parameter set per form would cost twice.
+        return len(self._cctx().compress(data))
+
     def decode(self, frame: memoryview, raw_size: int) -> bytes | bytearray:
         dctx = self._dctx()
         try:
@@ -181,6 +186,9 @@ class NoneCpuCodec:
 
     def encode(self, data: memoryview) -> bytes:
         return bytes(data)
+
+    def estimate(self, data: memoryview) -> int:
+        return len(data)
 
     def decode(self, frame: memoryview, raw_size: int) -> memoryview:
         if len(frame) != raw_size:
