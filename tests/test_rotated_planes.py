@@ -260,3 +260,18 @@ def test_gpu_rotplane_save_and_load_match_the_cpu(tmp_path: Path) -> None:
     on_gpu = filt.split_torch(data.cuda())
     assert [p.cpu().numpy().tobytes() for p in on_gpu] == [p.tobytes() for p in filt.split(data.numpy())]
     assert filt.join_torch(on_gpu).cpu().numpy().tobytes() == data.numpy().tobytes()
+
+
+def test_default_and_max_ratio_rotate_weights_and_second_moments_only() -> None:
+    # Measured in benchmarks/README.md ("Peer coders"): the rotation pays on weights and second
+    # moments and loses on first moments and gradients, whose signs come in runs.
+    for policy in (nc.CodecPolicy(), nc.CodecPolicy.max_ratio()):
+        filters = {c: getattr(policy, c).filter for c in ("weights", "exp_avg", "exp_avg_sq", "gradients", "other")}
+        assert filters == {
+            "weights": "rotplane",
+            "exp_avg": "byteplane",
+            "exp_avg_sq": "rotplane",
+            "gradients": "byteplane",
+            "other": "byteplane",
+        }
+    assert nc.CodecPolicy.max_ratio().weights.adaptive
