@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE))
 import checkpoints  # noqa: E402  (benchmarks/ is not a package)
 import nvcomp_checkpoint as nc  # noqa: E402
 from methods import map_tensors  # noqa: E402
+from nvcomp_checkpoint import delta as delta_module  # noqa: E402
 from nvcomp_checkpoint.report import format_table  # noqa: E402
 
 __all__ = ["main", "subset_state", "PEER_METHODS"]
@@ -158,6 +159,7 @@ def per_tensor_save(encode: Callable[[torch.Tensor], bytes]) -> Callable[[Any, P
         _fsync_write(path, lambda f: torch.save(tree, f))
         return sizes
 
+    save.encode = encode  # type: ignore[attr-defined]  # the peer's coder, for --delta
     return save
 
 
@@ -387,10 +389,21 @@ class Peer:
     needs: str = ""
 
 
+#: Our policies measured: the default, max_ratio, and the filters one might make the default.
+OUR_POLICIES: dict[str, Callable[[], Any]] = {
+    "ours (default)": lambda: None,
+    "ours (max_ratio)": lambda: nc.CodecPolicy.max_ratio(),
+    "ours (byteplane)": lambda: nc.CodecPolicy.uniform("zstd:1:byteplane"),
+    "ours (rotplane)": lambda: nc.CodecPolicy.uniform("zstd:1:rotplane"),
+}
+
+
 def _peers() -> list[Peer]:
     peers = [
-        Peer("ours (default)", lambda: ours_method(None)),
-        Peer("ours (max_ratio)", lambda: ours_method(nc.CodecPolicy.max_ratio()), "max_ratio"),
+        Peer(name, lambda p=policy: ours_method(p()), "max_ratio" if "max_ratio" in name else "")
+        for name, policy in OUR_POLICIES.items()
+    ]
+    peers += [
         Peer("torch.save+zstd -1", torch_zstd_method, "zstd"),
         Peer("safetensors+zstd -1", safetensors_zstd_method, "safetensors"),
         Peer("ZipNN", zipnn_method, "zipnn"),
@@ -461,6 +474,156 @@ def run(name: str, max_mb: float, repeat: int, only: list[str] | None) -> dict[s
     return results
 
 
+# -- deltas (--delta) ---------------------------------------------------------------------------
+def _delta_forms(t: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` plain, XORed with ``b`` and their wrapping integer difference, as bit patterns of ``t``'s dtype."""
+    word = {2: torch.int16, 4: torch.int32}[t.element_size()]
+    x, y = t.detach().contiguous().view(word), b.detach().contiguous().view(word)
+    return [t, torch.bitwise_xor(x, y).view(t.dtype), (x - y).view(t.dtype)]  # the difference wraps
+
+
+def _by_path(state: Any) -> dict[tuple[str, ...], torch.Tensor]:
+    out: dict[tuple[str, ...], torch.Tensor] = {}
+    map_tensors(state, lambda p, t: out.__setitem__(p, t))
+    return out
+
+
+def peer_delta(encode: Callable[[torch.Tensor], bytes], later: Any, base: Any) -> dict[str, int]:
+    """Stored bytes per component of ``later`` when each float tensor keeps the smallest of its plain,
+    XORed and subtracted forms (against the same tensor of ``base``) under the peer's coder; "_rest"
+    counts the other tensors' bytes, raw."""
+    base_of = _by_path(base)
+    jobs: list[tuple[tuple[str, ...], torch.Tensor]] = []
+    sizes: dict[str, int] = {"_rest": 0}
+
+    def add(p: tuple[str, ...], t: torch.Tensor) -> None:
+        if t.dtype in _FLOATS and t.nbytes >= MIN_BYTES:
+            jobs.append((p, t))
+        else:
+            sizes["_rest"] += t.nbytes
+
+    map_tensors(later, add)
+
+    def smallest(job: tuple[tuple[str, ...], torch.Tensor]) -> int:
+        p, t = job
+        b = base_of.get(p)
+        forms = _delta_forms(t, b) if b is not None and b.dtype == t.dtype and b.shape == t.shape else [t]
+        return min(len(encode(f)) for f in forms)
+
+    with ThreadPoolExecutor(_THREADS) as pool:
+        for (p, _), size in zip(jobs, pool.map(smallest, jobs)):
+            comp = nc.classify(p).value
+            sizes[comp] = sizes.get(comp, 0) + size
+    return sizes
+
+
+def run_delta(name: str, max_mb: float, repeat: int, only: list[str] | None) -> dict[str, Any]:
+    """Deltas of the pair's later state against its base (40 steps earlier): ours written by
+    ``save(base=)`` and loaded back, each per-tensor peer as the smallest of plain / XOR /
+    difference per tensor (sizes only: no peer has a delta file)."""
+    pair = checkpoints.load_pair(name)
+    later, base = pair["later"], pair["base"]
+    if max_mb:
+        later, base = subset_state(later, int(max_mb * 1e6)), subset_state(base, int(max_mb * 1e6))
+    total = all_tensor_bytes(later)
+    results: dict[str, Any] = {"checkpoint": name, "tensor_bytes": total, "raw_by_component": tensor_bytes_by_component(later)}
+    methods: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="nvckpt-peers-", dir=os.environ.get("BENCH_DIR")) as tmp:
+        work = Path(tmp)
+        ours = [(label, make, False) for label, make in OUR_POLICIES.items()]
+        ours.append(("ours (default), every component, every op", OUR_POLICIES["ours (default)"], True))
+        for label, make, every in ours:
+            if only and label not in only:
+                continue
+            policy = make()
+            if every:
+                # The writer's choice per plane among plain / XOR / difference, tried on every
+                # component (delta.XOR_COMPONENTS and SUB_COMPONENTS name the ones it tries).
+                tried = delta_module.XOR_COMPONENTS, delta_module.SUB_COMPONENTS
+                delta_module.XOR_COMPONENTS = delta_module.SUB_COMPONENTS = frozenset(c.value for c in nc.Component)
+            nc.save(base, work / "base.nvc", policy=policy)
+            fulls, deltas = [], []
+            for _ in range(repeat):
+                start = time.perf_counter()
+                nc.save(later, work / "full.nvc", policy=policy)
+                fulls.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                nc.save(later, work / "delta.nvc", policy=policy, base=work / "base.nvc")
+                deltas.append(time.perf_counter() - start)
+            if every:
+                delta_module.XOR_COMPONENTS, delta_module.SUB_COMPONENTS = tried
+            identical(later, nc.load(work / "delta.nvc"), f"{label} delta")
+            with nc.open(work / "delta.nvc") as reader:
+                comps = {c: s.stored_bytes for c, s in reader.summary().items()}
+            methods[label] = {
+                "components": comps,
+                "whole": total / (work / "delta.nvc").stat().st_size,
+                "full_whole": total / (work / "full.nvc").stat().st_size,
+                "save_s": min(deltas),
+                "full_save_s": min(fulls),
+            }
+            print(
+                f"  {name} delta: {label}: {methods[label]['whole']:.4f}  save {min(deltas):.2f}s (full {min(fulls):.2f}s)",
+                flush=True,
+            )
+        for peer in _peers():
+            if peer.name.startswith("ours") or (only and peer.name not in only) or peer.needs in ("zstd", "safetensors"):
+                continue
+            try:
+                __import__(peer.needs)
+            except ImportError:
+                print(f"skipped {peer.name}: {peer.needs} does not import", flush=True)
+                continue
+            save, _ = peer.build()
+            sizes = peer_delta(save.encode, later, base)  # type: ignore[attr-defined]
+            rest = sizes.pop("_rest")
+            methods[peer.name] = {"components": sizes, "whole": total / (sum(sizes.values()) + rest), "rest": rest}
+            print(f"  {name} delta: {peer.name}: {methods[peer.name]['whole']:.4f}", flush=True)
+    results["methods"] = methods
+    return results
+
+
+def delta_tables(results: dict[str, Any]) -> str:
+    raw = results["raw_by_component"]
+    comps = [c for c in COMPONENTS if c in raw]
+    rows = []
+    for name, res in results["methods"].items():
+        per = res["components"]
+        cells = [f"{raw[c] / per[c]:.4f}" if per.get(c) else "-" for c in comps]
+        ours = "save_s" in res
+        rows.append(
+            [
+                name,
+                *cells,
+                f"{res['whole']:.4f}",
+                f"{res['full_whole']:.4f}" if ours else "",
+                f"{res['save_s']:.2f}" if ours else "",
+                f"{res['save_s'] / res['full_save_s']:.2f}x" if ours else "",
+            ]
+        )
+    peers = {n: r for n, r in results["methods"].items() if "save_s" not in r}
+    if peers:
+        best, stored = [], 0
+        for c in comps:
+            pname, size = min(((n, r["components"][c]) for n, r in peers.items() if r["components"].get(c)), key=lambda x: x[1])
+            best.append(f"{raw[c] / size:.4f} ({pname})")
+            stored += size
+        rest = min(r["rest"] for r in peers.values())
+        other = results["tensor_bytes"] - sum(raw[c] for c in comps) - rest
+        rows.append(
+            [
+                "best peer delta per component",
+                *best,
+                f"{results['tensor_bytes'] / (stored + rest + max(other, 0)):.4f}",
+                "",
+                "",
+                "",
+            ]
+        )
+    header = ["method", *comps, "whole", "full save's", "delta save s", "vs full save"]
+    return format_table(header, rows)
+
+
 def tables(results: dict[str, Any]) -> str:
     raw = results["raw_by_component"]
     comps = [c for c in COMPONENTS if c in raw]
@@ -504,10 +667,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", nargs="*", help="method names to run (default: all)")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--delta", action="store_true", help="deltas of each pair's later state against its base instead")
     args = ap.parse_args(argv)
     torch.set_num_threads(_THREADS)
     all_results = []
     for name in args.checkpoints:
+        if args.delta:
+            res = run_delta(name, args.max_mb, args.repeat, args.only)
+            all_results.append(res)
+            print(f"\n{name}: delta against the state 40 steps earlier, {res['tensor_bytes'] / 1e6:.1f} MB of tensors")
+            print(delta_tables(res))
+            continue
         res = run(name, args.max_mb, args.repeat, args.only)
         all_results.append(res)
         print(

@@ -312,7 +312,7 @@ FORGED: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
     "invalid_device": (_set("model/w", "device", "warp-drive:0"), "invalid device"),
     "meta_device": (_set("model/w", "device", "meta"), "meta device"),
     "entry_not_object": (lambda index: index["tensors"].__setitem__(0, None), "malformed tensor entry"),
-    "newer_version": (lambda index: index.__setitem__("version", 4), "Upgrade"),
+    "newer_version": (lambda index: index.__setitem__("version", 5), "Upgrade"),
     "not_json": (lambda index: b"\xff\xfe not json", "not valid JSON"),
     "json_nesting_bomb": (lambda index: b"[" * 200_000, "not valid JSON"),
     "json_array": (lambda index: b"[1, 2]", "not an nvcomp-checkpoint index"),

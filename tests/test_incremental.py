@@ -206,8 +206,11 @@ def test_missing_base_at_save_names_it(tmp_path):
 
 
 def test_full_file_keeps_format_version_one(tmp_path):
-    nc.save(_state(10), tmp_path / "full.nvc")
+    # Version 1 unless a tensor has rotated planes (version 4: the default's weights).
+    nc.save(_state(10), tmp_path / "full.nvc", policy=nc.CodecPolicy.uniform("zstd:1"))
     assert (tmp_path / "full.nvc").read_bytes()[: G + 8] == GUARD + b"NVCKPT\x01\x00"
+    nc.save(_state(10), tmp_path / "rotated.nvc")
+    assert (tmp_path / "rotated.nvc").read_bytes()[: G + 8] == GUARD + b"NVCKPT\x04\x00"
     _save_chain(tmp_path, [1, 2])
     # Version 3: the writer tried the difference ("sub" frames) on the weights.
     assert (tmp_path / "ckpt-2.nvc").read_bytes()[G : G + 8] == b"NVCKPT\x03\x00"

@@ -495,7 +495,7 @@ def test_storage_options_choose_the_policy_of_one_save(tmp_path):
     with nc.open(tmp_path / "mixed.ckpt") as reader:
         entry = reader.entry("optimizer_states/0/state/0/exp_avg_sq")
         assert (entry.codec.id, entry.codec.level, entry.filter) == ("zstd", 3, "none")
-        assert reader.entry("state_dict/weight").filter == "byteplane"  # the plugin's policy elsewhere
+        assert reader.entry("state_dict/weight").filter == "rotplane"  # the plugin's (default) policy elsewhere
         assert reader.metadata["note"] == "x" and reader.metadata["global_step"] == 1
     assert_tree_equal(ckpt, plugin.load_checkpoint(tmp_path / "mixed.ckpt"))
     assert plugin.policy == CodecPolicy()  # per-save options do not stick

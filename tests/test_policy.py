@@ -238,7 +238,7 @@ def test_tiny_tensors_are_stored_raw(tmp_path):
         below, at, forced = (reader.entry(k) for k in ("below", "at", "tiny_override"))
     assert (below.codec.id, below.filter) == ("none", "none")
     assert all(f.is_raw for f in below.frames)
-    assert (at.codec.id, at.filter) == ("zstd", "byteplane")
+    assert (at.codec.id, at.filter) == ("zstd", "rotplane")  # weights: rotated byte planes
     assert at.stored_bytes < at.nbytes
     # An explicit override wins over the size threshold.
     assert (forced.codec.id, forced.codec.level) == ("zstd", 3)

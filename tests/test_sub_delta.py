@@ -216,7 +216,8 @@ def test_rebase_of_a_sub_delta_stands_alone(tmp_path):
     for p in paths:
         p.unlink()
     with nc.open(tmp_path / "full.nvc") as reader:
-        assert reader.index.base is None and reader.index.version == 1
+        # A full file: no base, and version 4 for the default policy's rotated weight planes.
+        assert reader.index.base is None and reader.index.version == 4
     assert_tree_equal(_state(30), nc.load(tmp_path / "full.nvc"))
 
 
@@ -311,9 +312,9 @@ def test_sub_frame_of_an_eight_byte_tensor_is_refused(tmp_path):
 def test_newer_format_version_asks_to_upgrade(tmp_path):
     paths = _chain(tmp_path, [20, 30])
     data = bytearray(paths[1].read_bytes())
-    data[G + 6] = 4
+    data[G + 6] = 5
     paths[1].write_bytes(bytes(data))
-    with pytest.raises(FormatError, match="version 4.*Upgrade"):
+    with pytest.raises(FormatError, match="version 5.*Upgrade"):
         nc.open(paths[1])
 
 

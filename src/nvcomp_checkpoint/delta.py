@@ -21,7 +21,6 @@ import xxhash
 
 from .codecs import cpu_codec, gpu_available, has_cpu_decoder
 from .errors import BaseCheckpointError, CheckpointError, UnsupportedObjectError
-from .filters import ByteplaneFilter
 from .filters.sub import SUB_WIDTHS, sub_bytes, undo_planes_, undo_planes_np_
 from .filters.xor import xor_bytes, xor_planes_, xor_planes_np_
 from .format.chain import MAX_CHAIN_DEPTH, SUB, XOR, BaseRef, TensorDelta
@@ -208,20 +207,19 @@ PICK_SAMPLE_BYTES = 128 << 10
 
 def encode_cpu_chunk_against(data: np.ndarray, base: np.ndarray, item: Any) -> list[Encoded]:
     """Frames of one chunk of a tensor that has a base, each plain, XORed or subtracted (``item``: a planned tensor)."""
-    filt = ByteplaneFilter(item.width)
-    byteplane = item.spec.filter == "byteplane"
-    codec = cpu_codec(item.spec.codec, item.spec.level)
+    filt = item.plane_filter()
+    codec = cpu_codec(item.spec.codec, item.spec.level, item.spec.adaptive)
     transformed = [("", data), (XOR, xor_bytes(data, base))]
     if tries_sub(item):
         transformed.append((SUB, sub_bytes(data, base, item.width)))
-    split = [(op, filt.split(values) if byteplane else [values]) for op, values in transformed]
+    split = [(op, filt.split(values)) for op, values in transformed]
     sample = PICK_SAMPLE_BYTES
     out: list[Encoded] = []
     for i, plain in enumerate(split[0][1]):
         candidates = [(op, pieces[i]) for op, pieces in split]
         if sample and len(plain) > 2 * sample:
             # Ties keep the earlier form, as pick_frames does.
-            estimates = [min(len(codec.encode(piece[:sample].data)), sample) for _, piece in candidates]
+            estimates = [min(codec.estimate(piece[:sample].data), sample) for _, piece in candidates]
             candidates = [candidates[estimates.index(min(estimates))]]
         ((frame, op),) = pick_frames([(op, [piece], [codec.encode(piece.data)]) for op, piece in candidates], len)
         out.append((frame, len(plain), xxhash.xxh3_64_intdigest(frame), op))

@@ -128,7 +128,10 @@ class CodecSpec:
         codec: Codec id: ``"zstd"`` (portable), ``"none"``, or a GPU-only nvCOMP codec
             (``"ans"``, ``"bitcomp"``, ``"gdeflate"``, ``"cascaded"``).
         level: Compression level for codecs that have one.
-        filter: ``"byteplane"`` (bytes of equal significance grouped) or ``"none"``.
+        filter: ``"byteplane"`` (bytes of equal significance grouped), ``"rotplane"`` (the
+            same, after rotating each bf16 / fp32 element left by one bit so that its whole
+            exponent is one plane; other dtypes get plain byte planes; files are format
+            version 4, which readers before it refuse) or ``"none"``.
         chunk_bytes: Raw bytes per chunk; chunks compress in parallel and stream to storage.
             0 or None (the default): the codec's default from the facts table (codecs/registry.py),
             4 MiB for all but ``gdeflate``, whose nvCOMP chunks are 64 KiB at most.
@@ -220,6 +223,12 @@ class CodecSpec:
 
 
 _DEFAULT = CodecSpec()
+#: Weights and second moments: byte planes of elements rotated so that a bf16 / fp32 exponent is
+#: one whole plane (filters/rotate.py). Measured (benchmarks/README.md, "Peer coders"), it pays
+#: where the sign is random or constant and the exponent's last bit is not (weights +0.8%,
+#: second moments +0.2%); first moments and gradients lose 1-3% (their signs come in runs, which
+#: the plain top plane codes, and the rotation moves them into the incompressible low plane).
+_ROTATED = CodecSpec(filter="rotplane")
 #: libzstd level of :meth:`CodecPolicy.max_ratio` (chosen in benchmarks/README.md, "Peer coders").
 MAX_RATIO_LEVEL = 19
 _RAW = CodecSpec(codec="none", level=None, filter="none")
@@ -228,7 +237,7 @@ _RAW = CodecSpec(codec="none", level=None, filter="none")
 _SPEC_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "codec": ((str,), "a str (a codec id such as 'zstd')"),
     "level": ((int, type(None)), "an int or None"),
-    "filter": ((str,), "a str ('byteplane' or 'none')"),
+    "filter": ((str,), "a str ('byteplane', 'rotplane' or 'none')"),
     "chunk_bytes": ((int, type(None)), "an int (bytes) or None"),
     "adaptive": ((bool,), "a bool"),
 }
@@ -276,9 +285,10 @@ def _glob_mapping(name: str, value: Any, what: str) -> dict[str, Any]:
 class CodecPolicy:
     """Codec settings for each component, user classification patterns and per-tensor overrides.
 
-    The defaults (zstd level 1 over byte planes for every component) were measured on real
-    checkpoints (see ``benchmarks/README.md``) and are portable: a file written with them loads
-    on any machine, with or without a GPU.
+    The defaults (zstd level 1 over byte planes for every component, the planes of weights and
+    second moments rotated, ``filter="rotplane"``) were measured on real checkpoints (see
+    ``benchmarks/README.md``) and are portable: a file written with them loads on any machine,
+    with or without a GPU, by a reader of format version 4 (files with rotated planes are version 4).
 
     Args:
         weights, exp_avg, exp_avg_sq, gradients, other: The :class:`CodecSpec` per component
@@ -296,9 +306,9 @@ class CodecPolicy:
             ``overrides['head.*']: ...`` for an entry) and what it expects.
     """
 
-    weights: CodecSpec = _DEFAULT
+    weights: CodecSpec = _ROTATED
     exp_avg: CodecSpec = _DEFAULT
-    exp_avg_sq: CodecSpec = _DEFAULT
+    exp_avg_sq: CodecSpec = _ROTATED
     gradients: CodecSpec = _DEFAULT
     other: CodecSpec = _DEFAULT
     # Typed as __post_init__ leaves them; like the component fields, they accept the other forms too
@@ -352,6 +362,8 @@ class CodecPolicy:
         """
         spec = CodecSpec(codec="zstd", level=level, filter="byteplane", adaptive=True)
         specs: dict[str, Any] = {c.value: spec for c in Component}
+        for name in ("weights", "exp_avg_sq"):  # as the default: where the rotation pays
+            specs[name] = replace(spec, filter=_ROTATED.filter)
         return cls(**specs, **kwargs)
 
     @classmethod

@@ -20,7 +20,7 @@ from .codecs import cpu_codec, gpu_available, gpu_codec, has_cpu_decoder
 from .delta import BaseChain
 from .errors import CheckpointError, ChecksumError, CodecUnavailableError, FormatError, SizeLimitError, UnsafeCheckpointError
 from .filetype import HEAD_BYTES, NVCOMP, SAFETENSORS, TORCH, kind_of
-from .filters import ByteplaneFilter
+from .filters import plane_filter
 from .format.chain import MAX_CHAIN_DEPTH
 from .format.layout import (
     FOOTER,
@@ -479,7 +479,7 @@ class CheckpointReader:
             base, span = self._span(entry)
             view = memoryview(span)
             codec = cpu_codec(entry.codec.id)
-            filt = ByteplaneFilter(entry.width)
+            filt = plane_filter(entry.filter, entry.width, entry.rotate)
             planes = entry.planes
 
             def decode_chunk(i: int, start: int, length: int, frames: tuple[Frame, ...]) -> None:
@@ -488,7 +488,7 @@ class CheckpointReader:
                     self._checked_frame(entry, codec, i, p, f, view[f.offset - base : f.offset - base + f.size])
                     for p, f in enumerate(frames)
                 ]
-                # All planes at once: a single pass over the chunk (ByteplaneFilter.join).
+                # All planes at once: a single pass over the chunk (ByteplaneFilter.join, rotations undone in it).
                 if planes > 1:
                     filt.join(dest, raws)
                 else:
@@ -510,7 +510,7 @@ class CheckpointReader:
         """Decode on ``device`` in groups of chunks, so GPU memory holds one group's frames at a time."""
         out = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
         planes = entry.planes
-        filt = ByteplaneFilter(entry.width)
+        filt = plane_filter(entry.filter, entry.width, entry.rotate)
         chunks = entry.chunks()
         per_group = max(1, _GPU_GROUP_BYTES // max(1, entry.chunk_bytes))
         codec = gpu_codec(entry.codec.id, None, device) if entry.codec.id != "none" else None

@@ -24,7 +24,7 @@ import xxhash
 from .codecs import CodecConfig, codec_facts, cpu_codec, gpu_available, gpu_chunk_bytes, gpu_codec, has_cpu_decoder
 from .delta import BaseSource, encode_cpu_chunk_against, pick_frames, tries_sub
 from .errors import CodecUnavailableError, UnsupportedObjectError
-from .filters import ByteplaneFilter, plane_width
+from .filters import ByteplaneFilter, exponent_rotation, plane_filter, plane_width
 from .filters.sub import sub_bytes_torch
 from .format.chain import DELTA_FORMAT_VERSION, SUB, SUB_FORMAT_VERSION, XOR, TensorDelta
 from .format.layout import (
@@ -33,6 +33,8 @@ from .format.layout import (
     MAGIC,
     MAX_INDEX_BYTES,
     QUANTIZED_DTYPES,
+    ROTATE_FORMAT_VERSION,
+    ROTATE_MAGIC,
     SAVE_METADATA_KEYS,
     SUB_MAGIC,
     Frame,
@@ -84,14 +86,26 @@ class PlannedTensor:
     #: Delta files: the base tensor this one is XORed with (delta.py), and its bytes' XXH3-64.
     base_key: str | None = None
     base_xxh3: int = 0
+    #: Filter "rotplane": bits each element is rotated by (filters.exponent_rotation); 0 = none.
+    rotate: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
     @property
+    def filter_id(self) -> str:
+        """The filter the index records: a "rotplane" spec is plain byte planes for a dtype it does not rotate."""
+        if self.rotate:
+            return "rotplane"
+        return "none" if self.spec.filter == "none" else "byteplane"
+
+    @property
     def planes(self) -> int:
-        return self.width if self.spec.filter == "byteplane" else 1
+        return 1 if self.filter_id == "none" else self.width
+
+    def plane_filter(self) -> ByteplaneFilter:
+        return plane_filter(self.filter_id, self.width, self.rotate)
 
 
 def _check_tensor(key: str, t: torch.Tensor, where: str) -> None:
@@ -146,7 +160,8 @@ def plan_tensors(tensors: Sequence[tuple[tuple[Any, ...], torch.Tensor]], policy
         spec = policy.spec_for(key, component, nbytes)
         key = unique_key(key, used)
         device, chunk = _placement(key, t, spec, policy, where)
-        planned.append(PlannedTensor(key, t, component, spec, plane_width(t.dtype), chunk, device))
+        rotate = exponent_rotation(t.dtype) if spec.filter == "rotplane" else 0
+        planned.append(PlannedTensor(key, t, component, spec, plane_width(t.dtype), chunk, device, rotate=rotate))
     if policy.overrides:
         warn_unmatched_overrides(policy, [p.key for p in planned], where)
     return planned
@@ -218,8 +233,7 @@ _Encoded = list[tuple[bytes | memoryview | np.ndarray, int, int, str]]
 
 
 def _encode_cpu_chunk(data: np.ndarray, item: PlannedTensor) -> _Encoded:
-    filt = ByteplaneFilter(item.width)
-    parts = filt.split(data) if item.spec.filter == "byteplane" else [data]
+    parts = item.plane_filter().split(data)
     codec = cpu_codec(item.spec.codec, item.spec.level, item.spec.adaptive)
     out: _Encoded = []
     for part in parts:
@@ -256,11 +270,11 @@ def encode_gpu_batch(flat: torch.Tensor, starts: list[int], item: PlannedTensor,
         src = flat[starts[0] : min(starts[-1] + item.chunk_bytes, flat.numel())]
         if src.device != device:
             src = src.to(device, non_blocking=False)
-        filt = ByteplaneFilter(item.width)
+        filt = item.plane_filter()
         pieces: list[torch.Tensor] = []
         for s in starts:
             chunk = src[s - starts[0] : s - starts[0] + item.chunk_bytes]
-            pieces.extend(filt.split_torch(chunk) if item.spec.filter == "byteplane" else [chunk])
+            pieces.extend(filt.split_torch(chunk))
         sizes = [p.numel() for p in pieces]
         if item.spec.codec == "none":
             return pieces, sizes, [""] * len(pieces)
@@ -279,7 +293,7 @@ def _encode_gpu_against(
     ref = base[starts[0] : starts[0] + src.numel()]
     if ref.device != src.device:
         ref = ref.to(src.device)
-    filt = ByteplaneFilter(item.width)
+    filt = item.plane_filter()
     transformed = [(XOR, torch.bitwise_xor(src, ref))]
     if tries_sub(item):
         transformed.append((SUB, sub_bytes_torch(src, ref, item.width)))
@@ -288,7 +302,7 @@ def _encode_gpu_against(
         parts: list[torch.Tensor] = []
         for s in starts:
             chunk = values[s - starts[0] : s - starts[0] + item.chunk_bytes]
-            parts.extend(filt.split_torch(chunk) if item.spec.filter == "byteplane" else [chunk])
+            parts.extend(filt.split_torch(chunk))
         tpieces.append(parts)
     # One nvCOMP batch for every form of every piece.
     encoded = codec.encode_batch(pieces + [p for parts in tpieces for p in parts])
@@ -534,6 +548,8 @@ class CheckpointWriter:
                 # A tensor an async snapshot compressed already is stored plain.
                 if item.spec.codec != "none" and item.nbytes and id(item.tensor) not in self.pre_encoded:
                     item.base_key = self.base.match(item.key, item.tensor, item.component.value)
+                    if item.base_key is not None:
+                        item.rotate = 0  # the format's deltas are of plain byte planes
         try:
             skeleton_bytes = encode_skeleton(skeleton, self.where)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
@@ -551,7 +567,11 @@ class CheckpointWriter:
             )
         version = self._version(planned)
         self._write(GUARD)  # a stock torch.load stops here, naming our loader (format/guard.py)
-        self._write(MAGIC if version is None else {DELTA_FORMAT_VERSION: DELTA_MAGIC, SUB_FORMAT_VERSION: SUB_MAGIC}[version])
+        self._write(
+            {DELTA_FORMAT_VERSION: DELTA_MAGIC, SUB_FORMAT_VERSION: SUB_MAGIC, ROTATE_FORMAT_VERSION: ROTATE_MAGIC}.get(
+                version, MAGIC
+            )
+        )
         skel_frame = self._write_skeleton(skeleton_bytes)
         frames_of: list[list[Frame]] = [[] for _ in planned]
         self._ring = PinnedRing()
@@ -562,9 +582,11 @@ class CheckpointWriter:
         return self._finish(planned, frames_of, skel_frame, metadata, version)
 
     def _version(self, planned: list[PlannedTensor]) -> int | None:
-        """The file's format version, decided before its first byte (the magic holds it): 3 when
-        some tensor may get "sub" frames (an older reader then refuses the file), 2 for another
-        delta, None (1) for a full file."""
+        """The file's format version, decided before its first byte (the magic holds it): 4 when
+        some tensor has filter "rotplane", else 3 when some tensor may get "sub" frames (an
+        older reader then refuses the file), 2 for another delta, None (1) for a full file."""
+        if any(item.rotate for item in planned):
+            return ROTATE_FORMAT_VERSION
         if self.base is None:
             return None
         return (
@@ -631,7 +653,7 @@ class CheckpointWriter:
                 shape=tuple(item.tensor.shape),
                 component=item.component.value,
                 codec=CodecConfig(item.spec.codec, item.spec.level),
-                filter=item.spec.filter,
+                filter=item.filter_id,
                 width=item.width,
                 chunk_bytes=item.chunk_bytes,
                 frames=tuple(frames),
@@ -640,6 +662,7 @@ class CheckpointWriter:
                 requires_grad=bool(item.tensor.requires_grad),
                 parameter=isinstance(item.tensor, torch.nn.Parameter),
                 delta=TensorDelta(item.base_key, item.base_xxh3) if item.base_key and any(f.op for f in frames) else None,
+                rotate=item.rotate,
             )
             entries.append(entry)
             comp = stats.get(entry.component, ComponentStats())

@@ -54,6 +54,10 @@ class CpuCodec(Protocol):
         """Compress ``data`` into one self-contained frame."""
         ...
 
+    def estimate(self, data: memoryview) -> int:
+        """About the size :meth:`encode` gives ``data``, in one quick pass (to rank transforms of it)."""
+        ...
+
     def decode(self, frame: memoryview, raw_size: int) -> bytes | bytearray | memoryview:
         """Decompress one frame; the result must be exactly ``raw_size`` bytes."""
         ...

@@ -22,8 +22,14 @@ __all__ = ["ZstdCpuCodec", "NoneCpuCodec", "LARGE_FRAME_BYTES", "PICK_SAMPLE_BYT
 #: 2**10 is about 40% faster than 2**14 and 2-3% smaller, and 2**6 is faster again and leaves
 #: a bf16 weight's exponent plane within 0.1% of a Huffman-only coding of it, while the zero runs
 #: of optimizer moments and gradients still need 2**10 (benchmarks/README.md, "Peer coders").
-#: Frames stay standard Zstd frames; smaller frames keep libzstd's own level-1 parameters.
+#: Frames stay standard Zstd frames. Smaller level-1 frames of :data:`SMALL_FRAME_BYTES` or more
+#: choose between the same two sets by compressing the whole frame with both: libzstd's own
+#: level 1 for small sources looks for 5-byte matches, which cost a bf16 exponent plane 13%
+#: (MiniLM's 384 x 384 matrices have 144 KiB planes).
 LARGE_FRAME_BYTES = 256 << 10
+#: Below this a frame is mostly headers and its Huffman table (tens of bytes either way): it
+#: keeps libzstd's level 1, and the bytes of files such as tests/data/golden_v1.nvc stay as they were.
+SMALL_FRAME_BYTES = 4 << 10
 #: Bytes of a large frame compressed with each candidate parameter set to choose one (four
 #: pieces spread over the frame): on the checkpoints of benchmarks/ a 32 KiB sample picks what
 #: compressing whole planes would.
@@ -102,6 +108,10 @@ class ZstdCpuCodec:
 
     def encode(self, data: memoryview) -> bytes:
         data = memoryview(data)
+        if SMALL_FRAME_BYTES <= data.nbytes < LARGE_FRAME_BYTES and self.level == 1:
+            # Both sets on the whole frame: smaller than a sample plus the frame, and exact.
+            frames = [self._cctx_named(name).compress(data) for name in _LARGE_LEVEL1_ORDER]
+            return min(frames, key=len)
         if data.nbytes >= LARGE_FRAME_BYTES and (self.level == 1 or self.adaptive):
             sample = _sample(data.cast("B"))
             fast = [self._cctx_named(name) for name in _LARGE_LEVEL1_ORDER]
@@ -113,6 +123,11 @@ class ZstdCpuCodec:
                     return strong.compress(data)
             return fast[best].compress(data)
         return self._cctx().compress(data)
+
+    def estimate(self, data: memoryview) -> int:
+        # One compression with libzstd's own parameters for the level: the delta writer ranks
+        # a sample's forms with it, where choosing a parameter set per form would cost twice.
+        return len(self._cctx().compress(data))
 
     def decode(self, frame: memoryview, raw_size: int) -> bytes | bytearray:
         dctx = self._dctx()
@@ -171,6 +186,9 @@ class NoneCpuCodec:
 
     def encode(self, data: memoryview) -> bytes:
         return bytes(data)
+
+    def estimate(self, data: memoryview) -> int:
+        return len(data)
 
     def decode(self, frame: memoryview, raw_size: int) -> memoryview:
         if len(frame) != raw_size:

@@ -16,12 +16,13 @@ import torch
 
 __all__ = ["ByteplaneFilter", "FILTER_IDS", "plane_width"]
 
-FILTER_IDS = ("none", "byteplane")
+#: Filter ids of the format: "rotplane" is byte planes of rotated words (filters/rotate.py).
+FILTER_IDS = ("none", "byteplane", "rotplane")
 
 #: Unsigned words as wide as an element: planes are taken out of them by shifts.
 _WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: Shifted words handled per step, sized to stay in a core's L2 cache.
-_SPLIT_BLOCK_BYTES = 256 << 10
+SPLIT_BLOCK_BYTES = 256 << 10
 _JOIN_BLOCK = 1 << 17
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian torch build is supported
@@ -63,11 +64,12 @@ class ByteplaneFilter:
         # the shifted words stay in cache: same bytes as numpy's strided transpose copy, 1.3x
         # (8-byte) to 3.5x (2-byte elements) faster (measured in benchmarks/README.md).
         words = data.view(_WORDS[self.width])
-        block = _SPLIT_BLOCK_BYTES // self.width
+        block = SPLIT_BLOCK_BYTES // self.width
         shifted = np.empty(min(block, n), dtype=words.dtype)
+        staged = np.empty_like(shifted) if self._transforms else shifted
         for start in range(0, n, block):
             end = min(n, start + block)
-            src, tmp = words[start:end], shifted[: end - start]
+            src, tmp = self._forward(words[start:end], staged[: end - start], shifted[: end - start]), shifted[: end - start]
             np.copyto(planes[0, start:end], src, casting="unsafe")
             for p in range(1, self.width):
                 np.right_shift(src, 8 * p, out=tmp)
@@ -82,7 +84,7 @@ class ByteplaneFilter:
             return
         if len(srcs) != self.width:
             raise ValueError(f"byte-plane join needs {self.width} planes, got {len(srcs)}")
-        if self.width not in _WORDS or self.width == 8:
+        if self.width not in _WORDS or (self.width == 8 and not self._transforms):
             # For 8-byte words the strided write per plane is the faster way.
             view = out.reshape(-1, self.width)
             for p, src in enumerate(srcs):
@@ -101,10 +103,23 @@ class ByteplaneFilter:
                 np.copyto(tmp, srcs[p][start:end])
                 np.left_shift(tmp, 8 * p, out=tmp)
                 np.bitwise_or(dst, tmp, out=dst)
+            self._inverse_(dst, tmp)
+
+    #: Whether the element words are transformed before they are split (a subclass's business).
+    _transforms = False
+
+    def _forward(self, words: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+        """The words to split (``out`` and ``scratch``: buffers of their length): the words themselves."""
+        return words
+
+    def _inverse_(self, words: np.ndarray, scratch: np.ndarray) -> None:
+        """Undo :meth:`_forward` on joined words, in place (``scratch``: a buffer of their length)."""
 
     def join_into(self, out: np.ndarray, plane: int, data: np.ndarray | bytes | memoryview) -> None:
         """Write one plane's bytes into ``out`` (1-D uint8 element bytes) in place."""
         src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        if self._transforms:
+            raise ValueError(f"filter {self.id!r} joins whole chunks only (its planes mix the bits of an element)")
         if self.width == 1:
             out[:] = src
         else:
@@ -114,11 +129,19 @@ class ByteplaneFilter:
         """:meth:`split` for a 1-D uint8 tensor on any device (used on the GPU)."""
         if self.width == 1:
             return [data]
-        planes = data.view(-1, self.width).t().contiguous()
+        planes = self._forward_torch(data).view(-1, self.width).t().contiguous()
         return list(planes.unbind(0))
 
     def join_torch(self, planes: list[torch.Tensor]) -> torch.Tensor:
         """Inverse of :meth:`split_torch`: element bytes as one 1-D uint8 tensor."""
         if self.width == 1:
             return planes[0]
-        return torch.stack(planes, dim=1).reshape(-1)
+        return self._inverse_torch(torch.stack(planes, dim=1).reshape(-1))
+
+    def _forward_torch(self, data: torch.Tensor) -> torch.Tensor:
+        """:meth:`_forward` for 1-D uint8 element bytes on any device (a new tensor or ``data``)."""
+        return data
+
+    def _inverse_torch(self, data: torch.Tensor) -> torch.Tensor:
+        """:meth:`_inverse_` for 1-D uint8 element bytes on any device (a new tensor or ``data``)."""
+        return data

@@ -18,7 +18,7 @@ import torch
 from ..codecs import CODEC_IDS, CodecConfig
 from ..codecs.registry import CHUNK_CAP_BYTES
 from ..errors import FormatError
-from ..filters import FILTER_IDS
+from ..filters import FILTER_IDS, ROTATE_WIDTHS
 from . import guard
 from .chain import DELTA_FORMAT_VERSION, FRAME_OPS, SUB, SUB_FORMAT_VERSION, SUB_WIDTHS, BaseRef, TensorDelta
 
@@ -29,6 +29,8 @@ __all__ = [
     "SAVE_METADATA_KEYS",
     "DELTA_MAGIC",
     "SUB_MAGIC",
+    "ROTATE_MAGIC",
+    "ROTATE_FORMAT_VERSION",
     "READ_VERSIONS",
     "FORMAT_VERSION",
     "FOOTER",
@@ -52,8 +54,12 @@ MAGIC = b"NVCKPT" + bytes([FORMAT_VERSION, 0])
 DELTA_MAGIC = b"NVCKPT" + bytes([DELTA_FORMAT_VERSION, 0])
 #: The magic of a delta file that may hold ``sub`` frames (version 3: version 2 plus that op).
 SUB_MAGIC = b"NVCKPT" + bytes([SUB_FORMAT_VERSION, 0])
+#: A file that may hold tensors with filter "rotplane" (version 4: versions 1 to 3 plus that
+#: filter, with or without a base): a version-3 reader refuses it ("Upgrade").
+ROTATE_FORMAT_VERSION = 4
+ROTATE_MAGIC = b"NVCKPT" + bytes([ROTATE_FORMAT_VERSION, 0])
 #: Format versions this reader reads, oldest first.
-READ_VERSIONS = (FORMAT_VERSION, DELTA_FORMAT_VERSION, SUB_FORMAT_VERSION)
+READ_VERSIONS = (FORMAT_VERSION, DELTA_FORMAT_VERSION, SUB_FORMAT_VERSION, ROTATE_FORMAT_VERSION)
 FOOTER_MAGIC = b"NVCKEND\x00"
 #: Starts every file written since the guard (docs/format.md "The guard"), before the magic: one
 #: protocol-2 pickle, ``PROTO 2, GLOBAL guard.MODULE guard.NAME, STOP``, fixed ASCII bytes. A stock
@@ -158,6 +164,8 @@ class TensorEntry:
     parameter: bool = False
     #: The base tensor that ``xor`` and ``sub`` frames refer to (delta files only).
     delta: TensorDelta | None = None
+    #: Filter "rotplane": bits each element word is rotated left by before its byte planes.
+    rotate: int = 0
 
     @property
     def numel(self) -> int:
@@ -173,7 +181,7 @@ class TensorEntry:
 
     @property
     def planes(self) -> int:
-        return self.width if self.filter == "byteplane" else 1
+        return self.width if self.filter in ("byteplane", "rotplane") else 1
 
     def chunks(self) -> list[tuple[int, int, tuple[Frame, ...]]]:
         """``(byte offset, byte length, frames)`` for each chunk of the tensor's bytes."""
@@ -199,6 +207,8 @@ class TensorEntry:
             "requires_grad": self.requires_grad,
             "parameter": self.parameter,
         }
+        if self.filter == "rotplane":
+            doc["rotate"] = self.rotate
         if self.delta is not None:
             doc["delta"] = self.delta.to_json()
         return doc
@@ -230,6 +240,7 @@ def _entry_from_json(
         requires_grad = bool(data.get("requires_grad", False))
         parameter = bool(data.get("parameter", False))
         delta_json = data.get("delta")
+        rotate_json = data.get("rotate")
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise FormatError(f"{where}: malformed tensor entry in the index ({exc!r})") from exc
     where_t = f"{where}, tensor {key!r}"
@@ -249,7 +260,8 @@ def _entry_from_json(
     itemsize = torch.empty((), dtype=dtype).element_size()
     if width < 1 or itemsize % width or not (0 < chunk_bytes <= MAX_CHUNK_BYTES) or chunk_bytes % itemsize:
         raise FormatError(f"{where_t}: inconsistent width {width} / chunk size {chunk_bytes} for {dtype}")
-    planes = width if filt == "byteplane" else 1
+    rotate = _checked_rotation(filt, rotate_json, width, version, delta is not None, where_t)
+    planes = width if filt in ("byteplane", "rotplane") else 1
     numel = math.prod(shape)
     # Checked before anything is allocated: the frames must tile exactly the bytes the shape
     # claims, and every frame must lie inside the data region of the file.
@@ -280,8 +292,41 @@ def _entry_from_json(
             raise FormatError(f"{where_t}: raw frame at {offset} holds {size} bytes, the shape needs {raw_size}")
         frames.append(Frame(offset, size, raw_size, digest, op))
     return TensorEntry(
-        key, dtype, shape, component, codec, filt, width, chunk_bytes, tuple(frames), device, requires_grad, parameter, delta
+        key,
+        dtype,
+        shape,
+        component,
+        codec,
+        filt,
+        width,
+        chunk_bytes,
+        tuple(frames),
+        device,
+        requires_grad,
+        parameter,
+        delta,
+        rotate,
     )
+
+
+def _checked_rotation(filt: str, value: Any, width: int, version: int, has_delta: bool, where: str) -> int:
+    """The entry's ``rotate`` (0 unless the filter is "rotplane"), or a FormatError for a record no writer makes."""
+    if filt != "rotplane":
+        if value is not None:
+            raise FormatError(f"{where}: a 'rotate' field with filter {filt!r} (only 'rotplane' has one); the index is corrupt")
+        return 0
+    if version < ROTATE_FORMAT_VERSION:
+        raise FormatError(
+            f"{where}: filter 'rotplane' in a version-{version} file (it needs version {ROTATE_FORMAT_VERSION}); the index is corrupt"
+        )
+    if has_delta:
+        raise FormatError(f"{where}: filter 'rotplane' with a delta record (deltas use plain byte planes); the index is corrupt")
+    if type(value) is not int or width not in ROTATE_WIDTHS or not 0 < value < 8 * width:
+        raise FormatError(
+            f"{where}: filter 'rotplane' needs an integer 'rotate' of 1 to 8 * width - 1 bits and width "
+            f"{' or '.join(map(str, ROTATE_WIDTHS))}; the index has rotate {value!r:.40} and width {width}"
+        )
+    return value
 
 
 def _reject_constant(name: str) -> Any:
@@ -298,14 +343,17 @@ class Index:
     metadata: dict[str, Any]
     #: The checkpoint this one is a delta of (format version 2 or 3), or None.
     base: BaseRef | None = None
-    #: The format version: 1 without a base; with one, 3 when the writer may have stored ``sub``
-    #: frames (it tried the difference on some tensor), else 2. None: the lowest that fits.
+    #: The format version: 4 when some tensor has filter "rotplane"; else 1 without a base;
+    #: with one, 3 when the writer may have stored ``sub`` frames (it tried the difference on
+    #: some tensor), else 2. None: the lowest that fits.
     version: int | None = None
 
     def __post_init__(self) -> None:
         if self.version is None:
             has_sub = any(f.op == SUB for t in self.tensors for f in t.frames)
             derived = FORMAT_VERSION if self.base is None else SUB_FORMAT_VERSION if has_sub else DELTA_FORMAT_VERSION
+            if any(t.filter == "rotplane" for t in self.tensors):
+                derived = ROTATE_FORMAT_VERSION
             object.__setattr__(self, "version", derived)
 
     def to_json_bytes(self) -> bytes:
@@ -337,8 +385,8 @@ class Index:
                 f"versions {', '.join(map(str, READ_VERSIONS))}. Upgrade nvcomp-checkpoint to read it."
             )
         # Version 2 is version 1 plus a base, version 3 version 2 plus "sub" frames: a base
-        # record exactly in versions 2 and 3.
-        if (version >= DELTA_FORMAT_VERSION) != ("base" in doc):
+        # record exactly in versions 2 and 3. Version 4 (filter "rotplane") may have one or not.
+        if version != ROTATE_FORMAT_VERSION and (version >= DELTA_FORMAT_VERSION) != ("base" in doc):
             raise FormatError(f"{where}: format version {version} {'without' if 'base' in doc else 'with'} a base record")
         base = BaseRef.from_json(doc["base"], where) if "base" in doc else None
         try:
