@@ -567,11 +567,8 @@ class CheckpointWriter:
             )
         version = self._version(planned)
         self._write(GUARD)  # a stock torch.load stops here, naming our loader (format/guard.py)
-        self._write(
-            {DELTA_FORMAT_VERSION: DELTA_MAGIC, SUB_FORMAT_VERSION: SUB_MAGIC, ROTATE_FORMAT_VERSION: ROTATE_MAGIC}.get(
-                version, MAGIC
-            )
-        )
+        magics = {DELTA_FORMAT_VERSION: DELTA_MAGIC, SUB_FORMAT_VERSION: SUB_MAGIC, ROTATE_FORMAT_VERSION: ROTATE_MAGIC}
+        self._write(MAGIC if version is None else magics[version])
         skel_frame = self._write_skeleton(skeleton_bytes)
         frames_of: list[list[Frame]] = [[] for _ in planned]
         self._ring = PinnedRing()
