@@ -213,10 +213,13 @@ def _sample(items: list[tuple[Source, TensorInfo]], budget: int) -> list[torch.T
 # -- measuring -----------------------------------------------------------------------------
 def default_candidates() -> list[tuple[nc.CodecSpec, str]]:
     """``(spec, device)`` pairs worth measuring on this machine."""
+    # rotplane at level 1 only: it is the default's filter for weights and second moments, and the
+    # level changes little between the two plane filters.
     out = [(nc.CodecSpec("zstd", level, filt), "cpu") for level in (1, 3) for filt in ("byteplane", "none")]
+    out.insert(1, (nc.CodecSpec("zstd", 1, "rotplane"), "cpu"))
     if nc.gpu_available():
         for codec in ("zstd",) + tuple(nc.GPU_ONLY_CODECS):
-            for filt in ("byteplane", "none"):
+            for filt in ("byteplane", "rotplane", "none"):
                 out.append((nc.CodecSpec(codec, 1 if codec == "zstd" else None, filt), "cuda"))
     return out
 
