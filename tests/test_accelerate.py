@@ -176,12 +176,14 @@ SCRIPT = textwrap.dedent(
             pending = objs[5].pending()
             gate.set()
             print(json.dumps({"pending_at_exit": pending}))
-        elif mode == "resume":  # load a directory, M more steps
-            objs = build(async_save=args[2:3] == ("async",))
-            objs[0].load_state(args[0])
-            loaded = snapshot(objs)
-            losses = train(objs, int(args[1]))
-            torch.save({"loaded": loaded, "losses": losses, "final": snapshot(objs)}, out)
+        elif mode == "resume":  # load a directory, M more steps; again for each further (out, directory, mode)
+            runs = [(out, args[0], args[2] if len(args) > 2 else "sync")] + [tuple(args[i : i + 3]) for i in range(3, len(args), 3)]
+            for out, directory, how in runs:
+                objs = build(async_save=how == "async")
+                objs[0].load_state(directory)
+                loaded = snapshot(objs)
+                losses = train(objs, int(args[1]))
+                torch.save({"loaded": loaded, "losses": losses, "final": snapshot(objs)}, out)
         elif mode == "disk-full":  # save, train, fill the disk, save again
             ckpt, ballast = args[0], args[1]
             objs = build()
@@ -310,10 +312,18 @@ def trained_async(script: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return out
 
 
+@pytest.fixture(scope="module")
+def resumed(trained: Path, trained_async: Path, script: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synchronous and the asynchronous run's ``hooked/`` each resumed for M steps, one after
+    the other in one fresh process: ``sync.pt`` and ``async.pt``."""
+    out = tmp_path_factory.mktemp("accelerate_resumed")
+    sync, asynchronous = (str(d / "hooked") for d in (trained, trained_async))
+    _run(str(script), "resume", str(out / "sync.pt"), sync, str(M_STEPS), "sync", str(out / "async.pt"), asynchronous, "async")
+    return out
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_resume_in_fresh_process_matches_uninterrupted_run(
-    trained: Path, trained_async: Path, script: Path, tmp_path: Path, mode: str
-) -> None:
+def test_resume_in_fresh_process_matches_uninterrupted_run(trained: Path, trained_async: Path, resumed: Path, mode: str) -> None:
     directory = trained if mode == "sync" else trained_async
     run = _load_pt(directory / ("run.pt" if mode == "sync" else "run-async.pt"))
     if mode == "async":
@@ -333,9 +343,7 @@ def test_resume_in_fresh_process_matches_uninterrupted_run(
                 "custom_checkpoint_0.pkl",
             ]
         )
-    out = tmp_path / "resumed.pt"
-    _run(str(script), "resume", str(out), str(directory / "hooked"), str(M_STEPS), mode)
-    resumed = _load_pt(out)
+    resumed = _load_pt(resumed / f"{mode}.pt")
     # Model, optimizer, scheduler, custom object and every RNG bit-identical at step N ...
     assert_tree_equal(run["at_n"], resumed["loaded"])
     # ... and training continues exactly as the uninterrupted run did.
