@@ -60,7 +60,9 @@ _SLOW_TESTS = {
 
 
 def _is_slow(nodeid: str) -> bool:
-    return nodeid in _SLOW_TESTS or nodeid.split("::")[0] in _SLOW_TESTS
+    """Listed as itself, by its module (``tests/test_x.py``) or, parametrized, by its function
+    (``tests/test_x.py::test_y``: every parameter; the README snippets' ids hold line numbers)."""
+    return nodeid in _SLOW_TESTS or nodeid.split("::")[0] in _SLOW_TESTS or nodeid.split("[")[0] in _SLOW_TESTS
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
