@@ -59,11 +59,76 @@ _SLOW_TESTS = {
 }
 
 
+def _is_slow(nodeid: str) -> bool:
+    """Listed as itself, by its module (``tests/test_x.py``) or, parametrized, by its function
+    (``tests/test_x.py::test_y``: every parameter; the README snippets' ids hold line numbers)."""
+    return nodeid in _SLOW_TESTS or nodeid.split("::")[0] in _SLOW_TESTS or nodeid.split("[")[0] in _SLOW_TESTS
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests listed in slow_tests.txt are ``slow``: ``pytest -m "not slow"`` is the fast loop."""
+    """Tests listed in slow_tests.txt are ``slow``: ``pytest -m "not slow"`` is the fast loop.
+
+    In a pytest-xdist worker the items are also put in the order :class:`_SlowFirst` hands them
+    out: the heaviest work units first.
+    """
     for item in items:
-        if item.nodeid in _SLOW_TESTS or item.nodeid.split("::")[0] in _SLOW_TESTS:
+        if _is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
+    if hasattr(config, "workerinput") and config.getoption("dist", "no") == "no":  # an xdist worker
+        items[:] = _slow_first([item.nodeid for item in items], items)
+
+
+# -- pytest-xdist: the slow work first ----------------------------------------------------------------
+#
+# xdist's default ``load`` schedule hands each worker a quarter of the suite in collection order,
+# then more as it finishes: a long test collected late (a README snippet, a fresh-process
+# training run) can start when the other worker is nearly done, and the suite then waits for it
+# alone. Instead every worker gets the slow work units first, heaviest first (longest processing
+# time first), then the fast tests one by one, which fill the gaps until both workers end together.
+#
+# A work unit is one test, or a whole module where the module has a fixture of module (or wider)
+# scope: its tests stay on one worker, so the fixture (often a fresh-process training run) runs
+# once, not once per worker.
+
+_TESTS_DIR = Path(__file__).parent
+_SLOW_WEIGHT, _FAST_WEIGHT = 10.0, 0.2  # slow tests take 1.5 to 30 s, fast ones well under a second
+_WIDE_FIXTURE = re.compile(r"""@pytest\.fixture\([^)]*scope=["'](?:module|package|session|class)["']""")
+
+
+def _unit_of(nodeid: str, _grouped: dict[str, bool] = {}) -> str:  # noqa: B006 - a cache, per process
+    module = nodeid.split("::")[0]
+    if module not in _grouped:
+        path = _TESTS_DIR.parent / module
+        _grouped[module] = path.is_file() and bool(_WIDE_FIXTURE.search(path.read_text(encoding="utf-8")))
+    return module if _grouped[module] else nodeid
+
+
+def _slow_first(nodeids: list[str], items: list[Any]) -> list[Any]:
+    """``items`` (one per nodeid) by work unit, heaviest unit first; a unit's items keep their order."""
+    weight: dict[str, float] = {}
+    for nodeid in nodeids:
+        unit = _unit_of(nodeid)
+        weight[unit] = weight.get(unit, 0.0) + (_SLOW_WEIGHT if _is_slow(nodeid) else _FAST_WEIGHT)
+    first_seen = {unit: i for i, unit in reversed(list(enumerate(_unit_of(n) for n in nodeids)))}
+    order = sorted(range(len(items)), key=lambda i: (-weight[_unit_of(nodeids[i])], first_seen[_unit_of(nodeids[i])], i))
+    return [items[i] for i in order]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``-n N`` (xdist's ``load``): :class:`_SlowFirst`; another ``--dist`` is left as asked."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _SlowFirst(LoadScopeScheduling):
+        """xdist's ``loadscope`` with :func:`_unit_of` as the scope; the workers collect in
+        :func:`_slow_first` order, so the units are handed out heaviest first."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit_of(nodeid)
+
+    return _SlowFirst(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -176,12 +176,14 @@ SCRIPT = textwrap.dedent(
             pending = objs[5].pending()
             gate.set()
             print(json.dumps({"pending_at_exit": pending}))
-        elif mode == "resume":  # load a directory, M more steps
-            objs = build(async_save=args[2:3] == ("async",))
-            objs[0].load_state(args[0])
-            loaded = snapshot(objs)
-            losses = train(objs, int(args[1]))
-            torch.save({"loaded": loaded, "losses": losses, "final": snapshot(objs)}, out)
+        elif mode == "resume":  # load a directory, M more steps; again for each further (out, directory, mode)
+            runs = [(out, args[0], args[2] if len(args) > 2 else "sync")] + [tuple(args[i : i + 3]) for i in range(3, len(args), 3)]
+            for out, directory, how in runs:
+                objs = build(async_save=how == "async")
+                objs[0].load_state(directory)
+                loaded = snapshot(objs)
+                losses = train(objs, int(args[1]))
+                torch.save({"loaded": loaded, "losses": losses, "final": snapshot(objs)}, out)
         elif mode == "disk-full":  # save, train, fill the disk, save again
             ckpt, ballast = args[0], args[1]
             objs = build()
@@ -224,29 +226,32 @@ SCRIPT = textwrap.dedent(
             torch.save(snapshot(objs), os.path.join(out, "loaded.pt"))
             objs[0].project_configuration.iteration = int(args[0])
             objs[0].save_state()
-        elif mode == "ddp":  # under torchrun: two processes share one directory
-            slow = args[0:1] == ("async",)  # async, to a slow store: the commit lands after load_state is called
-            objs = build(project_dir=out, total_limit=1, async_save=slow,
-                         stream_wrapper=(lambda s: Slow(s, 1.0)) if slow else None, leader_load=args[0:1] == ("leader",))
-            train(objs, 2)
-            objs[0].save_state()
-            saved = snapshot(objs)
-            train(objs, 2)
-            opened = []
-            sys.addaudithook(lambda event, a: opened.append(os.fspath(a[0])) if event == "open" and isinstance(a[0], (str, os.PathLike)) else None)
-            objs[0].load_state()
-            rank = objs[0].process_index
-            nvc = sorted({os.path.basename(p) for p in opened if str(p).endswith(".nvc")})
-            result = {"saved": saved, "loaded": snapshot(objs), "nvc_opened": nvc}
-            if args[0:1] == ("leader",):
-                # Rank 1 finds another directory (a node-local disk): every rank raises before the collective.
-                theirs = os.path.join(out, "checkpoints", "checkpoint_0") if rank == 0 else os.path.join(out, "elsewhere")
-                try:
-                    objs[0].load_state(theirs)
-                    result["differ"] = "loaded"
-                except Exception as exc:
-                    result["differ"] = f"{type(exc).__name__}: {exc}"
-            torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        elif mode == "ddp":  # under torchrun: two processes share one directory, once per variant (args[0]: a,b,...)
+            for variant in args[0].split(","):
+                project = os.path.join(out, variant)
+                slow = variant == "async"  # async, to a slow store: the commit lands after load_state is called
+                objs = build(project_dir=project, total_limit=1, async_save=slow,
+                             stream_wrapper=(lambda s: Slow(s, 1.0)) if slow else None, leader_load=variant == "leader")
+                train(objs, 2)
+                objs[0].save_state()
+                saved = snapshot(objs)
+                train(objs, 2)
+                opened = []
+                sys.addaudithook(lambda event, a, opened=opened: opened.append(os.fspath(a[0])) if event == "open" and isinstance(a[0], (str, os.PathLike)) else None)
+                objs[0].load_state()
+                rank = objs[0].process_index
+                nvc = sorted({os.path.basename(p) for p in opened if str(p).endswith(".nvc")})
+                result = {"saved": saved, "loaded": snapshot(objs), "nvc_opened": nvc}
+                if variant == "leader":
+                    # Rank 1 finds another directory (a node-local disk): every rank raises before the collective.
+                    theirs = os.path.join(project, "checkpoints", "checkpoint_0") if rank == 0 else os.path.join(project, "elsewhere")
+                    try:
+                        objs[0].load_state(theirs)
+                        result["differ"] = "loaded"
+                    except Exception as exc:
+                        result["differ"] = f"{type(exc).__name__}: {exc}"
+                objs[5].remove()
+                torch.save(result, os.path.join(project, f"rank{rank}.pt"))
 
 
     if __name__ == "__main__":
@@ -307,10 +312,18 @@ def trained_async(script: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return out
 
 
+@pytest.fixture(scope="module")
+def resumed(trained: Path, trained_async: Path, script: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synchronous and the asynchronous run's ``hooked/`` each resumed for M steps, one after
+    the other in one fresh process: ``sync.pt`` and ``async.pt``."""
+    out = tmp_path_factory.mktemp("accelerate_resumed")
+    sync, asynchronous = (str(d / "hooked") for d in (trained, trained_async))
+    _run(str(script), "resume", str(out / "sync.pt"), sync, str(M_STEPS), "sync", str(out / "async.pt"), asynchronous, "async")
+    return out
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_resume_in_fresh_process_matches_uninterrupted_run(
-    trained: Path, trained_async: Path, script: Path, tmp_path: Path, mode: str
-) -> None:
+def test_resume_in_fresh_process_matches_uninterrupted_run(trained: Path, trained_async: Path, resumed: Path, mode: str) -> None:
     directory = trained if mode == "sync" else trained_async
     run = _load_pt(directory / ("run.pt" if mode == "sync" else "run-async.pt"))
     if mode == "async":
@@ -330,9 +343,7 @@ def test_resume_in_fresh_process_matches_uninterrupted_run(
                 "custom_checkpoint_0.pkl",
             ]
         )
-    out = tmp_path / "resumed.pt"
-    _run(str(script), "resume", str(out), str(directory / "hooked"), str(M_STEPS), mode)
-    resumed = _load_pt(out)
+    resumed = _load_pt(resumed / f"{mode}.pt")
     # Model, optimizer, scheduler, custom object and every RNG bit-identical at step N ...
     assert_tree_equal(run["at_n"], resumed["loaded"])
     # ... and training continues exactly as the uninterrupted run did.
@@ -774,13 +785,26 @@ def test_interrupted_replacement_is_recovered_at_load(trained: Path, script: Pat
     assert_tree_equal(_load_pt(trained / "run.pt")["at_n"]["model"], module.snapshot(objs)["model"])
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "leader"])
-def test_two_processes_share_one_directory(script: Path, tmp_path: Path, mode: str) -> None:
+_DDP_MODES = ("sync", "async", "leader")
+
+
+@pytest.fixture(scope="module")
+def ddp_run(script: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One ``torchrun`` of two processes that share a directory, once per mode in turn: a launcher
+    and two ranks importing Accelerate once instead of once per mode."""
+    out = tmp_path_factory.mktemp("accelerate_ddp")
+    _run(
+        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), "ddp", str(out), ",".join(_DDP_MODES)
+    )
+    return out
+
+
+@pytest.mark.parametrize("mode", _DDP_MODES)
+def test_two_processes_share_one_directory(ddp_run: Path, mode: str) -> None:
     # DDP on the CPU (gloo): the main process writes and commits, every rank its RNG state. With
     # async saves, rank 1's load_state must wait for rank 0's background commit. With leader_load,
     # rank 0 alone reads the .nvc files and rank 1 receives their state over the process group.
-    project = tmp_path / "project"
-    _run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), "ddp", str(project), mode)
+    project = ddp_run / mode
     ckpt = project / "checkpoints" / "checkpoint_0"
     files = json.loads((ckpt / MANIFEST_NAME).read_text())["files"]
     assert {"model.nvc", "optimizer.nvc", "random_states_0.pkl", "random_states_1.pkl"} <= set(files)
