@@ -168,7 +168,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def _run(script: Path, mode: str, root: Path) -> None:
-    run_python(str(script), mode, str(root), cwd=root)
+    run_python(str(script), mode, str(root), cwd=root, world=2)
 
 
 @pytest.mark.slow

@@ -86,14 +86,14 @@ def test_s3_save_load_roundtrip(s3):
 def test_s3_open_reads_one_tensor_by_range(s3):
     url = f"s3://{BUCKET}/run/big.nvc"
     g = torch.Generator().manual_seed(1)
-    tree = {f"layer{i}": torch.randn(1 << 20, generator=g) for i in range(6)}  # 24 MiB, barely compressible
+    tree = {f"layer{i}": torch.randn(1 << 20, generator=g) for i in range(6)}  # 24 MiB, about 20 stored
     tree["small"] = torch.arange(1000, dtype=torch.float32)
     nc.save(tree, url, storage_options=s3["options"])
     # Small blocks so that what is fetched shows what the reader asked for.
     options = dict(s3["options"], default_block_size=1 << 20, default_cache_type="bytes")
     with nc.open(url, storage_options=options) as reader:
         size = reader.file_bytes
-        assert size > 20 << 20
+        assert size > 16 << 20
         assert torch.equal(reader.read("small"), tree["small"])
         assert torch.equal(reader.read("layer3"), tree["layer3"])
         fetched = reader._stream.cache.total_requested_bytes

@@ -14,16 +14,15 @@ import re
 from typing import Any, Collection
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dcp import fqn_component, read_dcp_files, read_stored_metadata
-from nvcomp_checkpoint.dcp.layout import check_byte_item, holds_stored_items
-from nvcomp_checkpoint.dcp.reader import rank_file_problems
 from nvcomp_checkpoint.errors import CheckpointError, SizeLimitError
 from nvcomp_checkpoint.filetype import DCP_DIR, LIGHTNING_SHARDED_DIR, directory_kind
 
 from .sources import TensorInfo
+
+# torch.distributed.checkpoint (and our dcp package on it) is imported in the functions that need
+# it: every nvckpt command imports this module, and that import alone costs about 0.7 s.
 
 __all__ = [
     "DCP_OURS",
@@ -80,12 +79,17 @@ def refuse_uncommitted_save(path: str) -> None:
 
 def dcp_kind(path: str) -> str:
     """:data:`DCP_OURS` or :data:`DCP_PLAIN` for a DCP directory."""
+    from nvcomp_checkpoint.dcp import read_stored_metadata
+    from nvcomp_checkpoint.dcp.layout import holds_stored_items
+
     metadata = read_stored_metadata(path)
     return DCP_OURS if metadata is not None and holds_stored_items(metadata) else DCP_PLAIN
 
 
 def _plain_info(metadata: Any, index: Any, info: Any) -> TensorInfo:
     """What a plain rank file spends on one item: its record's length; raw is the chunk's elements."""
+    from nvcomp_checkpoint.dcp import fqn_component
+
     md = metadata.state_dict_metadata[index.fqn]
     codec = "+".join(d.split("/")[0] for d in (getattr(info, "transform_descriptors", None) or ())) or "-"
     component = fqn_component(index.fqn).value
@@ -112,6 +116,8 @@ def describe_dcp(path: str) -> dict[str, Any]:
     :func:`nvcomp_checkpoint.dcp.report.read_dcp_files`, as a sharded save's report does: only
     indexes are read, never a pickled object, so no ``--trust`` is needed.
     """
+    from nvcomp_checkpoint.dcp import read_dcp_files
+
     files = read_dcp_files(path)
     kind = DCP_OURS if files.compressed else DCP_PLAIN
     rows: list[dict[str, Any]] = []
@@ -156,6 +162,9 @@ def verify_plain_dcp(path: str, max_bytes: int | None = None) -> list[dict[str, 
     in a plain file. ``max_bytes`` bounds each item read and decoded.
     """
     from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+
+    from nvcomp_checkpoint.dcp import read_dcp_files
+    from nvcomp_checkpoint.dcp.layout import check_byte_item
 
     files = read_dcp_files(path)
     metadata = files.metadata
@@ -221,6 +230,12 @@ def verify_ours_dcp(path: str, verified: Collection[str] = (), max_bytes: int | 
     A rank file that does not read is reported here unless it is one of ``verified`` (the files
     verify checks on their own, whose damage it names). ``max_bytes`` bounds each byte item decoded.
     """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from nvcomp_checkpoint.dcp import read_dcp_files
+    from nvcomp_checkpoint.dcp.layout import check_byte_item
+    from nvcomp_checkpoint.dcp.reader import rank_file_problems
+
     files = read_dcp_files(path)
     failures: list[dict[str, Any]] = []
     for f in files.rank_files:
