@@ -7,8 +7,9 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -137,6 +138,53 @@ def _wide_cli_output(monkeypatch: pytest.MonkeyPatch) -> None:
     (tests/test_cli_width.py): whether a pytest worker's output counts as a terminal, and how
     wide, depends on how pytest was started."""
     monkeypatch.setenv("COLUMNS", "200")
+
+
+#: What a launcher or an in-process run (Lightning's DDP strategy, Accelerate, DeepSpeed) leaves in
+#: ``os.environ``: a later test's subprocess inherits it and acts as a rank of that finished run
+#: (seen: an Accelerate script given a leaked LOCAL_RANK and MASTER_PORT bound that port, which the
+#: worker's live process group held: EADDRINUSE). Lightning also sets OMP_NUM_THREADS.
+_DIST_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "OMP_NUM_THREADS",
+    "ACCELERATE_USE_DEEPSPEED",
+    "ACCELERATE_DISTRIBUTED_TYPE",
+)
+
+
+def _dist_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k in _DIST_ENV or k.startswith(("TORCHELASTIC_", "PL_"))}
+
+
+@contextmanager
+def _dist_env_restored() -> Iterator[None]:
+    before = _dist_env()
+    yield
+    for k in _dist_env():
+        if k not in before:
+            del os.environ[k]
+    os.environ.update(before)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _distributed_env_restored_per_module():
+    """Puts back the distributed environment a module's fixtures changed (autouse: it runs before them)."""
+    with _dist_env_restored():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _distributed_env_restored():
+    """Puts back the distributed environment variables a test changed, and drops those it added."""
+    with _dist_env_restored():
+        yield
 
 
 @pytest.fixture(autouse=True)
