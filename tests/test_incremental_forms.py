@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,11 +49,36 @@ def _manager(tmp: Path) -> Callable[..., nc.ChainPolicy | None]:
     return build
 
 
-ENTRY_POINTS = ["NvcompCheckpointIO", "register_nvcomp_hooks", "CheckpointManager"]
+def _deepspeed(**keywords: Any) -> nc.ChainPolicy | None:
+    pytest.importorskip("deepspeed")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from nvcomp_checkpoint.deepspeed import attach
+
+    class Engine:  # what attach() touches of a DeepSpeedEngine before any save
+        checkpoint_engine = None
+
+        def save_checkpoint(self, *args: object, **kwargs: object) -> bool:
+            return True
+
+    engine = Engine()
+    try:
+        ours = attach(engine, **keywords)
+    except (TypeError, ValueError):
+        assert engine.checkpoint_engine is None  # refused before the engine was touched
+        raise
+    return None if ours.incremental is None else ours.incremental.policy
+
+
+ENTRY_POINTS = ["NvcompCheckpointIO", "register_nvcomp_hooks", "CheckpointManager", "attach"]
 
 
 def _entry(name: str, tmp: Path) -> Callable[..., nc.ChainPolicy | None]:
-    return {"NvcompCheckpointIO": _lightning, "register_nvcomp_hooks": _accelerate, "CheckpointManager": _manager(tmp)}[name]
+    return {
+        "NvcompCheckpointIO": _lightning,
+        "register_nvcomp_hooks": _accelerate,
+        "CheckpointManager": _manager(tmp),
+        "attach": _deepspeed,
+    }[name]
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)

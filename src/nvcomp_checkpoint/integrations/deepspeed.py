@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint import CodecPolicy, SaveReport
+from nvcomp_checkpoint import ChainPolicy, CodecPolicy, SaveReport
 from nvcomp_checkpoint.deepspeed_layout import (
     DEEPSPEED_PATTERNS,
     MANIFEST_NAME,
@@ -113,9 +113,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
         workers: int | None = None,
         on_commit: Callable[[str, str, list[SaveReport]], None] | None = None,
         tiers: list[Tier] | None = None,
-        incremental: bool = False,
+        incremental: bool | ChainPolicy = False,
         full_every: int | None = None,
-        delta_base: str = "previous",
+        delta_base: str | None = None,
     ) -> None:
         # Checked first: a wrong argument must not leave anything half set up.
         self.tiers: TierCopies | None = None if tiers is None else TierCopies(tiers, "attach")
@@ -333,9 +333,9 @@ def attach(
     workers: int | None = None,
     on_commit: Callable[[str, str, list[SaveReport]], None] | None = None,
     tiers: list[Tier] | None = None,
-    incremental: bool = False,
+    incremental: bool | ChainPolicy = False,
     full_every: int | None = None,
-    delta_base: str = "previous",
+    delta_base: str | None = None,
     leader_load: bool = False,
 ) -> NvcompCheckpointEngine:
     """Make ``engine`` (a ``deepspeed.DeepSpeedEngine``) save compressed checkpoints and load ours and plain ones.
@@ -359,7 +359,7 @@ def attach(
             ``NvcompCheckpointEngine.resume_path()`` finds the newest copy that checks (a fresh node).
         incremental: Each file of a tag is saved as a delta against the same file of the previous tag
             this process saved, a full tag every ``full_every`` (default 10) tags; ``delta_base``:
-            ``"previous"`` or ``"full"``, as for :class:`~nvcomp_checkpoint.ChainPolicy`. A delta tag
+            ``"previous"`` (default) or ``"full"``; or a :class:`~nvcomp_checkpoint.ChainPolicy` saying both. A delta tag
             needs its base tags: remove a tag only when no kept tag is a delta against it.
         leader_load: Refused: every rank of a ZeRO run reads its own partition file, so there is no
             file one rank could read for the others (see docs/deepspeed.md).
