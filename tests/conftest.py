@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
+import fresh_process
+
 
 def _element_bytes(t: torch.Tensor) -> torch.Tensor:
     # A fresh contiguous copy: a one-element view may keep any stride (view(uint8) refuses
@@ -201,7 +203,10 @@ def _torch_threads_restored():
 
 
 def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, timeout: float = 600.0) -> None:
-    """Runs ``fn(rank, world, port, *args)`` in ``world`` spawned processes; raises as ``mp.start_processes``.
+    """Runs ``fn(rank, world, port, *args)`` in ``world`` fresh processes; raises as ``mp.start_processes``.
+
+    The ranks are forked from the preloaded server of tests/fresh_process.py (``forkserver``), with
+    this process's environment: fresh as spawned ones, without importing torch again.
 
     The ranks rendezvous (``tcp://127.0.0.1:<port>`` or ``env://`` with ``MASTER_PORT=<port>``) at a
     TCPStore this process hosts on a port the kernel picked: a port probed free and bound later
@@ -214,7 +219,13 @@ def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, timeout: float 
 
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     try:
-        ctx = mp.start_processes(_rank_entry, args=(world, store.port, fn, args), nprocs=world, start_method="spawn", join=False)
+        ctx = mp.start_processes(
+            _rank_entry,
+            args=(world, store.port, fn, args, dict(os.environ)),
+            nprocs=world,
+            start_method=fresh_process.start_method(),
+            join=False,
+        )
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
@@ -230,7 +241,8 @@ def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, timeout: float 
         del store
 
 
-def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple[Any, ...], env: dict[str, str]) -> None:
+    fresh_process.adopt_environment(env)  # the parent's, as a spawned rank would have it
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank is a client of the parent's store
     fn(rank, world, port, *args)
     # Ends the rank without interpreter finalization: a gloo worker thread may still hold the last

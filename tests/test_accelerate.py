@@ -22,6 +22,7 @@ import torch
 
 pytest.importorskip("accelerate")
 
+import fresh_process  # noqa: E402
 import nvcomp_checkpoint as nc  # noqa: E402
 from conftest import assert_tree_equal  # noqa: E402
 from nvcomp_checkpoint.accelerate import MANIFEST_NAME, MARKER_NAME, is_nvcomp_state_dir, register_nvcomp_hooks  # noqa: E402
@@ -270,8 +271,10 @@ def script(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(*args: str, check: bool = True, python: bool = True) -> subprocess.CompletedProcess[str]:
     """Run the training program (or, with ``python=False``, any command) in a fresh process."""
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
-    argv = [sys.executable, *args] if python else list(args)
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=240)
+    if python:
+        proc = fresh_process.run(args, cwd=os.getcwd(), env=env, timeout=240)
+    else:
+        proc = subprocess.run(list(args), capture_output=True, text=True, env=env, timeout=240)
     if check and proc.returncode != 0:
         raise AssertionError(f"{args} failed with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc

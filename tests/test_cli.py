@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+import fresh_process
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
 from nvcomp_checkpoint.cli.main import main
@@ -27,9 +28,11 @@ from nvcomp_checkpoint.cli.main import main
 
 def run_cli(*args: str, script: bool = False) -> subprocess.CompletedProcess[str]:
     """Run nvckpt in a fresh process, as a user would."""
-    exe = [str(Path(sys.executable).with_name("nvckpt"))] if script else [sys.executable, "-m", "nvcomp_checkpoint.cli"]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([*exe, *map(str, args)], capture_output=True, text=True, timeout=300, env=env)
+    if script:  # the console script itself
+        exe = str(Path(sys.executable).with_name("nvckpt"))
+        return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, timeout=300, env=env)
+    return fresh_process.run(["-m", "nvcomp_checkpoint.cli", *map(str, args)], cwd=os.getcwd(), env=env, timeout=300)
 
 
 def call(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str, str]:

@@ -32,6 +32,7 @@ import safetensors.torch  # noqa: E402
 from transformers import GPT2LMHeadModel, TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints  # noqa: E402
 
+import fresh_process  # noqa: E402
 import nvcomp_checkpoint as nc  # noqa: E402
 from conftest import assert_tree_equal  # noqa: E402
 from nvcomp_checkpoint.dirconvert import is_placeholder  # noqa: E402
@@ -201,7 +202,7 @@ def _python(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
         TOKENIZERS_PARALLELISM="false",
         OMP_NUM_THREADS=str(torch.get_num_threads()),
     )
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return fresh_process.run(args, cwd=cwd, env=env, timeout=300)
 
 
 def _plain(checkpoint: Path) -> set[str]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
+import fresh_process  # noqa: E402
 import nvcomp_checkpoint as nc  # noqa: E402
 from conftest import assert_tree_equal  # noqa: E402
 from nvcomp_checkpoint.incremental import DEFERRED_NAME, IncrementalFiles  # noqa: E402
@@ -106,7 +105,7 @@ def test_lightning_top_k_with_deltas_resumes_bit_identical_in_a_fresh_process(tm
             losses=str(loss_file),
         )
     )
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = fresh_process.run([str(script)], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     restored, expected = torch.load(dump, weights_only=True), torch.load(at_12, weights_only=True)
     assert_tree_equal(expected["state_dict"], restored["state_dict"], "state_dict")

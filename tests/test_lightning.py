@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
+import fresh_process  # noqa: E402
 import nvcomp_checkpoint as nc  # noqa: E402
 from conftest import assert_tree_equal  # noqa: E402
 from nvcomp_checkpoint import CodecPolicy  # noqa: E402
@@ -244,7 +245,7 @@ def test_resume_in_a_fresh_process_continues_the_uninterrupted_run(runs, async_r
             async_save=mode == "async",
         )
     )
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = fresh_process.run([str(script)], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     # Model and optimizer state as restored in the fresh process == the uninterrupted run at step N.

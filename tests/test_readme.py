@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
+import fresh_process
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal, start_moto_server
 
@@ -345,7 +346,12 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def run_snippet(s: Snippet, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run one snippet in ``cwd`` in a fresh process, after its setup; the snippet text is not changed."""
+    """Run one snippet in ``cwd`` in a fresh process, after its setup; the snippet text is not changed.
+
+    Python runs in a process forked from a server that has only imported the libraries
+    (tests/fresh_process.py): fresh as a user's ``python``, without paying for the imports again.
+    A bash snippet runs in bash, its commands (``nvckpt``) as they are.
+    """
     setup = s.options.get("setup", ("", ""))[0]
     if s.lang == "python":
         # Padded so that a traceback names the snippet's line in the Markdown file.
@@ -355,15 +361,12 @@ def run_snippet(s: Snippet, cwd: Path, **env: str) -> subprocess.CompletedProces
             + f"exec(compile('\\n' * {s.line - 1} + __snippet__, {s.doc!r}, 'exec'))\n"
             + EPILOGUES.get(setup, "")
         )
-        cmd = [sys.executable, "-c", script]
-    else:
-        if setup:
-            prep = subprocess.run(
-                [sys.executable, "-c", SETUPS[setup]], cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=300
-            )
-            assert prep.returncode == 0, prep.stderr
-        (cwd / "snippet.sh").write_text(s.code)
-        cmd = ["bash", "-e", "-o", "pipefail", "snippet.sh"]
+        return fresh_process.run(["-c", script], cwd=cwd, env=_env(**env), timeout=600)
+    if setup:
+        prep = fresh_process.run(["-c", SETUPS[setup]], cwd=cwd, env=_env(**env), timeout=300)
+        assert prep.returncode == 0, prep.stderr
+    (cwd / "snippet.sh").write_text(s.code)
+    cmd = ["bash", "-e", "-o", "pipefail", "snippet.sh"]
     return subprocess.run(cmd, cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=600)
 
 
@@ -486,14 +489,7 @@ def check_hf_trainer_resume(s: Snippet, tmp_path: Path) -> None:
         from nvcomp_checkpoint.transformers import NvcompTrainerCallback
         Trainer(model=model, args=args, train_dataset=ds, callbacks=[NvcompTrainerCallback()]).train()
     """)
-    first = subprocess.run(
-        [sys.executable, "-c", _HF_MODEL + crash],
-        cwd=tmp_path,
-        env=_env(README_CRASH_AT_FORWARD="3"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    first = fresh_process.run(["-c", _HF_MODEL + crash], cwd=tmp_path, env=_env(README_CRASH_AT_FORWARD="3"), timeout=600)
     assert first.returncode == 17, first.stderr[-3000:]
     assert (tmp_path / "out" / "checkpoint-2").is_dir()
     result = _result(_ok(run_snippet(s, tmp_path), s))

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
+import fresh_process  # noqa: E402
 import nvcomp_checkpoint as nc  # noqa: E402
 from conftest import assert_tree_equal  # noqa: E402
 from nvcomp_checkpoint.incremental import DEFERRED_NAME  # noqa: E402
@@ -75,7 +74,7 @@ fit_tiny({root!r}, {epochs}, plugins=[plugin], ckpt_path=path,
 
 def _run_script(path: Path, text: str) -> str:
     path.write_text(text)
-    proc = subprocess.run([sys.executable, str(path)], cwd=path.parent, capture_output=True, text=True, timeout=300)
+    proc = fresh_process.run([str(path)], cwd=path.parent, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
