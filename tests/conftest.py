@@ -279,30 +279,30 @@ def start_moto_server(env: dict[str, str], log: Path, port: int = 0) -> tuple[su
     return proc, int(found.group(1))
 
 
+def torchrun_ranks(args: tuple[str, ...]) -> tuple[int, tuple[str, ...]] | None:
+    """``(N, SCRIPT_ARGS)`` of ``-m torch.distributed.run --standalone --nproc_per_node N SCRIPT_ARGS``."""
+    head = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node")
+    if args[: len(head)] != head or len(args) < len(head) + 2:
+        return None
+    return int(args[len(head)]), args[len(head) + 1 :]
+
+
 def run_python(*args: str, cwd: Path, timeout: float = 300, world: int = 0, **env: str) -> None:
     """Run ``python ARGS`` in a fresh process (a training script, ``-m torch.distributed.run ...``);
     fail with the tail of its output unless it exits 0. ``env``: extra environment variables.
 
-    ``world``: the script launches that many ranks itself (Lightning's DDP launcher), which then
-    rendezvous at a TCPStore this process hosts on a port the kernel picked, as :func:`spawn_ranks`'
-    do. Lightning's own choice (a port probed free, bound later by rank 0) can be taken in between
-    by a parallel test; rank 0 then fails and rank 1 waits for it until the timeout.
+    ``-m torch.distributed.run --standalone --nproc_per_node N SCRIPT ...`` and ``world=N`` (a
+    script whose framework would launch N ranks itself, as Lightning's DDP launcher does) run the N
+    ranks as torchrun would, forked from the preloaded server of tests/fresh_process.py
+    (:func:`fresh_process.run_ranks`): each rank with torchrun's environment, at a rendezvous store
+    this process hosts on a port the kernel picked.
     """
-    store = None
-    if world:
-        import torch.distributed as dist
-
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-        env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
-    try:
-        proc = subprocess.run(
-            [sys.executable, *args],
-            cwd=cwd,
-            env=dict(os.environ, PYTHONWARNINGS="ignore", **env),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    finally:
-        del store
+    full_env = dict(os.environ, PYTHONWARNINGS="ignore", **env)
+    ranks = torchrun_ranks(args)
+    if ranks is not None:
+        proc = fresh_process.run_ranks(ranks[1], ranks[0], cwd=cwd, env=full_env, timeout=timeout)
+    elif world:
+        proc = fresh_process.run_ranks(args, world, cwd=cwd, env=full_env, timeout=timeout)
+    else:
+        proc = subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

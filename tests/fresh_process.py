@@ -237,3 +237,93 @@ def run(
             Path(out).read_text(encoding="utf-8", errors="replace"),
             Path(err).read_text(encoding="utf-8", errors="replace"),
         )
+
+
+#: ``torchrun --standalone --nproc_per_node N``'s environment for rank ``r`` of ``n`` (besides
+#: ``MASTER_PORT``: the rendezvous store the caller hosts, as torchrun's agent does).
+def _rank_env(env: dict[str, str], rank: int, world: int, port: int, run_id: str) -> dict[str, str]:
+    ranks = {
+        "RANK": rank,
+        "LOCAL_RANK": rank,
+        "GROUP_RANK": 0,
+        "ROLE_RANK": rank,
+        "ROLE_NAME": "default",
+        "WORLD_SIZE": world,
+        "LOCAL_WORLD_SIZE": world,
+        "ROLE_WORLD_SIZE": world,
+        "GROUP_WORLD_SIZE": 1,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": 0,
+        "TORCHELASTIC_MAX_RESTARTS": 0,
+    }
+    out = {**env, **{k: str(v) for k, v in ranks.items()}}
+    out.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for more than one rank per node
+    return out
+
+
+def run_ranks(
+    argv: Sequence[str], world: int, *, cwd: str | os.PathLike[str], env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc_per_node WORLD ARGV`` with its ranks forked from the server.
+
+    Each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_*``,
+    ``TORCHELASTIC_*``; frameworks see an elastic launch and start no processes of their own) and
+    rendezvous at a TCPStore this process hosts, as at torchrun's agent. As torchrun does, the first
+    rank to fail ends the others; the return code is that rank's (one killed by a signal before one
+    that failed on its absence; 0 when every rank exits 0), ``rank_exitcodes`` lists every rank's, and
+    stdout/stderr hold every rank's output, rank by rank.
+    """
+    import time
+    import uuid
+    from multiprocessing.connection import wait
+
+    import torch.distributed as dist
+
+    env = dict(os.environ if env is None else env)
+    ctx = _server()
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    run_id = uuid.uuid4().hex
+    with tempfile.TemporaryDirectory(prefix="fresh-ranks-") as tmp:
+        outs = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(world)]
+        procs = []
+        for rank, (out, err) in enumerate(outs):
+            rank_env = _rank_env(env, rank, world, store.port, run_id)
+            procs.append(ctx.Process(target=_child, args=(list(argv), os.fspath(cwd), rank_env, out, err, _base_path)))
+        for p in procs:
+            p.start()
+        deadline, failed, timed_out = time.monotonic() + timeout, None, False
+        try:
+            pending = list(procs)
+            while pending and failed is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    timed_out = True
+                    break
+                wait([p.sentinel for p in pending], timeout=left)
+                pending = [p for p in pending if p.exitcode is None]
+                done = [p for p in procs if p.exitcode not in (None, 0)]
+                # A rank killed by a signal is the cause; the others failed on its absence.
+                failed = min(done, key=lambda p: (p.exitcode or 0) >= 0) if done else None
+        finally:
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+                p.join()
+            del store
+
+        def text(path: str) -> str:
+            return Path(path).read_text(encoding="utf-8", errors="replace")
+
+        stdout = "".join(f"[rank {r}]\n{text(o)}" for r, (o, _) in enumerate(outs))
+        stderr = "".join(f"[rank {r}]\n{text(e)}" for r, (_, e) in enumerate(outs))
+        if timed_out:
+            raise subprocess.TimeoutExpired(["torchrun", *argv], timeout, stdout, stderr)
+        code = 0 if failed is None else failed.exitcode
+        if code != 0:
+            stderr += "\n[ranks] exit codes " + ", ".join(f"rank {r}: {p.exitcode}" for r, p in enumerate(procs)) + "\n"
+        result = subprocess.CompletedProcess(["torchrun", *argv], code, stdout, stderr)
+        result.rank_exitcodes = [p.exitcode for p in procs]  # type: ignore[attr-defined]
+        return result

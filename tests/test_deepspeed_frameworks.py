@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+import signal
 from pathlib import Path
 
 import pytest
 
+import fresh_process
 from conftest import assert_tree_equal, run_python
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'nvcomp-checkpoint[deepspeed]')")
@@ -70,18 +70,15 @@ def _resumes(root: Path, framework: str) -> None:
 
 @pytest.mark.slow
 def test_accelerate_save_state_writes_deepspeed_compressed_and_resumes_after_a_kill(tmp_path: Path) -> None:
-    first = subprocess.run(
-        [sys.executable, *TORCHRUN, "accelerate", "first", str(tmp_path)],
+    first = fresh_process.run_ranks(
+        (str(SCRIPT), "accelerate", "first", str(tmp_path)),
+        2,
         cwd=tmp_path,
         env=dict(os.environ, PYTHONWARNINGS="ignore", **ENV),
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     # The third save is killed by design: the run must end with that SIGKILL, not finish or fail otherwise.
-    assert first.returncode != 0 and "Signal 9 (SIGKILL)" in first.stdout + first.stderr, (
-        first.stdout[-2000:] + first.stderr[-4000:]
-    )
+    assert first.returncode == -signal.SIGKILL, first.stdout[-2000:] + first.stderr[-4000:]
     assert "should have been killed" not in first.stderr
     _check_tags(tmp_path / "ours" / "pytorch_model", tmp_path / "plain" / "pytorch_model")
     manifest = json.loads((tmp_path / "ours" / "nvcomp_checkpoint.json").read_text())

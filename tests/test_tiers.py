@@ -176,10 +176,11 @@ def test_light_tree_drops_whole_subtrees():
 
 
 def test_slow_tier_copy_is_skipped_not_waited_for(tmp_path, caplog):
-    release = threading.Event()
+    release, copying = threading.Event(), threading.Event()
 
     def slow(tier: str, step: int, nbytes: int) -> None:
         if tier == "slow":
+            copying.set()
             release.wait(30)
 
     tiers = [nc.Tier(tmp_path / "local", keep=5), nc.Tier(tmp_path / "slow", name="slow", max_queued=1)]
@@ -190,6 +191,8 @@ def test_slow_tier_copy_is_skipped_not_waited_for(tmp_path, caplog):
         t = time.perf_counter()
         mgr.save(step, {"w": torch.full((1000,), float(step))}).result()
         blocked.append(time.perf_counter() - t)
+        if step == 1:  # the copy thread has taken step 1 off the queue (on a loaded machine it can lag)
+            assert copying.wait(30)
     # Step 1 is copying (held), step 2 waits in the queue, steps 3 and 4 are skipped.
     deadline = time.monotonic() + 30  # step 4's copy is scheduled just after its save is durable
     while "step 4 is skipped" not in caplog.text and time.monotonic() < deadline:

@@ -1,0 +1,116 @@
+"""tests/fresh_process.py: a forked process behaves as ``python ARGV`` would, and ranks as torchrun's.
+
+The suite's fresh-process tests (resumes, README snippets, the CLI, DDP and DeepSpeed ranks) rely
+on it: each case here is a difference a forked process could show and a real one does not.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fresh_process
+
+_PROBE = """
+import json, os, sys, threading, atexit, multiprocessing
+import torch
+def at_exit():
+    print("atexit ran", flush=True)
+atexit.register(at_exit)
+def late():
+    import time
+    time.sleep(0.2)
+    print("thread joined", flush=True)
+threading.Thread(target=late).start()
+print(json.dumps({
+    "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "extra": os.environ.get("PROBE_EXTRA"),
+    "threads": torch.get_num_threads(), "main": multiprocessing.current_process().name,
+    "parent": multiprocessing.parent_process() is None, "name": __name__,
+    "on_path": "/probe/path" in sys.path,
+}))
+"""
+
+
+def _both(
+    argv: list[str], tmp_path: Path, **env: str
+) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+    full = dict(os.environ, **env)
+    real = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=full, capture_output=True, text=True, timeout=120)
+    forked = fresh_process.run(argv, cwd=tmp_path, env=full, timeout=120)
+    return real, forked
+
+
+def test_code_argv_cwd_path_environment_threads_and_the_exit_sequence_match_a_real_interpreter(tmp_path: Path) -> None:
+    script = tmp_path / "probe.py"
+    script.write_text(_PROBE)
+    env = {"PROBE_EXTRA": "x", "OMP_NUM_THREADS": "1", "PYTHONPATH": "/probe/path"}
+    for argv in (["-c", _PROBE, "a", "b"], [str(script), "a", "b"]):
+        real, forked = _both(argv, tmp_path, **env)
+        assert real.returncode == forked.returncode == 0, (real.stderr, forked.stderr)
+        # The same lines in the same order: the report, then the non-daemon thread joined, then atexit.
+        assert forked.stdout == real.stdout, (forked.stdout, real.stdout)
+        assert forked.stdout.splitlines()[1:] == ["thread joined", "atexit ran"]
+
+
+@pytest.mark.parametrize(
+    "code, expected",
+    [
+        ("import sys; sys.exit(3)", 3),
+        ("import os; os._exit(17)", 17),
+        ("raise ValueError('boom')", 1),
+        ("import sys; sys.exit('a message')", 1),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -signal.SIGKILL),
+        ("pass", 0),
+    ],
+)
+def test_exit_codes_and_stderr_match_a_real_interpreter(code: str, expected: int, tmp_path: Path) -> None:
+    real, forked = _both(["-c", code], tmp_path)
+    assert real.returncode == forked.returncode == expected
+    if expected == 1:
+        assert real.stderr.splitlines()[-1] == forked.stderr.splitlines()[-1]
+
+
+def test_a_module_runs_as_main(tmp_path: Path) -> None:
+    (tmp_path / "probe_module.py").write_text("import sys\nprint(__name__, sys.argv[1:])\n")
+    real, forked = _both(["-m", "probe_module", "x"], tmp_path)
+    assert real.stdout == forked.stdout == "__main__ ['x']\n"
+
+
+def test_an_interpreter_setting_the_server_cannot_have_gets_a_real_interpreter(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONHASHSEED="123")
+    assert not fresh_process._forkable(env)
+    assert fresh_process._forkable(dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH="/x", PYTHONWARNINGS="ignore"))
+    assert not fresh_process._forkable(dict(os.environ, HF_HUB_OFFLINE="0"))
+    code = "print(hash('nvcomp'))"
+    real = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert fresh_process.run(["-c", code], cwd=tmp_path, env=env).stdout == real.stdout
+
+
+_RANK = """
+import os, sys, time, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+print("rank", rank, "of", dist.get_world_size(), os.environ["LOCAL_RANK"], os.environ["TORCHELASTIC_RUN_ID"] != "")
+dist.barrier()
+if len(sys.argv) > 1 and rank == int(sys.argv[1]):
+    os.kill(os.getpid(), 9)
+if len(sys.argv) > 1:
+    time.sleep(60)  # the other rank: ended by the launcher once its peer is gone
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_rendezvous_and_the_first_failure_ends_the_others(tmp_path: Path) -> None:
+    (tmp_path / "ranks.py").write_text(_RANK)
+    ok = fresh_process.run_ranks([str(tmp_path / "ranks.py")], 2, cwd=tmp_path, timeout=120)
+    assert ok.returncode == 0 and ok.rank_exitcodes == [0, 0], ok.stderr  # type: ignore[attr-defined]
+    assert "rank 0 of 2 0 True" in ok.stdout and "rank 1 of 2 1 True" in ok.stdout
+    killed = fresh_process.run_ranks([str(tmp_path / "ranks.py"), "1"], 2, cwd=tmp_path, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert killed.rank_exitcodes[1] == -signal.SIGKILL and killed.rank_exitcodes[0] != 0  # type: ignore[attr-defined]
+    assert "[ranks] exit codes rank 0:" in killed.stderr
