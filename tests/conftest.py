@@ -16,6 +16,12 @@ import torch
 
 import fresh_process
 
+# The suite runs without a network and without a display, and its fresh processes (forked from the
+# server of tests/fresh_process.py, started with this environment) hash strings as the tests' own
+# subprocesses do: set once here, for every process the tests start.
+for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MPLBACKEND": "Agg", "PYTHONHASHSEED": "0"}.items():
+    os.environ.setdefault(_name, _value)
+
 
 def _element_bytes(t: torch.Tensor) -> torch.Tensor:
     # A fresh contiguous copy: a one-element view may keep any stride (view(uint8) refuses
@@ -287,7 +293,7 @@ def torchrun_ranks(args: tuple[str, ...]) -> tuple[int, tuple[str, ...]] | None:
     return int(args[len(head)]), args[len(head) + 1 :]
 
 
-def run_python(*args: str, cwd: Path, timeout: float = 300, world: int = 0, **env: str) -> None:
+def run_python(*args: str, cwd: Path, timeout: float = 300, world: int = 0, own_launcher: bool = False, **env: str) -> None:
     """Run ``python ARGS`` in a fresh process (a training script, ``-m torch.distributed.run ...``);
     fail with the tail of its output unless it exits 0. ``env``: extra environment variables.
 
@@ -296,13 +302,27 @@ def run_python(*args: str, cwd: Path, timeout: float = 300, world: int = 0, **en
     ranks as torchrun would, forked from the preloaded server of tests/fresh_process.py
     (:func:`fresh_process.run_ranks`): each rank with torchrun's environment, at a rendezvous store
     this process hosts on a port the kernel picked.
+
+    ``own_launcher=True`` with ``world=N``: a real interpreter runs the script, and the framework's own
+    launcher starts the other ranks (what ``python train.py`` with ``devices=N`` goes through); they
+    rendezvous at a TCPStore this process hosts: Lightning's own port choice (probed free, bound later
+    by rank 0) can be taken in between by a parallel test.
     """
     full_env = dict(os.environ, PYTHONWARNINGS="ignore", **env)
     ranks = torchrun_ranks(args)
-    if ranks is not None:
-        proc = fresh_process.run_ranks(ranks[1], ranks[0], cwd=cwd, env=full_env, timeout=timeout)
-    elif world:
-        proc = fresh_process.run_ranks(args, world, cwd=cwd, env=full_env, timeout=timeout)
-    else:
-        proc = subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    store = None
+    if world and own_launcher:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        full_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+    try:
+        if ranks is not None:
+            proc = fresh_process.run_ranks(ranks[1], ranks[0], cwd=cwd, env=full_env, timeout=timeout)
+        elif world and not own_launcher:
+            proc = fresh_process.run_ranks(args, world, cwd=cwd, env=full_env, timeout=timeout)
+        else:
+            proc = subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        del store
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -1,42 +1,51 @@
 """Fresh Python processes without the import bill: ``run(argv, cwd=..., env=...)`` as ``python ARGV``.
 
 Many tests prove something in a fresh process: a resume that reads only the files, a README
-snippet as a user pastes it, a CLI call. What makes such a process *fresh* is that it holds none of
-the state of the process that wrote the files; what makes it *slow* on our 2-core machines is that
-it imports torch, and often Lightning or Transformers, again: 1.5 to 4.5 CPU-seconds each time,
-most of what those tests cost.
+snippet as a user pastes it, a CLI call, the ranks of a distributed run. What makes such a process
+*fresh* is that it holds none of the state of the process that wrote the files; what made it
+*slow* on our 2-core machines is that it imports torch, and often Lightning or Transformers, again:
+1.4 to 4.5 CPU-seconds each time, most of what those tests cost.
 
 So :func:`run` forks the process from a server (multiprocessing's forkserver) that is itself a new
 interpreter which did nothing but import :data:`PRELOAD` (no test state, no torch op run, no
-thread started), and runs the script there as ``python ARGV`` would run it:
+thread started, CUDA not initialised), and runs the code there as ``python ARGV`` would:
 
-- ``ARGV`` is ``-c CODE [ARGS]``, ``-m MODULE [ARGS]`` or ``SCRIPT [ARGS]``: the code runs as
-  ``__main__`` with that ``sys.argv`` and ``sys.path[0]`` ('' for ``-c``, the current directory for
-  ``-m``, the script's folder), then the ``PYTHONPATH`` of ``env``, then the interpreter's own path;
-- the working directory and the environment are ``cwd`` and ``env``; ``PYTHONWARNINGS`` is applied;
-- stdout and stderr are captured; the return code is the exit status (``sys.exit(n)``, 1 for an
-  uncaught exception, ``-N`` for a signal, ``os._exit(n)`` as it is);
+- ``ARGV`` is ``-c CODE [ARGS]``, ``-m MODULE [ARGS]`` or ``SCRIPT [ARGS]``: the code runs in a module
+  ``__main__`` (its classes pickle by that name, also at exit) with that ``sys.argv`` and
+  ``sys.path[0]`` ('' for ``-c``, the current directory for ``-m``, the script's folder), then the
+  ``PYTHONPATH`` of ``env``, then the interpreter's own path;
+- the working directory and the environment are ``cwd`` and ``env``; ``PYTHONWARNINGS``,
+  ``PYTHONUNBUFFERED``, ``PYTHONIOENCODING`` and ``PYTHONDONTWRITEBYTECODE`` are applied, and torch's
+  thread count follows ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` as at a fresh start;
+- stdout and stderr go through pipes (a file-size limit the code sets does not reach them); the
+  return code is the exit status (``sys.exit(n)``, 1 for an uncaught exception, ``-N`` for a signal,
+  ``-SIGINT`` for an uncaught KeyboardInterrupt, ``os._exit(n)`` as it is);
 - at the end the interpreter's own exit sequence runs: non-daemon threads are joined, then the
   ``atexit`` handlers (the saves a process leaves pending at exit must land, as in a real exit).
 
-Not for what depends on the interpreter starting or on the imports themselves (a test of what an
-import without a package says, ``python -X``, a console script's own entry): those keep
-``subprocess``. A module of :data:`PRELOAD` read its environment once, at import, with the
-server's: the server starts with :data:`SERVER_ENV` on top of the test process's environment.
+:func:`run_ranks` runs N ranks so, as ``torchrun --standalone --nproc_per_node N`` would.
+
+What differs, and so stays with ``subprocess``: what the interpreter's start or the imports
+themselves decide. The forked process has :data:`PRELOAD` (and what they import) already in
+``sys.modules`` and their warning filters installed, so tests of what an import without a package
+says, of which modules get imported, of warnings, of ``RLIMIT_AS`` (the server's address space is
+larger) and of the console script's own entry keep a real interpreter. A variable that a
+preloaded module or the interpreter reads at start (:func:`_forkable`) and that ``env`` sets
+otherwise than the server's environment also gets a real interpreter, as a fallback.
 """
 
 from __future__ import annotations
 
 import atexit
 import multiprocessing
+import multiprocessing.context
 import multiprocessing.process
 import os
-import runpy
+import signal
 import subprocess
 import sys
-import tempfile
 import threading
-import traceback
+import time
 import types
 import warnings
 from pathlib import Path
@@ -60,57 +69,57 @@ PRELOAD = [
     "nvcomp_checkpoint.accelerate",
     "s3fs",
 ]
-#: What the preloaded modules read at import (offline Hugging Face, no display).
-SERVER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MPLBACKEND": "Agg", "PYTHONHASHSEED": "0"}
 
-#: Read by torch (or OpenMP) once: a forked process sets its thread count from them itself.
+#: Read by torch (or OpenMP) once: the server starts without them, and a forked process sets torch's
+#: thread count from them itself.
 _THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-#: Read as the interpreter starts, and followed here (``PYTHONPATH``, ``PYTHONWARNINGS``) or the same
-#: for every process (``PYTHONUNBUFFERED``: the output is read at the end). Another ``PYTHON*`` variable
-#: of ``env`` that differs from the server's gets a real interpreter.
-_FOLLOWED = {"PYTHONPATH", "PYTHONWARNINGS", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING"}
+#: Applied by :func:`_child` (or the same for every process of the suite).
+_FOLLOWED = {"PYTHONPATH", "PYTHONWARNINGS", "PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE", *_THREADS}
+#: Variables read as the interpreter or a preloaded module starts: a process whose ``env`` sets one
+#: of them otherwise than the server's environment gets a real interpreter.
+_AT_START = ("PYTHON", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH_", "TORCHDYNAMO", "TORCHINDUCTOR", "PYTORCH_",
+             "LD_", "LC_", "LANG", "OPENBLAS", "MKL_", "KMP_", "GOMP_", "OMP_", "MPLBACKEND", "CUDA_", "NVIDIA_")  # fmt: skip
 
 _context: Any = None
 _base_path: list[str] | None = None
+_server_env: dict[str, str] = {}
 
 
 def _server() -> Any:
-    """The forkserver context, its server started with :data:`SERVER_ENV` (once per process)."""
-    global _context, _base_path
+    """The forkserver context, its server started (once per process) with this environment less
+    :data:`_THREADS`."""
+    global _context, _base_path, _server_env
     if _context is None:
         here = str(Path(__file__).parent)
         # A plain interpreter's sys.path (no PYTHONPATH): the base every fresh process starts from.
         clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        out = subprocess.run(
-            [sys.executable, "-c", "import sys, json; print(json.dumps(sys.path[1:]))"],
-            env=clean,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        probe = "import sys, json; print(json.dumps(sys.path[1:]))"
+        out = subprocess.run([sys.executable, "-c", probe], env=clean, capture_output=True, text=True, check=True)
         import json
 
         _base_path = json.loads(out.stdout)
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
-        saved = {k: os.environ.get(k) for k in (*SERVER_ENV, *_THREADS)}
-        os.environ.update(SERVER_ENV)
-        for k in _THREADS:  # a fresh process without them computes with every core
-            os.environ.pop(k, None)
+        saved = {k: os.environ.pop(k) for k in _THREADS if k in os.environ}
         if here not in sys.path:
             sys.path.insert(0, here)
         try:
             from multiprocessing import forkserver
 
+            _server_env = dict(os.environ)
             forkserver.ensure_running()
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            os.environ.update(saved)
         _context = ctx
     return _context
+
+
+def _forkable(env: dict[str, str]) -> bool:
+    """Whether a process forked from the server starts as ``python`` with ``env`` would: every
+    variable of :data:`_AT_START` that :func:`_child` does not apply is as in the server's environment."""
+    server = _server_env or dict(os.environ)
+    keys = {k for k in (*env, *server) if k.startswith(_AT_START)} - _FOLLOWED
+    return all(env.get(k) == server.get(k) for k in keys)
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -125,7 +134,7 @@ def _exit_code(exc: SystemExit) -> int:
 
 def adopt_environment(env: dict[str, str]) -> None:
     """In a forked process: ``env`` as the environment, and torch's thread count as ``env`` sets it
-    (torch read it in the server, without ``OMP_NUM_THREADS``: every core, as a fresh process)."""
+    (the server started without ``OMP_NUM_THREADS``: every core, as a fresh process without it)."""
     os.environ.clear()
     os.environ.update(env)
     threads = env.get("OMP_NUM_THREADS") or env.get("MKL_NUM_THREADS")
@@ -142,52 +151,80 @@ def start_method() -> str:
     return "forkserver"
 
 
-def _child(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, base_path: list[str]) -> None:
+def _streams(env: dict[str, str], unbuffered: bool) -> None:
+    """sys.stdin/stdout/stderr on fds 0/1/2 as a fresh interpreter opens them with ``env``."""
+    encoding, _, errors = env.get("PYTHONIOENCODING", "utf-8").partition(":")
+    unbuffered = unbuffered or bool(env.get("PYTHONUNBUFFERED"))
+    kw: dict[str, Any] = {"encoding": encoding or "utf-8", "closefd": False}
+    sys.stdout = open(1, "w", errors=errors or "strict", **kw)  # noqa: SIM115
+    sys.stderr = open(2, "w", errors=errors or "backslashreplace", buffering=1, **kw)  # noqa: SIM115
+    sys.stderr.reconfigure(write_through=True)
+    if unbuffered:
+        sys.stdout.reconfigure(write_through=True)
+    sys.stdin = open(0, **kw)  # noqa: SIM115
+    sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
+
+
+def _main_module(name: str = "__main__", file: str | None = None) -> types.ModuleType:
+    main = types.ModuleType(name)
+    main.__dict__["__builtins__"] = __builtins__
+    if file is not None:
+        main.__file__ = file
+    sys.modules["__main__"] = main
+    return main
+
+
+def _child(argv: list[str], cwd: str, env: dict[str, str], out: Any, err: Any, base_path: list[str], unbuffered: bool) -> None:
     """In the forked process: become ``python ARGV`` and exit as the interpreter would."""
-    # This process is the main process of its own program, not a child of multiprocessing's.
+    import runpy
+    import traceback
+
+    # The main process of its own program, not a child of multiprocessing's, with the default
+    # start method its platform gives a fresh interpreter.
     main_process = next(c for c in multiprocessing.process.BaseProcess.__subclasses__() if c.__name__ == "_MainProcess")
     multiprocessing.process._current_process = main_process()  # type: ignore[attr-defined]
     multiprocessing.process._parent_process = None  # type: ignore[attr-defined]
     multiprocessing.process._children = set()  # type: ignore[attr-defined]
-    fd_out = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    fd_err = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(fd_out, 1)
-    os.dup2(fd_err, 2)
-    os.close(fd_out)
-    os.close(fd_err)
+    multiprocessing.context._default_context._actual_context = None  # type: ignore[attr-defined]
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115 - the process's own stream
-    sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)  # noqa: SIM115
-    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
+    _streams(env, unbuffered)
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+        print("fresh_process: the server initialised CUDA; a forked process cannot use it", file=sys.stderr)
+        os._exit(70)
     os.chdir(cwd)
     adopt_environment(env)
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if env.get("PYTHONWARNINGS"):
         warnings._processoptions(env["PYTHONWARNINGS"].split(","))  # type: ignore[attr-defined]
-    code = 0
+    code, interrupted = 0, False
     try:
         if argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
             sys.path[:] = ["", *extra, *base_path]
-            main = types.ModuleType("__main__")
-            main.__dict__["__builtins__"] = __builtins__
-            sys.modules["__main__"] = main
-            exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+            exec(compile(argv[1], "<string>", "exec"), _main_module().__dict__)
         elif argv[0] == "-m":
             sys.argv = ["-m", *argv[2:]]
             sys.path[:] = [os.getcwd(), *extra, *base_path]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            runpy._run_module_as_main(argv[1], alter_argv=True)  # type: ignore[attr-defined] - what ``python -m`` calls
         else:
             script = os.path.abspath(argv[0])
             sys.argv = list(argv)
             sys.path[:] = [os.path.dirname(script), *extra, *base_path]
-            runpy.run_path(script, run_name="__main__")
+            source = Path(script).read_bytes()
+            exec(compile(source, argv[0], "exec"), _main_module(file=argv[0]).__dict__)
     except SystemExit as exc:
         code = _exit_code(exc)
-    except BaseException:
+    except KeyboardInterrupt:
         traceback.print_exc()
+        interrupted = True
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
         code = 1
     # The interpreter's exit: non-daemon threads joined, then the atexit handlers.
     try:
@@ -201,16 +238,40 @@ def _child(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, b
             stream.flush()
         except Exception:
             pass
+    if interrupted:  # as CPython: the process ends by the signal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
 
 
-def _forkable(env: dict[str, str]) -> bool:
-    """Whether a process forked from the server starts as ``python`` with ``env`` would."""
-    server = {**{k: v for k, v in os.environ.items() if k.startswith("PYTHON")}, **SERVER_ENV}
-    for key in {k for k in (*env, *server) if k.startswith("PYTHON")} - _FOLLOWED:
-        if env.get(key, server.get(key)) != server.get(key):
-            return False
-    return all(env.get(k, v) == v for k, v in SERVER_ENV.items())
+class _Captured:
+    """The read ends of a process's stdout and stderr pipes, drained by threads until EOF."""
+
+    def __init__(self, ctx: Any) -> None:
+        (self._out_r, self.out_w), (self._err_r, self.err_w) = ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)
+        self._chunks: dict[str, list[bytes]] = {"out": [], "err": []}
+        self._threads = [
+            threading.Thread(target=self._drain, args=(self._out_r, "out"), daemon=True),
+            threading.Thread(target=self._drain, args=(self._err_r, "err"), daemon=True),
+        ]
+
+    def _drain(self, conn: Any, key: str) -> None:
+        fd = conn.fileno()
+        while chunk := os.read(fd, 1 << 16):
+            self._chunks[key].append(chunk)
+        conn.close()
+
+    def started(self) -> None:
+        """The child has the write ends: close ours, so that EOF comes when the child's close."""
+        self.out_w.close()
+        self.err_w.close()
+        for t in self._threads:
+            t.start()
+
+    def text(self, timeout: float = 30) -> tuple[str, str]:
+        for t in self._threads:
+            t.join(timeout)
+        return tuple(b"".join(self._chunks[k]).decode("utf-8", errors="replace") for k in ("out", "err"))  # type: ignore[return-value]
 
 
 def run(
@@ -219,29 +280,29 @@ def run(
     """``subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
     timeout=timeout)``, in a process forked from the preloaded server (see the module's text)."""
     env = dict(os.environ if env is None else env)
+    ctx = _server()
     if not _forkable(env):
         return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    ctx = _server()
-    with tempfile.TemporaryDirectory(prefix="fresh-") as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        proc = ctx.Process(target=_child, args=(list(argv), os.fspath(cwd), env, out, err, _base_path))
+    pipes = _Captured(ctx)
+    proc = ctx.Process(target=_child, args=(list(argv), os.fspath(cwd), env, pipes.out_w, pipes.err_w, _base_path, False))
+    try:
         proc.start()
+        pipes.started()
         proc.join(timeout)
-        if proc.exitcode is None:
+    finally:
+        timed_out = proc.exitcode is None
+        if timed_out:
             proc.kill()
             proc.join()
-            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, Path(out).read_text(), Path(err).read_text())
-        return subprocess.CompletedProcess(
-            [sys.executable, *argv],
-            proc.exitcode,
-            Path(out).read_text(encoding="utf-8", errors="replace"),
-            Path(err).read_text(encoding="utf-8", errors="replace"),
-        )
+    out, err = pipes.text()
+    if timed_out:
+        raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, out, err)
+    return subprocess.CompletedProcess([sys.executable, *argv], proc.exitcode, out, err)
 
 
-#: ``torchrun --standalone --nproc_per_node N``'s environment for rank ``r`` of ``n`` (besides
-#: ``MASTER_PORT``: the rendezvous store the caller hosts, as torchrun's agent does).
 def _rank_env(env: dict[str, str], rank: int, world: int, port: int, run_id: str) -> dict[str, str]:
+    """``torchrun --standalone --nproc_per_node WORLD``'s environment for ``rank`` (``MASTER_PORT``:
+    the rendezvous store the caller hosts, as torchrun's agent does)."""
     ranks = {
         "RANK": rank,
         "LOCAL_RANK": rank,
@@ -258,6 +319,7 @@ def _rank_env(env: dict[str, str], rank: int, world: int, port: int, run_id: str
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": 0,
         "TORCHELASTIC_MAX_RESTARTS": 0,
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": 1,
     }
     out = {**env, **{k: str(v) for k, v in ranks.items()}}
     out.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for more than one rank per node
@@ -270,13 +332,14 @@ def run_ranks(
     """``torchrun --standalone --nproc_per_node WORLD ARGV`` with its ranks forked from the server.
 
     Each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_*``,
-    ``TORCHELASTIC_*``; frameworks see an elastic launch and start no processes of their own) and
-    rendezvous at a TCPStore this process hosts, as at torchrun's agent. As torchrun does, the first
-    rank to fail ends the others; the return code is that rank's (one killed by a signal before one
-    that failed on its absence; 0 when every rank exits 0), ``rank_exitcodes`` lists every rank's, and
-    stdout/stderr hold every rank's output, rank by rank.
+    ``TORCHELASTIC_*``: frameworks see an elastic launch and start no processes of their own), an
+    unbuffered stdout (torchrun runs ``python -u``), and rendezvous at a TCPStore this process
+    hosts, as at torchrun's agent. As torchrun does, the first rank to fail ends the others
+    (SIGTERM, then SIGKILL after 5 s). The return code is the failed rank's own: a rank killed by a
+    signal before one that then failed on its absence (torchrun itself would return 1); 0 when
+    every rank exits 0. ``rank_exitcodes`` lists every rank's (None where a real ``torchrun`` ran,
+    for an environment the server cannot match); stdout/stderr hold every rank's output, rank by rank.
     """
-    import time
     import uuid
     from multiprocessing.connection import wait
 
@@ -284,46 +347,60 @@ def run_ranks(
 
     env = dict(os.environ if env is None else env)
     ctx = _server()
+    if not _forkable(env):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *argv]
+        real = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        real.rank_exitcodes = None  # type: ignore[attr-defined]
+        return real
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     run_id = uuid.uuid4().hex
-    with tempfile.TemporaryDirectory(prefix="fresh-ranks-") as tmp:
-        outs = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(world)]
-        procs = []
-        for rank, (out, err) in enumerate(outs):
+    procs: list[Any] = []
+    pipes: list[_Captured] = []
+    ended_by_us: set[int] = set()
+    timed_out = False
+    try:
+        for rank in range(world):
+            pipes.append(_Captured(ctx))
             rank_env = _rank_env(env, rank, world, store.port, run_id)
-            procs.append(ctx.Process(target=_child, args=(list(argv), os.fspath(cwd), rank_env, out, err, _base_path)))
-        for p in procs:
-            p.start()
-        deadline, failed, timed_out = time.monotonic() + timeout, None, False
-        try:
-            pending = list(procs)
-            while pending and failed is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    timed_out = True
-                    break
-                wait([p.sentinel for p in pending], timeout=left)
-                pending = [p for p in pending if p.exitcode is None]
-                done = [p for p in procs if p.exitcode not in (None, 0)]
-                # A rank killed by a signal is the cause; the others failed on its absence.
-                failed = min(done, key=lambda p: (p.exitcode or 0) >= 0) if done else None
-        finally:
-            for p in procs:
-                if p.exitcode is None:
-                    p.kill()
-                p.join()
-            del store
-
-        def text(path: str) -> str:
-            return Path(path).read_text(encoding="utf-8", errors="replace")
-
-        stdout = "".join(f"[rank {r}]\n{text(o)}" for r, (o, _) in enumerate(outs))
-        stderr = "".join(f"[rank {r}]\n{text(e)}" for r, (_, e) in enumerate(outs))
-        if timed_out:
-            raise subprocess.TimeoutExpired(["torchrun", *argv], timeout, stdout, stderr)
-        code = 0 if failed is None else failed.exitcode
-        if code != 0:
-            stderr += "\n[ranks] exit codes " + ", ".join(f"rank {r}: {p.exitcode}" for r, p in enumerate(procs)) + "\n"
-        result = subprocess.CompletedProcess(["torchrun", *argv], code, stdout, stderr)
-        result.rank_exitcodes = [p.exitcode for p in procs]  # type: ignore[attr-defined]
-        return result
+            args = (list(argv), os.fspath(cwd), rank_env, pipes[-1].out_w, pipes[-1].err_w, _base_path, True)
+            procs.append(ctx.Process(target=_child, args=args))
+            procs[-1].start()
+            pipes[-1].started()
+        deadline = time.monotonic() + timeout
+        pending = list(procs)
+        while pending and not any(p.exitcode not in (None, 0) for p in procs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            wait([p.sentinel for p in pending], timeout=left)
+            pending = [p for p in pending if p.exitcode is None]
+        if pending and not timed_out:
+            # A rank failed: the ranks it takes down with it end within a moment; then end the rest.
+            wait([p.sentinel for p in pending], timeout=1.0)
+    finally:
+        alive = [p for p in procs if p.exitcode is None]
+        ended_by_us = {id(p) for p in alive}
+        for p in alive:
+            p.terminate()
+        grace = time.monotonic() + 5
+        for p in alive:
+            p.join(max(0.0, grace - time.monotonic()))
+            if p.exitcode is None:
+                p.kill()
+            p.join()
+        del store
+    texts = [c.text() for c in pipes]
+    stdout = "".join(f"[rank {r}]\n{o}" for r, (o, _) in enumerate(texts))
+    stderr = "".join(f"[rank {r}]\n{e}" for r, (_, e) in enumerate(texts))
+    if timed_out:
+        raise subprocess.TimeoutExpired(["torchrun", *argv], timeout, stdout, stderr)
+    failed = [p for p in procs if p.exitcode != 0 and id(p) not in ended_by_us]
+    # A rank killed by a signal is the cause; the others failed on its absence.
+    cause = min(failed, key=lambda p: (p.exitcode or 0) >= 0) if failed else None
+    code = 0 if cause is None else cause.exitcode
+    if code != 0:
+        stderr += "\n[ranks] exit codes " + ", ".join(f"rank {r}: {p.exitcode}" for r, p in enumerate(procs)) + "\n"
+    result = subprocess.CompletedProcess(["torchrun", *argv], code, stdout, stderr)
+    result.rank_exitcodes = [p.exitcode for p in procs]  # type: ignore[attr-defined]
+    return result

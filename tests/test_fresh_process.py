@@ -75,6 +75,27 @@ def test_exit_codes_and_stderr_match_a_real_interpreter(code: str, expected: int
         assert real.stderr.splitlines()[-1] == forked.stderr.splitlines()[-1]
 
 
+def test_classes_of_the_script_pickle_at_exit_and_the_start_method_is_the_platforms(tmp_path: Path) -> None:
+    code = (
+        "import atexit, multiprocessing, pickle\n"
+        "class Net: pass\n"
+        "atexit.register(lambda: print(len(pickle.dumps(Net())) > 0, multiprocessing.get_start_method()))\n"
+    )
+    script = tmp_path / "net.py"
+    script.write_text(code)
+    for argv in (["-c", code], [str(script)]):
+        real, forked = _both(argv, tmp_path)
+        assert real.returncode == forked.returncode == 0, forked.stderr
+        assert forked.stdout == real.stdout, (forked.stdout, real.stdout)
+
+
+def test_output_is_not_bound_by_a_file_size_limit_the_code_sets(tmp_path: Path) -> None:
+    code = "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); print('x' * 20000)"
+    real, forked = _both(["-c", code], tmp_path)
+    assert real.returncode == forked.returncode == 0, forked.stderr
+    assert forked.stdout == real.stdout
+
+
 def test_a_module_runs_as_main(tmp_path: Path) -> None:
     (tmp_path / "probe_module.py").write_text("import sys\nprint(__name__, sys.argv[1:])\n")
     real, forked = _both(["-m", "probe_module", "x"], tmp_path)
@@ -82,10 +103,13 @@ def test_a_module_runs_as_main(tmp_path: Path) -> None:
 
 
 def test_an_interpreter_setting_the_server_cannot_have_gets_a_real_interpreter(tmp_path: Path) -> None:
+    fresh_process.start_method()  # the server runs: its environment is the reference
     env = dict(os.environ, PYTHONHASHSEED="123")
     assert not fresh_process._forkable(env)
-    assert fresh_process._forkable(dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH="/x", PYTHONWARNINGS="ignore"))
+    assert fresh_process._forkable(dict(os.environ, PYTHONPATH="/x", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
     assert not fresh_process._forkable(dict(os.environ, HF_HUB_OFFLINE="0"))
+    assert not fresh_process._forkable({k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"})
+    assert not fresh_process._forkable(dict(os.environ, HF_HOME="/elsewhere"))
     code = "print(hash('nvcomp'))"
     real = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert fresh_process.run(["-c", code], cwd=tmp_path, env=env).stdout == real.stdout

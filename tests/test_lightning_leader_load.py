@@ -111,15 +111,15 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def _run(script: Path, mode: str, root: Path) -> None:
-    run_python(str(script), mode, str(root), cwd=root, world=2)
+def _run(script: Path, mode: str, root: Path, own_launcher: bool = False) -> None:
+    run_python(str(script), mode, str(root), cwd=root, world=2, own_launcher=own_launcher)
 
 
 @pytest.mark.slow
 def test_ddp_resume_reads_the_checkpoint_on_one_rank_and_continues_the_run(tmp_path: Path) -> None:
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT)
-    _run(script, "first", tmp_path)
+    _run(script, "first", tmp_path, own_launcher=True)  # Lightning's own DDP launcher starts rank 1
     ckpt = tmp_path / "first" / "epoch=0-step=3.ckpt"
     assert nc.is_nvcomp_checkpoint(ckpt)
 
