@@ -8,11 +8,11 @@ strategy has created it, so the same checkpoint folders (``latest``, ``checkpoin
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 from typing_extensions import override
 
-from nvcomp_checkpoint import CodecPolicy, SaveReport
+from nvcomp_checkpoint import SaveReport
 from nvcomp_checkpoint.errors import CheckpointError
 from nvcomp_checkpoint.version import install_hint
 
@@ -21,12 +21,12 @@ try:
 except ImportError as exc:  # pragma: no cover
     raise ImportError(f"nvcomp_checkpoint.lightning needs Lightning: {install_hint('lightning')}") from exc
 
-from .lightning_sharded import nvcomp_plugin, policy_of
+from .lightning_sharded import StrategyOptions, nvcomp_plugin
 
 __all__ = ["NvcompDeepSpeedStrategy", "check_deepspeed_checkpoint_io"]
 
 
-class NvcompDeepSpeedStrategy(DeepSpeedStrategy):
+class NvcompDeepSpeedStrategy(StrategyOptions, DeepSpeedStrategy):
     """``DeepSpeedStrategy`` whose checkpoints are compressed; takes its arguments, plus ``policy`` and ``workers``.
 
     Each ``trainer.save_checkpoint(path)`` (and ``ModelCheckpoint``'s saves) writes DeepSpeed's folder
@@ -40,17 +40,9 @@ class NvcompDeepSpeedStrategy(DeepSpeedStrategy):
         last_reports: This rank's :class:`SaveReport` per file of the last committed checkpoint.
     """
 
-    def __init__(
-        self, *args: Any, policy: CodecPolicy | Mapping[str, Any] | None = None, workers: int | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._nvckpt_policy = policy
-        self.workers = workers
         self.last_reports: list[SaveReport] = []
-
-    @property
-    def policy(self) -> CodecPolicy | None:
-        return policy_of(self._nvckpt_policy, self)
 
     @override
     def init_deepspeed(self) -> None:

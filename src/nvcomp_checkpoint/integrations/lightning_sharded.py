@@ -50,6 +50,22 @@ def policy_of(policy: CodecPolicy | Mapping[str, Any] | None, strategy: Any) -> 
     return None
 
 
+class StrategyOptions:
+    """``policy=`` and ``workers=`` of our Lightning strategies (a mixin before the Lightning base class):
+    ``policy`` is the one given, else that of an ``NvcompCheckpointIO`` passed as a plugin."""
+
+    def __init__(
+        self, *args: Any, policy: CodecPolicy | Mapping[str, Any] | None = None, workers: int | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._nvckpt_policy = policy
+        self.workers = workers
+
+    @property
+    def policy(self) -> CodecPolicy | None:
+        return policy_of(self._nvckpt_policy, self)
+
+
 def nvcomp_plugin(strategy: Any) -> Any:
     """The strategy's ``NvcompCheckpointIO`` (found by the method it offers sharded strategies,
     inside wrappers), or None."""
@@ -223,7 +239,7 @@ def _save_lightning_checkpoint(
             plugin.saved_by_strategy(report, checkpoint, path)
 
 
-class NvcompModelParallelStrategy(ModelParallelStrategy):
+class NvcompModelParallelStrategy(StrategyOptions, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism) with compressed sharded checkpoints.
 
     Takes ModelParallelStrategy's arguments, plus:
@@ -252,17 +268,9 @@ class NvcompModelParallelStrategy(ModelParallelStrategy):
         >>> Trainer(strategy=strategy, devices=2).fit(model)
     """
 
-    def __init__(
-        self, *args: Any, policy: CodecPolicy | Mapping[str, Any] | None = None, workers: int | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._nvckpt_policy = policy
-        self.workers = workers
         self.last_report: SaveReport | None = None
-
-    @property
-    def policy(self) -> CodecPolicy | None:
-        return policy_of(self._nvckpt_policy, self)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -309,7 +317,7 @@ class NvcompModelParallelStrategy(ModelParallelStrategy):
         return _load_meta(path, weights_only)
 
 
-class NvcompFSDPStrategy(FSDPStrategy):
+class NvcompFSDPStrategy(StrategyOptions, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` (FSDP1) with compressed sharded checkpoints (``state_dict_type="sharded"``).
 
     Takes FSDPStrategy's arguments, plus ``policy`` and ``workers``, and reports and copies to the
@@ -320,9 +328,7 @@ class NvcompFSDPStrategy(FSDPStrategy):
         CheckpointError: no CUDA device in this process.
     """
 
-    def __init__(
-        self, *args: Any, policy: CodecPolicy | Mapping[str, Any] | None = None, workers: int | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         if not torch.cuda.is_available():
             raise CheckpointError(
                 "NvcompFSDPStrategy wraps Lightning's FSDPStrategy (FSDP1), which needs a CUDA GPU, and this process "
@@ -330,13 +336,7 @@ class NvcompFSDPStrategy(FSDPStrategy):
                 "fully_shard in configure_model) with data_parallel_size=<processes>, tensor_parallel_size=1"
             )
         super().__init__(*args, **kwargs)
-        self._nvckpt_policy = policy
-        self.workers = workers
         self.last_report: SaveReport | None = None
-
-    @property
-    def policy(self) -> CodecPolicy | None:
-        return policy_of(self._nvckpt_policy, self)
 
     @override
     def setup(self, trainer: Any) -> None:
