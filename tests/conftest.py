@@ -285,14 +285,6 @@ def start_moto_server(env: dict[str, str], log: Path, port: int = 0) -> tuple[su
     return proc, int(found.group(1))
 
 
-def torchrun_ranks(args: tuple[str, ...]) -> tuple[int, tuple[str, ...]] | None:
-    """``(N, SCRIPT_ARGS)`` of ``-m torch.distributed.run --standalone --nproc_per_node N SCRIPT_ARGS``."""
-    head = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node")
-    if args[: len(head)] != head or len(args) < len(head) + 2:
-        return None
-    return int(args[len(head)]), args[len(head) + 1 :]
-
-
 def run_python(*args: str, cwd: Path, timeout: float = 300, world: int = 0, own_launcher: bool = False, **env: str) -> None:
     """Run ``python ARGS`` in a fresh process (a training script, ``-m torch.distributed.run ...``);
     fail with the tail of its output unless it exits 0. ``env``: extra environment variables.
@@ -309,7 +301,6 @@ def run_python(*args: str, cwd: Path, timeout: float = 300, world: int = 0, own_
     by rank 0) can be taken in between by a parallel test.
     """
     full_env = dict(os.environ, PYTHONWARNINGS="ignore", **env)
-    ranks = torchrun_ranks(args)
     store = None
     if world and own_launcher:
         import torch.distributed as dist
@@ -317,8 +308,8 @@ def run_python(*args: str, cwd: Path, timeout: float = 300, world: int = 0, own_
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
         full_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
     try:
-        if ranks is not None:
-            proc = fresh_process.run_ranks(ranks[1], ranks[0], cwd=cwd, env=full_env, timeout=timeout)
+        if fresh_process.torchrun_args(args) is not None:
+            proc = fresh_process.run(args, cwd=cwd, env=full_env, timeout=timeout)
         elif world and not own_launcher:
             proc = fresh_process.run_ranks(args, world, cwd=cwd, env=full_env, timeout=timeout)
         else:

@@ -274,11 +274,23 @@ class _Captured:
         return tuple(b"".join(self._chunks[k]).decode("utf-8", errors="replace") for k in ("out", "err"))  # type: ignore[return-value]
 
 
+def torchrun_args(argv: Sequence[str]) -> tuple[int, list[str]] | None:
+    """``(N, SCRIPT_ARGS)`` of ``-m torch.distributed.run --standalone --nproc_per_node N SCRIPT_ARGS``."""
+    head = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    if list(argv[: len(head)]) != head or len(argv) < len(head) + 2:
+        return None
+    return int(argv[len(head)]), list(argv[len(head) + 1 :])
+
+
 def run(
     argv: Sequence[str], *, cwd: str | os.PathLike[str], env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
     """``subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
-    timeout=timeout)``, in a process forked from the preloaded server (see the module's text)."""
+    timeout=timeout)``, in a process forked from the preloaded server (see the module's text).
+    ``-m torch.distributed.run --standalone --nproc_per_node N ...`` runs its ranks by :func:`run_ranks`."""
+    torchrun = torchrun_args(argv)
+    if torchrun is not None:
+        return run_ranks(torchrun[1], torchrun[0], cwd=cwd, env=env, timeout=timeout)
     env = dict(os.environ if env is None else env)
     ctx = _server()
     if not _forkable(env):

@@ -24,7 +24,7 @@ pytest.importorskip("accelerate")
 
 import fresh_process  # noqa: E402
 import nvcomp_checkpoint as nc  # noqa: E402
-from conftest import assert_tree_equal, torchrun_ranks  # noqa: E402
+from conftest import assert_tree_equal  # noqa: E402
 from nvcomp_checkpoint.accelerate import MANIFEST_NAME, MARKER_NAME, is_nvcomp_state_dir, register_nvcomp_hooks  # noqa: E402
 
 N_STEPS, M_STEPS = 4, 3
@@ -271,10 +271,7 @@ def script(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(*args: str, check: bool = True, python: bool = True) -> subprocess.CompletedProcess[str]:
     """Run the training program (or, with ``python=False``, any command) in a fresh process."""
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
-    ranks = torchrun_ranks(args) if python else None
-    if ranks is not None:
-        proc = fresh_process.run_ranks(ranks[1], ranks[0], cwd=os.getcwd(), env=env, timeout=240)
-    elif python:
+    if python:
         proc = fresh_process.run(args, cwd=os.getcwd(), env=env, timeout=240)
     else:
         proc = subprocess.run(list(args), capture_output=True, text=True, env=env, timeout=240)
