@@ -301,3 +301,31 @@ def test_save_refuses_a_base_on_another_store(tmp_path: Path) -> None:
     base, _ = _delta(tmp_path)
     with pytest.raises(CheckpointError, match="another store"):
         nc.save({"model": {"w": torch.ones(4)}}, "memory://bucket/delta.nvc", base=base)
+
+
+# -- DeepSpeed's `latest` ----------------------------------------------------------------------
+
+
+def test_an_attached_engine_loads_no_tag_that_latest_names_outside_the_folder(tmp_path: Path) -> None:
+    """A real DeepSpeed engine (one rank, ZeRO 0, gloo on the CPU) after ``attach``, as the CLI refuses the same pointer."""
+    import importlib.util
+
+    import fresh_process
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed")
+    script = Path(__file__).with_name("deepspeed_train.py")
+    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(script.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = fresh_process.run_ranks(
+        (str(script), "latest_outside", "0", str(tmp_path)),
+        1,
+        cwd=os.getcwd(),
+        env=dict(os.environ, PYTHONWARNINGS="ignore", **env),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    outcome = json.loads((tmp_path / "latest_outside.json").read_text())
+    latest = str(tmp_path / "run" / "latest")
+    assert outcome["dotdot"].startswith("UnsafePathError") and "'../other_run/g4'" in outcome["dotdot"], outcome
+    assert outcome["absolute"].startswith("UnsafePathError") and latest in outcome["absolute"], outcome
+    assert main(["verify", str(tmp_path / "run")]) != 0
