@@ -315,7 +315,11 @@ def test_an_attached_engine_loads_no_tag_that_latest_names_outside_the_folder(tm
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("DeepSpeed is not installed")
     script = Path(__file__).with_name("deepspeed_train.py")
-    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(script.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(script.parents[1] / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     proc = fresh_process.run_ranks(
         (str(script), "latest_outside", "0", str(tmp_path)),
         1,
