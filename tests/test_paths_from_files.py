@@ -114,6 +114,20 @@ def test_ls_does_not_read_outside_the_tier_nor_call_the_step_verified(tmp_path: 
     assert "'../../secret'" in row["problem"] and f"{UNIT}.manifest.json" in row["problem"], row["problem"]
 
 
+def test_a_single_file_unit_names_no_path_of_its_own(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A single-file unit's one entry has the path ``""``; a forged one would be joined below the unit's name."""
+    src = tmp_path / "runs" / "src"
+    (src / f"{UNIT}.nvc").mkdir(parents=True)  # a folder under the file's name, so that the join resolves
+    data = b"planted bytes\n"
+    (tmp_path / "runs" / "secret").write_bytes(data)
+    doc = json.loads(_manifest("../../secret", data))
+    doc.update(directory=False, unit=f"{UNIT}.nvc")
+    (src / f"{UNIT}.manifest.json").write_text(json.dumps(doc))
+    assert main(["ls", "--json", str(src)]) == 1
+    (row,) = json.loads(capsys.readouterr().out)["tiers"][str(src)]
+    assert row["verifies"] is False and "'../../secret' in the single-file unit" in row["problem"], row["problem"]
+
+
 def test_sync_does_not_write_outside_the_destination(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src, dst = tmp_path / "s" / "src", tmp_path / "d" / "x" / "dst"
     _forge_unit(src, "../../planted", tmp_path / "s" / "planted")
