@@ -128,13 +128,22 @@ def test_a_single_file_unit_names_no_path_of_its_own(tmp_path: Path, capsys: pyt
     assert row["verifies"] is False and "'../../secret' in the single-file unit" in row["problem"], row["problem"]
 
 
-def test_sync_does_not_write_outside_the_destination(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def _sync_names(entry: str, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
+    """``nvckpt sync`` said why the step is not copied (a warning, or its own output), naming the entry."""
+    out = capsys.readouterr()
+    said = " ".join([*(r.getMessage() for r in caplog.records), out.out, out.err])
+    assert f"{entry!r}" in said and "not a path inside" in said, said
+
+
+def test_sync_does_not_write_outside_the_destination(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
     src, dst = tmp_path / "s" / "src", tmp_path / "d" / "x" / "dst"
     _forge_unit(src, "../../planted", tmp_path / "s" / "planted")
-    assert main(["sync", "--json", str(src), str(dst)]) == 0
+    main(["sync", "--json", str(src), str(dst)])  # its exit code for a step it cannot list is sync's own policy
     assert not (tmp_path / "d" / "x" / "planted").exists()
     assert not (dst / f"{UNIT}.manifest.json").exists()
-    assert any("'../../planted'" in r.getMessage() and "not a path inside" in r.getMessage() for r in caplog.records)
+    _sync_names("../../planted", caplog, capsys)
 
 
 def test_fetch_does_not_write_outside_its_local_folder(tmp_path: Path) -> None:
@@ -181,10 +190,10 @@ def test_a_hostile_bucket_cannot_make_sync_write_or_ls_read_outside(
     assert main(["ls", "--json", *endpoint, url]) == 1
     (row,) = json.loads(capsys.readouterr().out)["tiers"][url]
     assert row["verifies"] is False and "'../../../planted'" in row["problem"]
-    assert main(["sync", "--json", *endpoint, url, str(dst)]) == 0
+    main(["sync", "--json", *endpoint, url, str(dst)])
     assert not (tmp_path / "planted").exists() and not (tmp_path / "a" / "planted").exists()
     assert not (dst / f"{UNIT}.manifest.json").exists()
-    assert any("'../../../planted'" in r.getMessage() for r in caplog.records)
+    _sync_names("../../../planted", caplog, capsys)
 
 
 # -- a delta's base record ---------------------------------------------------------------------
@@ -287,7 +296,7 @@ def test_the_cli_sends_no_request_to_a_base_url(
     text = " ".join((out.out + out.err).split())
     if command == "verify":
         assert code != 0
-    _names(text.replace("\\\\", "\\"), forged, stored)
+    _names(text, forged, stored)
     assert requests == []
 
 
