@@ -8,6 +8,8 @@
   stage 3: rank 0 when every rank's files are durable and the manifest is about to be written).
 * ``matrix``: ZeRO 0 (fp32, bf16, and fp32 with a DeepSpeed MoE layer of 2 experts, one per rank), 1 and
   2 (bf16): save, resume in a new engine, next losses (``ROOT/matrix.json``).
+* ``latest_outside`` (one rank): save a tag ``g4`` in ``ROOT/other_run``, then ``load_checkpoint(ROOT/run)``
+  whose ``latest`` names it by ``../other_run/g4`` and by its absolute path (``ROOT/latest_outside.json``).
 * ``resume``: fresh processes attach, ``load_checkpoint`` each folder (``latest``) and train 2 steps
   (losses: ``ROOT/resumed.json``); the engine resumed from ``ours`` saves incrementally (``ROOT/sync``:
   t5 full, t6 a delta, t7 full), the one from ``plain`` asynchronously (``ROOT/async``), copying to an S3
@@ -272,6 +274,27 @@ def main() -> None:
             with open(os.path.join(root, "matrix.json"), "w") as f:
                 json.dump(results, f)
         torch.distributed.barrier()
+        return
+    if mode == "latest_outside":
+        # `latest` naming a tag outside the folder it is in: another run's tag, by `..` and by an absolute path.
+        assert engine is not None
+        attach(engine)
+        train(engine, 1)
+        other = os.path.join(root, "other_run")
+        engine.save_checkpoint(other, tag="g4")
+        run = os.path.join(root, "run")
+        os.makedirs(run, exist_ok=True)
+        outcome = {}
+        for name, pointer in (("dotdot", "../other_run/g4"), ("absolute", os.path.join(other, "g4"))):
+            with open(os.path.join(run, "latest"), "w") as f:
+                f.write(pointer)
+            try:
+                loaded, _ = engine.load_checkpoint(run)
+                outcome[name] = f"loaded {loaded}"
+            except Exception as exc:  # noqa: BLE001 - the test reads what happened
+                outcome[name] = f"{type(exc).__name__}: {exc}"
+        with open(os.path.join(root, "latest_outside.json"), "w") as f:
+            json.dump(outcome, f)
         return
     raise SystemExit(f"unknown mode {mode}")
 

@@ -35,6 +35,7 @@ __all__ = [
     "codec_chain",
     "device_copy_of_a_view",
     "torch_saved",
+    "with_base_path",
     "FORGED_TREES",
 ]
 
@@ -277,3 +278,16 @@ FORGED_TREES: dict[str, tuple[bytes, str, str]] = {
         "os.system",
     ),
 }
+
+
+def with_base_path(valid: bytes, path: str) -> bytes:
+    """``valid`` (a delta written by ``nc.save(..., base=...)``) with its base record's path replaced by ``path``.
+
+    The base's size, digest and depth stay; the index and footer are written again with the format's
+    own helpers, so every checksum of the result holds.
+    """
+    offset, size, _ = unpack_footer(valid[-FOOTER.size :], len(valid), "valid")
+    index = Index.from_json_bytes(valid[offset : offset + size], offset, "valid")
+    assert index.base is not None, "not a delta"
+    new_index = dataclasses.replace(index, base=dataclasses.replace(index.base, path=path)).to_json_bytes()
+    return valid[:offset] + new_index + pack_footer(offset, len(new_index), xxhash.xxh3_64_intdigest(new_index))

@@ -84,7 +84,8 @@ def save(
             (docs/format.md, "Delta files"). Each tensor whose key, dtype and shape match one of
             the base is stored, byte plane by byte plane, plain, XORed with the base's or as the
             integer difference from it, whichever is smallest. Loading the delta needs the base
-            at the same relative path.
+            at the same relative path, on the same store (a base in another bucket, on another
+            host or drive is refused: a reader never follows a base record off the delta's store).
         base_state: With ``base``: the state that was saved to ``base``, kept by the caller, so
             that the base's values need not be decoded (about 2x faster). Keep a copy
             (``copy.deepcopy(state)`` when the base is saved): ``state_dict()`` tensors are the

@@ -23,6 +23,7 @@ from .api import load
 from .errors import CheckpointError, CheckpointNotFoundError, FormatError, UnsupportedObjectError
 from .filetype import HEAD_BYTES, NVCOMP, kind_of
 from .policy import CodecPolicy, Component
+from .safepaths import inside_path
 from .storage import LOCAL
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "MANIFEST_FORMAT",
     "CONVERTING_NAME",
     "LATEST_NAME",
+    "LATEST_UNIVERSAL_NAME",
     "SAFE_GLOBAL_NAMES",
     "DEEPSPEED_PATTERNS",
     "MODEL_STATES",
@@ -61,6 +63,8 @@ MANIFEST_FORMAT = "nvcomp-checkpoint deepspeed tag v1"
 CONVERTING_NAME = "nvckpt_converting.json"
 #: DeepSpeed's pointer to the newest tag: a file holding the tag's name.
 LATEST_NAME = "latest"
+#: The pointer DeepSpeed reads instead of ``latest`` when loading a universal checkpoint.
+LATEST_UNIVERSAL_NAME = "latest_universal"
 
 #: Every class DeepSpeed pickles into its checkpoint files (besides what ``torch.load(weights_only=True)``
 #: allows anyway), by ``module.name``: the ZeRO and fp16 optimizers' loss scalers, the ZeRO stage, and
@@ -155,22 +159,22 @@ def is_deepspeed_dir(path: str | os.PathLike[str]) -> bool:
     return os.path.isdir(path) and (is_tag_dir(path) or bool(tag_dirs(path)))
 
 
-def read_latest(save_dir: str | os.PathLike[str]) -> str | None:
-    """The tag ``save_dir/latest`` names, or None without one.
+def read_latest(save_dir: str | os.PathLike[str], name: str = LATEST_NAME) -> str | None:
+    """The tag ``save_dir/latest`` (or the pointer ``name``) names, or None without one.
 
     Raises:
-        FormatError: ``latest`` is empty or names a path outside ``save_dir``.
+        UnsafePathError: The pointer is empty or names anything but a tag folder of ``save_dir``
+            (``../other_run/g4``, an absolute path).
     """
-    path = os.path.join(os.fspath(save_dir), LATEST_NAME)
+    path = os.path.join(os.fspath(save_dir), name)
     try:
         with open(path, "rb") as f:
             raw = f.read(4096)
     except FileNotFoundError:
         return None
+    # Stripped as DeepSpeed strips it (engine.load_checkpoint), so both read the same tag.
     tag = raw.decode("utf-8", "replace").strip()
-    if not tag or os.path.basename(tag) != tag or tag in (".", ".."):
-        raise FormatError(f"{path}: names {tag!r}, not a tag folder of {save_dir}; write the newest complete tag's name into it")
-    return tag
+    return inside_path(tag, where=path, what="names the tag", single=True)
 
 
 def write_latest(save_dir: str | os.PathLike[str], tag: str) -> None:
@@ -204,8 +208,7 @@ def read_manifest(tag_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     except (ValueError, KeyError, TypeError) as exc:
         raise FormatError(f"{manifest_path}: unreadable tag manifest ({type(exc).__name__}); the tag cannot be trusted") from exc
     for name, size in files.items():
-        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-            raise FormatError(f"{manifest_path}: names {name!r}, not a file of the tag directory")
+        inside_path(name, where=manifest_path, what="names the file", single=True)
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise FormatError(f"{manifest_path}: gives {name!r} the size {size!r}, not a number of bytes")
     return manifest

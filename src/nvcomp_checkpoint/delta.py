@@ -20,11 +20,12 @@ import torch
 import xxhash
 
 from .codecs import cpu_codec, gpu_available, has_cpu_decoder
-from .errors import BaseCheckpointError, CheckpointError, UnsupportedObjectError
+from .errors import BaseCheckpointError, CheckpointError, UnsafePathError, UnsupportedObjectError
 from .filters.sub import SUB_WIDTHS, sub_bytes, undo_planes_, undo_planes_np_
 from .filters.xor import xor_bytes, xor_planes_, xor_planes_np_
 from .format.chain import MAX_CHAIN_DEPTH, SUB, XOR, BaseRef, TensorDelta
 from .format.layout import TensorEntry
+from .safepaths import inside_path
 from .storage import is_url
 
 __all__ = [
@@ -93,15 +94,20 @@ def relative_base_path(delta_path: str, base_path: str) -> str:
 
 
 def resolve_base_path(delta_path: str, stored: str) -> str:
-    """The path of the base that a delta at ``delta_path`` records as ``stored``."""
+    """The path of the base that a delta at ``delta_path`` records as ``stored``: next to the delta, on its store.
+
+    The record is read from the file: it must be a relative path (``..`` allowed, a chain across
+    sibling folders: ``../checkpoint-3/model.nvc``), never an absolute path or a URL, so that a file
+    cannot make the reader open another host or store with the caller's credentials.
+
+    Raises:
+        UnsafePathError: ``stored`` is absolute, a URL, or not a path (checked by :func:`inside_path`).
+    """
     delta_path = os.fspath(delta_path)
-    if is_url(stored) or stored.startswith("file://"):
-        return stored
+    inside_path(stored, where=delta_path, what="records its base at", up=True)
     if is_url(delta_path):
         root, dpath = _split_url(delta_path)
         return root + posixpath.normpath(posixpath.join(posixpath.dirname(dpath), stored))
-    if os.path.isabs(stored):
-        return stored
     local = delta_path.removeprefix("file://")
     return os.path.normpath(os.path.join(os.path.dirname(local), *stored.split("/")))
 
@@ -266,7 +272,13 @@ class BaseChain:
     ) -> None:
         self.ref = ref
         self.delta_path = delta_path
-        self.path = resolve_base_path(delta_path, ref.path)
+        #: Why the base record cannot be followed (raised when the base is first needed: the delta's
+        #: own index and its plain tensors still read); ``path`` is then the record as written.
+        self.unsafe: UnsafePathError | None = None
+        try:
+            self.path = resolve_base_path(delta_path, ref.path)
+        except UnsafePathError as exc:
+            self.path, self.unsafe = ref.path, exc
         self._open_reader = open_reader
         self._storage_options = storage_options
         self._reader: Any = None
@@ -287,6 +299,8 @@ class BaseChain:
             return self._reader
 
     def _open(self) -> Any:
+        if self.unsafe is not None:
+            raise self.unsafe
         if self.ref.depth > MAX_CHAIN_DEPTH:
             raise chain_too_deep(self.delta_path, self.ref.depth)
         if _file_key(self.path) == _file_key(self.delta_path):
@@ -411,6 +425,14 @@ class BaseSource:
         """Open the base of a delta about to be written at ``delta_path``."""
         base_path = os.fspath(base)
         stored = relative_base_path(delta_path, base_path)
+        try:
+            inside_path(stored, where=delta_path, what="would record its base at", up=True)
+        except UnsafePathError as exc:
+            # A reader follows only a base next to the delta, on its store: no file is written that none could load.
+            raise BaseCheckpointError(
+                f"{delta_path}: its base {base_path} is on another store than the delta (another bucket, host or "
+                "drive), which a delta cannot name: save the base where the delta goes, or save in full (no base=)"
+            ) from exc
         if resolve_base_path(delta_path, stored) == resolve_base_path(delta_path, relative_base_path(delta_path, delta_path)) or (
             not is_url(base_path) and os.path.abspath(base_path) == os.path.abspath(delta_path)
         ):
@@ -485,7 +507,10 @@ def _refuse_overwriting_the_chain(
     current, ref = base_path, reader.index.base
     seen = {_file_key(base_path)}
     while ref is not None:
-        current = resolve_base_path(current, ref.path)
+        try:
+            current = resolve_base_path(current, ref.path)
+        except UnsafePathError:
+            return  # a forged record further back is the base's own problem, reported when it is read
         if _file_key(current) in seen:
             raise chain_loops(f"{delta_path}: the base {base_path}", current)
         seen.add(_file_key(current))

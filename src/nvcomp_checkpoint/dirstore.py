@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable
 
 from .errors import CheckpointWriteError, ChecksumError, FormatError, MixedSaveError
 from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
+from .safepaths import inside_path
 from .storage import LOCAL, temp_name
 from .version import __version__
 
@@ -157,8 +158,7 @@ class DirectoryStore:
                 )
             for name in manifest.get("files", {}):
                 # A manifest only ever names files inside its own directory.
-                if not isinstance(name, str) or name.startswith("/") or ".." in Path(name).parts:
-                    raise FormatError(f"{file}: lists an invalid file name {name!r}; the directory is damaged")
+                inside_path(name, where=os.fspath(file), what="lists the file")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             if quiet:
                 return None

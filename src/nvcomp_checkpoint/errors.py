@@ -29,6 +29,7 @@ __all__ = [
     "CopySourceError",
     "CopySourceGoneError",
     "MixedSaveError",
+    "UnsafePathError",
 ]
 
 
@@ -146,3 +147,9 @@ class CopySourceGoneError(CopySourceError):
 class MixedSaveError(FormatError):
     """A file of a checkpoint directory was written by another save than the rest of it (a file
     copied in from an earlier or later checkpoint): loading it would mix two training states."""
+
+
+class UnsafePathError(FormatError):
+    """A path read from a file or a store (a manifest entry, ``latest``, a delta's base record) would
+    leave its checkpoint's folder or prefix, or name another store or host: refused before anything
+    is read or written there."""

@@ -12,8 +12,9 @@ import threading
 from typing import Any, Callable, Iterable
 
 from .delta import ChainPolicy, base_path_of, retained
-from .errors import CheckpointError
+from .errors import CheckpointError, UnsafePathError
 from .reader import CheckpointReader
+from .safepaths import inside_path
 from .storage import is_url, list_names, storage_for
 
 __all__ = ["IncrementalFiles", "DEFERRED_NAME", "unit_base_of", "keep_with_bases"]
@@ -244,7 +245,15 @@ class IncrementalFiles:
         except (FileNotFoundError, ValueError):
             return
         if isinstance(names, list):
-            paths = [_child(folder, n) for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")]
+            paths = []
+            for n in names:
+                # Files listed here are deleted later: only plain names of this folder are taken.
+                try:
+                    paths.append(
+                        _child(folder, inside_path(n, where=_child(folder, DEFERRED_NAME), what="lists the file", single=True))
+                    )
+                except UnsafePathError as exc:
+                    _LOG.warning("%s; the name is left out", exc)
             # A path this process saved again is its new file, not the one listed.
             self._doomed.update(p for p in paths if p not in self._written and storage.exists(p))
 

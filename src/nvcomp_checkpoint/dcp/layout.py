@@ -17,6 +17,7 @@ from typing import Any
 import xxhash
 
 from ..errors import ChecksumError, FormatError
+from ..safepaths import inside_path
 
 __all__ = [
     "METADATA_NAME",
@@ -510,22 +511,12 @@ def _skip_text(data: bytes, pos: int, end: int, lines: int, refuse: Any) -> int:
 
 def check_file_name(name: Any, where: str, fqn: str) -> str:
     """``name``, a rank file's name as the metadata records it, if it is a plain file name inside the
-    checkpoint directory: a non-empty string without separators, drive colons or NUL, not ``.`` or ``..``.
+    checkpoint directory (:func:`~nvcomp_checkpoint.safepaths.inside_path`, one component).
 
     Raises:
-        FormatError: Anything else (``../other/x``, ``/abs``, ``a/b``): a forged or damaged record.
+        UnsafePathError: Anything else (``../other/x``, ``/abs``, ``a/b``): a forged or damaged record.
     """
-    if (
-        not isinstance(name, str)
-        or name in ("", ".", "..")
-        or len(name) > 255
-        or any(c in name for c in ("/", "\\", ":", "\x00"))
-    ):
-        raise FormatError(
-            f"{where}: item {fqn[:200]!r} names the file {str(name)[:100]!r}, which is not a file name inside the checkpoint "
-            "directory; the metadata is forged or damaged: restore the checkpoint from another copy"
-        )
-    return name
+    return inside_path(name, where=where, what=f"item {fqn[:200]!r} names the file", single=True)
 
 
 def check_byte_item(data: bytes, where: str, fqn: str) -> None:

@@ -58,8 +58,9 @@ class BaseRef:
     """Which checkpoint a delta file was written against.
 
     Attributes:
-        path: The base's path relative to the delta's directory (``/``-separated), or an
-            absolute path or URL when no relative one exists.
+        path: The base's path relative to the delta's directory (``/``-separated, ``..`` allowed);
+            files of older versions may hold an absolute path or URL, which readers refuse
+            (:func:`nvcomp_checkpoint.delta.resolve_base_path`).
         size: The base file's size in bytes.
         index_xxh3: The base's footer digest (XXH3-64 of its index): its identity.
         depth: Chain depth of this file: 1 when the base is a full checkpoint, else base's + 1.

@@ -29,11 +29,14 @@ import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import ChainPolicy, CodecPolicy, SaveReport
 from nvcomp_checkpoint.deepspeed_layout import (
     DEEPSPEED_PATTERNS,
+    LATEST_NAME,
+    LATEST_UNIVERSAL_NAME,
     MANIFEST_NAME,
     SAFE_GLOBAL_NAMES,
     check_tag_complete,
     deepspeed_safe_globals,
     load_deepspeed_file,
+    read_latest,
     write_latest,
     write_manifest,
 )
@@ -408,7 +411,29 @@ def attach(
 
     save_checkpoint.__doc__ = original.__doc__
     engine.save_checkpoint = save_checkpoint
+    _check_latest_on_load(engine)
     return ours
+
+
+def _check_latest_on_load(engine: Any) -> None:
+    """Make ``engine.load_checkpoint(dir)`` read ``latest`` under the rule for paths read from files.
+
+    DeepSpeed joins the tag ``latest`` names to the folder as written: ``../other_run/g4`` or an
+    absolute path would load another run's tag. The tag is read here (a tag folder of ``dir``, or
+    :class:`UnsafePathError`) and handed to DeepSpeed by name; an explicit ``tag=`` is the caller's.
+    """
+    original = getattr(engine, "load_checkpoint", None)
+    if original is None:
+        return  # an object with DeepSpeed's save interface only: there is no load to guard
+
+    def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if tag is None:
+            universal = getattr(engine, "load_universal_checkpoint", lambda: False)()
+            tag = read_latest(load_dir, LATEST_UNIVERSAL_NAME if universal else LATEST_NAME)
+        return original(load_dir, tag, *args, **kwargs)
+
+    load_checkpoint.__doc__ = original.__doc__
+    engine.load_checkpoint = load_checkpoint
 
 
 # -- attaching to the engines a framework creates ------------------------------------------------

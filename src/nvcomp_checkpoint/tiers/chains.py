@@ -14,7 +14,8 @@ import xxhash
 
 from ..errors import CheckpointError, FormatError
 from ..reader import CheckpointReader
-from ..storage import LOCAL, is_url
+from ..safepaths import inside_path
+from ..storage import LOCAL
 from .schedule import Tier
 from .transfer import copy_unit
 from .units import TierStore, UnitManifest, entry_path, join_path
@@ -41,7 +42,8 @@ def chain_layout(store: TierStore, manifest: UnitManifest, manifests: dict[int, 
 
     Raises:
         FormatError: A broken chain: a base step not listed on the tier, a delta file whose base is
-            not a file of that step, a base at an absolute path, or base names that disagree.
+            not a file of that step, or base names that disagree; UnsafePathError (a FormatError): a base record that is
+            absolute, a URL or not a path.
     """
     top = "/" + "/".join(["_"] * LAYOUT_DEPTH)
     head = store.unit_path(manifest.step, manifest.directory)
@@ -57,10 +59,7 @@ def chain_layout(store: TierStore, manifest: UnitManifest, manifests: dict[int, 
             ref = base_ref(store, path) if entry.index_xxh3 is not None else None
             if ref is None:
                 continue
-            if is_url(ref.path) or ref.path.startswith("/"):
-                raise FormatError(
-                    f"{path}: records its base at an absolute place ({ref.path}), which a copy on a tier cannot follow"
-                )
+            inside_path(ref.path, where=path, what="records its base at", up=True)
             target = posixpath.normpath(posixpath.join(posixpath.dirname(entry_path(where[m.step], entry)), ref.path))
             found = next(
                 (

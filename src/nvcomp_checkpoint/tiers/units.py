@@ -14,9 +14,10 @@ from typing import Any
 
 import xxhash
 
-from ..errors import CheckpointError, FormatError, TierNotFoundError, TierUnavailableError
+from ..errors import CheckpointError, FormatError, TierNotFoundError, TierUnavailableError, UnsafePathError
 from ..format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
 from ..reader import CheckpointReader
+from ..safepaths import inside_path
 from ..storage import Storage, abort_unfinished_uploads, is_temp_name, list_names, storage_for, write_errors
 from .schedule import Tier
 
@@ -110,6 +111,16 @@ class UnitManifest:
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise FormatError(f"{where}: damaged unit manifest ({exc})") from exc
+        for f in m.files:
+            # The one place a unit's file paths are read: every copy, check, listing and fetch joins them.
+            if m.directory:
+                inside_path(f.path, where=where, what=f"names, as a file of directory unit {m.unit},")
+            elif f.path:
+                # The unit is one file: a path would be joined below the file's own name.
+                raise UnsafePathError(
+                    f"{where}: names the file {f.path[:200]!r} in the single-file unit {m.unit}, whose one file has no "
+                    "path of its own; the manifest is forged or damaged"
+                )
         # Manifests written before the unit's name was recorded have none; their step is still checked.
         if "unit" in doc and doc["unit"] != m.unit:
             raise FormatError(
