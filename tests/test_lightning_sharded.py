@@ -159,7 +159,7 @@ _SCRIPT = textwrap.dedent(
         (root / f"unreported_{rank}.json").write_text(json.dumps({"warned": warned, "report": report}))
     # Each rank (this process and the one Lightning launched) ends without interpreter teardown:
     # a gloo worker thread still freeing a finished collective then aborts the process (see
-    # tests/conftest.py, _rank_entry). Everything above is written and closed.
+    # tests/fresh_process.py, _rank_entry). Everything above is written and closed.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
