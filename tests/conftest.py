@@ -234,7 +234,7 @@ def start_moto_server(env: dict[str, str], log: Path, port: int = 0) -> tuple[su
 
 
 def run_python(*args: str, cwd: Path, timeout: float = 300, world: int = 0, own_launcher: bool = False, **env: str) -> None:
-    """Run ``python ARGS`` in a fresh process (a training script, ``-m torch.distributed.run ...``);
+    """Run ``python ARGS`` in a fresh process (:func:`fresh_process.run`: a training script, ``-c CODE``, ``-m torch.distributed.run ...``);
     fail with the tail of its output unless it exits 0. ``env``: extra environment variables.
 
     ``-m torch.distributed.run --standalone --nproc_per_node N SCRIPT ...`` and ``world=N`` (a
@@ -256,12 +256,12 @@ def run_python(*args: str, cwd: Path, timeout: float = 300, world: int = 0, own_
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
         full_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
     try:
-        if fresh_process.torchrun_args(args) is not None:
-            proc = fresh_process.run(args, cwd=cwd, env=full_env, timeout=timeout)
-        elif world and not own_launcher:
+        if own_launcher:  # the framework's own launcher starts the other ranks from a real interpreter
+            proc = subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+        elif world and fresh_process.torchrun_args(args) is None:
             proc = fresh_process.run_ranks(args, world, cwd=cwd, env=full_env, timeout=timeout)
         else:
-            proc = subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+            proc = fresh_process.run(args, cwd=cwd, env=full_env, timeout=timeout)
     finally:
         del store
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
