@@ -407,7 +407,7 @@ def test_leader_load_is_refused_naming_why() -> None:
     from nvcomp_checkpoint.deepspeed import attach
 
     engine = object()  # refused before the engine is touched
-    with pytest.raises(ValueError, match=r"leader_load=True.*own optimizer partition"):
+    with pytest.raises(ValueError, match=r"attach\(leader_load=\.\.\.\) with DeepSpeed.*own optimizer partition"):
         attach(engine, leader_load=True)
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "CopySourceError",
     "CopySourceGoneError",
     "MixedSaveError",
+    "UnsupportedOptionError",
 ]
 
 
@@ -146,3 +147,8 @@ class CopySourceGoneError(CopySourceError):
 class MixedSaveError(FormatError):
     """A file of a checkpoint directory was written by another save than the rest of it (a file
     copied in from an earlier or later checkpoint): loading it would mix two training states."""
+
+
+class UnsupportedOptionError(CheckpointError, ValueError):
+    """An option the entry point's stack cannot honour (``entrypoint.support``): the message names the
+    option, the stack, why, and what to do instead."""
