@@ -20,4 +20,14 @@ if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2
   exit 1
 fi
+# The whole suite (no arguments) also runs each integration's resume test once more with real
+# interpreters and torchrun instead of processes forked from the preloaded server (tests/fresh_process.py).
+if [ "$rc" -eq 0 ] && [ "$#" -eq 0 ]; then
+  echo "test.sh: the resume tests again, as real processes (tests/real_process_tests.txt)" >&2
+  set +e
+  NVCKPT_TEST_PROCESSES=real python -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" \
+    $(grep -v -e '^#' -e '^$' tests/real_process_tests.txt)
+  rc=$?
+  set -e
+fi
 exit "$rc"

@@ -9,7 +9,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -208,58 +208,6 @@ def _torch_threads_restored():
         torch.set_num_threads(threads)
 
 
-def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, timeout: float = 600.0) -> None:
-    """Runs ``fn(rank, world, port, *args)`` in ``world`` fresh processes; raises as ``mp.start_processes``.
-
-    The ranks are forked from the preloaded server of tests/fresh_process.py (``forkserver``), with
-    this process's environment: fresh as spawned ones, without importing torch again.
-
-    The ranks rendezvous (``tcp://127.0.0.1:<port>`` or ``env://`` with ``MASTER_PORT=<port>``) at a
-    TCPStore this process hosts on a port the kernel picked: a port probed free and bound later
-    by rank 0 could be taken in between by another process (a parallel test run). Ranks still
-    running after ``timeout`` seconds are killed and the test fails: a hang (a collective that some
-    rank never reached) fails fast instead of holding CI until its limit.
-    """
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    try:
-        ctx = mp.start_processes(
-            _rank_entry,
-            args=(world, store.port, fn, args, dict(os.environ)),
-            nprocs=world,
-            start_method=fresh_process.start_method(),
-            join=False,
-        )
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                hung = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise AssertionError(
-                    f"{fn.__name__}: ranks {hung} of {world} still running after {timeout:.0f} s (a hang: a collective "
-                    "some rank never reached?); killed"
-                )
-    finally:
-        del store
-
-
-def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple[Any, ...], env: dict[str, str]) -> None:
-    fresh_process.adopt_environment(env)  # the parent's, as a spawned rank would have it
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank is a client of the parent's store
-    fn(rank, world, port, *args)
-    # Ends the rank without interpreter finalization: a gloo worker thread may still hold the last
-    # reference to a finished collective's tensors (torch's ProcessGroupGloo::runLoop), and
-    # dropping it needs the GIL, which a finalizing interpreter answers with SIGABRT
-    # ("terminate called without an active exception"; seen on a loaded machine).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def start_moto_server(env: dict[str, str], log: Path, port: int = 0) -> tuple[subprocess.Popen[bytes], int]:
     """moto's standalone S3 server as a child process; returns it and its port, once it listens.
 
@@ -286,7 +234,7 @@ def start_moto_server(env: dict[str, str], log: Path, port: int = 0) -> tuple[su
 
 
 def run_python(*args: str, cwd: Path, timeout: float = 300, world: int = 0, own_launcher: bool = False, **env: str) -> None:
-    """Run ``python ARGS`` in a fresh process (a training script, ``-m torch.distributed.run ...``);
+    """Run ``python ARGS`` in a fresh process (:func:`fresh_process.run`: a training script, ``-c CODE``, ``-m torch.distributed.run ...``);
     fail with the tail of its output unless it exits 0. ``env``: extra environment variables.
 
     ``-m torch.distributed.run --standalone --nproc_per_node N SCRIPT ...`` and ``world=N`` (a
@@ -308,12 +256,12 @@ def run_python(*args: str, cwd: Path, timeout: float = 300, world: int = 0, own_
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
         full_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
     try:
-        if fresh_process.torchrun_args(args) is not None:
-            proc = fresh_process.run(args, cwd=cwd, env=full_env, timeout=timeout)
-        elif world and not own_launcher:
+        if own_launcher:  # the framework's own launcher starts the other ranks from a real interpreter
+            proc = subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+        elif world and fresh_process.torchrun_args(args) is None:
             proc = fresh_process.run_ranks(args, world, cwd=cwd, env=full_env, timeout=timeout)
         else:
-            proc = subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+            proc = fresh_process.run(args, cwd=cwd, env=full_env, timeout=timeout)
     finally:
         del store
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

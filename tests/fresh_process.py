@@ -23,7 +23,12 @@ thread started, CUDA not initialised), and runs the code there as ``python ARGV`
 - at the end the interpreter's own exit sequence runs: non-daemon threads are joined, then the
   ``atexit`` handlers (the saves a process leaves pending at exit must land, as in a real exit).
 
-:func:`run_ranks` runs N ranks so, as ``torchrun --standalone --nproc_per_node N`` would.
+:func:`run_ranks` runs N ranks so, as ``torchrun --standalone --nproc_per_node N`` would, and
+:func:`spawn_ranks` runs a function as N ranks: the suite's ways to start a process, in one module.
+``NVCKPT_TEST_PROCESSES=real`` (:func:`mode`) makes each of them start new interpreters instead
+(``python``, ``torchrun``, spawned ranks): scripts/test.sh runs the resume tests of every integration
+once so (tests/real_process_tests.txt). :func:`ended_by_signal` reads a killed rank's signal from either.
+This package is not preloaded: each process imports it as a user's does.
 
 What differs, and so stays with ``subprocess``: what the interpreter's start or the imports
 themselves decide. The forked process has :data:`PRELOAD` (and what they import) already in
@@ -49,26 +54,49 @@ import time
 import types
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-#: Imported once by the server: what the fresh processes of the suite import (each import that a
-#: forked process does not repeat saves its CPU time); the server pays for them once per worker.
+#: Imported once by the server: the third-party modules the fresh processes of the suite import (each
+#: import that a forked process does not repeat saves its CPU time); the server pays for them once per
+#: worker. nvcomp_checkpoint itself is NOT preloaded: every fresh process imports it as a user's
+#: process does, so a broken lazy import or a module-level side effect fails the test that meets it
+#: (0.24 CPU-s for the package and its five entry modules, measured, once those below are loaded).
 PRELOAD = [
     "fresh_process",
     "pytest",
     "torch",
     "numpy",
-    "nvcomp_checkpoint",
-    "nvcomp_checkpoint.cli.main",
-    "nvcomp_checkpoint.lightning",
+    "zstandard",
+    "xxhash",
+    "rich.progress",
+    "rich.tree",
+    "torch.distributed.checkpoint",
+    "torch.distributed._composable.fsdp",
+    "torch.distributed.elastic",
     "lightning.pytorch",
     "transformers",
+    "transformers.modeling_utils",
+    "transformers.trainer",
     "accelerate",
     "safetensors.torch",
-    "nvcomp_checkpoint.transformers",
-    "nvcomp_checkpoint.accelerate",
+    "huggingface_hub.serialization",
     "s3fs",
 ]
+
+#: ``NVCKPT_TEST_PROCESSES``: ``forked`` (the default) forks fresh processes and ranks from the
+#: preloaded server; ``real`` runs every one as a new interpreter (``python``, ``torchrun``, spawned
+#: ranks), so that the same tests check what the server could hide. CI runs the integrations' resume
+#: tests once in that mode (scripts/test.sh).
+MODES = ("forked", "real")
+
+
+def mode() -> str:
+    """The process mode of this run (:data:`MODES`), from ``NVCKPT_TEST_PROCESSES``."""
+    value = os.environ.get("NVCKPT_TEST_PROCESSES", "") or "forked"
+    if value not in MODES:
+        raise ValueError(f"NVCKPT_TEST_PROCESSES={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
 
 #: Read by torch (or OpenMP) once: the server starts without them, and a forked process sets torch's
 #: thread count from them itself.
@@ -133,8 +161,10 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def adopt_environment(env: dict[str, str]) -> None:
-    """In a forked process: ``env`` as the environment, and torch's thread count as ``env`` sets it
-    (the server started without ``OMP_NUM_THREADS``: every core, as a fresh process without it)."""
+    """In a forked process: ``env`` as the environment, and what the preloaded modules read from the
+    environment at import as they would have read ``env``: torch's thread count (the server started
+    without ``OMP_NUM_THREADS``: every core, as a fresh process without it) and Lightning's rank for
+    ``rank_zero_only`` (the server imported Lightning without ``RANK``: every rank would be rank 0)."""
     os.environ.clear()
     os.environ.update(env)
     threads = env.get("OMP_NUM_THREADS") or env.get("MKL_NUM_THREADS")
@@ -142,11 +172,18 @@ def adopt_environment(env: dict[str, str]) -> None:
         import torch
 
         torch.set_num_threads(int(threads))
+    rank_zero = sys.modules.get("lightning.fabric.utilities.rank_zero")
+    if rank_zero is not None:
+        # What lightning/fabric/utilities/rank_zero.py sets at import in a new interpreter.
+        rank_zero.rank_zero_only.rank = rank_zero._get_rank() or 0
 
 
 def start_method() -> str:
-    """``"forkserver"`` with the preloaded server running, for ``torch.multiprocessing``'s ranks
-    (which then call :func:`adopt_environment` with the parent's environment)."""
+    """The start method for ``torch.multiprocessing``'s ranks (which then call :func:`adopt_environment`
+    with the parent's environment): ``"forkserver"`` with the preloaded server running, or ``"spawn"``
+    (new interpreters) in the ``real`` :func:`mode`."""
+    if mode() == "real":
+        return "spawn"
     _server()
     return "forkserver"
 
@@ -292,6 +329,8 @@ def run(
     if torchrun is not None:
         return run_ranks(torchrun[1], torchrun[0], cwd=cwd, env=env, timeout=timeout)
     env = dict(os.environ if env is None else env)
+    if mode() == "real":
+        return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     ctx = _server()
     if not _forkable(env):
         return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -358,12 +397,12 @@ def run_ranks(
     import torch.distributed as dist
 
     env = dict(os.environ if env is None else env)
-    ctx = _server()
-    if not _forkable(env):
+    if mode() == "real" or not _forkable(env):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *argv]
         real = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         real.rank_exitcodes = None  # type: ignore[attr-defined]
         return real
+    ctx = _server()
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     run_id = uuid.uuid4().hex
     procs: list[Any] = []
@@ -416,3 +455,73 @@ def run_ranks(
     result = subprocess.CompletedProcess(["torchrun", *argv], code, stdout, stderr)
     result.rank_exitcodes = [p.exitcode for p in procs]  # type: ignore[attr-defined]
     return result
+
+
+def ended_by_signal(result: subprocess.CompletedProcess[str]) -> int | None:
+    """The signal that ended the run of :func:`run` or :func:`run_ranks` (a rank's, for ranks), or None.
+
+    A forked run returns ``-N`` as the failed rank's exit code; a real ``torchrun`` returns 1 and names
+    the rank's ``exitcode  : -N`` in its error summary, read here, so a test asks the same question in
+    either :func:`mode`.
+    """
+    if result.returncode < 0:
+        return -result.returncode
+    if getattr(result, "rank_exitcodes", ()) is None:  # a real torchrun
+        import re
+
+        found = re.search(r"exitcode\s*:\s*-(\d+)", result.stderr)
+        return int(found.group(1)) if found else None
+    return None
+
+
+def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, timeout: float = 600.0) -> None:
+    """Runs ``fn(rank, world, port, *args)`` in ``world`` fresh processes; raises as ``mp.start_processes``.
+
+    The ranks are forked from the preloaded server (``forkserver``), with this process's environment:
+    fresh as spawned ones, without importing torch again; spawned (new interpreters) in the ``real``
+    :func:`mode`.
+
+    The ranks rendezvous (``tcp://127.0.0.1:<port>`` or ``env://`` with ``MASTER_PORT=<port>``) at a
+    TCPStore this process hosts on a port the kernel picked: a port probed free and bound later
+    by rank 0 could be taken in between by another process (a parallel test run). Ranks still
+    running after ``timeout`` seconds are killed and the test fails: a hang (a collective that some
+    rank never reached) fails fast instead of holding CI until its limit.
+    """
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    try:
+        ctx = mp.start_processes(
+            _rank_entry,
+            args=(world, store.port, fn, args, dict(os.environ)),
+            nprocs=world,
+            start_method=start_method(),
+            join=False,
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                hung = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise AssertionError(
+                    f"{fn.__name__}: ranks {hung} of {world} still running after {timeout:.0f} s (a hang: a collective "
+                    "some rank never reached?); killed"
+                )
+    finally:
+        del store
+
+
+def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple[Any, ...], env: dict[str, str]) -> None:
+    adopt_environment(env)  # the parent's, as a spawned rank would have it
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank is a client of the parent's store
+    fn(rank, world, port, *args)
+    # Ends the rank without interpreter finalization: a gloo worker thread may still hold the last
+    # reference to a finished collective's tensors (torch's ProcessGroupGloo::runLoop), and
+    # dropping it needs the GIL, which a finalizing interpreter answers with SIGABRT
+    # ("terminate called without an active exception"; seen on a loaded machine).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

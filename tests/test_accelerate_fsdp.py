@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import assert_tree_equal, spawn_ranks
+from conftest import assert_tree_equal
+from fresh_process import spawn_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import nvcomp_checkpoint as nc
-from conftest import assert_tree_equal, spawn_ranks
+from conftest import assert_tree_equal
+from fresh_process import spawn_ranks
 from nvcomp_checkpoint.cli.main import main
 from nvcomp_checkpoint.dcp import NvcompReader, is_compressed_dcp_checkpoint
 

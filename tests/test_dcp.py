@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import nvcomp_checkpoint as nc
-from conftest import assert_tree_equal, spawn_ranks
+from conftest import assert_tree_equal
+from fresh_process import spawn_ranks
 from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, fqn_component, is_compressed_dcp_checkpoint
 from nvcomp_checkpoint.errors import CheckpointError, ChecksumError
 

@@ -6,6 +6,7 @@ tests/test_deepspeed.py checks the folders real training runs leave.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 from pathlib import Path
@@ -269,3 +270,20 @@ def test_verify_names_a_missing_last_rank_of_a_plain_tag(tmp_path: Path, capsys:
     (tmp_path / "ckpt" / "latest").write_text("t9")
     assert main(["verify", str(tmp_path / "ckpt")]) == 1
     assert "names tag 't9'" in capsys.readouterr().out
+
+
+def test_in_place_compress_leaves_a_tag_missing_its_last_rank_as_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Converting it would write a manifest of what is present, which would then verify as committed.
+    from nvcomp_checkpoint.cli.main import main
+    from nvcomp_checkpoint.deepspeed_layout import MANIFEST_NAME
+
+    tag = _plain_deepspeed_folder(tmp_path / "ckpt")
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    assert main(["compress", str(tmp_path / "ckpt"), "--json"]) == 0  # as for a tag a kill left: skipped, named
+    rows = json.loads(capsys.readouterr().out)["files"]
+    assert {r["action"] for r in rows} == {"skipped"} and all("ranks [1]" in r["note"] for r in rows), rows
+    assert not (tag / MANIFEST_NAME).exists()
+    assert not any(nc.is_nvcomp_checkpoint(p) for p in tag.iterdir())
+    assert main(["verify", str(tmp_path / "ckpt")]) == 1

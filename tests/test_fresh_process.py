@@ -138,3 +138,64 @@ def test_ranks_rendezvous_and_the_first_failure_ends_the_others(tmp_path: Path) 
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert killed.rank_exitcodes[1] == -signal.SIGKILL and killed.rank_exitcodes[0] != 0  # type: ignore[attr-defined]
     assert "[ranks] exit codes rank 0:" in killed.stderr
+
+
+def test_this_package_is_imported_fresh_by_each_process(tmp_path: Path) -> None:
+    # Not preloaded: a broken lazy import or an import-time side effect of ours shows in the process
+    # that meets it, as it would for a user (the third-party modules stay preloaded).
+    code = "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] == 'nvcomp_checkpoint'))"
+    real, forked = _both(["-c", code], tmp_path)
+    assert real.returncode == forked.returncode == 0, (real.stderr, forked.stderr)
+    assert forked.stdout == real.stdout == "[]\n"
+    broken = tmp_path / "pkg"
+    (broken / "nvcomp_checkpoint").mkdir(parents=True)
+    (broken / "nvcomp_checkpoint" / "__init__.py").write_text("raise ImportError('broken on purpose')\n")
+    real, forked = _both(["-c", "import nvcomp_checkpoint"], tmp_path, PYTHONPATH=str(broken))
+    assert real.returncode == forked.returncode == 1
+    assert "broken on purpose" in real.stderr and "broken on purpose" in forked.stderr
+
+
+_RANK_PROBE = """
+import os
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+print("rank", os.environ["RANK"], "rank_zero_only", rank_zero_only.rank)
+"""
+
+
+def test_ranks_see_their_rank_in_what_lightning_reads_at_import(tmp_path: Path) -> None:
+    # Lightning sets rank_zero_only.rank from RANK when it is imported; the server imported it with no
+    # RANK, so each forked rank must see its own as under torchrun.
+    (tmp_path / "probe.py").write_text(_RANK_PROBE)
+    out = fresh_process.run_ranks(["probe.py"], 2, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "rank 0 rank_zero_only 0" in out.stdout and "rank 1 rank_zero_only 1" in out.stdout, out.stdout
+
+
+def test_real_mode_runs_new_interpreters_and_refuses_an_unknown_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    code = "import sys; print('torch' in sys.modules)"
+    assert fresh_process.run(["-c", code], cwd=tmp_path).stdout == "True\n"  # forked from the preloaded server
+    monkeypatch.setenv("NVCKPT_TEST_PROCESSES", "real")
+    assert fresh_process.mode() == "real" and fresh_process.start_method() == "spawn"
+    assert fresh_process.run(["-c", code], cwd=tmp_path).stdout == "False\n"
+    (tmp_path / "probe.py").write_text(_RANK_PROBE)
+    ranks = fresh_process.run_ranks(["probe.py"], 2, cwd=tmp_path, timeout=120)
+    assert ranks.returncode == 0 and ranks.rank_exitcodes is None, ranks.stderr  # type: ignore[attr-defined]
+    assert "rank 1 rank_zero_only 1" in ranks.stdout
+    monkeypatch.setenv("NVCKPT_TEST_PROCESSES", "fast")
+    with pytest.raises(ValueError, match="NVCKPT_TEST_PROCESSES='fast'"):
+        fresh_process.run(["-c", code], cwd=tmp_path)
+
+
+@pytest.mark.parametrize("process_mode", ["forked", "real"])
+def test_a_rank_killed_by_a_signal_is_named_in_either_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, process_mode: str
+) -> None:
+    # torchrun returns 1 for a rank killed by SIGKILL (and names -9 in its summary); forked ranks return -9.
+    monkeypatch.setenv("NVCKPT_TEST_PROCESSES", process_mode)
+    (tmp_path / "die.py").write_text(
+        "import os, signal\nif os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    out = fresh_process.run_ranks(["die.py"], 2, cwd=tmp_path, timeout=120)
+    assert out.returncode != 0 and fresh_process.ended_by_signal(out) == signal.SIGKILL, (out.returncode, out.stderr[-2000:])
+    ok = fresh_process.run_ranks(["-c", "pass"] if process_mode == "forked" else ["die.py"], 1, cwd=tmp_path, timeout=120)
+    assert ok.returncode == 0 and fresh_process.ended_by_signal(ok) is None, ok.stderr[-2000:]

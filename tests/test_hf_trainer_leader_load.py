@@ -73,7 +73,7 @@ _SCRIPT = textwrap.dedent(
     with open(os.path.join(root, f"{mode}_{trainer.args.process_index}.json"), "w") as f:
         json.dump(out, f)
     # Each rank ends without interpreter teardown: a gloo worker thread still freeing a finished
-    # collective then aborts the process (see tests/conftest.py, _rank_entry). Everything above is written.
+    # collective then aborts the process (see tests/fresh_process.py, _rank_entry). Everything above is written.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 
 import nvcomp_checkpoint as nc
-from conftest import assert_tree_equal, spawn_ranks
+from conftest import assert_tree_equal
+from fresh_process import spawn_ranks
 from nvcomp_checkpoint.errors import CheckpointError, ChecksumError
 
 

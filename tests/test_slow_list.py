@@ -35,3 +35,17 @@ def test_readme_snippets_are_slow_whatever_their_line() -> None:
     # A snippet runs in a fresh process (seconds): the README's line numbers are not in the list.
     assert _is_slow("tests/test_readme.py::test_snippet_runs[README.md:1-anything]")
     assert not any(re.search(r"test_snippet_runs\[", e) for e in _SLOW_TESTS)
+
+
+def _real_process_entries() -> list[str]:
+    lines = (ROOT / "tests" / "real_process_tests.txt").read_text(encoding="utf-8").splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+@pytest.mark.parametrize("entry", _real_process_entries())
+def test_every_real_process_entry_names_a_test(entry: str) -> None:
+    # scripts/test.sh runs these again with NVCKPT_TEST_PROCESSES=real: a stale id would run nothing.
+    module, _, test = entry.partition("::")
+    assert test, f"tests/real_process_tests.txt: {entry}: name a test, not a module (the list runs twice)"
+    assert (ROOT / module).is_file(), f"tests/real_process_tests.txt: {entry}: no such module"
+    assert test.split("[")[0] in _test_functions(ROOT / module), f"tests/real_process_tests.txt: {entry}: no such test"

@@ -30,6 +30,7 @@ __all__ = [
     "CopySourceGoneError",
     "MixedSaveError",
     "UnsafePathError",
+    "UnsupportedOptionError",
 ]
 
 
@@ -153,3 +154,8 @@ class UnsafePathError(FormatError):
     """A path read from a file or a store (a manifest entry, ``latest``, a delta's base record) would
     leave its checkpoint's folder or prefix, or name another store or host: refused before anything
     is read or written there."""
+
+
+class UnsupportedOptionError(CheckpointError, ValueError):
+    """An option the entry point's stack cannot honour (``entrypoint.support``): the message names the
+    option, the stack, why, and what to do instead."""

@@ -130,7 +130,8 @@ def convert_in_place(
     rows: list[dict[str, Any]] = []
     for tag in tags:
         # A conversion that did not finish (the marker is there) resumes; other problems skip the tag.
-        bad = [] if os.path.exists(os.path.join(tag, CONVERTING_NAME)) else tag_problems(tag)
+        # read_partition_count: a plain tag missing its last rank's file is incomplete too.
+        bad = [] if os.path.exists(os.path.join(tag, CONVERTING_NAME)) else tag_problems(tag, read_partition_count=True)
         if bad:
             rows.extend(
                 _row(tag, n, "skipped", os.path.getsize(os.path.join(tag, n)), os.path.getsize(os.path.join(tag, n)), bad[0])

@@ -46,6 +46,7 @@ import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import ChainPolicy
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, incremental_files, load_tree
+from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError, StateSaveError
 from nvcomp_checkpoint.incremental import keep_with_bases
 from nvcomp_checkpoint.integrations import accelerate_fsdp
@@ -192,7 +193,14 @@ def register_nvcomp_hooks(
     if accelerator.distributed_type == DistributedType.FSDP:
         accelerate_fsdp.check_fsdp_hooks(accelerator.state.fsdp_plugin, async_save)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        _check_deepspeed_hooks(async_save=async_save, tiers=tiers, incremental=incremental, leader_load=leader_load)
+        check_options(
+            "Accelerate + DeepSpeed",
+            "register_nvcomp_hooks",
+            async_save=async_save,
+            tiers=tiers,
+            incremental=incremental,
+            leader_load=leader_load,
+        )
     if isinstance(getattr(accelerator, "_nvcomp_state_hooks", None), NvcompStateHooks):
         raise CheckpointError(
             "register_nvcomp_hooks: this Accelerator already has nvcomp-checkpoint hooks; call .remove() on "
@@ -666,27 +674,6 @@ class NvcompStateHooks(SaveEntryPoint):
 
 
 # -- DeepSpeed --------------------------------------------------------------------------------
-def _check_deepspeed_hooks(*, async_save: bool, tiers: Any, incremental: object, leader_load: bool) -> None:
-    """What ``register_nvcomp_hooks`` refuses of a DeepSpeed Accelerator, before the first save."""
-    refused = [
-        name
-        for name, value in (
-            ("async_save", async_save),
-            ("tiers", tiers),
-            ("incremental", incremental),
-            ("leader_load", leader_load),
-        )
-        if value
-    ]
-    if refused:
-        raise CheckpointError(
-            f"register_nvcomp_hooks({', '.join(f'{n}=...' for n in refused)}) with DeepSpeed: each rank writes its "
-            "ZeRO partition through the DeepSpeed engine, synchronously and from its own files, and these "
-            "options are not implemented for that path. Drop them, or call nvcomp_checkpoint.deepspeed.attach("
-            "accelerator.deepspeed_engine_wrapped.engine, async_save=True) and engine.save_checkpoint yourself."
-        )
-
-
 def _attach_deepspeed(accelerator: Accelerator, policy: nc.CodecPolicy, workers: int | None) -> Callable[[], None]:
     """Attach our checkpoint engine to each DeepSpeed engine the accelerator has prepared or will prepare."""
     # Imported here: the hooks of an Accelerator without DeepSpeed must not need DeepSpeed.

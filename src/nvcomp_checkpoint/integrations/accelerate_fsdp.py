@@ -27,6 +27,7 @@ from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
 from nvcomp_checkpoint.entrypoint import checkpoint_report
+from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.errors import CheckpointError, FormatError
 from nvcomp_checkpoint.storage import LOCAL
 
@@ -445,11 +446,7 @@ def replaced_files(previous_manifest: dict[str, Any], staging: Path) -> list[str
 def check_fsdp_hooks(fsdp_plugin: Any, async_save: bool) -> None:
     """What ``register_nvcomp_hooks`` refuses of an FSDP Accelerator, before the first save."""
     _check_supported(fsdp_plugin, True, "register_nvcomp_hooks")
-    if async_save:
-        raise CheckpointError(
-            "register_nvcomp_hooks: async_save is not supported with FSDP (every rank writes its shards inside "
-            "save_state); register the hooks without it."
-        )
+    check_options("Accelerate + FSDP", "register_nvcomp_hooks", async_save=async_save)
 
 
 def check_loadable(accelerator: Any, path: Path, manifest: dict[str, Any]) -> None:

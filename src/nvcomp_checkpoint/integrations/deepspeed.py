@@ -42,6 +42,7 @@ from nvcomp_checkpoint.deepspeed_layout import (
 )
 from nvcomp_checkpoint.deepspeed_layout import deepspeed_policy as _layout_policy
 from nvcomp_checkpoint.entrypoint import incremental_files
+from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.errors import CheckpointWriteError
 from nvcomp_checkpoint.incremental import unit_base_of
 from nvcomp_checkpoint.storage import LocalStorage
@@ -373,11 +374,7 @@ def attach(
     Returns:
         The installed :class:`NvcompCheckpointEngine` (``engine.checkpoint_engine``).
     """
-    if leader_load:
-        raise ValueError(
-            "attach(leader_load=True): DeepSpeed's ZeRO ranks each load their own optimizer partition file "
-            "(zero_pp_rank_N_...), so no file is read by every rank for one to broadcast; drop leader_load"
-        )
+    check_options("DeepSpeed", "attach", leader_load=leader_load)
     old = getattr(engine, "checkpoint_engine", None)
     if old is not None and getattr(old, "is_decoupled", lambda: False)():
         raise ValueError(

@@ -13,6 +13,7 @@ from typing import Any
 from typing_extensions import override
 
 from nvcomp_checkpoint import SaveReport
+from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.errors import CheckpointError
 from nvcomp_checkpoint.version import install_hint
 
@@ -70,21 +71,14 @@ def check_deepspeed_checkpoint_io(strategy: Any) -> None:
     if plugin is None:
         return
     if isinstance(strategy, NvcompDeepSpeedStrategy):
-        refused = [
-            name
-            for name, on in (
-                ("async_save=True", getattr(plugin, "async_save", False)),
-                ("tiers=...", getattr(plugin, "tiers", None) is not None),
-                ("incremental=True", getattr(plugin, "incremental", None) is not None),
-            )
-            if on
-        ]
-        if refused:
-            raise CheckpointError(
-                f"NvcompCheckpointIO({', '.join(refused)}) with {type(strategy).__name__}: every rank writes its "
-                "DeepSpeed files compressed through the engine, synchronously and in full, without the plugin; "
-                "these options are not implemented for that path. Drop them (the plugin's policy is used)."
-            )
+        check_options(
+            "Lightning + DeepSpeed",
+            "NvcompCheckpointIO",
+            async_save=getattr(plugin, "async_save", False),
+            tiers=getattr(plugin, "tiers", None),
+            incremental=getattr(plugin, "incremental", None) is not None,
+            leader_load=getattr(plugin, "leader_load", False),
+        )
         return
     raise CheckpointError(
         f"NvcompCheckpointIO was given to Lightning's {type(strategy).__name__}, which saves through the DeepSpeed "

@@ -22,6 +22,7 @@ from nvcomp_checkpoint import CodecPolicy, SaveReport
 from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
 from nvcomp_checkpoint.dcp.layout import METADATA_NAME
 from nvcomp_checkpoint.entrypoint import as_policy, checkpoint_report, torch_weights_only
+from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.errors import CheckpointError, MixedSaveError
 from nvcomp_checkpoint.storage import storage_for, write_errors
 from nvcomp_checkpoint.version import install_hint
@@ -82,19 +83,12 @@ def _check_plugin_options(strategy: Any) -> None:
     plugin = nvcomp_plugin(strategy)
     if plugin is None:
         return
-    name = type(strategy).__name__
-    if getattr(plugin, "incremental", None) is not None:
-        raise CheckpointError(
-            f"NvcompCheckpointIO(incremental=True) with {name}: its sharded checkpoints are directories of rank files "
-            "written through torch.distributed.checkpoint, which are saved in full, never as deltas. Drop "
-            "incremental=True (tiers=... still copies each checkpoint), or save one-file checkpoints "
-            "(save_distributed_checkpoint=False / state_dict_type='full')."
-        )
-    if getattr(plugin, "async_save", False):
-        raise CheckpointError(
-            f"NvcompCheckpointIO(async_save=True) with {name}: every rank writes its shards inside save_checkpoint, "
-            "and the checkpoint is durable when it returns; nothing is left to write in the background. Drop async_save=True."
-        )
+    check_options(
+        "Lightning sharded (ModelParallel / FSDP)",
+        "NvcompCheckpointIO",
+        incremental=getattr(plugin, "incremental", None) is not None,
+        async_save=getattr(plugin, "async_save", False),
+    )
 
 
 def _teardown_checkpoint_io(strategy: Any) -> None:

@@ -35,6 +35,7 @@ from nvcomp_checkpoint.dirconvert import (
 )
 from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, load_tree
+from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.tiers import Tier
 from nvcomp_checkpoint.version import install_hint
 
@@ -376,13 +377,11 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         incremental: bool | nc.ChainPolicy = False,
         leader_load: bool = False,
     ) -> None:
-        if chain_policy_of(incremental, None, None, "NvcompTrainerCallback") is not None:
-            raise ValueError(
-                f"NvcompTrainerCallback(incremental={incremental!r}) is not supported: the Trainer deletes old checkpoint-N "
-                "folders itself (save_total_limit, best-model rotation) without asking, which would delete bases "
-                "that kept deltas need. Save in full here, or use nc.CheckpointManager(tiers, incremental=True) or "
-                "the Lightning / Accelerate integrations' incremental=True."
-            )
+        check_options(
+            "HF Trainer",
+            "NvcompTrainerCallback",
+            incremental=chain_policy_of(incremental, None, None, "NvcompTrainerCallback") is not None,
+        )
         SaveEntryPoint.__init__(
             self,
             "NvcompTrainerCallback",
@@ -445,16 +444,14 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         Trainer's other files (``model.safetensors``, the export ``from_pretrained`` reads, the
         scheduler, RNG states) stay as it writes them; this callback converts nothing itself.
         """
-        refused = [n for n, v in (("async_save", self.async_save), ("tiers", self.tiers), ("leader_load", self.leader_load)) if v]
-        if self.compress_weights:
-            refused.append("compress_weights")
-        if refused:
-            raise nc.CheckpointError(
-                f"{args.output_dir}: NvcompTrainerCallback({', '.join(f'{n}=...' for n in refused)}) with DeepSpeed: each "
-                "rank writes its ZeRO partition compressed through the DeepSpeed engine, synchronously, and "
-                "model.safetensors stays the plain export from_pretrained reads; these options are not implemented "
-                "for that path. Drop them."
-            )
+        check_options(
+            "HF Trainer + DeepSpeed",
+            f"{args.output_dir}: NvcompTrainerCallback",
+            async_save=self.async_save,
+            tiers=self.tiers,
+            leader_load=self.leader_load,
+            compress_weights=self.compress_weights,
+        )
         if trainer is None:
             raise nc.CheckpointError(
                 f"{args.output_dir}: NvcompTrainerCallback with DeepSpeed must be passed to the Trainer "
