@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import metrics
+from ..deadline import Deadline
 from ..errors import CheckpointWriteError, CopySourceGoneError
 from ..failures import FailureLog
 from .retention import TierRetention
-from .schedule import COPY_NICE, Deadline, copy_due
+from .schedule import COPY_NICE, copy_due
 from .tier0 import Pins, Tier0
 from .transfer import copy_with_retries
 from .units import TierStore, UnitManifest

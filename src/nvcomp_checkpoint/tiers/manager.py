@@ -12,6 +12,7 @@ import threading
 from typing import Any, Callable
 
 from ..api import load as _load
+from ..deadline import Deadline
 from ..delta import ChainPolicy, chain_policy_of
 from ..errors import CheckpointError, CopyTimeoutError, FormatError
 from ..failures import FailureLog
@@ -23,7 +24,7 @@ from .copier import Copier, NotCopied
 from .restore import Restored, Restorer
 from .retention import TierRetention
 from .saving import Tier0Saves
-from .schedule import CLOSE_TIMEOUT_S, RESTORE_TIMEOUT_S, Deadline, Tier
+from .schedule import CLOSE_TIMEOUT_S, RESTORE_TIMEOUT_S, Tier
 from .tier0 import ExternalTier0, OwnTier0, Pins, Tier0
 from .units import TierStore, UnitManifest
 
@@ -242,11 +243,11 @@ class CheckpointManager:
             CopyTimeoutError: Saves or copies still pending at the deadline (``exc.pending``: a
                 :class:`NotCopied` for each, naming where the step still is).
         """
-        self.wait_for_copies(timeout, "wait()")
+        self.wait_for_copies(Deadline(timeout, "CheckpointManager.wait(timeout=...)"), "wait()")
 
-    def wait_for_copies(self, timeout: float | None, what: str, *, final: bool = False) -> None:
+    def wait_for_copies(self, deadline: Deadline, what: str, *, final: bool = False) -> None:
         """:meth:`wait`, naming ``what`` at the deadline; ``final``: first copy each tier's newest step its schedule skipped."""
-        self._wait_for(Deadline(timeout), what, final=final)
+        self._wait_for(deadline, what, final=final)
         self._failures.raise_oldest()
 
     def _wait_for(self, deadline: Deadline, what: str, *, final: bool = False) -> None:
@@ -273,7 +274,7 @@ class CheckpointManager:
             )
             more = f"; and {len(left) - 8} more" if len(left) > 8 else ""
             raise CopyTimeoutError(
-                f"{what}: gave up after {deadline.seconds or 0:g} s with {len(left)} save(s) or copies not done: {listed}{more}. "
+                f"{what}: gave up after {deadline.describe()} with {len(left)} save(s) or copies not done: {listed}{more}. "
                 "Nothing half-done is listed on a tier (a step is there once its manifest is); copy the steps left "
                 "later with `nvckpt sync`, or pass a longer timeout",
                 tuple(left),
@@ -290,7 +291,7 @@ class CheckpointManager:
             CopyTimeoutError: Saves or copies not done by the deadline (``exc.pending`` names each); other failures are logged.
             CheckpointWriteError: A save or copy failed (the first one; the others are logged).
         """
-        deadline = Deadline(timeout)
+        deadline = Deadline(timeout, "CheckpointManager.close(timeout=...)")
         try:
             self._wait_for(deadline, "close()", final=True)
         except CopyTimeoutError:
@@ -351,7 +352,8 @@ class CheckpointManager:
                 return where, loader(where, opts)
             return where, None if m.directory else _load(where, map_location, weights_only=weights_only, storage_options=opts)
 
-        return self._find(step, allow_light, timeout, every_byte=False, open_unit=load)
+        deadline = Deadline(timeout, "CheckpointManager.restore(timeout=...)")
+        return self._find(step, allow_light, deadline, every_byte=False, open_unit=load)
 
     def locate(
         self, step: int | None = None, *, allow_light: bool = False, timeout: float | None = RESTORE_TIMEOUT_S
@@ -364,7 +366,8 @@ class CheckpointManager:
         def check_only(i: int, m: UnitManifest, layout: list[tuple[UnitManifest, str]] | None) -> tuple[str, Any]:
             return self._stores[i].unit_path(m.step, m.directory), None
 
-        return self._find(step, allow_light, timeout, every_byte=True, open_unit=check_only)
+        deadline = Deadline(timeout, "CheckpointManager.locate(timeout=...)")
+        return self._find(step, allow_light, deadline, every_byte=True, open_unit=check_only)
 
     def resume_path(
         self, local_dir: str | os.PathLike[str], *, allow_light: bool = False, timeout: float | None = RESTORE_TIMEOUT_S
@@ -383,12 +386,12 @@ class CheckpointManager:
             _LOG.info("step %d fetched from %s to %s", m.step, store.label, path)
             return path, None
 
-        return self._find(None, allow_light, timeout, every_byte=True, open_unit=local_path)
+        deadline = Deadline(timeout, "CheckpointManager.resume_path(timeout=...)")
+        return self._find(None, allow_light, deadline, every_byte=True, open_unit=local_path)
 
     def _find(
-        self, step: int | None, allow_light: bool, timeout: float | None, *, every_byte: bool, open_unit: Any
+        self, step: int | None, allow_light: bool, deadline: Deadline, *, every_byte: bool, open_unit: Any
     ) -> Restored | None:
-        deadline = Deadline(timeout)
         self._retention.abandon({})  # known again only once this restore has listed the tiers
         with self._lock:
             pending = list(self._tier0_saves.saving)

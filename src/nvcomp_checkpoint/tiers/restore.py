@@ -8,6 +8,7 @@ import posixpath
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from ..deadline import Deadline
 from ..errors import CheckpointError, FormatError, TierUnavailableError
 from ..storage import LOCAL, is_storage_error, local_lock
 from .chains import (
@@ -22,7 +23,7 @@ from .chains import (
     remove_quietly,
     scratch_folder,
 )
-from .schedule import Deadline, run_within
+from .schedule import run_within
 from .units import QUOTE_CHARS, TierStore, UnitManifest, entry_path
 
 __all__ = ["Restored", "Restorer", "is_damage"]
