@@ -207,8 +207,8 @@ class Copier:
             if manifest.base is not None:
                 self._copy_bases(i, manifest)
             started = time.perf_counter()
-            committed = copy_with_retries(src, dst, manifest, progress)
-            self.retention.committed(i, manifest.step)
+            with self.retention.committing(i, manifest.step):
+                committed = copy_with_retries(src, dst, manifest, progress)
             metrics.record_save_seconds(dst.label, "copy", time.perf_counter() - started)
             metrics.record_bytes_written(dst.label, committed.stored_bytes)
             metrics.record_last_step(dst.label, manifest.step)
@@ -249,14 +249,14 @@ class Copier:
             if there is not None and [f.index_xxh3 for f in there.files] == [f.index_xxh3 for f in m.files]:
                 continue  # committed there by its own copy, or by an earlier delta's
             try:
-                copy_with_retries(src, dst, m)
+                with self.retention.committing(i, m.step, newest=False):
+                    copy_with_retries(src, dst, m)
             except Exception as exc:  # noqa: BLE001
                 raise CheckpointWriteError(
                     f"{dst.label} ({dst.root}): step {manifest.step} is not copied: it is a delta against step {m.step}, "
                     f"whose copy there failed ({exc.__cause__ or exc}). A delta is committed only after its base; the tier's "
                     f"previous copies are untouched, step {manifest.step} stays on {src.label}."
                 ) from exc
-            self.retention.committed(i, m.step)
 
     # -- waiting and stopping -----------------------------------------------------------------
     def busy(self) -> bool:
