@@ -54,6 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 TIERS = (
     "schedule",
     "units",
+    "cleaning",
     "transfer",
     "chains",
     "retention",

@@ -14,6 +14,7 @@ from .. import metrics
 from ..deadline import Deadline
 from ..errors import CheckpointWriteError, CopySourceGoneError
 from ..failures import FailureLog
+from .cleaning import Cleaning
 from .retention import TierRetention
 from .schedule import COPY_NICE, copy_due
 from .tier0 import Pins, Tier0
@@ -61,6 +62,7 @@ class _CopyQueue:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + COPY_NICE))
         except (AttributeError, OSError):
             pass
+        self.copier.cleaning.ready(self.index)  # a copy is never taken for a leftover of an interrupted one
         while True:
             item = self.queue.get()
             try:
@@ -88,9 +90,11 @@ class Copier:
         retention: TierRetention,
         failures: FailureLog,
         lock: threading.RLock,
+        cleaning: Cleaning,
         on_copy_progress: Callable[[str, int, int], None] | None = None,
     ) -> None:
         self.stores, self.tier0, self.pins, self.retention, self.failures = stores, tier0, pins, retention, failures
+        self.cleaning = cleaning
         self.on_copy_progress = on_copy_progress
         self._lock = lock
         self.changed = threading.Condition(lock)  # a save committed or a copy ended
@@ -98,13 +102,16 @@ class Copier:
         self._closed = False
         self._outstanding: dict[int, list[UnitManifest]] = {}  # tier -> copies queued or running, oldest first
         self._uncopied: dict[int, UnitManifest] = {}  # tier -> newest unit its schedule (or a full queue) skipped
+        # tier -> (step, monotonic time) of its last copy; before one, the newest step a restore listed there.
         self._last_copy: dict[int, tuple[int | None, float | None]] = {}
-        for i, store in enumerate(stores[1:], 1):
-            try:
-                steps = store.steps()
-            except Exception:  # noqa: BLE001 - an unreachable tier must not stop training
-                steps = []
-            self._last_copy[i] = (steps[-1] if steps else None, None)
+
+    def listed(self, newest: dict[int, int | None]) -> None:
+        """The newest step a restore listed on each tier (a later tier whose newest step is above the run's
+        next save gets that save, which replaces it); tiers copied to already keep their last copy."""
+        with self._lock:
+            for i, step in newest.items():
+                if i > 0 and self._last_copy.get(i, (None, None))[1] is None:
+                    self._last_copy[i] = (step, None)
 
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self, manifest: UnitManifest) -> None:

@@ -157,14 +157,16 @@ class Restorer:
         every_byte: bool,
         open_unit: OpenUnit,
         deadline: Deadline,
-    ) -> tuple[Restored | None, dict[int, set[int]]]:
+    ) -> tuple[Restored | None, dict[int, set[int]], dict[int, int | None]]:
         """The newest step whose copy checks and opens, fastest tier first (see :meth:`CheckpointManager.restore`),
-        and the newer steps on each tier that the run abandons by resuming from it.
+        the newer steps on each tier that the run abandons by resuming from it, and the newest step each
+        tier listed holds (``None``: none).
 
         ``every_byte``: check every byte of a file unit (and of a delta's bases) against its manifest.
         ``open_unit(tier, manifest, layout)``: ``(path, state)`` of a copy that checked; raising skips it.
         """
         listed, unavailable = self._list_tiers(deadline)
+        newest = {i: max(manifests, default=None) for i, (manifests, _) in listed.items()}
         found: dict[int, list[tuple[int, UnitManifest | str]]] = {}
         skipped: list[tuple[int, str, str]] = [(-1, self._stores[i].label, str(e)) for i, e in sorted(unavailable.items())]
         for i, (manifests, problems) in sorted(listed.items()):
@@ -188,7 +190,7 @@ class Restorer:
                 raise refuse()
             if step is not None:
                 raise CheckpointError(f"step {step} is on no tier ({', '.join(s.root for s in self._stores)})")
-            return None, {}
+            return None, {}, newest
         unread: set[int] = set()  # steps a copy of which could not be read (not found damaged): never abandoned
         for s in candidates:
             if unavailable and step is None and (bound is None or s < bound):
@@ -214,7 +216,10 @@ class Restorer:
                     _LOG.warning("restore: skipped step %d on %s (%s): %s", s, store.label, where, reason)
                     skipped.append((s, store.label, reason))
                     continue
-                return self._restored(Restored(s, state, i, store.label, where, m.light, tuple(skipped)), listed, unread)
+                restored, abandoned = self._restored(
+                    Restored(s, state, i, store.label, where, m.light, tuple(skipped)), listed, unread
+                )
+                return restored, abandoned, newest
         if unavailable:
             raise refuse()
         detail = "; ".join(f"step {s} on {t}: {r}" for s, t, r in skipped)
