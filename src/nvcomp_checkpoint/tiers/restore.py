@@ -275,7 +275,7 @@ class Restorer:
             store = self._stores[i]
             if i not in answers:
                 unavailable[i] = TierUnavailableError(
-                    f"{store.label} ({store.root}) was not listed within {deadline.seconds or 0:g} s (unreachable or too "
+                    f"{store.label} ({store.root}) was not listed within {deadline.describe()} (unreachable or too "
                     "slow); what it holds is unknown, so nothing is taken from it or removed there: retry once it "
                     "answers, pass a longer timeout, or leave the tier out"
                 )
