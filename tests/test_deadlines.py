@@ -42,21 +42,22 @@ def test_the_helper_takes_none_and_inf_for_no_limit_and_clamps_what_threading_ac
             Deadline(value, "wait(timeout=...)")
 
 
-def _manager_calls(tmp_path) -> dict[str, Callable[[Any], Any]]:
+def _manager_calls(tmp_path) -> tuple[nc.CheckpointManager, dict[str, Callable[[Any], Any]]]:
     mgr = nc.CheckpointManager([nc.Tier(tmp_path / "a", keep=2), nc.Tier(tmp_path / "b")])
     mgr.save(1, _state(1))
-    return {
+    return mgr, {
         "restore": lambda t: mgr.restore(timeout=t),
         "locate": lambda t: mgr.locate(timeout=t),
         "resume_path": lambda t: mgr.resume_path(tmp_path / "fetched", timeout=t),
-        "wait": lambda t: mgr.wait(timeout=t),
-        "close": lambda t: mgr.close(timeout=t),
+        # A save in flight, so that the waits really wait.
+        "wait": lambda t: (mgr.save(2, _state(2)), mgr.wait(timeout=t)),
+        "close": lambda t: (mgr.save(3, _state(3)), mgr.close(timeout=t)),
     }
 
 
 @pytest.mark.parametrize("timeout", NO_LIMIT, ids=repr)
 def test_manager_waits_take_no_limit(tmp_path, timeout):
-    calls = _manager_calls(tmp_path)
+    _, calls = _manager_calls(tmp_path)
     assert calls["restore"](timeout).step == 1
     assert calls["locate"](timeout).step == 1
     assert calls["resume_path"](timeout).step == 1
@@ -66,9 +67,11 @@ def test_manager_waits_take_no_limit(tmp_path, timeout):
 
 @pytest.mark.parametrize(("value", "error"), REFUSED, ids=lambda v: repr(v)[:12])
 def test_manager_waits_refuse_what_is_not_a_number(tmp_path, value, error):
-    for name, call in _manager_calls(tmp_path).items():
+    mgr, calls = _manager_calls(tmp_path)
+    for name, call in calls.items():
         with pytest.raises(error, match=rf"CheckpointManager\.{name}\(timeout=\.\.\.\) must be a number"):
             call(value)
+    mgr.close()
 
 
 def test_tier_copies_waits(tmp_path):

@@ -28,6 +28,7 @@ def tiers(tmp_path: Path) -> Path:
     with nc.CheckpointManager([nc.Tier(tmp_path / "src"), nc.Tier(tmp_path / "dst")], async_save=False) as mgr:
         for step in range(1, 5):
             mgr.save(step, _state(step))
+            mgr.wait()  # every step copied (a copy that finds the queue full is skipped)
     return tmp_path
 
 

@@ -50,11 +50,6 @@ class Deadline:
         self.seconds = timeout_seconds(timeout, name)
         self.end = None if self.seconds is None else time.monotonic() + self.seconds
 
-    @classmethod
-    def never(cls) -> "Deadline":
-        """No limit."""
-        return cls(None)
-
     def left(self) -> float | None:
         """Seconds left, clamped to what one wait of threading or queue accepts (``None``: no limit)."""
         if self.end is None:

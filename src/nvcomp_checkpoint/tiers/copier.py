@@ -62,12 +62,15 @@ class _CopyQueue:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + COPY_NICE))
         except (AttributeError, OSError):
             pass
-        self.copier.cleaning.ready(self.index)  # a copy is never taken for a leftover of an interrupted one
+        cleaned = False
         while True:
-            item = self.queue.get()
+            item = self.queue.get()  # taken first: a copy waiting for the cleaning counts as running, not queued
             try:
                 if item is None:
                     return
+                if not cleaned:
+                    self.copier.cleaning.ready(self.index)  # a copy is never taken for a leftover of an interrupted one
+                    cleaned = True
                 if not self.stopping:
                     self.copier.copy(self.index, item[0])
             finally:
