@@ -62,6 +62,9 @@ def test_a_copy_damaged_on_dst_is_copied_again_from_src(tiers, capsys):
     assert _unit(tiers / "dst", 3).read_bytes() == _unit(tiers / "src", 3).read_bytes()
     # The text report says what was found.
     _damage(_unit(tiers / "dst", 2))
+    # --quick checks sizes and index digests only, as `nvckpt ls --quick`: a flipped data byte passes it.
+    rc, doc = _sync(capsys, "--quick", str(tiers / "src"), str(tiers / "dst"))
+    assert rc == 0 and doc["verified"] == 4 and doc["copied"] == []
     assert main(["sync", str(tiers / "src"), str(tiers / "dst")]) == 0
     out = capsys.readouterr().out
     assert "verified 3 copies" in out and "copied again [2]" in out, out
