@@ -341,6 +341,7 @@ def test_copy_killed_mid_way_is_never_listed_and_cleaned(tmp_path):
     tiers = [nc.Tier(local), nc.Tier(shared)]
     assert nc.CheckpointManager(tiers, clean=False).steps(1) == [1]  # never listed
     mgr = nc.CheckpointManager(tiers)
+    mgr.wait()  # the leftovers go in the background, before the first write to the tier
     assert _files(shared) == ["step-0000000001.manifest.json", "step-0000000001.nvc"]
     r = nc.CheckpointManager(tiers[1:]).restore()
     assert r.step == 1 and torch.equal(r.state["w"], torch.arange(1000.0))
@@ -356,7 +357,7 @@ def test_leftovers_are_cleaned_by_the_next_manager(tmp_path):
     (shared / ".step-0000000002.nvc.tmp-123-abcd").write_bytes(b"partial")
     (shared / "step-0000000003.nvc").write_bytes((shared / "step-0000000001.nvc").read_bytes())
     assert nc.CheckpointManager(tiers, clean=False).steps(1) == [1]  # never listed
-    nc.CheckpointManager(tiers)
+    nc.CheckpointManager(tiers).wait()  # the leftovers go in the background, before the first write to the tier
     assert _files(shared) == ["step-0000000001.manifest.json", "step-0000000001.nvc"]
 
 

@@ -21,7 +21,7 @@ import torch
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
 from nvcomp_checkpoint.errors import CopyTimeoutError, TierNotFoundError, TierUnavailableError
-from nvcomp_checkpoint.tiers import open_tier, verify_unit
+from nvcomp_checkpoint.tiers import TierCopies, open_tier, verify_unit
 
 pytest.importorskip("boto3")
 pytest.importorskip("s3fs")
@@ -149,3 +149,28 @@ def test_close_gives_up_on_a_frozen_tier_by_its_deadline_and_names_what_is_not_c
     for m in store.manifests().values():
         assert verify_unit(store, m) is None
     assert 1 in store.manifests()
+
+
+def test_a_manager_made_during_an_outage_holds_no_caller_past_its_deadline(moto, tmp_path):
+    """The constructor does no I/O on the tiers (leftovers are cleaned in the background, each tier before
+    its first write), so restore(timeout=2) and TierCopies.resume_path(timeout=2) return by their deadline
+    (the constructor cleaned and listed every tier first, through the client's retries: 34 s with this test's 1 s client timeouts, minutes with the defaults)."""
+    s3 = _s3_tier(moto, "made-during-outage", keep=2)
+    with nc.CheckpointManager([nc.Tier(tmp_path / "node1", keep=2), s3]) as mgr:
+        mgr.save(1, _state(1))
+    with moto.frozen():
+        started = time.monotonic()
+        mgr = nc.CheckpointManager([nc.Tier(tmp_path / "node2", keep=2), s3])
+        with pytest.raises(TierUnavailableError, match="made-during-outage"):
+            mgr.restore(timeout=2)
+        assert time.monotonic() - started < 20  # the deadline and a margin for a loaded machine (it took 34 s)
+        started = time.monotonic()
+        copies = TierCopies([s3], "X(tiers=...)")
+        with pytest.raises(TierUnavailableError, match="made-during-outage"):
+            copies.resume_path(tmp_path / "fetched", timeout=2)
+        assert time.monotonic() - started < 20  # the deadline and a margin for a loaded machine (it took 34 s)
+    # Once the endpoint answers: the same manager restores, saves and copies (after its cleaning).
+    assert mgr.restore().step == 1
+    mgr.save(2, _state(2))
+    mgr.close()
+    assert _manifests(moto, "made-during-outage") == ["step-0000000001.manifest.json", "step-0000000002.manifest.json"]

@@ -203,7 +203,8 @@ def test_save_process_killed_mid_upload(moto, tmp_path):
     assert moto.uploads() == ["killed/step-0000000002.nvc"]
 
     tiers = [nc.Tier(tmp_path / "local"), nc.Tier(url, storage_options=moto.options())]
-    mgr = nc.CheckpointManager(tiers)  # the next manager cleans up
+    mgr = nc.CheckpointManager(tiers)  # the next manager cleans up (in the background; wait() waits for it)
+    mgr.wait()
     assert moto.uploads() == []
     assert mgr.steps(1) == [1]
     assert mgr.steps(0) == [1, 2]  # the tier-0 save itself had completed

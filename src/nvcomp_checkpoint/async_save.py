@@ -18,6 +18,7 @@ from typing import IO, Any, Callable, Mapping
 from . import pending
 from .api import log_report, write_checkpoint
 from .codecs import gpu_available
+from .deadline import Deadline
 from .errors import CheckpointError, CheckpointWriteError
 from .failures import FailureLog
 from .pending import has_pending_save, path_key, wait_for_path, wait_for_saves
@@ -94,8 +95,11 @@ class AsyncSaveHandle:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until the save finishes; False if ``timeout`` seconds passed first. Never raises."""
-        return self._done.wait(timeout)
+        """Wait until the save finishes; False if ``timeout`` seconds passed first (``None``/``inf``: no limit).
+
+        Raises only for a ``timeout`` that is not a number >= 0 (``TypeError``/``ValueError``).
+        """
+        return self._done.wait(Deadline(timeout, "AsyncSaveHandle.wait(timeout=...)").left())
 
     def result(self, timeout: float | None = None) -> SaveReport:
         """The save's report once the file is durable.
@@ -109,8 +113,9 @@ class AsyncSaveHandle:
             CheckpointError: The save failed (the previous file at the path is untouched).
             TimeoutError: The save did not finish within ``timeout`` seconds.
         """
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"{self.path}: async save still running after {timeout} s")
+        deadline = Deadline(timeout, "AsyncSaveHandle.result(timeout=...)")
+        if not self._done.wait(deadline.left()):
+            raise TimeoutError(f"{self.path}: async save still running after {deadline.describe()}")
         if self._error is not None:
             self._mark_seen()
             raise self._error
@@ -119,8 +124,9 @@ class AsyncSaveHandle:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (which then counts as reported), or None if it succeeded."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"{self.path}: async save still running after {timeout} s")
+        deadline = Deadline(timeout, "AsyncSaveHandle.exception(timeout=...)")
+        if not self._done.wait(deadline.left()):
+            raise TimeoutError(f"{self.path}: async save still running after {deadline.describe()}")
         if self._error is not None:
             self._mark_seen()
         return self._error
@@ -435,16 +441,15 @@ class AsyncSaver:
             CheckpointWriteError: A save (to ``path``, if given) failed and nobody saw the error.
             TimeoutError: Saves still pending after ``timeout`` seconds.
         """
+        deadline = Deadline(timeout, "AsyncSaver.wait(timeout=...)")
         key = None if path is None else path_key(path)
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             todo = [h for h in self._live if key is None or h.key == key]
         for handle in todo:
             if threading.current_thread() is self._thread:
                 break  # a done callback waiting on its own worker's queue would never return
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not handle.wait(left):
-                raise TimeoutError(f"{handle.path}: async save still running after {timeout} s")
+            if not handle.wait(deadline.left()):
+                raise TimeoutError(f"{handle.path}: async save still running after {deadline.describe()}")
         self.raise_errors(key)
 
     def raise_errors(self, key: str | None = None) -> None:
@@ -473,6 +478,7 @@ class AsyncSaver:
 
     def close(self, timeout: float | None = None) -> None:
         """Finish every pending save, stop the worker, and raise any unseen error."""
+        deadline = Deadline(timeout, "AsyncSaver.close(timeout=...)")
         with self._lock:
             already = self._closed
             self._closed = True
@@ -480,9 +486,9 @@ class AsyncSaver:
         if not already and thread is not None and thread.is_alive():
             self._queue.put(None)
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+            thread.join(deadline.left())
             if thread.is_alive():
-                raise TimeoutError(f"async saves still running after {timeout} s")
+                raise TimeoutError(f"async saves still running after {deadline.describe()}")
         pending.unregister_saver(self)
         self.buffers.clear()
         self.raise_errors()

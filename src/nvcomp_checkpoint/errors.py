@@ -14,6 +14,7 @@ __all__ = [
     "FormatError",
     "CheckpointNotFoundError",
     "ChecksumError",
+    "NotARegularFileError",
     "CodecUnavailableError",
     "GpuCodecError",
     "GpuOutOfMemoryError",
@@ -56,6 +57,11 @@ class CheckpointNotFoundError(FormatError, FileNotFoundError):
 
 class ChecksumError(FormatError):
     """A chunk's stored bytes do not match the checksum written with them."""
+
+
+class NotARegularFileError(FormatError, OSError):
+    """A path read as a checkpoint's file is a FIFO, a device or a socket (a manifest or a listing names
+    it): refused before any byte is read, since reading one blocks for ever or never ends."""
 
 
 class CodecUnavailableError(CheckpointError):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from typing import Any, Iterable, Protocol
 
+from .deadline import Deadline
 from .storage import is_url
 
 __all__ = [
@@ -107,10 +107,9 @@ def wait_for_saves(path: str | os.PathLike[str] | None = None, timeout: float | 
         CheckpointWriteError: A save failed and nobody saw its error.
         TimeoutError: Saves still pending after ``timeout`` seconds.
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = Deadline(timeout, "wait_for_saves(timeout=...)")
     for saver in savers():
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        saver.wait(path, left)
+        saver.wait(path, deadline.left())
 
 
 def has_pending_save(path: str | os.PathLike[str]) -> bool:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 
 from .api import log_report
 from .async_save import AsyncSaveHandle, AsyncSaver, run_callback
+from .deadline import Deadline
 from .errors import CheckpointWriteError
 from .failures import FailureLog
 from .report import SaveReport, merge_reports
@@ -263,14 +264,13 @@ class SaveSequence:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every group begun so far (errors stay for :meth:`raise_errors`)."""
+        deadline = Deadline(timeout, f"{self.label}: wait(timeout=...)")
         self.guard("wait()")
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             groups = list(self._groups)
         for group in groups:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not group.finished.wait(left):
-                raise TimeoutError(f"{group.path}: async save still running after {timeout} s")
+            if not group.finished.wait(deadline.left()):
+                raise TimeoutError(f"{group.path}: async save still running after {deadline.describe()}")
         with self._lock:
             self._groups = [g for g in self._groups if not g.finished.is_set()]
 

@@ -16,12 +16,13 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import uuid
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
-from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, FormatError
+from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, FormatError, NotARegularFileError
 
 __all__ = [
     "Storage",
@@ -250,7 +251,23 @@ class LocalStorage(Storage):
             raise
 
     def open_read(self, path: str) -> IO[bytes]:
-        return open(path, "rb")
+        """A regular file, opened for reading; a FIFO, device or socket is refused before any read
+        (:class:`NotARegularFileError`): opened without blocking, checked on the descriptor itself."""
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            if not stat.S_ISREG(mode):
+                raise NotARegularFileError(
+                    f"{path}: not a regular file (a FIFO, a device or a socket); a checkpoint's file is never read from "
+                    "one (it blocks or never ends): replace it with the real file, or remove it"
+                )
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
 
     def size(self, path: str) -> int:
         return os.path.getsize(path)

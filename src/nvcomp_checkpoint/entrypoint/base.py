@@ -10,6 +10,7 @@ import time
 from typing import IO, Any, Callable, Mapping
 
 from ..api import save_with_options
+from ..deadline import Deadline
 from ..incremental import IncrementalFiles, unit_base_of
 from ..policy import CodecPolicy
 from ..report import SaveReport
@@ -108,11 +109,14 @@ class SaveEntryPoint:
         Raises:
             nvcomp_checkpoint.errors.CheckpointWriteError: A background save failed; what it would
                 have replaced is untouched.
-            TimeoutError: Still pending after ``timeout`` seconds.
+            TimeoutError: Saves still pending after ``timeout`` seconds (``None`` or ``inf``: no limit), one
+                deadline for the saves and the copies to ``tiers``
+                (:class:`~nvcomp_checkpoint.errors.CopyTimeoutError` for copies).
         """
-        self._wait_for_saves("wait()", timeout=timeout)
+        deadline = Deadline(timeout, f"{self._saves.label}.wait(timeout=...)")
+        self._wait_for_saves("wait()", timeout=deadline.left())
         if self.tiers is not None:
-            self.tiers.wait()
+            self.tiers.wait(deadline.left())
 
     def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
         """The newest checkpoint copy on ``tiers`` that checks (every file), or ``None`` (a fresh start).

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import metrics
+from ..deadline import Deadline
 from ..errors import CheckpointWriteError, CopySourceGoneError
 from ..failures import FailureLog
+from .cleaning import Cleaning
 from .retention import TierRetention
-from .schedule import COPY_NICE, Deadline, copy_due
+from .schedule import COPY_NICE, copy_due
 from .tier0 import Pins, Tier0
 from .transfer import copy_with_retries
 from .units import TierStore, UnitManifest
@@ -60,11 +62,15 @@ class _CopyQueue:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + COPY_NICE))
         except (AttributeError, OSError):
             pass
+        cleaned = False
         while True:
-            item = self.queue.get()
+            item = self.queue.get()  # taken first: a copy waiting for the cleaning counts as running, not queued
             try:
                 if item is None:
                     return
+                if not cleaned:
+                    self.copier.cleaning.ready(self.index)  # a copy is never taken for a leftover of an interrupted one
+                    cleaned = True
                 if not self.stopping:
                     self.copier.copy(self.index, item[0])
             finally:
@@ -87,9 +93,11 @@ class Copier:
         retention: TierRetention,
         failures: FailureLog,
         lock: threading.RLock,
+        cleaning: Cleaning,
         on_copy_progress: Callable[[str, int, int], None] | None = None,
     ) -> None:
         self.stores, self.tier0, self.pins, self.retention, self.failures = stores, tier0, pins, retention, failures
+        self.cleaning = cleaning
         self.on_copy_progress = on_copy_progress
         self._lock = lock
         self.changed = threading.Condition(lock)  # a save committed or a copy ended
@@ -97,13 +105,16 @@ class Copier:
         self._closed = False
         self._outstanding: dict[int, list[UnitManifest]] = {}  # tier -> copies queued or running, oldest first
         self._uncopied: dict[int, UnitManifest] = {}  # tier -> newest unit its schedule (or a full queue) skipped
+        # tier -> (step, monotonic time) of its last copy; before one, the newest step a restore listed there.
         self._last_copy: dict[int, tuple[int | None, float | None]] = {}
-        for i, store in enumerate(stores[1:], 1):
-            try:
-                steps = store.steps()
-            except Exception:  # noqa: BLE001 - an unreachable tier must not stop training
-                steps = []
-            self._last_copy[i] = (steps[-1] if steps else None, None)
+
+    def listed(self, newest: dict[int, int | None]) -> None:
+        """The newest step a restore listed on each tier (a later tier whose newest step is above the run's
+        next save gets that save, which replaces it); tiers copied to already keep their last copy."""
+        with self._lock:
+            for i, step in newest.items():
+                if i > 0 and self._last_copy.get(i, (None, None))[1] is None:
+                    self._last_copy[i] = (step, None)
 
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self, manifest: UnitManifest) -> None:
@@ -206,8 +217,8 @@ class Copier:
             if manifest.base is not None:
                 self._copy_bases(i, manifest)
             started = time.perf_counter()
-            committed = copy_with_retries(src, dst, manifest, progress)
-            self.retention.committed(i, manifest.step)
+            with self.retention.committing(i, manifest.step):
+                committed = copy_with_retries(src, dst, manifest, progress)
             metrics.record_save_seconds(dst.label, "copy", time.perf_counter() - started)
             metrics.record_bytes_written(dst.label, committed.stored_bytes)
             metrics.record_last_step(dst.label, manifest.step)
@@ -248,14 +259,14 @@ class Copier:
             if there is not None and [f.index_xxh3 for f in there.files] == [f.index_xxh3 for f in m.files]:
                 continue  # committed there by its own copy, or by an earlier delta's
             try:
-                copy_with_retries(src, dst, m)
+                with self.retention.committing(i, m.step, newest=False):
+                    copy_with_retries(src, dst, m)
             except Exception as exc:  # noqa: BLE001
                 raise CheckpointWriteError(
                     f"{dst.label} ({dst.root}): step {manifest.step} is not copied: it is a delta against step {m.step}, "
                     f"whose copy there failed ({exc.__cause__ or exc}). A delta is committed only after its base; the tier's "
                     f"previous copies are untouched, step {manifest.step} stays on {src.label}."
                 ) from exc
-            self.retention.committed(i, m.step)
 
     # -- waiting and stopping -----------------------------------------------------------------
     def busy(self) -> bool:

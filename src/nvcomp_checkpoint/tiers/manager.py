@@ -12,6 +12,7 @@ import threading
 from typing import Any, Callable
 
 from ..api import load as _load
+from ..deadline import Deadline
 from ..delta import ChainPolicy, chain_policy_of
 from ..errors import CheckpointError, CopyTimeoutError, FormatError
 from ..failures import FailureLog
@@ -19,11 +20,12 @@ from ..policy import CodecPolicy
 from ..saveoptions import SaveOptions
 from ..storage import is_url, list_names
 from .chains import lies_in_place
+from .cleaning import Cleaning
 from .copier import Copier, NotCopied
 from .restore import Restored, Restorer
 from .retention import TierRetention
 from .saving import Tier0Saves
-from .schedule import CLOSE_TIMEOUT_S, RESTORE_TIMEOUT_S, Deadline, Tier
+from .schedule import CLOSE_TIMEOUT_S, RESTORE_TIMEOUT_S, Tier
 from .tier0 import ExternalTier0, OwnTier0, Pins, Tier0
 from .units import TierStore, UnitManifest
 
@@ -55,8 +57,10 @@ class CheckpointManager:
             ``ChainPolicy``, which holds both.
         policy: Codec settings of the saves.
         workers: Compression threads.
-        clean: Remove leftovers of interrupted saves and copies from every tier now. Only one
-            manager may work on a tier root at a time.
+        clean: Remove leftovers of interrupted saves and copies from every tier, in the background (the
+            constructor does no I/O on the tiers); a save to tier 0, :meth:`unit_path` and the copies to a
+            tier wait for its cleaning first, :meth:`wait` and :meth:`close` for every tier's, within their
+            deadline. Only one manager may work on a tier root at a time.
         on_copy_progress: Called as ``fn(tier_name, step, nbytes)`` for each chunk copied.
         tier0_external: Tier 0 is a framework's own checkpoint folder (Lightning's
             ``ModelCheckpoint``, Accelerate's ``save_state``, the Trainer's ``checkpoint-N``),
@@ -116,11 +120,9 @@ class CheckpointManager:
         self._pins = Pins(self._tier0, self._lock)
         self._retention = TierRetention(self._stores, self._pins.steps)
         self._restorer = Restorer(self._stores, first=0 if self._tier0.managed else 1)
-        for i, store in enumerate(self._stores):
-            if clean and (i or self._tier0.managed):
-                _clean(store)
+        self._cleaning = Cleaning(self._stores, [clean and (i > 0 or self._tier0.managed) for i in range(len(tiers))])
         self._copier = Copier(
-            self._stores, self._tier0, self._pins, self._retention, self._failures, self._lock, on_copy_progress
+            self._stores, self._tier0, self._pins, self._retention, self._failures, self._lock, self._cleaning, on_copy_progress
         )
         self._tier0_saves = Tier0Saves(
             self._stores[0],
@@ -141,7 +143,9 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------------------------
     def unit_path(self, step: int, *, directory: bool = False) -> str:
-        """Where a save of ``step`` goes on tier 0 (a folder for a sharded, multi-file unit)."""
+        """Where a save of ``step`` goes on tier 0 (a folder for a sharded, multi-file unit); once tier 0 is
+        cleaned of leftovers (which would take a unit being written there for one)."""
+        self._cleaning.ready(0)
         return self._stores[0].unit_path(step, directory)
 
     def save(self, step: int, state: Any, *, light: bool | None = None) -> Any:
@@ -162,6 +166,7 @@ class CheckpointManager:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         self._tier0.check_writable("save()")
+        self._cleaning.ready(0)
         return self._tier0_saves.save(step, state, light)
 
     def commit(self, step: int, *, light: bool = False, directory: bool | None = None) -> UnitManifest:
@@ -171,6 +176,7 @@ class CheckpointManager:
             CheckpointError: Nothing is there for ``step``.
         """
         self._tier0.check_writable("commit()")
+        self._cleaning.ready(0)
         store = self._stores[0]
         if directory is None:
             directory = list_names(store.storage, store.root).get(f"step-{step:010d}", False)
@@ -242,16 +248,17 @@ class CheckpointManager:
             CopyTimeoutError: Saves or copies still pending at the deadline (``exc.pending``: a
                 :class:`NotCopied` for each, naming where the step still is).
         """
-        self.wait_for_copies(timeout, "wait()")
+        self.wait_for_copies(Deadline(timeout, "CheckpointManager.wait(timeout=...)"), "wait()")
 
-    def wait_for_copies(self, timeout: float | None, what: str, *, final: bool = False) -> None:
+    def wait_for_copies(self, deadline: Deadline, what: str, *, final: bool = False) -> None:
         """:meth:`wait`, naming ``what`` at the deadline; ``final``: first copy each tier's newest step its schedule skipped."""
-        self._wait_for(Deadline(timeout), what, final=final)
+        self._wait_for(deadline, what, final=final)
         self._failures.raise_oldest()
 
     def _wait_for(self, deadline: Deadline, what: str, *, final: bool = False) -> None:
         """Wait for the pending saves and copies (``final``: and copy each tier's newest step its
         schedule skipped) until ``deadline``; raise :class:`CopyTimeoutError` naming what is left."""
+        self._cleaning.wait(deadline)  # not reported at the deadline: a tier left uncleaned is no failure
         changed = self._copier.changed
         with changed:
             while self._tier0_saves.saving and not deadline.expired:  # a completion may still be queueing copies
@@ -273,7 +280,7 @@ class CheckpointManager:
             )
             more = f"; and {len(left) - 8} more" if len(left) > 8 else ""
             raise CopyTimeoutError(
-                f"{what}: gave up after {deadline.seconds or 0:g} s with {len(left)} save(s) or copies not done: {listed}{more}. "
+                f"{what}: gave up after {deadline.describe()} with {len(left)} save(s) or copies not done: {listed}{more}. "
                 "Nothing half-done is listed on a tier (a step is there once its manifest is); copy the steps left "
                 "later with `nvckpt sync`, or pass a longer timeout",
                 tuple(left),
@@ -290,7 +297,7 @@ class CheckpointManager:
             CopyTimeoutError: Saves or copies not done by the deadline (``exc.pending`` names each); other failures are logged.
             CheckpointWriteError: A save or copy failed (the first one; the others are logged).
         """
-        deadline = Deadline(timeout)
+        deadline = Deadline(timeout, "CheckpointManager.close(timeout=...)")
         try:
             self._wait_for(deadline, "close()", final=True)
         except CopyTimeoutError:
@@ -351,7 +358,8 @@ class CheckpointManager:
                 return where, loader(where, opts)
             return where, None if m.directory else _load(where, map_location, weights_only=weights_only, storage_options=opts)
 
-        return self._find(step, allow_light, timeout, every_byte=False, open_unit=load)
+        deadline = Deadline(timeout, "CheckpointManager.restore(timeout=...)")
+        return self._find(step, allow_light, deadline, every_byte=False, open_unit=load)
 
     def locate(
         self, step: int | None = None, *, allow_light: bool = False, timeout: float | None = RESTORE_TIMEOUT_S
@@ -364,7 +372,8 @@ class CheckpointManager:
         def check_only(i: int, m: UnitManifest, layout: list[tuple[UnitManifest, str]] | None) -> tuple[str, Any]:
             return self._stores[i].unit_path(m.step, m.directory), None
 
-        return self._find(step, allow_light, timeout, every_byte=True, open_unit=check_only)
+        deadline = Deadline(timeout, "CheckpointManager.locate(timeout=...)")
+        return self._find(step, allow_light, deadline, every_byte=True, open_unit=check_only)
 
     def resume_path(
         self, local_dir: str | os.PathLike[str], *, allow_light: bool = False, timeout: float | None = RESTORE_TIMEOUT_S
@@ -383,21 +392,22 @@ class CheckpointManager:
             _LOG.info("step %d fetched from %s to %s", m.step, store.label, path)
             return path, None
 
-        return self._find(None, allow_light, timeout, every_byte=True, open_unit=local_path)
+        deadline = Deadline(timeout, "CheckpointManager.resume_path(timeout=...)")
+        return self._find(None, allow_light, deadline, every_byte=True, open_unit=local_path)
 
     def _find(
-        self, step: int | None, allow_light: bool, timeout: float | None, *, every_byte: bool, open_unit: Any
+        self, step: int | None, allow_light: bool, deadline: Deadline, *, every_byte: bool, open_unit: Any
     ) -> Restored | None:
-        deadline = Deadline(timeout)
         self._retention.abandon({})  # known again only once this restore has listed the tiers
         with self._lock:
             pending = list(self._tier0_saves.saving)
         for group in pending:
             group.finished.wait(deadline.left())
-        found, abandoned = self._restorer.find(
+        found, abandoned, newest = self._restorer.find(
             step, allow_light=allow_light, every_byte=every_byte, open_unit=open_unit, deadline=deadline
         )
         self._retention.abandon(abandoned)
+        self._copier.listed(newest)
         return found
 
     def fetch(self, step: int, tier: int, local_dir: str | os.PathLike[str]) -> str:
@@ -422,14 +432,3 @@ class CheckpointManager:
             if exc_type is None:
                 raise
             _LOG.error("while closing the checkpoint manager: %s", err)
-
-
-def _clean(store: TierStore) -> None:
-    """Remove the leftovers of interrupted saves and copies from ``store`` (a tier that does not answer is left)."""
-    try:
-        removed = store.clean_leftovers()
-    except Exception as exc:  # noqa: BLE001 - an unreachable tier must not stop training
-        _LOG.warning("%s (%s): could not clean leftovers: %s", store.label, store.root, exc)
-        return
-    if removed:
-        _LOG.warning("%s: removed leftovers of interrupted saves or copies: %s", store.label, ", ".join(removed))

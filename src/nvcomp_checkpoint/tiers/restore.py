@@ -8,6 +8,7 @@ import posixpath
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from ..deadline import Deadline
 from ..errors import CheckpointError, FormatError, TierUnavailableError
 from ..storage import LOCAL, is_storage_error, local_lock
 from .chains import (
@@ -22,7 +23,7 @@ from .chains import (
     remove_quietly,
     scratch_folder,
 )
-from .schedule import Deadline, run_within
+from .schedule import run_within
 from .units import QUOTE_CHARS, TierStore, UnitManifest, entry_path
 
 __all__ = ["Restored", "Restorer", "is_damage"]
@@ -156,14 +157,16 @@ class Restorer:
         every_byte: bool,
         open_unit: OpenUnit,
         deadline: Deadline,
-    ) -> tuple[Restored | None, dict[int, set[int]]]:
+    ) -> tuple[Restored | None, dict[int, set[int]], dict[int, int | None]]:
         """The newest step whose copy checks and opens, fastest tier first (see :meth:`CheckpointManager.restore`),
-        and the newer steps on each tier that the run abandons by resuming from it.
+        the newer steps on each tier that the run abandons by resuming from it, and the newest step each
+        tier listed holds (``None``: none).
 
         ``every_byte``: check every byte of a file unit (and of a delta's bases) against its manifest.
         ``open_unit(tier, manifest, layout)``: ``(path, state)`` of a copy that checked; raising skips it.
         """
         listed, unavailable = self._list_tiers(deadline)
+        newest = {i: max(manifests, default=None) for i, (manifests, _) in listed.items()}
         found: dict[int, list[tuple[int, UnitManifest | str]]] = {}
         skipped: list[tuple[int, str, str]] = [(-1, self._stores[i].label, str(e)) for i, e in sorted(unavailable.items())]
         for i, (manifests, problems) in sorted(listed.items()):
@@ -187,7 +190,7 @@ class Restorer:
                 raise refuse()
             if step is not None:
                 raise CheckpointError(f"step {step} is on no tier ({', '.join(s.root for s in self._stores)})")
-            return None, {}
+            return None, {}, newest
         unread: set[int] = set()  # steps a copy of which could not be read (not found damaged): never abandoned
         for s in candidates:
             if unavailable and step is None and (bound is None or s < bound):
@@ -213,7 +216,10 @@ class Restorer:
                     _LOG.warning("restore: skipped step %d on %s (%s): %s", s, store.label, where, reason)
                     skipped.append((s, store.label, reason))
                     continue
-                return self._restored(Restored(s, state, i, store.label, where, m.light, tuple(skipped)), listed, unread)
+                restored, abandoned = self._restored(
+                    Restored(s, state, i, store.label, where, m.light, tuple(skipped)), listed, unread
+                )
+                return restored, abandoned, newest
         if unavailable:
             raise refuse()
         detail = "; ".join(f"step {s} on {t}: {r}" for s, t, r in skipped)
@@ -269,7 +275,7 @@ class Restorer:
             store = self._stores[i]
             if i not in answers:
                 unavailable[i] = TierUnavailableError(
-                    f"{store.label} ({store.root}) was not listed within {deadline.seconds or 0:g} s (unreachable or too "
+                    f"{store.label} ({store.root}) was not listed within {deadline.describe()} (unreachable or too "
                     "slow); what it holds is unknown, so nothing is taken from it or removed there: retry once it "
                     "answers, pass a longer timeout, or leave the tier out"
                 )

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Iterable
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
 
 from ..delta import retained
 from .units import TierStore, UnitManifest
@@ -54,20 +55,50 @@ def newer_steps(steps: Iterable[int], top: int | None, replaceable: set[int]) ->
 
 class TierRetention:
     """Retention on the tiers of one manager, with what this run knows: the steps it committed on each
-    tier, and the newer steps its last restore did not resume from (both may be replaced by its saves)."""
+    tier, and the newer steps its last restore did not resume from (both may be replaced by its saves).
+
+    A step is recorded as the manager's own (:meth:`committing`) before its manifest makes it visible:
+    retention runs on several threads (a save's commit, the end of a copy), and one that listed the tier
+    between the manifest and the record took the manager's newest step for a foreign run's.
+    """
 
     def __init__(self, stores: list[TierStore], pinned: Callable[[], set[int]]) -> None:
         self.stores = stores
         self.pinned = pinned  # tier-0 steps that queued or running copies (or a delta being saved) still read
         self._lock = threading.Lock()
         self._locks = [threading.Lock() for _ in stores]
-        self._own: dict[int, set[int]] = {}  # tier -> steps this manager committed there
+        self._own: dict[int, set[int]] = {}  # tier -> steps this manager committed there (or is committing)
+        self._head: dict[int, int] = {}  # tier -> the step this manager committed there last (not a base)
         self._abandoned: dict[int, set[int]] = {}  # tier -> newer steps the last restore listed and did not resume from
         self._kept_newer: dict[int, tuple[int, ...]] = {}  # tier -> newer steps a save last warned it keeps
 
-    def committed(self, i: int, step: int) -> None:
+    @contextmanager
+    def committing(self, i: int, step: int, *, newest: bool = True) -> Iterator[None]:
+        """Record ``step`` as this manager's own on tier ``i`` for the commit in the ``with`` block (its
+        manifest written there); forgotten if the block raises.
+
+        ``newest``: the step is the run's newest on the tier (a save, or a copy of one): steps of this run
+        above it are replaced (a restore went back). ``False`` for a base copied before its delta.
+        """
         with self._lock:
-            self._own.setdefault(i, set()).add(step)
+            own = self._own.setdefault(i, set())
+            before = (step in own, self._head.get(i))
+            own.add(step)
+            self._abandoned.get(i, set()).discard(step)  # saved again by this run: its own now
+            if newest:
+                self._head[i] = step
+        try:
+            yield
+        except BaseException:
+            with self._lock:
+                if not before[0]:
+                    own.discard(step)
+                if newest and self._head.get(i) == step:
+                    if before[1] is None:
+                        self._head.pop(i, None)
+                    else:
+                        self._head[i] = before[1]
+            raise
 
     def abandon(self, abandoned: dict[int, set[int]]) -> None:
         """What the last restore left above the step it resumed from, per tier (``{}``: not known yet)."""
@@ -77,10 +108,11 @@ class TierRetention:
     def apply(self, i: int, committed: int | None = None) -> list[int]:
         """Delete the steps tier ``i`` no longer keeps; never its newest step or newest full step.
 
-        ``committed``: the step just committed there. Steps above it that this run abandoned (the
+        ``committed``: the step just committed there (default: the one this manager committed there
+        last; a commit recorded since then counts instead). Steps above it that this run abandoned (the
         last restore listed them there and resumed from an older step, or this manager committed
-        them) are removed first. Steps above it that this run never saw (restore() was not called,
-        or could not list the tier) are kept, with a warning, and left out of the count.
+        them before going back) are removed first. Steps above it that this run never saw (restore()
+        was not called, or could not list the tier) are kept, with a warning, and left out of the count.
         """
         store, tier = self.stores[i], self.stores[i].tier
         with self._locks[i]:
@@ -88,7 +120,7 @@ class TierRetention:
             with self._lock:
                 own = set(self._own.get(i, ()))
                 replaceable = own | self._abandoned.get(i, set())
-            top = committed if committed is not None else max(own, default=None)
+                top = self._head.get(i, committed)
             replaced, kept_newer = newer_steps(manifests, top, replaceable)
             for step in replaced:
                 _LOG.warning(

@@ -149,8 +149,8 @@ class Tier0Saves:
                 f"failed or it was removed); step {step} is not committed. The next save is full."
             )
         manifest = store.describe(step, directory, light, base=base)
-        store.write_manifest(manifest)
-        self.retention.committed(0, step)
+        with self.retention.committing(0, step):
+            store.write_manifest(manifest)
         metrics.record_bytes_written(store.label, manifest.stored_bytes)
         metrics.record_last_step(store.label, step)
         if report is not None and report.stored_bytes:

@@ -1,16 +1,16 @@
-"""A tier's configuration and its copy schedule, and the deadlines that the waits of the tiers share."""
+"""A tier's configuration and its copy schedule, and calls bounded by a deadline."""
 
 from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
+from ..deadline import Deadline
 from ..storage import is_url
 
-__all__ = ["Tier", "copy_due", "Deadline", "run_within", "CLOSE_TIMEOUT_S", "RESTORE_TIMEOUT_S", "COPY_NICE"]
+__all__ = ["Tier", "copy_due", "run_within", "CLOSE_TIMEOUT_S", "RESTORE_TIMEOUT_S", "COPY_NICE"]
 
 #: How much nicer than the process a copy thread runs (Linux schedules threads by their own nice value).
 COPY_NICE = 10
@@ -83,23 +83,6 @@ class Tier:
 
 
 _K = TypeVar("_K")
-
-
-class Deadline:
-    """One point in time that several waits share (``None``: no limit)."""
-
-    def __init__(self, seconds: float | None) -> None:
-        if seconds is not None and not seconds >= 0:
-            raise ValueError(f"timeout must be a non-negative number of seconds or None, got {seconds!r}")
-        self.seconds = seconds
-        self.end = None if seconds is None else time.monotonic() + seconds
-
-    def left(self) -> float | None:
-        return None if self.end is None else max(0.0, self.end - time.monotonic())
-
-    @property
-    def expired(self) -> bool:
-        return self.end is not None and time.monotonic() >= self.end
 
 
 def run_within(calls: dict[_K, Callable[[], Any]], deadline: Deadline, name: str) -> dict[_K, tuple[Any, BaseException | None]]:

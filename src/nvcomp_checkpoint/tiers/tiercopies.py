@@ -7,6 +7,7 @@ import os
 import threading
 from typing import Any, Callable, Iterable
 
+from ..deadline import Deadline
 from ..storage import is_url
 from .manager import CheckpointManager
 from .restore import Restored
@@ -96,8 +97,9 @@ class TierCopies:
         Raises:
             CopyTimeoutError: Copies not done by the deadline (``exc.pending`` names each).
         """
+        deadline = Deadline(timeout, f"{self.label}.wait(timeout=...)")
         if self._manager is not None:
-            self._manager.wait_for_copies(timeout, f"{self.label}: waiting for the copies to the tiers", final=final)
+            self._manager.wait_for_copies(deadline, f"{self.label}: waiting for the copies to the tiers", final=final)
 
     def remove_after_copies(self, path: str | os.PathLike[str], delete: Callable[[], None]) -> bool:
         """The framework removes ``path``: now, or once its copies to the tiers are done (see
@@ -109,7 +111,8 @@ class TierCopies:
 
     def locate(self, step: int | None = None, timeout: float | None = RESTORE_TIMEOUT_S) -> Restored | None:
         """The newest copy on the tiers that checks (see :meth:`CheckpointManager.locate`)."""
-        return self.manager().locate(step, timeout=timeout)
+        deadline = Deadline(timeout, f"{self.label}.locate(timeout=...)")
+        return self.manager().locate(step, timeout=deadline.left())
 
     def resume_path(
         self, local_dir: str | os.PathLike[str] | None = None, timeout: float | None = RESTORE_TIMEOUT_S
@@ -124,8 +127,9 @@ class TierCopies:
         ``local_dir`` (default ``.nvckpt-restore`` in the working directory), since frameworks
         load local paths (see :meth:`CheckpointManager.resume_path`).
         """
+        deadline = Deadline(timeout, f"{self.label}.resume_path(timeout=...)")
         target = local_dir if local_dir is not None else os.path.join(os.getcwd(), ".nvckpt-restore")
-        found = self.manager().resume_path(target, timeout=timeout)
+        found = self.manager().resume_path(target, timeout=deadline.left())
         if found is None:
             return None
         _LOG.info("%s: resume from step %d on %s (%s)", self.owner, found.step, found.tier_name, found.path)
