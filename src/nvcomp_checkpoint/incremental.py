@@ -11,6 +11,7 @@ import posixpath
 import threading
 from typing import Any, Callable, Iterable
 
+from .credentials import StorageOptions
 from .delta import ChainPolicy, base_path_of, retained
 from .errors import CheckpointError
 from .reader import CheckpointReader
@@ -75,7 +76,7 @@ class IncrementalFiles:
         self.policy = ChainPolicy() if policy is None else policy
         self.owner = owner
         self.can_be_base = can_be_base or _any_file
-        self.storage_options = storage_options
+        self.storage_options = StorageOptions.of(storage_options)
         self._history: dict[str, list[str]] = {}  # slot -> paths saved in its current chain
         self._written: set[str] = set()  # every path saved by this process (a second save rewrites it)
         self._doomed: set[str] = set()

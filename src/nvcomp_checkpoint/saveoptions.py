@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Mapping
 
+from .credentials import StorageOptions
 from .policy import CodecPolicy
 from .writer import checked_metadata
 
@@ -19,7 +20,8 @@ class SaveOptions:
 
     Keyword-only, so that ``metadata`` (stored in the file's index) and ``storage_options`` (handed to
     fsspec: credentials, endpoints), both dicts, can never trade places; ``repr`` leaves out the
-    storage options' values. Build it with :meth:`of`, which converts and checks the public keywords.
+    storage options, kept as :class:`~nvcomp_checkpoint.credentials.StorageOptions` (credentials
+    shown as ``***``). Build it with :meth:`of`, which converts and checks the public keywords.
 
     Attributes:
         policy: The codec policy (already converted by :meth:`CodecPolicy.of`).
@@ -34,7 +36,7 @@ class SaveOptions:
 
     policy: CodecPolicy = field(default_factory=CodecPolicy)
     metadata: dict[str, Any] = field(default_factory=dict)
-    storage_options: dict[str, Any] | None = field(default=None, repr=False)
+    storage_options: StorageOptions | None = field(default=None, repr=False)
     workers: int | None = None
     progress: Callable[[int], None] | None = field(default=None, repr=False)
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = field(default=None, repr=False)
@@ -48,6 +50,7 @@ class SaveOptions:
             raise TypeError(f"SaveOptions.metadata must be a dict, got {type(self.metadata).__name__}")
         if self.storage_options is not None and not isinstance(self.storage_options, dict):
             raise TypeError(f"SaveOptions.storage_options must be a dict or None, got {type(self.storage_options).__name__}")
+        object.__setattr__(self, "storage_options", StorageOptions.of(self.storage_options))
         if self.workers is not None and (not isinstance(self.workers, int) or isinstance(self.workers, bool)):
             raise TypeError(f"workers must be a positive int or None (every core), got {self.workers!r}")
         if self.workers is not None and self.workers < 1:
@@ -93,7 +96,7 @@ class SaveOptions:
             policy=CodecPolicy.of(policy, f"{caller}(policy=...)"),
             # A JSON copy taken now: the caller may change its dict while a background save runs.
             metadata=checked_metadata(metadata, where),
-            storage_options=None if storage_options is None else dict(storage_options),
+            storage_options=StorageOptions.of(storage_options),
             workers=workers,
             progress=progress,
             stream_wrapper=stream_wrapper,
