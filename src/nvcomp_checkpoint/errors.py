@@ -29,6 +29,8 @@ __all__ = [
     "CopySourceError",
     "CopySourceGoneError",
     "MixedSaveError",
+    "NestingLimitError",
+    "DeepSpeedTagNotFoundError",
 ]
 
 
@@ -146,3 +148,13 @@ class CopySourceGoneError(CopySourceError):
 class MixedSaveError(FormatError):
     """A file of a checkpoint directory was written by another save than the rest of it (a file
     copied in from an earlier or later checkpoint): loading it would mix two training states."""
+
+
+class NestingLimitError(FormatError, ValueError):
+    """A JSON document read from a file (an index, a manifest, ``latest``'s tag) is nested deeper than
+    :data:`nvcomp_checkpoint.boundedjson.MAX_JSON_DEPTH` levels: no file this library writes is, so the file is
+    damaged or forged. A ``ValueError`` too, as ``json``'s own decoding errors are."""
+
+
+class DeepSpeedTagNotFoundError(CheckpointNotFoundError):
+    """A DeepSpeed checkpoint folder's ``latest`` (or the caller's ``tag=``) names a tag that is not there."""

@@ -11,6 +11,7 @@ import posixpath
 import threading
 from typing import Any, Callable, Iterable
 
+from . import boundedjson
 from .credentials import StorageOptions
 from .delta import ChainPolicy, base_path_of, retained
 from .errors import CheckpointError
@@ -241,7 +242,7 @@ class IncrementalFiles:
         storage, _ = storage_for(folder, self.storage_options)
         try:
             with storage.open_read(_child(folder, DEFERRED_NAME)) as f:
-                names = json.loads(f.read())
+                names = boundedjson.loads(f.read(), _child(folder, DEFERRED_NAME), "list of deferred deletions")
         except (FileNotFoundError, ValueError):
             return
         if isinstance(names, list):

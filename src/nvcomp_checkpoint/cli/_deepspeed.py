@@ -27,6 +27,7 @@ from nvcomp_checkpoint.deepspeed_layout import (
     read_latest,
     tag_dirs,
     tag_problems,
+    tag_to_load,
     write_manifest,
 )
 from nvcomp_checkpoint.errors import CheckpointError, FormatError
@@ -93,9 +94,11 @@ def problems(path: str, max_bytes: int | None) -> tuple[list[dict[str, Any]], in
     """Every problem of a DeepSpeed folder (each tag's completeness, then each file), and the number of files checked."""
     found: list[dict[str, Any]] = []
     tags = tags_of(path)
-    latest = None if is_tag_dir(path) else read_latest(path)
-    if latest is not None and not os.path.isdir(os.path.join(path, latest)):
-        found.append({"file": os.path.join(path, "latest"), "tensor": None, "error": f"names tag {latest!r}, which is not there"})
+    if not is_tag_dir(path):
+        try:
+            tag_to_load(path)
+        except FormatError as exc:  # `latest` damaged, or naming a tag that is not there: a bad checkpoint
+            found.append({"file": os.path.join(path, "latest"), "tensor": None, "error": str(exc)})
     checked = 0
     for tag in tags:
         found.extend({"file": tag, "tensor": None, "error": e} for e in tag_problems(tag, read_partition_count=True))

@@ -34,6 +34,7 @@ from nvcomp_checkpoint.deepspeed_layout import (
     check_tag_complete,
     deepspeed_safe_globals,
     load_deepspeed_file,
+    tag_to_load,
     write_latest,
     write_manifest,
 )
@@ -408,6 +409,18 @@ def attach(
 
     save_checkpoint.__doc__ = original.__doc__
     engine.save_checkpoint = save_checkpoint
+    original_load = getattr(engine, "load_checkpoint", None)
+    if original_load is not None:
+
+        def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+            # A tag that is not there (`latest` naming a removed tag) is named with the fix, on every rank, before
+            # DeepSpeed fails on a bare assertion; a universal checkpoint has its own `latest_universal`.
+            if not getattr(engine, "load_universal_checkpoint", lambda: False)():
+                tag_to_load(load_dir, tag)
+            return original_load(load_dir, tag, *args, **kwargs)
+
+        load_checkpoint.__doc__ = original_load.__doc__
+        engine.load_checkpoint = load_checkpoint
     return ours
 
 

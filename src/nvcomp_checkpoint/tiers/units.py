@@ -14,7 +14,8 @@ from typing import Any
 
 import xxhash
 
-from ..errors import CheckpointError, FormatError, TierNotFoundError, TierUnavailableError
+from .. import boundedjson
+from ..errors import CheckpointError, FormatError, NestingLimitError, TierNotFoundError, TierUnavailableError
 from ..format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
 from ..reader import CheckpointReader
 from ..storage import Storage, abort_unfinished_uploads, is_temp_name, list_names, storage_for, write_errors
@@ -95,7 +96,7 @@ class UnitManifest:
     @classmethod
     def from_json(cls, data: bytes, where: str) -> "UnitManifest":
         try:
-            doc = json.loads(data)
+            doc = boundedjson.loads(data, where, "unit manifest")
             if doc.get("format") != MANIFEST_FORMAT:
                 raise ValueError("not a unit manifest")
             files = tuple(FileEntry(str(f["path"]), int(f["size"]), f.get("index_xxh3"), f.get("xxh3")) for f in doc["files"])
@@ -108,6 +109,8 @@ class UnitManifest:
                 float(doc["created"]),
                 base=None if base is None else int(base),
             )
+        except NestingLimitError:
+            raise  # names the file and the depth already
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise FormatError(f"{where}: damaged unit manifest ({exc})") from exc
         # Manifests written before the unit's name was recorded have none; their step is still checked.
