@@ -32,6 +32,7 @@ class SaveOptions:
         stream_wrapper: Wraps the output stream.
         base: The checkpoint this save is a delta against (``None``: a full save).
         base_state: With ``base``: the state saved there, kept by the caller.
+        file_mode: Permission bits of the new local file (``None``: ``0o666`` less the umask).
     """
 
     policy: CodecPolicy = field(default_factory=CodecPolicy)
@@ -42,6 +43,7 @@ class SaveOptions:
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = field(default=None, repr=False)
     base: str | None = None
     base_state: Any = field(default=None, repr=False)
+    file_mode: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, CodecPolicy):
@@ -57,6 +59,10 @@ class SaveOptions:
             raise ValueError(f"workers must be a positive int or None (every core), got {self.workers!r}")
         if self.base is not None and not isinstance(self.base, str):
             raise TypeError(f"SaveOptions.base must be a str path or None (see SaveOptions.of), got {type(self.base).__name__}")
+        if self.file_mode is not None and (
+            not isinstance(self.file_mode, int) or isinstance(self.file_mode, bool) or not 0 <= self.file_mode <= 0o7777
+        ):
+            raise ValueError(f"file_mode must be permission bits (0 to 0o7777, such as 0o600) or None, got {self.file_mode!r}")
         if self.base_state is not None and self.base is None:
             raise ValueError("base_state is the state saved to `base`; pass base= too")
 
@@ -74,6 +80,7 @@ class SaveOptions:
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         base: str | os.PathLike[str] | None = None,
         base_state: Any = None,
+        file_mode: int | None = None,
     ) -> SaveOptions:
         """The options of a save to ``path`` from the public keywords, each converted and checked here.
 
@@ -102,4 +109,5 @@ class SaveOptions:
             stream_wrapper=stream_wrapper,
             base=None if base is None else os.fspath(base),
             base_state=base_state,
+            file_mode=file_mode,
         )

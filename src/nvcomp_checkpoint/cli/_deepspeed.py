@@ -8,6 +8,7 @@ usually named by ``latest``), or is one tag. Files are read with the allow-list 
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any, Callable
 
 import torch
@@ -152,12 +153,13 @@ def convert_in_place(
                 rows.append(_row(tag, name, "kept", before, before))
                 continue
             started(name)
+            mode = stat.S_IMODE(os.stat(full).st_mode)  # kept, as gzip keeps it: a private rank file stays private
             with deepspeed_safe_globals():
                 tree = nc.load(full, map_location="cpu", weights_only=True)
                 if to_ours:
-                    nc.save(tree, full, policy, workers=workers)
+                    nc.save(tree, full, policy, workers=workers, file_mode=mode)
                 else:
-                    with LOCAL.open_write(full) as f:
+                    with LOCAL.open_write(full, mode=mode) as f:
                         torch.save(tree, f)
             rows.append(_row(tag, name, "compressed" if to_ours else "decompressed", before, os.path.getsize(full)))
         if to_ours:
