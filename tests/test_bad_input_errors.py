@@ -30,6 +30,7 @@ from nvcomp_checkpoint.errors import (
     DeepSpeedTagNotFoundError,
     FormatError,
     NestingLimitError,
+    TierUnavailableError,
     UnsupportedObjectError,
 )
 from nvcomp_checkpoint.format.layout import FOOTER, pack_footer, unpack_footer
@@ -210,16 +211,24 @@ def _free_port() -> int:
 
 
 # -- other manifests and files read as JSON ---------------------------------------------------
-def test_a_unit_manifest_nested_a_million_deep_does_not_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("damage", ["nested-a-million-deep", "a-directory"])
+def test_a_damaged_unit_manifest_does_not_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str) -> None:
     with nc.CheckpointManager([nc.Tier(tmp_path / "tier")], async_save=False) as mgr:
         mgr.save(1, {"w": torch.arange(16.0)})
     (manifest,) = [p for p in (tmp_path / "tier").iterdir() if p.name.endswith(".json")]
-    manifest.write_bytes(DEEP)
-    code, out = _cli(capsys, "ls", tmp_path / "tier")
-    assert code == 1 and "nested" in out
+    if damage == "a-directory":
+        manifest.unlink()
+        manifest.mkdir()
+        words = "is a directory, not a unit manifest"
+    else:
+        manifest.write_bytes(DEEP)
+        words = "nested 1000001 levels"
+    code, out = _cli(capsys, "ls", tmp_path / "tier", "--json")
+    assert code == 1 and words in out  # the step does not verify; the tier is listed (not an outage)
     with nc.CheckpointManager([nc.Tier(tmp_path / "tier")], async_save=False) as mgr:
-        with pytest.raises(CheckpointError, match="nested 1000001 levels"):
+        with pytest.raises(CheckpointError, match=words) as info:
             mgr.restore()
+    assert not isinstance(info.value, TierUnavailableError)
 
 
 def test_a_directory_manifest_nested_a_million_deep_is_a_format_error(tmp_path: Path) -> None:

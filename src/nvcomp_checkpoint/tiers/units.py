@@ -209,6 +209,8 @@ class TierStore:
                 data = f.read(1 << 24)
         except FileNotFoundError:
             return None
+        except IsADirectoryError as exc:  # damage, not an outage: the step is left out, the tier still listed
+            raise FormatError(f"{path}: is a directory, not a unit manifest; the step is not used") from exc
         m = UnitManifest.from_json(data, path)
         if m.step != step:
             raise FormatError(
