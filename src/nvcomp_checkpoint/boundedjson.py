@@ -28,8 +28,7 @@ _STEP = np.zeros(256, dtype=np.int8)
 _STEP[[ord("["), ord("{")]] = 1
 _STEP[[ord("]"), ord("}")]] = -1
 _QUOTE = ord('"')
-_MARK = _STEP != 0
-_MARK[_QUOTE] = True
+_OTHER_BYTES = bytes(b for b in range(256) if b not in b'[]{}"')
 
 
 def json_depth(data: bytes | str) -> int:
@@ -41,9 +40,9 @@ def json_depth(data: bytes | str) -> int:
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if b"\\" in raw:  # escaped quotes: strings found by a regular expression and dropped first
         raw = _STRING.sub(b"", raw)
-    codes = np.frombuffer(raw, dtype=np.uint8)
-    # Only brackets and quotes matter; without escapes left, each quote opens or closes a string.
-    marks = codes[_MARK[codes]]
+    # Only brackets and quotes matter (bytes.translate drops the rest at C speed); without escapes
+    # left, each quote opens or closes a string.
+    marks = np.frombuffer(raw.translate(None, _OTHER_BYTES), dtype=np.uint8)
     outside = (np.cumsum(marks == _QUOTE, dtype=np.int64) & 1) == 0
     steps = _STEP[marks] * outside
     return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
