@@ -3,7 +3,7 @@
 Every import counts, also those inside functions. Layers, lowest first (a module may import its own
 layer and those below):
 
-    base        errors, version, tensors, workers, codecs/*, filters/*, metrics, failures, safepaths, deadline
+    base        errors, version, tensors, workers, codecs/*, filters/*, metrics, failures, safepaths, deadline, credentials, boundedjson
     format      format/*, policy, storage, report, filetype, pending, dirstore, delta
     pipeline    writer, reader, snapshot, saveoptions
     api         api, async_save, savegroup, entrypoint/* (base, options, loading, reports), dirconvert, tiers/*,
@@ -29,7 +29,23 @@ PACKAGE = "nvcomp_checkpoint"
 ROOT = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("errors", "version", "tensors", "workers", "codecs", "filters", "metrics", "failures", "safepaths", "deadline")),
+    (
+        "base",
+        (
+            "errors",
+            "version",
+            "tensors",
+            "workers",
+            "codecs",
+            "filters",
+            "metrics",
+            "failures",
+            "safepaths",
+            "deadline",
+            "credentials",
+            "boundedjson",
+        ),
+    ),
     ("format", ("format", "policy", "storage", "report", "filetype", "pending", "dirstore", "delta")),
     ("pipeline", ("writer", "reader", "snapshot", "saveoptions")),
     (

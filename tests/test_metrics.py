@@ -53,3 +53,22 @@ def test_metrics_served_and_counted(tmp_path):
     assert delta("nvckpt_save_seconds_count", tier="m-shared", phase="copy") == 2
     assert delta("nvckpt_training_blocked_seconds_total") > 0
     assert after[("nvckpt_ratio", ())] > 1.5  # the zeros compress well
+
+
+def test_metrics_listen_on_this_machine_only_unless_an_address_is_given():
+    # The default listening socket is bound to the loopback address: no other host can scrape (or probe) it.
+    server, thread = nc.serve_metrics(0)
+    try:
+        host, port = server.socket.getsockname()[:2]
+        assert host == "127.0.0.1"
+        assert "nvckpt" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    # Every interface only when asked for, by address.
+    server, thread = nc.serve_metrics(0, addr="0.0.0.0")
+    try:
+        assert server.socket.getsockname()[0] == "0.0.0.0"
+    finally:
+        server.shutdown()
+        server.server_close()

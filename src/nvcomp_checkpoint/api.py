@@ -63,6 +63,7 @@ def save(
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
     base: str | os.PathLike[str] | None = None,
     base_state: Any = None,
+    file_mode: int | None = None,
 ) -> SaveReport:
     """Save a checkpoint tree (state dicts, optimizer state, Lightning checkpoints ...).
 
@@ -93,6 +94,8 @@ def save(
             index holds checksums of its compressed frames, not of its values): the reader checks
             each value the delta uses against a digest, so it fails loudly on load, and that
             delta cannot be read. When in doubt, omit it.
+        file_mode: Permission bits of a new local file, such as ``0o600`` (default: ``0o666`` less the
+            umask, as ``open`` gives); ``nvckpt compress`` passes the source file's. Object stores have none.
 
     Returns:
         A :class:`SaveReport` with raw and stored bytes, time and a per-component table.
@@ -108,6 +111,7 @@ def save(
         stream_wrapper=stream_wrapper,
         base=base,
         base_state=base_state,
+        file_mode=file_mode,
     )
     return save_with_options(obj, path, options)
 
@@ -150,7 +154,7 @@ def write_checkpoint(
     )
     try:
         with write_errors(where):
-            with storage.open_write(spath) as stream:
+            with storage.open_write(spath, mode=options.file_mode) as stream:
                 if options.stream_wrapper is not None:
                     stream = options.stream_wrapper(stream)
                 writer = CheckpointWriter(

@@ -19,8 +19,16 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from . import boundedjson
 from .api import load
-from .errors import CheckpointError, CheckpointNotFoundError, FormatError, UnsupportedObjectError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    DeepSpeedTagNotFoundError,
+    FormatError,
+    NestingLimitError,
+    UnsupportedObjectError,
+)
 from .filetype import HEAD_BYTES, NVCOMP, kind_of
 from .policy import CodecPolicy, Component
 from .safepaths import inside_path
@@ -44,6 +52,7 @@ __all__ = [
     "is_deepspeed_dir",
     "tag_dirs",
     "read_latest",
+    "tag_to_load",
     "write_latest",
     "read_manifest",
     "write_manifest",
@@ -172,9 +181,44 @@ def read_latest(save_dir: str | os.PathLike[str], name: str = LATEST_NAME) -> st
             raw = f.read(4096)
     except FileNotFoundError:
         return None
+    except IsADirectoryError as exc:
+        raise FormatError(
+            f"{path}: is a directory, not the file naming the newest tag; remove it, or write the tag's name into a file there"
+        ) from exc
     # Stripped as DeepSpeed strips it (engine.load_checkpoint), so both read the same tag.
     tag = raw.decode("utf-8", "replace").strip()
     return inside_path(tag, where=path, what="names the tag", single=True)
+
+
+def tag_to_load(load_dir: str | os.PathLike[str], tag: Any = None) -> str | None:
+    """The tag a load of ``load_dir`` reads: ``tag``, or without one the tag ``latest`` names
+    (``None`` without ``latest``: DeepSpeed then loads nothing, and says so).
+
+    Raises:
+        DeepSpeedTagNotFoundError: That tag's folder is not in ``load_dir`` (named, with the tags that are
+            there and the fix), where DeepSpeed itself would fail on a bare assertion.
+        FormatError: ``latest`` is empty, a directory, or names a path outside ``load_dir``.
+    """
+    load_dir = os.fspath(load_dir)
+    asked = tag is not None
+    if tag is None:
+        tag = read_latest(load_dir)
+        if tag is None:
+            return None
+    tag = str(tag)
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        there = tag_dirs(load_dir) if os.path.isdir(load_dir) else []
+        fix = (
+            f"the tags there are {', '.join(there)}: pass tag= to load one, or write its name into {LATEST_NAME}"
+            if there
+            else "it holds no tag: check the path, or copy the checkpoint there first"
+        )
+        named = f"tag={tag!r} is asked for" if asked else f"{os.path.join(load_dir, LATEST_NAME)} names tag {tag!r}"
+        raise DeepSpeedTagNotFoundError(
+            f"{load_dir}: {named}, but there is no folder {os.path.join(load_dir, tag)} "
+            f"(removed, or the checkpoint copied without it); {fix}"
+        )
+    return tag
 
 
 def write_latest(save_dir: str | os.PathLike[str], tag: str) -> None:
@@ -200,11 +244,15 @@ def read_manifest(tag_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
             raw = f.read(1 << 24)
     except FileNotFoundError:
         return None
+    except IsADirectoryError as exc:
+        raise FormatError(f"{manifest_path}: is a directory, not a tag manifest; the tag cannot be trusted") from exc
     try:
-        manifest = json.loads(raw)
+        manifest = boundedjson.loads(raw, manifest_path, "tag manifest")
         files = manifest["files"]
         if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
             raise ValueError("not a manifest of this library")
+    except NestingLimitError:
+        raise  # names the file and the depth already
     except (ValueError, KeyError, TypeError) as exc:
         raise FormatError(f"{manifest_path}: unreadable tag manifest ({type(exc).__name__}); the tag cannot be trusted") from exc
     for name, size in files.items():

@@ -20,6 +20,7 @@ import torch
 import xxhash
 
 from .codecs import cpu_codec, gpu_available, has_cpu_decoder
+from .credentials import StorageOptions
 from .errors import BaseCheckpointError, CheckpointError, UnsafePathError, UnsupportedObjectError
 from .filters.sub import SUB_WIDTHS, sub_bytes, undo_planes_, undo_planes_np_
 from .filters.xor import xor_bytes, xor_planes_, xor_planes_np_
@@ -280,7 +281,7 @@ class BaseChain:
         except UnsafePathError as exc:
             self.path, self.unsafe = ref.path, exc
         self._open_reader = open_reader
-        self._storage_options = storage_options
+        self._storage_options = StorageOptions.of(storage_options)
         self._reader: Any = None
         self._lock = threading.Lock()
 

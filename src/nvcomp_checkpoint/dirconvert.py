@@ -8,6 +8,7 @@ its ``checkpoint-N`` directories with it.
 from __future__ import annotations
 
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,7 @@ def compress_in_place(
                     metadata={meta_key: meta},
                     workers=workers,
                     stream_wrapper=stream_wrapper,
+                    file_mode=stat.S_IMODE((directory / file.name).stat().st_mode),
                 )
             )
             written.append(target)
@@ -186,7 +188,7 @@ def decompress_in_place(
         with open_checkpoint(compressed) as reader:
             meta = reader.metadata.get(meta_key, {})
         tree = load_tree(compressed, keys[name])
-        with LOCAL.open_write(str(directory / name)) as stream:
+        with LOCAL.open_write(str(directory / name), mode=stat.S_IMODE(compressed.stat().st_mode)) as stream:
             write(name, tree, meta, stream)
         LOCAL.remove(str(compressed))
         restored.append(name)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from . import boundedjson
 from .errors import CheckpointWriteError, ChecksumError, FormatError, MixedSaveError
 from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
 from .safepaths import inside_path
@@ -148,7 +149,7 @@ class DirectoryStore:
             return None
         try:
             with LOCAL.open_read(os.fspath(file)) as f:
-                manifest = json.loads(f.read().decode("utf-8"))
+                manifest = boundedjson.loads(f.read().decode("utf-8"), os.fspath(file), "manifest")
             if not isinstance(manifest, dict) or manifest.get("format") != self.format:
                 raise FormatError(f"{file}: not an nvcomp-checkpoint manifest of {self.format}; the directory is damaged")
             if manifest.get("version", 0) > self.version:

@@ -32,6 +32,8 @@ __all__ = [
     "MixedSaveError",
     "UnsafePathError",
     "UnsupportedOptionError",
+    "NestingLimitError",
+    "DeepSpeedTagNotFoundError",
 ]
 
 
@@ -165,3 +167,13 @@ class UnsafePathError(FormatError):
 class UnsupportedOptionError(CheckpointError, ValueError):
     """An option the entry point's stack cannot honour (``entrypoint.support``): the message names the
     option, the stack, why, and what to do instead."""
+
+
+class NestingLimitError(FormatError, ValueError):
+    """A JSON document read from a file (an index, a manifest, ``latest``'s tag) is nested deeper than
+    :data:`nvcomp_checkpoint.boundedjson.MAX_JSON_DEPTH` levels: no file this library writes is, so the file is
+    damaged or forged. A ``ValueError`` too, as ``json``'s own decoding errors are."""
+
+
+class DeepSpeedTagNotFoundError(CheckpointNotFoundError):
+    """A DeepSpeed checkpoint folder's ``latest`` (or the caller's ``tag=``) names a tag that is not there."""

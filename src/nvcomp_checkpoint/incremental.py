@@ -11,6 +11,8 @@ import posixpath
 import threading
 from typing import Any, Callable, Iterable
 
+from . import boundedjson
+from .credentials import StorageOptions
 from .delta import ChainPolicy, base_path_of, retained
 from .errors import CheckpointError, UnsafePathError
 from .reader import CheckpointReader
@@ -76,7 +78,7 @@ class IncrementalFiles:
         self.policy = ChainPolicy() if policy is None else policy
         self.owner = owner
         self.can_be_base = can_be_base or _any_file
-        self.storage_options = storage_options
+        self.storage_options = StorageOptions.of(storage_options)
         self._history: dict[str, list[str]] = {}  # slot -> paths saved in its current chain
         self._written: set[str] = set()  # every path saved by this process (a second save rewrites it)
         self._doomed: set[str] = set()
@@ -241,7 +243,7 @@ class IncrementalFiles:
         storage, _ = storage_for(folder, self.storage_options)
         try:
             with storage.open_read(_child(folder, DEFERRED_NAME)) as f:
-                names = json.loads(f.read())
+                names = boundedjson.loads(f.read(), _child(folder, DEFERRED_NAME), "list of deferred deletions")
         except (FileNotFoundError, ValueError):
             return
         if isinstance(names, list):

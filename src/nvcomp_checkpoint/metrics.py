@@ -92,8 +92,19 @@ def record_copy_skipped(tier: str) -> None:
         m["skipped"].labels(tier=tier).inc()
 
 
-def serve_metrics(port: int, addr: str = "0.0.0.0") -> Any:
+#: Where :func:`serve_metrics` listens by default: this machine only. The metrics name tiers, steps and
+#: sizes; a Prometheus on another host is reached by ``addr="0.0.0.0"`` (every interface) or one
+#: interface's address, chosen by the caller, never by default.
+DEFAULT_METRICS_ADDR = "127.0.0.1"
+
+
+def serve_metrics(port: int, addr: str = DEFAULT_METRICS_ADDR) -> Any:
     """Serve the default registry at ``http://addr:port/metrics`` from a daemon thread.
+
+    Args:
+        port: TCP port (0: one the kernel picks; ``server.server_port`` says which).
+        addr: The address to listen on: by default ``127.0.0.1``, this machine only; ``"0.0.0.0"``
+            for every interface (a scraper on another host), or one interface's address.
 
     Returns:
         ``prometheus_client``'s ``(server, thread)``; ``server.shutdown()`` stops it.

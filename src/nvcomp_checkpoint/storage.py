@@ -114,8 +114,14 @@ class Storage(abc.ABC):
         appears whole when its upload completes."""
 
     @abc.abstractmethod
-    def open_write(self, path: str) -> contextlib.AbstractContextManager[IO[bytes]]:
-        """A binary stream whose bytes appear at ``path`` only if the block exits cleanly."""
+    def open_write(self, path: str, *, mode: int | None = None) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """A binary stream whose bytes appear at ``path`` only if the block exits cleanly.
+
+        Args:
+            mode: The permission bits the file gets (a converted file keeps its source's, as ``gzip``
+                does); ``None``: ``0o666`` less the umask, as ``open`` gives. Back ends without
+                permission bits (object stores) have nothing to set.
+        """
 
     @abc.abstractmethod
     def open_read(self, path: str) -> IO[bytes]:
@@ -229,14 +235,21 @@ class LocalStorage(Storage):
         return False
 
     @contextlib.contextmanager
-    def open_write(self, path: str) -> Iterator[IO[bytes]]:
+    def open_write(self, path: str, *, mode: int | None = None) -> Iterator[IO[bytes]]:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(temp_name(target.name))
-        f = open(tmp, "wb")
+        if mode is None:
+            f = open(tmp, "wb")
+        else:
+            # Owner-only while written, then the mode asked for, before the file appears at `path`: no
+            # moment at which a file converted from a private one is readable by others.
+            f = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o600), "wb")
         try:
             yield f
             f.flush()
+            if mode is not None:
+                os.chmod(f.fileno() if os.chmod in os.supports_fd else tmp, stat.S_IMODE(mode))
             os.fsync(f.fileno())
             f.close()
             os.replace(tmp, target)
@@ -466,7 +479,8 @@ class FsspecStorage(Storage):
         return self.fs._strip_protocol(url)
 
     @contextlib.contextmanager
-    def open_write(self, path: str) -> Iterator[IO[bytes]]:
+    def open_write(self, path: str, *, mode: int | None = None) -> Iterator[IO[bytes]]:
+        # `mode` is not applied: object stores have no permission bits, and fsspec sets none elsewhere.
         target = self._path(path)
         parent = target.rsplit("/", 1)[0] if "/" in target else ""
         if parent and not self.object_store:
@@ -630,6 +644,18 @@ class FsspecStorage(Storage):
 
 
 LOCAL = _LOCAL = LocalStorage()
+
+
+def file_mode_of(path: str | os.PathLike[str]) -> int | None:
+    """The permission bits of the local file ``path`` (``None`` for a URL or a file that is not there): what a
+    file converted from it gets (``open_write(..., mode=)``), as ``cp -p``, ``gzip`` and ``zstd`` keep them:
+    a 0600 file stays private."""
+    if is_url(path):
+        return None
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return None
 
 
 def storage_for(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> tuple[Storage, str]:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
+from .boundedjson import MAX_METADATA_DEPTH, json_depth
 from .codecs import CodecConfig, codec_facts, cpu_codec, gpu_available, gpu_chunk_bytes, gpu_codec, has_cpu_decoder
 from .delta import BaseSource, encode_cpu_chunk_against, pick_frames, tries_sub
 from .errors import CodecUnavailableError, UnsupportedObjectError
@@ -210,14 +211,23 @@ def checked_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str
     """A copy of ``metadata`` through JSON, or an error naming ``where`` if it is not JSON.
 
     Raises:
-        UnsupportedObjectError: A value is not JSON, or the metadata alone is over the index limit.
+        UnsupportedObjectError: A value is not JSON, the metadata is nested deeper than
+            :data:`~nvcomp_checkpoint.boundedjson.MAX_METADATA_DEPTH` levels, or is over the index limit.
     """
+    too_deep = (
+        f"{where}: metadata is nested deeper than {MAX_METADATA_DEPTH} levels of lists and dicts, more than a "
+        "checkpoint's index holds (readers refuse deeper JSON as damaged); flatten it, or store it as a JSON string"
+    )
     try:
         text = json.dumps(dict(metadata or {}), allow_nan=False)
+    except RecursionError as exc:  # nested ~1000 deep: the encoder recursed once per level
+        raise UnsupportedObjectError(too_deep) from exc
     except (TypeError, ValueError) as exc:
         raise UnsupportedObjectError(
             f"{where}: metadata must be JSON (str, int, finite float, bool, None, lists, dicts with str keys): {exc}"
         ) from exc
+    if json_depth(text) > MAX_METADATA_DEPTH:
+        raise UnsupportedObjectError(too_deep)
     if len(text) > MAX_INDEX_BYTES // 2:
         raise UnsupportedObjectError(
             f"{where}: metadata of {len(text) / 2**30:.2f} GiB as JSON; the index that holds it is limited to "

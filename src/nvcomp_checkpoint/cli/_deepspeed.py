@@ -8,6 +8,7 @@ usually named by ``latest``), or is one tag. Files are read with the allow-list 
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any, Callable
 
 import torch
@@ -27,6 +28,7 @@ from nvcomp_checkpoint.deepspeed_layout import (
     read_latest,
     tag_dirs,
     tag_problems,
+    tag_to_load,
     write_manifest,
 )
 from nvcomp_checkpoint.errors import CheckpointError, FormatError
@@ -93,9 +95,11 @@ def problems(path: str, max_bytes: int | None) -> tuple[list[dict[str, Any]], in
     """Every problem of a DeepSpeed folder (each tag's completeness, then each file), and the number of files checked."""
     found: list[dict[str, Any]] = []
     tags = tags_of(path)
-    latest = None if is_tag_dir(path) else read_latest(path)
-    if latest is not None and not os.path.isdir(os.path.join(path, latest)):
-        found.append({"file": os.path.join(path, "latest"), "tensor": None, "error": f"names tag {latest!r}, which is not there"})
+    if not is_tag_dir(path):
+        try:
+            tag_to_load(path)
+        except FormatError as exc:  # `latest` damaged, or naming a tag that is not there: a bad checkpoint
+            found.append({"file": os.path.join(path, "latest"), "tensor": None, "error": str(exc)})
     checked = 0
     for tag in tags:
         found.extend({"file": tag, "tensor": None, "error": e} for e in tag_problems(tag, read_partition_count=True))
@@ -150,12 +154,13 @@ def convert_in_place(
                 rows.append(_row(tag, name, "kept", before, before))
                 continue
             started(name)
+            mode = stat.S_IMODE(os.stat(full).st_mode)  # kept, as gzip keeps it: a private rank file stays private
             with deepspeed_safe_globals():
                 tree = nc.load(full, map_location="cpu", weights_only=True)
                 if to_ours:
-                    nc.save(tree, full, policy, workers=workers)
+                    nc.save(tree, full, policy, workers=workers, file_mode=mode)
                 else:
-                    with LOCAL.open_write(full) as f:
+                    with LOCAL.open_write(full, mode=mode) as f:
                         torch.save(tree, f)
             rows.append(_row(tag, name, "compressed" if to_ours else "decompressed", before, os.path.getsize(full)))
         if to_ours:

@@ -10,6 +10,7 @@ import json
 import os
 
 import nvcomp_checkpoint as nc
+from nvcomp_checkpoint import boundedjson
 from nvcomp_checkpoint.errors import CheckpointError, CodecUnavailableError
 
 __all__ = ["parse_spec", "parse_policy", "check_policy_runs_here"]
@@ -52,7 +53,7 @@ def parse_policy(text: str | None) -> nc.CodecPolicy:
     else:
         return nc.CodecPolicy.uniform(parse_spec(stripped))
     try:
-        data = json.loads(raw)
+        data = boundedjson.loads(raw, source, "policy")
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{source}: not valid JSON ({exc})") from exc
     if isinstance(data, dict) and "recommended_policy" in data:

@@ -19,7 +19,7 @@ from nvcomp_checkpoint.dirstore import DirectoryStore, sync_tree
 from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
 from nvcomp_checkpoint.format.layout import SAVE_METADATA_KEYS
 from nvcomp_checkpoint.report import component_rows, format_bytes, overhead_note
-from nvcomp_checkpoint.storage import LOCAL, is_url, storage_for, write_errors
+from nvcomp_checkpoint.storage import LOCAL, file_mode_of, is_url, storage_for, write_errors
 
 from . import _dcp, _deepspeed, _policy
 from ._ui import EXIT_OK, Reporter, check_workers, make_table, print_json, stdout_console
@@ -141,7 +141,14 @@ def _compress_file(
         task = reporter.start(f"compressing {os.path.basename(src)}", _tensor_bytes(tree))
         try:
             report = nc.save(
-                tree, dst, policy, metadata=meta, workers=args.workers, progress=task.advance, base=getattr(args, "base", None)
+                tree,
+                dst,
+                policy,
+                metadata=meta,
+                workers=args.workers,
+                progress=task.advance,
+                base=getattr(args, "base", None),
+                file_mode=file_mode_of(src),
             )
         finally:
             reporter.stop()
@@ -149,17 +156,17 @@ def _compress_file(
 
 
 @contextlib.contextmanager
-def _open_output(dst: str) -> Iterator[IO[bytes]]:
-    """A stream whose bytes appear at ``dst`` only when the block succeeds; a failure names
-    ``dst``, not the hidden temporary file the bytes go to first (as ``nc.save`` does)."""
+def _open_output(dst: str, mode: int | None = None) -> Iterator[IO[bytes]]:
+    """A stream whose bytes appear at ``dst`` (with permission bits ``mode``) only when the block succeeds;
+    a failure names ``dst``, not the hidden temporary file the bytes go to first (as ``nc.save`` does)."""
     storage, spath = storage_for(dst)
     with write_errors(dst, "writing it"):
-        with storage.open_write(spath) as f:
+        with storage.open_write(spath, mode=mode) as f:
             yield f
 
 
-def _write_torch(tree: Any, dst: str) -> None:
-    with _open_output(dst) as f:
+def _write_torch(tree: Any, dst: str, mode: int | None = None) -> None:
+    with _open_output(dst, mode) as f:
         torch.save(tree, f)
 
 
@@ -180,7 +187,7 @@ def _overlapping(tensors: dict[str, torch.Tensor]) -> tuple[str, str] | None:
     return None
 
 
-def _write_safetensors(tree: Any, dst: str, metadata: dict[str, str] | None, where: str) -> None:
+def _write_safetensors(tree: Any, dst: str, metadata: dict[str, str] | None, where: str, mode: int | None = None) -> None:
     st = require_safetensors()
     if not isinstance(tree, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tree.items()):
         raise CheckpointError(
@@ -195,7 +202,7 @@ def _write_safetensors(tree: Any, dst: str, metadata: dict[str, str] | None, whe
             "and a safetensors file cannot hold tensors that share memory; decompress it with --to torch to a .pt "
             "file, which keeps them shared"
         )
-    with _open_output(dst) as f:
+    with _open_output(dst, mode) as f:
         f.write(st.save(tensors, metadata=metadata or None))
 
 
@@ -218,9 +225,9 @@ def _decompress_file(src: str, dst: str, to: str, trust: bool, reporter: Reporte
     reporter.start(f"writing {os.path.basename(dst)}")
     try:
         if to == "safetensors":
-            _write_safetensors(tree, dst, meta.get("safetensors_metadata"), src)
+            _write_safetensors(tree, dst, meta.get("safetensors_metadata"), src, file_mode_of(src))
         else:
-            _write_torch(tree, dst)
+            _write_torch(tree, dst, file_mode_of(src))
     finally:
         reporter.stop()
     storage, spath = storage_for(dst)
@@ -321,7 +328,15 @@ def _compress_dir(
         out_path = tmp / out_rel
         LOCAL.makedirs(os.fspath(out_path.parent))
         task = reporter.start(f"compressing {rel}", _tensor_bytes(tree))
-        report = nc.save(tree, str(out_path), policy, metadata=meta, workers=args.workers, progress=task.advance)
+        report = nc.save(
+            tree,
+            str(out_path),
+            policy,
+            metadata=meta,
+            workers=args.workers,
+            progress=task.advance,
+            file_mode=file_mode_of(in_path),
+        )
         reporter.stop()
         return {
             "file": rel,

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import nvcomp_checkpoint as nc
+from nvcomp_checkpoint import boundedjson
 from nvcomp_checkpoint.errors import CheckpointError
 
 from ._ui import EXIT_OK, make_table, print_json, stdout_console
@@ -244,7 +245,7 @@ def ratio_from(path: str, storage_gbps: float) -> dict[str, Any]:
         return {"ratio": raw / stored, "codec_gbps": None, "source": f"{path} (directory)"}
     try:
         with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+            doc = boundedjson.loads(f.read(), path, "bench output")
     except (UnicodeDecodeError, json.JSONDecodeError, OSError):
         doc = None
     if isinstance(doc, dict) and doc.get("nvckpt") == "bench":

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 
 import nvcomp_checkpoint as nc
+from nvcomp_checkpoint import boundedjson
 from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
 from nvcomp_checkpoint.filetype import HEAD_BYTES, NVCOMP, OTHER, SAFETENSORS, TORCH, kind_of
 from nvcomp_checkpoint.format.skeleton import check_torch_archive, flatten
@@ -415,7 +416,7 @@ def _safetensors_header(path: str, file_bytes: int) -> dict[str, Any]:
         raw = f.read(n)
     corrupt = f"{path}: the safetensors header is corrupt"
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = boundedjson.loads(raw.decode("utf-8"), path, "safetensors header")
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"{corrupt} ({_one_line(exc)})") from exc
     if not isinstance(header, dict):

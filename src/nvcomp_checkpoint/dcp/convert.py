@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..errors import CheckpointError, FormatError
 from ..policy import CodecPolicy
 from ..reader import CheckpointReader
-from ..storage import open_checkpoint_stream, storage_for, write_errors
+from ..storage import file_mode_of, open_checkpoint_stream, storage_for, write_errors
 from ..writer import CheckpointWriter
 from .layout import METADATA_NAME, StoredItem, encode_metadata, join, shard_name
 from .reader import read_stored_metadata
@@ -98,14 +98,14 @@ def compress_directory(
                 keys[index] = key
         target = join(dst, out_name)
         out, opath = storage_for(target, storage_options)
-        with write_errors(target), out.open_write(opath) as f:
+        with write_errors(target), out.open_write(opath, mode=file_mode_of(where)) as f:
             written, _, _ = CheckpointWriter(f, fqn_policy, target, workers=workers).write(
                 tree, {"dcp_rank": rank, "dcp_file": out_name}
             )
         identity = xxhash.xxh3_64_intdigest(written.to_json_bytes())  # the file's footer digest: its identity
         records.update((index, StoredItem(out_name, key, identity)) for index, key in keys.items())
     metadata.storage_data = records
-    _write_metadata(dst, encode_metadata(metadata), storage_options)
+    _write_metadata(dst, encode_metadata(metadata), storage_options, file_mode_of(join(src, METADATA_NAME)))
 
 
 def decompress_directory(
@@ -127,7 +127,7 @@ def decompress_directory(
         out, opath = storage_for(target, storage_options)
         with CheckpointReader(join(src, name), storage_options=storage_options) as reader:
             keys = {item.key: index for index, item in items}
-            with write_errors(target), out.open_write(opath) as f:
+            with write_errors(target), out.open_write(opath, mode=file_mode_of(join(src, name))) as f:
                 pos = 0
                 for key, tensor in reader.read_many(list(keys), map_location="cpu"):
                     index = keys[key]
@@ -141,11 +141,11 @@ def decompress_directory(
                     records[index] = _StorageInfo(out_name, pos, len(data))
                     pos += len(data)
     metadata.storage_data = records
-    _write_metadata(dst, pickle.dumps(metadata), storage_options)
+    _write_metadata(dst, pickle.dumps(metadata), storage_options, file_mode_of(join(src, METADATA_NAME)))
 
 
-def _write_metadata(dst: str, data: bytes, storage_options: dict[str, Any] | None) -> None:
+def _write_metadata(dst: str, data: bytes, storage_options: dict[str, Any] | None, mode: int | None = None) -> None:
     target = join(dst, METADATA_NAME)
     storage, spath = storage_for(target, storage_options)
-    with write_errors(target, "committing the checkpoint metadata"), storage.open_write(spath) as f:
+    with write_errors(target, "committing the checkpoint metadata"), storage.open_write(spath, mode=mode) as f:
         f.write(data)

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..codecs import gpu_available
+from ..credentials import StorageOptions
 from ..errors import CheckpointError, FormatError, SizeLimitError
 from ..filetype import NVCOMP, TORCH, path_contents
 from ..reader import CheckpointReader
@@ -388,7 +389,7 @@ class NvcompReader(StorageReader):
     ) -> None:
         super().__init__()
         self.path = os.fspath(path) if path is not None else ""
-        self.storage_options = storage_options
+        self.storage_options: dict[str, Any] | None = StorageOptions.of(storage_options)  # credentials out of every repr
         self.workers = workers
         self.max_bytes = max_bytes
         self.weights_only = weights_only

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
+from ..credentials import StorageOptions
 from ..errors import CheckpointError, FormatError
 from ..policy import CodecPolicy, CodecSpec, Component, classify
 from ..storage import storage_for, write_errors
@@ -250,7 +251,7 @@ class NvcompWriter(StorageWriter, BlockingAsyncStager):
         self.path = os.fspath(path) if path is not None else ""
         self.policy = FqnPolicy.of(policy, "NvcompWriter(policy=...)")
         self.workers = workers
-        self.storage_options = storage_options
+        self.storage_options = StorageOptions.of(storage_options)  # credentials out of every repr
         self.stream_wrapper = stream_wrapper
         self.save_id = uuid.uuid4().hex[:12]
         self.is_coordinator = False

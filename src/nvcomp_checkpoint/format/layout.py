@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .. import boundedjson
 from ..codecs import CODEC_IDS, CodecConfig
 from ..codecs.registry import CHUNK_CAP_BYTES
 from ..errors import FormatError
@@ -373,7 +374,7 @@ class Index:
         """The index in ``data``; every frame must lie in ``[data_start, data_end)``: after the
         guard (if any) and the magic, before the index."""
         try:
-            doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+            doc = boundedjson.loads(data.decode("utf-8"), where, "index", parse_constant=_reject_constant)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, NaN
             raise FormatError(f"{where}: the index is not valid JSON ({exc})") from exc
         if not isinstance(doc, dict) or doc.get("format") != "nvcomp-checkpoint":

@@ -29,7 +29,6 @@ import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import ChainPolicy, CodecPolicy, SaveReport
 from nvcomp_checkpoint.deepspeed_layout import (
     DEEPSPEED_PATTERNS,
-    LATEST_NAME,
     LATEST_UNIVERSAL_NAME,
     MANIFEST_NAME,
     SAFE_GLOBAL_NAMES,
@@ -37,6 +36,7 @@ from nvcomp_checkpoint.deepspeed_layout import (
     deepspeed_safe_globals,
     load_deepspeed_file,
     read_latest,
+    tag_to_load,
     write_latest,
     write_manifest,
 )
@@ -417,16 +417,21 @@ def _check_latest_on_load(engine: Any) -> None:
 
     DeepSpeed joins the tag ``latest`` names to the folder as written: ``../other_run/g4`` or an
     absolute path would load another run's tag. The tag is read here (a tag folder of ``dir``, or
-    :class:`UnsafePathError`) and handed to DeepSpeed by name; an explicit ``tag=`` is the caller's.
+    :class:`UnsafePathError`) and handed to DeepSpeed by name; a tag (``latest``'s or the caller's)
+    whose folder is missing is :class:`DeepSpeedTagNotFoundError`, naming the tags that are there.
     """
     original = getattr(engine, "load_checkpoint", None)
     if original is None:
         return  # an object with DeepSpeed's save interface only: there is no load to guard
 
     def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if tag is None:
-            universal = getattr(engine, "load_universal_checkpoint", lambda: False)()
-            tag = read_latest(load_dir, LATEST_UNIVERSAL_NAME if universal else LATEST_NAME)
+        if getattr(engine, "load_universal_checkpoint", lambda: False)():
+            if tag is None:  # a universal checkpoint has its own pointer
+                tag = read_latest(load_dir, LATEST_UNIVERSAL_NAME)
+        else:
+            # A tag that is not there (`latest` naming a removed tag) is named with the fix, on every rank,
+            # before DeepSpeed fails on a bare assertion.
+            tag = tag_to_load(load_dir, tag)
         return original(load_dir, tag, *args, **kwargs)
 
     load_checkpoint.__doc__ = original.__doc__

@@ -23,6 +23,7 @@ from typing_extensions import override
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import ChainPolicy, CodecPolicy, SaveReport
 from nvcomp_checkpoint.async_save import wait_for_path
+from nvcomp_checkpoint.credentials import StorageOptions
 from nvcomp_checkpoint.entrypoint import (
     POLICY_OPTION_KEYS,
     SaveEntryPoint,
@@ -177,7 +178,7 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             stream_wrapper=stream_wrapper,
             tiers=tiers,
         )
-        self.fsspec_options = dict(fsspec_options or {})
+        self.fsspec_options = StorageOptions(fsspec_options or {})  # credentials out of its repr
         self._listeners: list[Callable[[SaveReport, dict[str, Any]], None]] = []
         _LIVE_PLUGINS.add(self)
 

@@ -12,6 +12,7 @@ import threading
 from typing import Any, Callable
 
 from ..api import load as _load
+from ..credentials import redacted
 from ..deadline import Deadline
 from ..delta import ChainPolicy, chain_policy_of
 from ..errors import CheckpointError, CopyTimeoutError, FormatError
@@ -90,6 +91,14 @@ class CheckpointManager:
     ) -> None:
         if not tiers:
             raise ValueError("CheckpointManager needs at least one Tier")
+        if isinstance(tiers, Tier):
+            raise TypeError("CheckpointManager(tiers=...) takes a list of nvcomp_checkpoint.Tier, got one Tier; wrap it in [...]")
+        bad = [t for t in tiers if not isinstance(t, Tier)]
+        if bad:  # a dict or a URL: named, credentials left out (a dict may hold storage_options)
+            raise TypeError(
+                f"CheckpointManager(tiers=...) takes nvcomp_checkpoint.Tier objects, got {type(bad[0]).__name__} "
+                f"({redacted(bad[0])!r}); write nc.Tier(url, every_minutes=..., keep=..., storage_options=...)"
+            )
         if tiers[0].every_steps is not None or tiers[0].every_minutes is not None:
             raise ValueError(f"Tier 0 ({tiers[0].url}) takes every save; give its schedule to a later tier instead")
         if is_url(tiers[0].url):

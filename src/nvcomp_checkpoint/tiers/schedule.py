@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
+from ..credentials import StorageOptions
 from ..deadline import Deadline
 from ..storage import is_url
 
@@ -35,7 +36,8 @@ class Tier:
         keep: Newest steps kept (``None``: all).
         keep_every_steps: Also keep every step that is a multiple of this.
         name: Label in logs, metrics and ``nvckpt ls`` (default ``tier{i}``).
-        storage_options: fsspec options (endpoint, credentials ...).
+        storage_options: fsspec options (endpoint, credentials ...): kept as
+            :class:`~nvcomp_checkpoint.credentials.StorageOptions`, whose ``repr`` and ``str`` show credentials as ``***``.
         part_size: Multipart upload part size on object stores (memory per upload in flight).
         retries: Attempts of a failed copy after the first.
         backoff_s: Wait before the first retry; doubled for each further one.
@@ -60,6 +62,11 @@ class Tier:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", os.fspath(self.url).rstrip("/") or "/")
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise TypeError(
+                f"Tier({self.url!r}): storage_options must be a dict of fsspec options, got {type(self.storage_options).__name__}"
+            )
+        object.__setattr__(self, "storage_options", StorageOptions.of(self.storage_options))
         for name in ("every_steps", "keep", "keep_every_steps"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -79,7 +86,7 @@ class Tier:
         """
         if not is_url(self.url):
             return self.storage_options
-        return {"default_block_size": self.part_size, **(self.storage_options or {})}
+        return StorageOptions({"default_block_size": self.part_size, **(self.storage_options or {})})
 
 
 _K = TypeVar("_K")

@@ -7,6 +7,7 @@ import os
 import threading
 from typing import Any, Callable, Iterable
 
+from ..credentials import redacted
 from ..deadline import Deadline
 from ..storage import is_url
 from .manager import CheckpointManager
@@ -46,7 +47,7 @@ class TierCopies:
         bad = [t for t in tiers if not isinstance(t, Tier)]
         if bad:
             raise TypeError(
-                f"{owner}(tiers=...) takes nvcomp_checkpoint.Tier objects, got {type(bad[0]).__name__} ({bad[0]!r}); "
+                f"{owner}(tiers=...) takes nvcomp_checkpoint.Tier objects, got {type(bad[0]).__name__} ({redacted(bad[0])!r}); "
                 "write nc.Tier(url, every_minutes=..., keep=...)"
             )
         self.tiers = tiers

@@ -14,7 +14,8 @@ from typing import Any
 
 import xxhash
 
-from ..errors import CheckpointError, FormatError, TierNotFoundError, TierUnavailableError, UnsafePathError
+from .. import boundedjson
+from ..errors import CheckpointError, FormatError, NestingLimitError, TierNotFoundError, TierUnavailableError, UnsafePathError
 from ..format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
 from ..reader import CheckpointReader
 from ..safepaths import inside_path
@@ -96,7 +97,7 @@ class UnitManifest:
     @classmethod
     def from_json(cls, data: bytes, where: str) -> "UnitManifest":
         try:
-            doc = json.loads(data)
+            doc = boundedjson.loads(data, where, "unit manifest")
             if doc.get("format") != MANIFEST_FORMAT:
                 raise ValueError("not a unit manifest")
             files = tuple(FileEntry(str(f["path"]), int(f["size"]), f.get("index_xxh3"), f.get("xxh3")) for f in doc["files"])
@@ -109,6 +110,8 @@ class UnitManifest:
                 float(doc["created"]),
                 base=None if base is None else int(base),
             )
+        except NestingLimitError:
+            raise  # names the file and the depth already
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise FormatError(f"{where}: damaged unit manifest ({exc})") from exc
         for f in m.files:
@@ -217,6 +220,8 @@ class TierStore:
                 data = f.read(1 << 24)
         except FileNotFoundError:
             return None
+        except IsADirectoryError as exc:  # damage, not an outage: the step is left out, the tier still listed
+            raise FormatError(f"{path}: is a directory, not a unit manifest; the step is not used") from exc
         m = UnitManifest.from_json(data, path)
         if m.step != step:
             raise FormatError(
