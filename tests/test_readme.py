@@ -650,6 +650,22 @@ def test_the_readme_and_each_quickstart_have_snippets_and_every_comment_is_under
     assert set(SETUPS) == {s.options["setup"][0] for s in SNIPPETS if "setup" in s.options}, "a setup no snippet uses"
 
 
+def test_the_readmes_links_name_files_and_headings_that_exist() -> None:
+    # mkdocs build --strict checks the links of docs/ (scripts/test.sh); the README is outside it.
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    headings = {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    for link in links:
+        if link.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = link.partition("#")
+        if path:
+            assert (ROOT / path).exists(), f"README.md links to {link}: no such file"
+        else:
+            assert anchor in headings, f"README.md links to {link}: no such heading"
+
+
 @pytest.mark.parametrize("snippet", SNIPPETS, ids=[s.id for s in SNIPPETS])
 def test_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
     needs, reason = snippet.options.get("needs", ("", ""))
