@@ -8,6 +8,11 @@ bash scripts/setup_env.sh test
 . .venv/bin/activate
 ruff check src tests benchmarks examples
 ruff format --check -q src tests benchmarks examples || { echo "ruff format would change files: run 'ruff format src tests benchmarks examples'" >&2; exit 1; }
+# The docs site (mkdocs.yml): every page, link, anchor and API reference entry, or the build fails
+# (not with -q: mkdocs then no longer counts the warnings that --strict fails on).
+site_dir="$(mktemp -d)"
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site_dir" || { rm -rf "$site_dir"; echo "mkdocs build --strict failed: see the warnings above" >&2; exit 1; }
+rm -rf "$site_dir"
 # mypy's cache outside the checkout: a fresh clone (CI) re-checks only the files that changed.
 # mypy validates each cached module by its source hash, so a stale entry is never used.
 export MYPY_CACHE_DIR="${MYPY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/nvcomp-checkpoint/mypy}"

@@ -1,13 +1,17 @@
-"""Every ```python and ```bash snippet of README.md and docs/*.md runs, unmodified, in a temp dir.
+"""Every ```python and ```bash snippet of README.md and docs/**/*.md runs, unmodified, in a temp dir.
 
-The README cannot drift from the code: each snippet runs in a fresh process, as a user pastes
-it. An HTML comment on the line before a snippet tells the harness what the snippet assumes:
+The README and the docs site (its quickstarts and how-to pages) cannot drift from the code: each
+snippet runs in a fresh process, as a user pastes it. An HTML comment on the line before a snippet
+tells the harness what the snippet assumes:
 
 - ``<!-- snippet: setup=NAME -->``: :data:`SETUPS` ``[NAME]`` runs first in the same process and
   defines the names the snippet uses but does not define (``model``, ``opt``, ``accelerator``
   ...), or prepares files; :data:`CHECKS` ``[NAME]`` then checks what the snippet did.
 - ``<!-- snippet: needs=gpu (why) -->`` / ``needs=network (why)``: skipped where that is missing
   (a network always: tests do not reach one), with the text in parentheses as the reason.
+- ``<!-- snippet: file=NAME -->`` on a python snippet: the page tells the user to save it as NAME
+  and run it with the next bash snippet of the page; it is written to NAME in that snippet's
+  folder, and runs there, through the command the page gives (a launcher such as ``torchrun``).
 
 A snippet without a comment runs as it is. An unknown setup or option fails the test.
 """
@@ -21,7 +25,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +38,10 @@ import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal, start_moto_server
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^```(python|bash)\s*$")
 _MARK = re.compile(r"^<!--\s*snippet:\s*(.*?)\s*-->$")
-_OPTION = re.compile(r"(\w+)=([\w-]+)(?:\s+\(([^)]*)\))?")
+_OPTION = re.compile(r"(\w+)=([\w.-]+)(?:\s+\(([^)]*)\))?")
 #: Printed by the setups' epilogues, followed by a JSON object for the checks.
 _RESULT = "README-SNIPPET-RESULT "
 
@@ -51,6 +54,7 @@ class Snippet:
     code: str
     section: str
     options: dict[str, tuple[str, str]]  # name -> (value, reason)
+    files: tuple[tuple[str, str], ...] = ()  # (name, code): the file= snippets a bash snippet runs
 
     @property
     def id(self) -> str:
@@ -59,10 +63,15 @@ class Snippet:
 
 
 def extract(path: Path) -> list[Snippet]:
-    """The python and bash snippets of one Markdown file, with the options of their comment."""
+    """The python and bash snippets of one Markdown file, with the options of their comment.
+
+    A ``file=NAME`` python snippet is not a test of its own: it goes with the next bash snippet.
+    """
     lines = path.read_text(encoding="utf-8").splitlines()
     doc = str(path.relative_to(ROOT))
-    out, section, i = [], "", 0
+    out: list[Snippet] = []
+    files: list[tuple[str, str]] = []
+    section, i = "", 0
     while i < len(lines):
         line = lines[i]
         if line.startswith("#"):
@@ -78,8 +87,15 @@ def extract(path: Path) -> list[Snippet]:
         if mark:
             for name, value, reason in _OPTION.findall(mark.group(1)):
                 options[name] = (value, reason)
-        out.append(Snippet(doc, i + 2, fence.group(1), "\n".join(lines[i + 1 : end]) + "\n", section, options))
+        code = "\n".join(lines[i + 1 : end]) + "\n"
+        if fence.group(1) == "python" and "file" in options:
+            files.append((options["file"][0], code))
+        else:
+            taken = tuple(files) if fence.group(1) == "bash" else ()
+            files = files if fence.group(1) == "python" else []
+            out.append(Snippet(doc, i + 2, fence.group(1), code, section, options, taken))
         i = end + 1
+    assert not files, f"{doc}: a file= snippet ({files[0][0]}) with no bash snippet after it to run it"
     return out
 
 
@@ -281,6 +297,8 @@ model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.L
 optimizer = torch.optim.AdamW(model.parameters())
 ds_config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
 """,
+    # The page's own command line (torchrun, DS_ACCELERATOR=cpu) runs train.py: nothing to prepare.
+    "deepspeed_cpu": "",
 }
 
 #: Python run after a python snippet, in its process: prints what the checks look at.
@@ -362,9 +380,11 @@ def run_snippet(s: Snippet, cwd: Path, **env: str) -> subprocess.CompletedProces
             + EPILOGUES.get(setup, "")
         )
         return fresh_process.run(["-c", script], cwd=cwd, env=_env(**env), timeout=600)
-    if setup:
+    if SETUPS.get(setup):
         prep = fresh_process.run(["-c", SETUPS[setup]], cwd=cwd, env=_env(**env), timeout=300)
         assert prep.returncode == 0, prep.stderr
+    for name, code in s.files:
+        (cwd / name).write_text(code)
     (cwd / "snippet.sh").write_text(s.code)
     cmd = ["bash", "-e", "-o", "pipefail", "snippet.sh"]
     return subprocess.run(cmd, cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=600)
@@ -482,19 +502,16 @@ def check_accelerate(s: Snippet, tmp_path: Path) -> None:
 
 
 def check_hf_trainer_resume(s: Snippet, tmp_path: Path) -> None:
-    # The interrupted run the snippet resumes: the same Trainer with the callback, killed at the
-    # third step (after checkpoint-2 was written).
-    crash = textwrap.dedent("""
-        from transformers import Trainer
-        from nvcomp_checkpoint.transformers import NvcompTrainerCallback
-        Trainer(model=model, args=args, train_dataset=ds, callbacks=[NvcompTrainerCallback()]).train()
-    """)
-    first = fresh_process.run(["-c", _HF_MODEL + crash], cwd=tmp_path, env=_env(README_CRASH_AT_FORWARD="3"), timeout=600)
+    # The snippet as a user first runs it: no output_dir, no checkpoint (transformers' own
+    # resume_from_checkpoint=True raises "No valid checkpoint found" there); killed at the third
+    # step, after checkpoint-2 was written. Then the same snippet again resumes from checkpoint-2.
+    first = run_snippet(s, tmp_path, README_CRASH_AT_FORWARD="3")
     assert first.returncode == 17, first.stderr[-3000:]
     assert (tmp_path / "out" / "checkpoint-2").is_dir()
     result = _result(_ok(run_snippet(s, tmp_path), s))
     # Resumed at step 2: only steps 3 and 4 ran in this process.
     assert result == {"global_step": 4, "forwards": 2}, result
+    assert nc.is_nvcomp_checkpoint(tmp_path / "out" / "checkpoint-4" / "optimizer.pt.nvc")
 
 
 def check_cli_files(s: Snippet, tmp_path: Path) -> None:
@@ -580,6 +597,17 @@ def check_deepspeed(s: Snippet, tmp_path: Path) -> None:
         assert nc.is_nvcomp_checkpoint(tmp_path / "ckpt" / "step1000" / name)
 
 
+def check_deepspeed_cpu(s: Snippet, tmp_path: Path) -> None:
+    # The quickstart's train.py under the page's torchrun line, as a user runs it: a real launcher
+    # and a real interpreter (the first run on a machine JIT-builds DeepSpeed's CPU allreduce).
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'nvcomp-checkpoint[deepspeed]')")
+    out = _ok(run_snippet(s, tmp_path), s)
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step1"
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        assert nc.is_nvcomp_checkpoint(tmp_path / "ckpt" / "step1" / name)
+    assert "step1" in out, out  # nvckpt inspect ckpt
+
+
 def check_bare(s: Snippet, tmp_path: Path) -> None:
     _ok(run_snippet(s, tmp_path), s)
 
@@ -598,23 +626,44 @@ CHECKS: dict[str, Callable[[Snippet, Path], None]] = {
     "tiers_dcp": check_tiers_dcp,
     "incremental": check_incremental,
     "deepspeed": check_deepspeed,
+    "deepspeed_cpu": check_deepspeed_cpu,
 }
 
 
 # -- the tests ---------------------------------------------------------------------------------
 
 
-def test_the_readme_has_snippets_and_every_comment_is_understood() -> None:
+def test_the_readme_and_each_quickstart_have_snippets_and_every_comment_is_understood() -> None:
     readme = [s for s in SNIPPETS if s.doc == "README.md"]
-    assert len(readme) >= 9 and {s.lang for s in readme} == {"python", "bash"}
+    assert {s.lang for s in readme} == {"python", "bash"}
+    quickstarts = sorted((ROOT / "docs" / "quickstart").glob("*.md"))
+    assert len(quickstarts) >= 6
+    for page in quickstarts:
+        assert any(s.doc == str(page.relative_to(ROOT)) for s in SNIPPETS), f"{page}: a quickstart without a tested snippet"
     for s in SNIPPETS:
-        assert set(s.options) <= {"setup", "needs"}, (s.id, s.options)
+        assert set(s.options) <= {"setup", "needs", "file"}, (s.id, s.options)
         if "setup" in s.options:
             assert s.options["setup"][0] in SETUPS, (s.id, s.options)
         if "needs" in s.options:
             value, reason = s.options["needs"]
             assert value in ("gpu", "network") and reason, (s.id, "needs=gpu|network (reason)")
     assert set(SETUPS) == {s.options["setup"][0] for s in SNIPPETS if "setup" in s.options}, "a setup no snippet uses"
+
+
+def test_the_readmes_links_name_files_and_headings_that_exist() -> None:
+    # mkdocs build --strict checks the links of docs/ (scripts/test.sh); the README is outside it.
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    headings = {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    for link in links:
+        if link.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = link.partition("#")
+        if path:
+            assert (ROOT / path).exists(), f"README.md links to {link}: no such file"
+        else:
+            assert anchor in headings, f"README.md links to {link}: no such heading"
 
 
 @pytest.mark.parametrize("snippet", SNIPPETS, ids=[s.id for s in SNIPPETS])
