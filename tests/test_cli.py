@@ -1004,3 +1004,14 @@ def test_decompress_unwritable_destination_names_it(
         assert code == 2, err
         assert_one_line_error(err, f"{dst}: ")
         assert ".tmp-" not in err and "nvckpt-tmp" not in err, err
+
+
+@pytest.mark.parametrize("held", [[], ["train.py", "notes.txt"]])
+def test_inspect_of_a_folder_without_checkpoints_is_an_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, held: list[str]
+) -> None:
+    for name in held:
+        (tmp_path / name).write_text("x = 1\n")
+    code, out, err = call(capsys, "inspect", tmp_path)
+    assert code == 2 and out == "", out
+    assert_one_line_error(err, str(tmp_path), "not a checkpoint folder", "notes.txt, train.py" if held else "it is empty")
