@@ -509,6 +509,7 @@ def test_bench_recommends_by_the_pipelined_rule(
         png,
         "--save-policy",
         saved,
+        "--force",  # a 1 MiB sample, on a machine the suite keeps busy: saved all the same
     )
     assert proc.returncode == 0, proc.stderr
     slow = json.loads(proc.stdout)
