@@ -872,7 +872,8 @@ def test_metrics_reach_the_trainers_csv_logger(tmp_path, async_save, caplog):
     # The same numbers go through `logging`, one line per save.
     lines = [r for r in caplog.records if r.name == "nvcomp_checkpoint" and "nvckpt_report" in r.__dict__]
     assert [Path(r.nvckpt_report["path"]).name for r in lines] == [ckpt_name(1), ckpt_name(2)]
-    assert all(("saved (async)" in r.getMessage()) is async_save for r in lines)
+    assert all(r.getMessage().startswith(f"saved {ckpts / Path(r.nvckpt_report['path']).name}: ") for r in lines)
+    assert all(r.nvckpt_report["seconds_blocked"] <= r.nvckpt_report["seconds"] for r in lines)
 
 
 def test_metrics_callback_needs_the_plugin(tmp_path):
