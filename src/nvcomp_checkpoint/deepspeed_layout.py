@@ -24,6 +24,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, FormatError, Unsup
 from .filetype import HEAD_BYTES, NVCOMP, kind_of
 from .policy import CodecPolicy, Component
 from .storage import LOCAL
+from .version import install_hint
 
 __all__ = [
     "MANIFEST_NAME",
@@ -368,7 +369,7 @@ class _StandIn:
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise UnsupportedObjectError(
             f"a {self._name} read from a DeepSpeed checkpoint cannot be written back without DeepSpeed: "
-            "pip install deepspeed (or 'nvcomp-checkpoint[deepspeed]')"
+            f"pip install deepspeed (or the deepspeed extra: {install_hint('deepspeed')})"
         )
 
 

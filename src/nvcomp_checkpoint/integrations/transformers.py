@@ -83,9 +83,9 @@ _META_KEY = "transformers"
 
 #: Written into a converted checkpoint directory: what the files are, and how to read them (the
 #: Trainer and ``from_pretrained`` fail on the placeholders with messages of their own).
-_MARKER_TEXT = """\
-This checkpoint directory was compressed by nvcomp-checkpoint (not on PyPI yet: install it from a
-clone of its repository with pip install -e '.[transformers]').
+_MARKER_TEXT = f"""\
+This checkpoint directory was compressed by nvcomp-checkpoint. To install it:
+{install_hint("transformers")}.
 
 optimizer.pt.nvc (and model.safetensors.nvc, if present) hold the Trainer's optimizer.pt (and
 model.safetensors), compressed losslessly. optimizer.pt (and model.safetensors) are small
@@ -99,7 +99,10 @@ placeholders that transformers alone refuses to load:
   use nvcomp_checkpoint.transformers.NvcompTrainer, or NvcompTrainerMixin on your Trainer class).
 - Get the plain files back (from_pretrained, other tools):
     python -c "from nvcomp_checkpoint.transformers import decompress_checkpoint; decompress_checkpoint('<this directory>')"
-- Read one file: nvcomp_checkpoint.load("optimizer.pt.nvc")
+- Read one file as torch.load / safetensors read the plain one (each compressed file holds the
+  plain file's contents under one key: "optimizer" or "model"):
+    optimizer.pt: nvcomp_checkpoint.load("optimizer.pt.nvc")["optimizer"]
+    model.safetensors: nvcomp_checkpoint.load("model.safetensors.nvc")["model"]
 """
 
 
