@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import json
+import logging
 import os
 import pickle
 import re
@@ -815,3 +816,18 @@ def test_the_marker_says_how_to_read_each_file_as_torch_load_read_it(tmp_path: P
             mp.chdir(folder)
             got = eval(expression, {"nvcomp_checkpoint": nc}, {})  # the marker's own text
         assert_tree_equal(got, expected)
+
+
+def test_a_stock_trainer_is_told_once_that_its_weights_stay_plain(
+    script: tuple[Path, ModuleType], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # With a stock Trainer a checkpoint compresses far less than its optimizer state: the log says why, once.
+    _, mod = script
+    with caplog.at_level(logging.INFO, logger="nvcomp_checkpoint"):
+        mod.run(str(tmp_path / "out"), 4, 2, stock=True)
+    said = [r.getMessage() for r in caplog.records if "stays as the Trainer wrote it" in r.getMessage()]
+    assert len(said) == 1, said
+    assert re.search(r"checkpoint-2: model\.safetensors \([\d.]+ KiB, \d+% of the checkpoint\)", said[0]), said
+    assert "NvcompTrainer" in said[0]
+    saved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compressed ")]
+    assert len(saved) == 2, saved  # one line per checkpoint (checkpoint-2, checkpoint-4), not one per file

@@ -35,6 +35,7 @@ from nvcomp_checkpoint.dirconvert import (
 )
 from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, load_tree
+from nvcomp_checkpoint.report import format_bytes
 from nvcomp_checkpoint.tiers import Tier
 from nvcomp_checkpoint.version import install_hint
 
@@ -312,6 +313,26 @@ def _resume_hint(checkpoint: Path) -> str:
     return f"Resume from an earlier checkpoint instead: trainer.train(resume_from_checkpoint={str(earlier[-1])!r})."
 
 
+def _say_weights_stay_plain(directory: Path) -> bool:
+    """Log once (INFO) that the weights stay plain, and their share of the checkpoint: with a stock
+    Trainer a whole checkpoint compresses far less than its optimizer state, and the reason is easy to miss."""
+    weights = [directory / name for name in _WEIGHTS if (directory / name).is_file()]
+    if not weights:
+        return False
+    size = sum(p.stat().st_size for p in weights)
+    total = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    logger.info(
+        "%s: %s (%s, %.0f%% of the checkpoint) stays as the Trainer wrote it, uncompressed, so that a stock Trainer "
+        "and from_pretrained read it; only the optimizer state is compressed. nvcomp_checkpoint.transformers."
+        "NvcompTrainer (or NvcompTrainerMixin first in your Trainer's bases) compresses the weights too.",
+        directory,
+        ", ".join(p.name for p in weights),
+        format_bytes(size),
+        100.0 * size / total if total else 0.0,
+    )
+    return True
+
+
 def _step_of(name: str) -> int | None:
     match = re.fullmatch(r"checkpoint-(\d+)", name)
     return int(match.group(1)) if match else None
@@ -403,6 +424,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         self._weights = bool(compress_weights)
         self._resumes_itself = False  # the Trainer is an NvcompTrainerMixin: it loads what we wrote
         self._deepspeed = False  # the Trainer runs DeepSpeed: its engine writes compressed files itself
+        self._said_weights_stay_plain = False  # logged once per callback, at its first save
         _CALLBACKS.add(self)
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -518,6 +540,8 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         if directory is None:
             logger.warning("NvcompTrainerCallback: no checkpoint-%d directory under %s", state.global_step, args.output_dir)
             return
+        if not self._weights and not self._said_weights_stay_plain:
+            self._said_weights_stay_plain = _say_weights_stay_plain(directory)
 
         def convert() -> Any:
             return transformers_fsdp.with_fsdp_reports(
