@@ -1016,3 +1016,22 @@ def test_inspect_of_a_folder_without_checkpoints_is_an_error(
     code, out, err = call(capsys, "inspect", tmp_path)
     assert code == 2 and out == "", out
     assert_one_line_error(err, str(tmp_path), "not a checkpoint folder", "notes.txt, train.py" if held else "it is empty")
+
+
+def test_verify_of_many_files_says_which_file_of_how_many(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each file's bar (on a terminal, after a second) names its place among the files verified.
+    from nvcomp_checkpoint.cli import _ui
+
+    shown: list[str] = []
+    start = _ui.Reporter.start
+    monkeypatch.setattr(_ui.Reporter, "start", lambda self, text, total=None: shown.append(text) or start(self, text, total))
+    for i in range(3):
+        nc.save({"w": torch.full((64,), float(i))}, tmp_path / f"part{i}.nvc")
+    code, _, err = call(capsys, "verify", tmp_path)
+    assert code == 0, err
+    assert sorted(shown) == [f"verifying part{i}.nvc ({i + 1}/3)" for i in range(3)], shown
+    shown.clear()
+    assert call(capsys, "verify", tmp_path / "part0.nvc")[0] == 0
+    assert shown == ["verifying part0.nvc"]
