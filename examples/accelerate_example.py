@@ -1,6 +1,6 @@
 """Accelerate example: ``save_state`` with compressed weights and optimizer state, then resume.
 
-Run with ``python examples/accelerate_example.py``: about 6 s on a 2-core CPU machine, after
+Run with ``python examples/accelerate_example.py``: about 6 s on an idle 2-core CPU machine (longer on a busy one), after
 imports. Without ``--out DIR`` it leaves its project in a temporary folder
 (``$TMPDIR/nvckpt-accelerate-*``) and prints where; delete it when done.
 """

@@ -1,7 +1,7 @@
 """Demo: train a tiny model on the CPU, save compressed checkpoints, resume, and report.
 
 Run with ``bash scripts/demo.sh`` (sets up .venv first) or ``python examples/demo.py``: about 45 s
-on a 2-core CPU machine. Without ``--out DIR`` it leaves its checkpoints in a temporary folder
+on an idle 2-core CPU machine (longer on a busy one). Without ``--out DIR`` it leaves its checkpoints in a temporary folder
 (``$TMPDIR/nvckpt-demo-*``) and prints where; delete it when done.
 """
 

@@ -1,6 +1,6 @@
 """Example: a stock Hugging Face ``Trainer`` whose checkpoints' optimizer state is compressed, then resumed.
 
-Runs on the CPU in about 25 s on a 2-core machine: ``python examples/hf_trainer_example.py [--output-dir DIR]``.
+Runs on the CPU in about 25 s on an idle 2-core machine (longer on a busy one): ``python examples/hf_trainer_example.py [--output-dir DIR]``.
 Without ``--output-dir`` its checkpoints go to a temporary folder that is removed at the end.
 """
 

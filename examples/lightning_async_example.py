@@ -3,8 +3,8 @@
 Trains the same small model twice, saving every few steps (top-1 rotation plus ``last.ckpt``): once
 with synchronous saves, once with ``NvcompCheckpointIO(async_save=True)``; prints how long training
 waited for checkpoints in each run and what ``NvcompCheckpointMetrics`` wrote to the CSV logger.
-``python examples/lightning_async_example.py`` runs on the CPU in about 75 s on a 2-core machine
-(two training runs). Without ``--out DIR`` it leaves both runs in a temporary folder
+``python examples/lightning_async_example.py`` runs on the CPU in about 75 s on an idle 2-core machine
+(two training runs; longer on a busy one). Without ``--out DIR`` it leaves both runs in a temporary folder
 (``$TMPDIR/nvckpt-lightning-async-*``); delete it when done.
 """
 

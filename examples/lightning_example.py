@@ -1,7 +1,7 @@
 """Lightning example: train a tiny language model with compressed checkpoints, then resume.
 
 ``Trainer(plugins=[NvcompCheckpointIO()])`` is the only change a Lightning script needs; this
-runs on the CPU in about 30 s on a 2-core machine: ``python examples/lightning_example.py``.
+runs on the CPU in about 30 s on an idle 2-core machine (longer on a busy one): ``python examples/lightning_example.py``.
 Without ``--out DIR`` it leaves its checkpoints in a temporary folder (``$TMPDIR/nvckpt-lightning-*``);
 delete it when done.
 """

@@ -3,8 +3,8 @@
 Trains a small model, saves every 10 steps (copies to the shared folder every 20 steps and to S3
 every 30), "loses the node" (tier 0 is deleted), resumes on a fresh node from the newest verified
 copy, and checks that the next losses are the ones the uninterrupted run computed.
-Run: ``python examples/tiers_example.py`` (needs ``moto[server]`` and ``s3fs``): about 12 s on a
-2-core CPU machine; its temporary folder (``$TMPDIR/tiers-example-*``) and the S3 server are
+Run: ``python examples/tiers_example.py`` (needs ``moto[server]`` and ``s3fs``): about 12 s on an
+idle 2-core CPU machine (longer on a busy one); its temporary folder (``$TMPDIR/tiers-example-*``) and the S3 server are
 removed at the end.
 """
 

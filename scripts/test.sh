@@ -17,6 +17,8 @@ rm -rf "$site_dir"
 # mypy validates each cached module by its source hash, so a stale entry is never used.
 export MYPY_CACHE_DIR="${MYPY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/nvcomp-checkpoint/mypy}"
 mypy
+# The package as a user installs it: the sdist and wheel built, checked, installed into a new environment and used.
+bash scripts/check_wheel.sh
 set +e
 python -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" --durations=25 "$@"
 rc=$?

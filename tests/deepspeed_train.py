@@ -134,9 +134,14 @@ def init() -> None:
 def kill_during_t5(stage: int, rank: int) -> None:
     """Arm the SIGKILL of the t5 save (see the module docstring)."""
     if stage == 2 and rank == 1:
-        real_save = nc.save
+        # The attached engine saves each file with save_with_options (it logs one line per tag, not per file).
+        import dataclasses
 
-        def save(obj, path, *args, **kwargs):  # noqa: ANN001, ANN202
+        import nvcomp_checkpoint.integrations.deepspeed as ds_integration
+
+        real_save = ds_integration.save_with_options
+
+        def save(obj, path, options):  # noqa: ANN001, ANN202
             if os.sep + "t5" + os.sep in os.fspath(path):
 
                 def die(n: int, folder: str = os.path.dirname(os.fspath(path))) -> None:
@@ -149,10 +154,10 @@ def kill_during_t5(stage: int, rank: int) -> None:
                         time.sleep(0.05)
                     os.kill(os.getpid(), signal.SIGKILL)
 
-                kwargs["progress"] = die
-            return real_save(obj, path, *args, **kwargs)
+                options = dataclasses.replace(options, progress=die)
+            return real_save(obj, path, options)
 
-        nc.save = save
+        ds_integration.save_with_options = save
     if stage == 3 and rank == 0:
         real_write = LocalStorage.write_bytes
 

@@ -953,6 +953,6 @@ def test_import_without_accelerate_names_the_extra_to_install() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith(
         "ImportError accelerate nvcomp_checkpoint.accelerate needs Accelerate: "
-        "pip install -e '.[accelerate]' in a clone of the nvcomp-checkpoint repository "
-        "(it is not on PyPI yet"
+        "pip install -e '.[accelerate]' in a clone of the nvcomp-checkpoint repository, or "
+        "pip install 'nvcomp_checkpoint-"
     ), proc.stdout

@@ -63,6 +63,60 @@ def test_bench_prints_why_it_recommends_none(tmp_path: Path, capsys: pytest.Capt
     assert result["recommended"]["why_none"]["weights"].startswith("weights: none, because the fastest codec")
 
 
+@pytest.fixture
+def small_ckpt(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"w": torch.randn(256, 256)}, path)
+    return path
+
+
+def _bench(path: Path, *more: str) -> int:
+    return main(["bench", str(path), "--codecs", "zstd:1", "--repeat", "1", *more])
+
+
+def test_a_busy_machine_is_named_and_its_policy_not_saved(
+    small_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The load average is the machine's: set here, as no test can make the machine busy on demand.
+    monkeypatch.setattr("os.getloadavg", lambda: (64.0, 64.0, 64.0))
+    saved = tmp_path / "policy.json"
+    assert _bench(small_ckpt, "--save-policy", str(saved)) == 2
+    err = capsys.readouterr().err
+    assert "not written, the measurement is unreliable: this machine is busy (load average 64.0 on" in err, err
+    assert "--force writes it anyway" in err and not saved.exists()
+
+    assert _bench(small_ckpt, "--save-policy", str(saved), "--force") == 0
+    out, err = capsys.readouterr()
+    assert "warning: this machine is busy" in err and saved.exists(), err
+    assert _bench(small_ckpt, "--json") == 0
+    assert json.loads(capsys.readouterr().out)["unreliable"][0].startswith("this machine is busy")
+
+
+def test_a_small_sample_is_named_and_its_policy_not_saved(
+    small_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0))
+    saved = tmp_path / "policy.json"
+    assert _bench(small_ckpt, "--save-policy", str(saved)) == 2  # 256 KiB of weights
+    err = capsys.readouterr().err
+    assert "the sample is small (0.25 MiB of the largest component)" in err and "--sample-mb 4" in err, err
+    assert not saved.exists()
+    assert _bench(small_ckpt) == 0  # without --save-policy: measured, with the warning
+    assert "warning: the sample is small" in capsys.readouterr().err
+
+
+def test_an_idle_machine_and_a_large_sample_save_the_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0))
+    path = tmp_path / "big.pt"
+    torch.save({"w": torch.zeros(4 << 20, dtype=torch.uint8)}, path)  # 4 MiB, compresses in no time
+    saved = tmp_path / "policy.json"
+    assert _bench(path, "--save-policy", str(saved), "--sample-mb", "4") == 0
+    assert "warning" not in capsys.readouterr().err and saved.exists()
+
+
 def test_plot_tick_labels_do_not_overlap(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib (in the test extra)")
     import matplotlib.pyplot as plt

@@ -509,6 +509,7 @@ def test_bench_recommends_by_the_pipelined_rule(
         png,
         "--save-policy",
         saved,
+        "--force",  # a 1 MiB sample, on a machine the suite keeps busy: saved all the same
     )
     assert proc.returncode == 0, proc.stderr
     slow = json.loads(proc.stdout)
@@ -1004,3 +1005,33 @@ def test_decompress_unwritable_destination_names_it(
         assert code == 2, err
         assert_one_line_error(err, f"{dst}: ")
         assert ".tmp-" not in err and "nvckpt-tmp" not in err, err
+
+
+@pytest.mark.parametrize("held", [[], ["train.py", "notes.txt"]])
+def test_inspect_of_a_folder_without_checkpoints_is_an_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, held: list[str]
+) -> None:
+    for name in held:
+        (tmp_path / name).write_text("x = 1\n")
+    code, out, err = call(capsys, "inspect", tmp_path)
+    assert code == 2 and out == "", out
+    assert_one_line_error(err, str(tmp_path), "not a checkpoint folder", "notes.txt, train.py" if held else "it is empty")
+
+
+def test_verify_of_many_files_says_which_file_of_how_many(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each file's bar (on a terminal, after a second) names its place among the files verified.
+    from nvcomp_checkpoint.cli import _ui
+
+    shown: list[str] = []
+    start = _ui.Reporter.start
+    monkeypatch.setattr(_ui.Reporter, "start", lambda self, text, total=None: shown.append(text) or start(self, text, total))
+    for i in range(3):
+        nc.save({"w": torch.full((64,), float(i))}, tmp_path / f"part{i}.nvc")
+    code, _, err = call(capsys, "verify", tmp_path)
+    assert code == 0, err
+    assert sorted(shown) == [f"verifying part{i}.nvc ({i + 1}/3)" for i in range(3)], shown
+    shown.clear()
+    assert call(capsys, "verify", tmp_path / "part0.nvc")[0] == 0
+    assert shown == ["verifying part0.nvc"]

@@ -184,8 +184,24 @@ def test_estimate_bad_tier_is_a_usage_error():
 
 
 def test_ls_of_an_empty_tier(tmp_path, capsys):
-    assert main(["ls", str(tmp_path / "nothing")]) == 0
+    (tmp_path / "empty").mkdir()
+    assert main(["ls", str(tmp_path / "empty")]) == 0
     assert "no committed steps" in capsys.readouterr().out
+
+
+def test_ls_of_a_missing_folder_is_an_error(tmp_path, capsys):
+    # A mistyped path is not an empty tier.
+    assert main(["ls", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert "nothing: no such folder" in err and "Traceback" not in err, err
+
+
+def test_ls_of_a_folder_that_is_not_a_tier_is_an_error(tmp_path, capsys):
+    (tmp_path / "train.py").write_text("print()\n")
+    (tmp_path / "model.nvc").write_bytes(b"x")
+    assert main(["ls", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a tier" in err and "model.nvc, train.py" in err and "nvckpt inspect" in err, err
 
 
 def test_ls_shows_deltas_and_their_base_and_sync_says_which_bases_it_keeps(tmp_path, capsys):

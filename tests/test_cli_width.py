@@ -74,3 +74,25 @@ def test_global_options_before_the_command(
     out, err = _run(capsys, monkeypatch, 80, "-q", "compress", plain, tmp_path / "q.nvc")
     assert err == ""
     assert (tmp_path / "q.nvc").exists()
+
+
+def test_inspect_at_80_columns_prints_the_title_whole_and_breaks_names_between_words(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, plain: Path
+) -> None:
+    folder = tmp_path / "a_rather_long_directory_name_for_checkpoints" / "run-2026-12-05"
+    folder.mkdir(parents=True)
+    dst = folder / "a_rather_long_checkpoint_file_name_for_the_table.nvc"
+    _run(capsys, monkeypatch, 80, "compress", plain, dst)
+    out, _ = _run(capsys, monkeypatch, 80, "inspect", dst)
+    # The title (path and ratio) is one line, whole, however long: piped output is not cut.
+    assert re.search(rf"^{re.escape(str(dst))}  \(nvcomp-checkpoint, .*\d\.\d{{3}}x\)$", out, re.M), out
+    # Every tensor's label ends with its component, however it wrapped.
+    assert len(re.findall(r"\[(weights|exp_avg|exp_avg_sq|other)\]", out)) == len(re.findall(r"float32\[", out)), out
+
+    out, _ = _run(capsys, monkeypatch, 80, "inspect", folder)
+    assert _widest_line(out) <= 80, out
+    cells = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]
+    start = cells.index("a_rather_long_")
+    name = cells[start : start + 4]
+    assert "".join(name) == dst.name, out
+    assert all(part[-1] in "_-./" for part in name[:-1]), name  # broken after a separator, never mid-word

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import json
+import logging
 import os
 import pickle
 import re
@@ -784,3 +785,49 @@ def test_import_without_a_framework_package_names_the_extra_to_install(missing: 
         "pip install -e '.[transformers]' in a clone of the nvcomp-checkpoint repository"
     ), proc.stdout
     assert missing in proc.stdout, proc.stdout
+
+
+def test_the_marker_says_how_to_read_each_file_as_torch_load_read_it(tmp_path: Path) -> None:
+    # What NVCOMP_CHECKPOINT.txt tells a user to run gives back what torch.load gave for the plain file.
+    import safetensors.torch
+
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.transformers import MARKER_NAME, compress_checkpoint
+
+    model = torch.nn.Linear(32, 32)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    folder = tmp_path / "checkpoint-5"
+    folder.mkdir()
+    torch.save(opt.state_dict(), folder / "optimizer.pt")
+    safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+    plain = {
+        "optimizer.pt": torch.load(folder / "optimizer.pt"),
+        "model.safetensors": safetensors.torch.load_file(folder / "model.safetensors"),
+    }
+    compress_checkpoint(folder)
+    marker = (folder / MARKER_NAME).read_text()
+    for name, expected in plain.items():
+        (line,) = [ln for ln in marker.splitlines() if f'load("{name}.nvc")' in ln]
+        expression = line.split(": ", 1)[1].strip()
+        assert expression.startswith("nvcomp_checkpoint.load("), line
+        with pytest.MonkeyPatch.context() as mp:  # run as a user would, in the checkpoint's folder
+            mp.chdir(folder)
+            got = eval(expression, {"nvcomp_checkpoint": nc}, {})  # the marker's own text
+        assert_tree_equal(got, expected)
+
+
+def test_a_stock_trainer_is_told_once_that_its_weights_stay_plain(
+    script: tuple[Path, ModuleType], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # With a stock Trainer a checkpoint compresses far less than its optimizer state: the log says why, once.
+    _, mod = script
+    with caplog.at_level(logging.INFO, logger="nvcomp_checkpoint"):
+        mod.run(str(tmp_path / "out"), 4, 2, stock=True)
+    said = [r.getMessage() for r in caplog.records if "stays as the Trainer wrote it" in r.getMessage()]
+    assert len(said) == 1, said
+    assert re.search(r"checkpoint-2: model\.safetensors \([\d.]+ KiB, \d+% of the checkpoint\)", said[0]), said
+    assert "NvcompTrainer" in said[0]
+    saved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compressed ")]
+    assert len(saved) == 2, saved  # one line per checkpoint (checkpoint-2, checkpoint-4), not one per file

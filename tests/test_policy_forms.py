@@ -86,3 +86,12 @@ def test_an_override_that_matches_nothing_warns_once(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         nc.save(_state(), tmp_path / "b.nvc", policy=policy)
+
+
+def test_an_unmatched_override_warning_shows_real_keys_and_points_at_the_caller(tmp_path: Path) -> None:
+    policy = nc.CodecPolicy(overrides={"modle.*": "none"})
+    with pytest.warns(UserWarning, match=r"override 'modle\.\*' matches no tensor key") as record:
+        nc.save({"model": _state()}, tmp_path / "c.nvc", policy=policy)
+    (warning,) = [w for w in record if "modle" in str(w.message)]
+    assert "keys of this save look like 'model/layer.weight'" in str(warning.message), warning.message
+    assert warning.filename == __file__, warning.filename  # the line that saved, not writer.py

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import nvcomp_checkpoint as nc
@@ -52,3 +53,21 @@ def test_sparse_tensor_is_refused_with_the_fix(tmp_path):
     with pytest.raises(UnsupportedObjectError, match=r"'s'.*to_dense"):
         nc.save({"s": torch.eye(3).to_sparse()}, tmp_path / "sparse.nvc")
     assert not (tmp_path / "sparse.nvc").exists()
+
+
+@pytest.mark.parametrize("what", ["model", "optimizer"])
+def test_a_model_or_optimizer_object_is_refused_with_its_state_dict_named(tmp_path, what):
+    model = torch.nn.Linear(4, 4)
+    obj = model if what == "model" else torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nc.errors.UnsupportedObjectError) as info:
+        nc.save({"run": {what: obj}}, tmp_path / "m.nvc")
+    text = str(info.value)
+    assert f"'run/{what}' is a {type(obj).__name__} object, not its state" in text, text
+    assert f"save {what}.state_dict() instead" in text, text
+    assert not (tmp_path / "m.nvc").exists()
+
+
+def test_a_module_without_tensors_is_still_pickled_as_before(tmp_path):
+    # A loss module in Lightning's hyper_parameters holds no tensor: it was saved before, and still is.
+    nc.save({"loss": torch.nn.CrossEntropyLoss(), "w": torch.ones(3)}, tmp_path / "loss.nvc")
+    assert isinstance(nc.load(tmp_path / "loss.nvc", weights_only=False)["loss"], torch.nn.CrossEntropyLoss)

@@ -30,7 +30,7 @@ from .format.skeleton import check_torch_archive, weights_only_detail
 from .pending import wait_for_path
 from .policy import CodecPolicy
 from .reader import CheckpointReader, MapLocation
-from .report import SaveReport
+from .report import SaveReport, format_bytes
 from .saveoptions import SaveOptions
 from .storage import open_checkpoint_stream, storage_for, write_errors
 from .writer import CheckpointWriter, TreePlan
@@ -113,15 +113,19 @@ def save(
         base_state=base_state,
         file_mode=file_mode,
     )
-    return save_with_options(obj, path, options)
+    report = save_with_options(obj, path, options)
+    log_report(report)
+    return report
 
 
 def save_with_options(obj: Any, path: str | os.PathLike[str], options: SaveOptions) -> SaveReport:
-    """:func:`save` with its options already built (:meth:`SaveOptions.of`): what entry points below the public API call."""
+    """:func:`save` with its options already built (:meth:`SaveOptions.of`): what entry points below the public API call.
+
+    Logs nothing: an entry point logs one line per checkpoint, once it is committed
+    (:meth:`~nvcomp_checkpoint.savegroup.SaveSequence.notify`), not one per file.
+    """
     wait_for_path(path)
-    report = write_checkpoint(obj, path, options=options)
-    log_report(report)
-    return report
+    return write_checkpoint(obj, path, options=options)
 
 
 def write_checkpoint(
@@ -176,17 +180,23 @@ def write_checkpoint(
 
 
 def log_report(report: SaveReport, what: str = "saved") -> None:
-    """One INFO line per save on logger ``nvcomp_checkpoint``; the full report rides in ``extra``."""
+    """One INFO line per save on logger ``nvcomp_checkpoint``; the full report rides in ``extra``.
+
+    The one place a save is logged, whichever entry point made it: ``save``, ``save_async``, and
+    the commit of every integration's and the manager's checkpoints (``SaveSequence.notify``).
+    The line: what, path, raw -> stored MB, ratio, seconds until durable, seconds the caller was
+    blocked, throughput and the ratio per component.
+    """
     if not _LOG.isEnabledFor(logging.INFO):
         return
     blocked = report.seconds if report.seconds_blocked is None else report.seconds_blocked
     parts = ", ".join(f"{name} {stats.ratio:.3f}x" for name, stats in report.components.items())
     _LOG.info(
-        "%s %s: %.1f MB -> %.1f MB (%.3fx) in %.2f s, blocked %.3f s, %.0f MB/s [%s]",
+        "%s %s: %s -> %s (%.3fx) in %.2f s, blocked %.3f s, %.0f MB/s [%s]",
         what,
         report.path,
-        report.raw_bytes / 1e6,
-        report.stored_bytes / 1e6,
+        format_bytes(report.raw_bytes),
+        format_bytes(report.stored_bytes),
         report.ratio,
         report.seconds,
         blocked,

@@ -189,6 +189,8 @@ class AsyncSaver:
             :meth:`save` still copies the rest (the file is durable sooner). ``False``: the
             background save starts once the whole snapshot is taken (on a machine with few
             cores, :meth:`save` then shares them with nothing of ours and returns sooner).
+        log_saves: Log each durable save (one INFO line on logger ``nvcomp_checkpoint``). ``False``
+            for an owner that logs a checkpoint of several files once, when it commits it.
 
     Example:
         >>> saver = AsyncSaver(max_pending=1)
@@ -207,6 +209,7 @@ class AsyncSaver:
         workers: int | None = None,
         report_errors: bool = True,
         overlap: bool = True,
+        log_saves: bool = True,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
@@ -215,6 +218,7 @@ class AsyncSaver:
         self.workers = workers
         self.report_errors = report_errors
         self.overlap = overlap
+        self.log_saves = log_saves
         self.buffers = SnapshotBuffers(
             gpu_budget_bytes=gpu_budget_bytes, pinned_bytes=pinned_bytes, reuse=reuse_buffers, max_pooled=max_pending
         )
@@ -347,7 +351,8 @@ class AsyncSaver:
         report = write_checkpoint(obj, where, options=options)
         handle = AsyncSaveHandle(self, where, started)
         handle._report = replace(report, seconds=time.perf_counter() - started, seconds_blocked=time.perf_counter() - started)
-        log_report(handle._report, "saved (synchronously: the interpreter is exiting)")
+        if self.log_saves:
+            log_report(handle._report, "saved (synchronously: the interpreter is exiting)")
         handle._set_done()
         return handle
 
@@ -421,7 +426,8 @@ class AsyncSaver:
                 )
             else:
                 assert report is not None
-                log_report(report, "saved (async)")
+                if self.log_saves:
+                    log_report(report, "saved (async)")
             callbacks = handle._set_done()
             # Done before the slot frees: a save() that was waiting sees this one finished.
             self._slots.release()

@@ -1,7 +1,7 @@
 """``from nvcomp_checkpoint.deepspeed import attach``: compressed DeepSpeed checkpoints.
 
-A short name for :mod:`nvcomp_checkpoint.integrations.deepspeed`; needs ``pip install
-'nvcomp-checkpoint[deepspeed]'``.
+A short name for :mod:`nvcomp_checkpoint.integrations.deepspeed`; needs the ``deepspeed``
+extra (``nvcomp_checkpoint.version.install_hint``).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from .filetype import HEAD_BYTES, NVCOMP, kind_of
 from .policy import CodecPolicy, Component
 from .safepaths import inside_path
 from .storage import LOCAL
+from .version import install_hint
 
 __all__ = [
     "MANIFEST_NAME",
@@ -419,7 +420,7 @@ class _StandIn:
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise UnsupportedObjectError(
             f"a {self._name} read from a DeepSpeed checkpoint cannot be written back without DeepSpeed: "
-            "pip install deepspeed (or 'nvcomp-checkpoint[deepspeed]')"
+            f"pip install deepspeed (or the deepspeed extra: {install_hint('deepspeed')})"
         )
 
 

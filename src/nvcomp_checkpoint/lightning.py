@@ -1,7 +1,7 @@
 """``from nvcomp_checkpoint.lightning import NvcompCheckpointIO``: the Lightning plugin.
 
-A short name for :mod:`nvcomp_checkpoint.integrations.lightning`; needs ``pip install
-'nvcomp-checkpoint[lightning]'``.
+A short name for :mod:`nvcomp_checkpoint.integrations.lightning`; needs the ``lightning``
+extra (``nvcomp_checkpoint.version.install_hint``).
 """
 
 from __future__ import annotations

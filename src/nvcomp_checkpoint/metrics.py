@@ -1,6 +1,6 @@
 """Prometheus metrics of checkpoint saves and tier copies, in ``prometheus_client``'s default registry.
 
-``prometheus_client`` is optional (``pip install nvcomp-checkpoint[metrics]``): without it every
+``prometheus_client`` is optional (the ``metrics`` extra, see ``version.install_hint``): without it every
 ``record_*`` call does nothing and :func:`serve_metrics` says what to install.
 """
 

@@ -6,9 +6,12 @@ compress differently, so each component gets its own :class:`CodecSpec`.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import numbers
+import os
 import re
+import sys
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
@@ -120,6 +123,15 @@ def classify(path: Sequence[Any]) -> Component:
     return Component.WEIGHTS
 
 
+_NONE_TAKES_NOTHING = "'none' stores the bytes as they are: it takes no level and no filter; write 'none'"
+
+
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """`` (did you mean 'X'?)`` for the choice closest to a misspelt ``word`` (``bytplane``), or ``""``."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 @dataclass(frozen=True)
 class CodecSpec:
     """How one tensor is stored.
@@ -151,9 +163,13 @@ class CodecSpec:
 
     def __post_init__(self) -> None:
         if self.codec not in CODEC_IDS:
-            raise ValueError(f"unknown codec {self.codec!r}; choose one of {', '.join(CODEC_IDS)}")
+            raise ValueError(
+                f"unknown codec {self.codec!r}{did_you_mean(self.codec, CODEC_IDS)}; choose one of {', '.join(CODEC_IDS)}"
+            )
         if self.filter not in FILTER_IDS:
-            raise ValueError(f"unknown filter {self.filter!r}; choose one of {', '.join(FILTER_IDS)}")
+            raise ValueError(
+                f"unknown filter {self.filter!r}{did_you_mean(self.filter, FILTER_IDS)}; choose one of {', '.join(FILTER_IDS)}"
+            )
         facts = codec_facts(self.codec)
         if self.chunk_bytes is None or (self.chunk_bytes == 0 and not isinstance(self.chunk_bytes, bool)):
             object.__setattr__(self, "chunk_bytes", facts.default_chunk_bytes)
@@ -193,10 +209,12 @@ class CodecSpec:
                 filt = part.lower()
             else:
                 raise ValueError(
-                    f"codec spec {text!r}: {part!r} is neither a level nor a filter ({', '.join(FILTER_IDS)}); "
-                    "write CODEC[:LEVEL][:FILTER], e.g. 'zstd:3'"
+                    f"codec spec {text!r}: {part!r} is neither a level nor a filter ({', '.join(FILTER_IDS)})"
+                    f"{did_you_mean(part.lower(), FILTER_IDS)}; write CODEC[:LEVEL][:FILTER], e.g. 'zstd:3'"
                 )
         if codec == "none":
+            if len(parts) > 1:
+                raise ValueError(f"codec spec {text!r}: {_NONE_TAKES_NOTHING}")
             filt, level = "none", None
         elif level is None and codec == "zstd":
             level = 1
@@ -213,9 +231,14 @@ class CodecSpec:
             return data
         if isinstance(data, str):
             return cls.parse(data)
-        unknown = set(data) - {"codec", "level", "filter", "chunk_bytes", "adaptive"}
+        keys = [f.name for f in fields(cls)]
+        unknown = sorted(set(map(str, data)) - set(keys))
         if unknown:
-            raise ValueError(f"unknown codec spec keys {sorted(unknown)}")
+            raise ValueError(
+                f"unknown codec spec keys {unknown}{did_you_mean(unknown[0], keys)}; the keys are: {', '.join(keys)}"
+            )
+        if data.get("codec") == "none" and (data.get("level") is not None or data.get("filter", "none") != "none"):
+            raise ValueError(f"codec spec {dict(data)!r}: {_NONE_TAKES_NOTHING}")
         return cls(**dict(data))
 
     def to_dict(self) -> dict[str, Any]:
@@ -378,7 +401,9 @@ class CodecPolicy:
             raise ValueError(f"a policy dict must be a dict of CodecPolicy fields, got {_described(data)}")
         unknown = sorted(set(map(str, data)) - set(_POLICY_FIELDS))
         if unknown:
-            raise ValueError(f"unknown policy key(s) {unknown}; the fields are: {', '.join(_POLICY_FIELDS)}")
+            raise ValueError(
+                f"unknown policy key(s) {unknown}{did_you_mean(unknown[0], _POLICY_FIELDS)}; the fields are: {', '.join(_POLICY_FIELDS)}"
+            )
         return cls(**dict(data))
 
     @classmethod
@@ -454,9 +479,23 @@ def warn_unmatched_overrides(policy: CodecPolicy, keys: Sequence[str], where: st
     for glob in policy.unmatched_overrides(keys):
         if glob not in _WARNED_GLOBS:
             _WARNED_GLOBS.add(glob)
+            shown = ", ".join(repr(k) for k in list(keys)[:3]) or "none: it holds no tensor"
             warnings.warn(
                 f"{where}: the policy override {glob!r} matches no tensor key, so it changes nothing "
-                "(keys look like 'state_dict/layer.weight'; `nvckpt inspect FILE` lists them)",
+                f"(the keys of this save look like {shown}; `nvckpt inspect FILE` lists them all)",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=_caller_stacklevel(),
             )
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that names the first frame outside this package: the user's line that saved.
+
+    A fixed level named writer.py (the depth differs between entry points); on a background
+    thread, where no frame is the user's, the warning names the outermost frame.
+    """
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    level, frame = 2, sys._getframe(2)  # 1: the function calling warnings.warn; 2: its caller
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

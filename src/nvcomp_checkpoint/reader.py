@@ -39,6 +39,7 @@ from .policy import Component
 from .report import ComponentStats, ComponentSummary
 from .storage import Storage, open_checkpoint_stream, storage_for
 from .tensors import unique_key
+from .version import install_hint
 from .workers import GPU_BATCH_BYTES, default_workers, worker_pool
 
 __all__ = ["CheckpointReader", "MapLocation"]
@@ -470,8 +471,8 @@ class CheckpointReader:
         if not has_cpu_decoder(entry.codec.id):
             raise CodecUnavailableError(
                 f"{self.path}: tensor {entry.key!r} was compressed with {entry.codec.id!r}, an nvCOMP codec "
-                "with no CPU decoder; load it on a CUDA machine with `pip install nvcomp-checkpoint[cu12]` "
-                "(or [cu13]), then convert it to a portable codec (nvckpt compress --policy zstd)."
+                f"with no CPU decoder; load it on a CUDA machine with the cu12 (or cu13) extra ({install_hint('cu12')}), "
+                "then convert it to a portable codec (nvckpt compress --policy zstd)."
             )
         out = _allocate(entry, self.path)
         futures: list[Future[None]] = []

@@ -104,7 +104,8 @@ class SaveSequence:
         max_pending: Groups that may be in flight; :meth:`begin` waits for a free one.
         workers: Compression threads per file.
         on_saved: Called with the report of each completed group (also on a background thread).
-        log_as: The verb of the INFO line logged per completed group (``None``: not logged).
+        log_as: The verb of the INFO line logged per completed group (``log_report``: one line per
+            checkpoint, whatever its files, in every entry point).
         failures: Where failed groups are recorded (a :class:`~nvcomp_checkpoint.failures.FailureLog` the
             entry point shares with its other background work); a log of its own by default.
     """
@@ -116,7 +117,7 @@ class SaveSequence:
         max_pending: int = 1,
         workers: int | None = None,
         on_saved: SavedCallback | None = None,
-        log_as: str | None = None,
+        log_as: str = "saved",
         failures: FailureLog | None = None,
     ) -> None:
         if max_pending < 1:
@@ -317,7 +318,10 @@ class SaveSequence:
     def _async_saver(self) -> AsyncSaver:
         if self._saver is None:
             # Room for every file of max_pending groups; the group count is the back-pressure.
-            self._saver = AsyncSaver(max_pending=max(2, 2 * self.max_pending), workers=self.workers, report_errors=False)
+            # Its files are not logged one by one: notify() logs each checkpoint once it is committed.
+            self._saver = AsyncSaver(
+                max_pending=max(2, 2 * self.max_pending), workers=self.workers, report_errors=False, log_saves=False
+            )
         return self._saver
 
     def _part_done(self, group: SaveGroup, name: str, error: BaseException | None, report: SaveReport | None) -> None:
@@ -391,7 +395,6 @@ class SaveSequence:
         background completion they cannot wait for themselves, see :meth:`guard`). Entry points
         call it for their synchronous saves too."""
         self.last_report = report
-        if self.log_as is not None:
-            log_report(report, self.log_as)
+        log_report(report, self.log_as)
         for fn in [*([self.on_saved] if self.on_saved is not None else []), *callbacks]:
             run_callback(fn, report, report.path, "the on_saved callback")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, FormatError, NotARegularFileError
+from .version import install_hint
 
 __all__ = [
     "Storage",
@@ -667,9 +668,13 @@ def storage_for(path: str | os.PathLike[str], storage_options: dict[str, Any] | 
         try:
             return FsspecStorage(text, storage_options), text
         except (ValueError, ImportError) as exc:
+            backend = (
+                f"the s3 extra: {install_hint('s3')}"
+                if text.startswith(("s3://", "s3a://"))
+                else "its fsspec backend (gcsfs for gs://, adlfs for az://)"
+            )
             raise CheckpointError(
-                f"{text}: no file system for this URL ({exc}); check the protocol and install its fsspec "
-                "backend (s3fs for s3://, gcsfs for gs://, adlfs for az://)"
+                f"{text}: no file system for this URL ({exc}); check the protocol and install {backend}"
             ) from exc
     return _LOCAL, text
 

@@ -8,9 +8,14 @@ __version__ = "0.1.0"
 
 
 def install_hint(extra: str | None = None) -> str:
-    """How to install the package (with ``extra``), worded for as long as it is not on PyPI."""
+    """How to install the package (with ``extra``): the one wording of every message that says what to install.
+
+    Both forms work today (scripts/check_wheel.sh installs the wheel so); ``pip install
+    nvcomp-checkpoint`` does not, as long as the package is not on PyPI.
+    """
     spec = f"[{extra}]" if extra else ""
     return (
-        f"pip install -e '.{spec}' in a clone of the nvcomp-checkpoint repository "
-        f"(it is not on PyPI yet; once it is: pip install 'nvcomp-checkpoint{spec}')"
+        f"pip install -e '.{spec}' in a clone of the nvcomp-checkpoint repository, or "
+        f"pip install 'nvcomp_checkpoint-{__version__}-py3-none-any.whl{spec}' from a wheel built there "
+        "(python -m build; it is not on PyPI yet)"
     )

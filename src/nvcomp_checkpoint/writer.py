@@ -47,7 +47,7 @@ from .format.skeleton import encode_skeleton, flatten
 from .policy import CodecPolicy, CodecSpec, Component, key_string, warn_unmatched_overrides
 from .report import ComponentStats
 from .tensors import SOURCE_DEVICE_ATTR, flat_bytes, unique_key
-from .version import __version__
+from .version import __version__, install_hint
 from .workers import GPU_BATCH_BYTES, default_workers, is_inline, worker_pool
 
 __all__ = [
@@ -142,9 +142,8 @@ def _compress_device(key: str, t: torch.Tensor, spec: CodecSpec, policy: CodecPo
         if gpu_only or policy.device.startswith("cuda"):
             raise CodecUnavailableError(
                 f"{where}: tensor {key!r} needs nvCOMP on a CUDA GPU for codec {spec.codec!r} "
-                f"(policy device {policy.device!r}), and none is usable here. Install "
-                "`nvcomp-checkpoint[cu12]` (or [cu13]) on a CUDA machine, or use codec 'zstd', "
-                "which runs on the CPU too."
+                f"(policy device {policy.device!r}), and none is usable here. Install the cu12 (or cu13) extra on a "
+                f"CUDA machine ({install_hint('cu12')}), or use codec 'zstd', which runs on the CPU too."
             )
     return None  # a CUDA tensor without nvCOMP is compressed on the CPU, chunk by chunk
 

@@ -12,6 +12,7 @@ import os
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import boundedjson
 from nvcomp_checkpoint.errors import CheckpointError, CodecUnavailableError
+from nvcomp_checkpoint.version import install_hint
 
 __all__ = ["parse_spec", "parse_policy", "check_policy_runs_here"]
 
@@ -88,7 +89,7 @@ def check_policy_runs_here(policy: nc.CodecPolicy) -> None:
         raise CodecUnavailableError(
             f"codec {', '.join(map(repr, gpu_only))} runs only on a CUDA GPU with nvCOMP, and this machine has "
             "none usable; use a portable codec (--policy zstd), or run on a GPU machine with "
-            "`pip install nvcomp-checkpoint[cu12]` (or [cu13])"
+            f"the cu12 (or cu13) extra: {install_hint('cu12')}"
         )
     if policy.device.startswith("cuda"):
         raise CodecUnavailableError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 from typing import Any, Iterable, Sequence
@@ -41,6 +42,7 @@ __all__ = [
     "Reporter",
     "gbps",
     "check_workers",
+    "wrap_words",
 ]
 
 #: Everything checked out.
@@ -125,9 +127,12 @@ class FittedTable:
             names = ", ".join(self.header[i] or f"column {i + 1}" for i in dropped)
             caption = f"not shown at this width: {names} (a wider terminal shows them)"
         table = Table(title=self.title, title_justify="left", show_lines=False, caption=caption, caption_justify="left")
+        texts = self._text_widths([i for i in shown if i < self.numeric_from], width - needed(shown, wrap_header))
         for i in shown:
             if i >= self.numeric_from:
                 table.add_column(self.header[i], justify="right", width=self._figure_width(i, wrap_header), overflow="fold")
+            elif i in texts:
+                table.add_column(self.header[i], justify="left", overflow="fold", width=texts[i])
             else:
                 table.add_column(
                     self.header[i],
@@ -138,11 +143,63 @@ class FittedTable:
                     ),
                 )
         for row in self.rows:
-            table.add_row(*(Text(row[i]) if i < len(row) else Text("") for i in shown))
+            table.add_row(
+                *(Text(wrap_words(row[i], texts[i]) if i in texts else row[i]) if i < len(row) else Text("") for i in shown)
+            )
         return table
+
+    def _text_widths(self, columns: list[int], spare: int) -> dict[int, int]:
+        """Widths for the text ``columns`` when their cells do not fit whole (``{}``: they fit, rich lays them out).
+
+        ``spare``: the width left beyond :data:`TEXT_MIN` each. The narrow columns get their full
+        width, the rest share what remains equally; cells are then wrapped at word and name
+        boundaries (:func:`wrap_words`), not cut mid-word as a fixed-width fold would.
+        """
+        natural = {i: max([len(self.header[i]), *(len(r[i]) for r in self.rows if i < len(r))], default=1) for i in columns}
+        available = spare + self.TEXT_MIN * len(columns)
+        if sum(natural.values()) <= available:
+            return {}
+        widths: dict[int, int] = {}
+        left = sorted(columns, key=lambda i: natural[i])
+        while left:
+            share = max(1, available // len(left))
+            i = left[0]
+            if natural[i] <= share:
+                widths[i] = natural[i]
+                available -= natural[i]
+                left.pop(0)
+                continue
+            for j in left:  # the wide ones share the rest
+                widths[j] = max(self.TEXT_MIN, share)
+            break
+        return widths
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         yield self.table(options.max_width)
+
+
+#: Where a name may be broken across lines: after a path, word or extension separator.
+_BREAK_AFTER = re.compile(r"[^\s/_.\-]*(?:[\s/_.\-]+|$)")
+
+
+def wrap_words(text: str, width: int) -> str:
+    """``text`` broken into lines of at most ``width`` characters after spaces, ``/``, ``_``, ``.`` or ``-``.
+
+    A file name in a narrow column reads ``a_rather_long_`` / ``file_name.pt`` rather than being cut
+    at an arbitrary letter; a part longer than ``width`` is still cut (rich folds it).
+    """
+    if width < 1 or len(text) <= width:
+        return text
+    lines: list[str] = []
+    line = ""
+    for part in (p for p in _BREAK_AFTER.findall(text) if p):
+        if line and len(line) + len(part.rstrip()) > width:
+            lines.append(line.rstrip())
+            line = ""
+        line += part
+    if line:
+        lines.append(line.rstrip())
+    return "\n".join(lines)
 
 
 def gbps(value: float | None) -> str:

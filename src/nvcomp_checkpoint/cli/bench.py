@@ -22,7 +22,7 @@ from . import _policy
 from ._ui import EXIT_OK, Reporter, check_workers, gbps, make_table, print_json, stderr_console, stdout_console
 from .sources import DIRECTORY, NVCOMP, OTHER, SAFETENSORS, TORCH, Source, TensorInfo, dir_files, open_source, sniff
 
-__all__ = ["add_parser", "run_bench", "recommend", "why_none", "write_seconds", "default_candidates", "plot_figure"]
+__all__ = ["add_parser", "run_bench", "recommend", "unreliable", "why_none", "write_seconds", "default_candidates", "plot_figure"]
 
 _GB = 1e9
 #: Bytes taken from one tensor per sample piece: large enough for full-size chunks' ratio,
@@ -30,6 +30,8 @@ _GB = 1e9
 _PIECE_BYTES = 1 << 20
 #: Below this a tensor is stored raw by the default policy, so it says nothing about codecs.
 _MIN_TENSOR_BYTES = 2048
+#: A sample smaller than this (MiB, the largest component's) times mostly start-up costs, not throughput.
+_RELIABLE_SAMPLE_MB = 4.0
 _BASELINE = {
     "codec": "none",
     "level": None,
@@ -73,6 +75,12 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="draw ratio against compression throughput per codec (needs matplotlib)")
     p.add_argument(
         "--save-policy", metavar="FILE.json", help="write the recommended policy for `nvckpt compress --policy FILE.json`"
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="with --save-policy: save it even from an unreliable run (a busy machine, a sample under "
+        f"{_RELIABLE_SAMPLE_MB:g} MiB)",
     )
     p.set_defaults(func=run_bench)
 
@@ -352,6 +360,42 @@ def plot_figure(components: dict[str, Any], storage_gbps: float) -> Any:
     return fig
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def unreliable(sample_bytes: int, cores: int) -> list[str]:
+    """Why throughputs measured now would mislead (empty: none known).
+
+    A machine whose other work fills its cores measures a fraction of its speed (0.005-0.03 GB/s
+    seen on a shared 2-core machine, against 0.3-0.9 idle), and so recommends ``none`` everywhere.
+    """
+    reasons = []
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        load = 0.0
+    if load >= cores:
+        reasons.append(
+            f"this machine is busy (load average {load:.1f} on {cores} cores): throughputs are measured low, "
+            "and so is the storage speed below which compression pays; rerun when it is idle"
+        )
+    if sample_bytes < _RELIABLE_SAMPLE_MB * (1 << 20):
+        reasons.append(
+            f"the sample is small ({sample_bytes / (1 << 20):.2g} MiB of the largest component): throughputs are "
+            f"mostly start-up costs; use --sample-mb {_RELIABLE_SAMPLE_MB:g} or more"
+        )
+    return reasons
+
+
+def _refuse_to_save_from(reasons: list[str], args: argparse.Namespace) -> None:
+    if reasons and args.save_policy and not args.force:
+        raise CheckpointError(
+            f"--save-policy {args.save_policy}: not written, the measurement is unreliable: {'; '.join(reasons)} "
+            "(--force writes it anyway)"
+        )
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if not (args.storage_gbps > 0):
         raise CheckpointError(f"--storage-gbps must be positive, got {args.storage_gbps}")
@@ -377,6 +421,13 @@ def run_bench(args: argparse.Namespace) -> int:
             src.close()
     if not any(samples.values()):
         raise FormatError(f"{args.path}: holds no tensors large enough to measure (2 KiB or more)")
+    # Checked before measuring: a refused --save-policy costs the user no wait.
+    largest = max(sum(p.numel() * p.element_size() for p in v) for v in samples.values())
+    warnings = unreliable(largest, _cores())
+    _refuse_to_save_from(warnings, args)
+    if not args.quiet:  # on stderr: stdout stays the result
+        for why in warnings:
+            stderr_console().print(f"nvckpt bench: warning: {why}", markup=False, highlight=False, soft_wrap=True)
     work = sum(p.numel() * p.element_size() for v in samples.values() for p in v) * len(candidates)
     task = reporter.start("measuring codecs", work)
     components: dict[str, Any] = {}
@@ -399,7 +450,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     rec = recommend(components, args.storage_gbps, args.portable)
     policy = _policy_for(rec["choices"])
-    workers = args.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    workers = args.workers or _cores()
     gpu = torch.cuda.get_device_name() if nc.gpu_available() else None
     reasons = why_none(components, rec, args.storage_gbps, f"{workers} CPU threads" + (f" and {gpu}" if gpu else ""))
     result = {
@@ -421,6 +472,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "why_none": reasons,
         },
         "recommended_policy": policy.to_dict(),
+        "unreliable": warnings,
     }
     if args.save_policy:
         import json

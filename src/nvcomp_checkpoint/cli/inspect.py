@@ -16,7 +16,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.errors import UnsafeCheckpointError
+from nvcomp_checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from nvcomp_checkpoint.report import COMPONENT_COLUMNS, codec_notes, component_rows, format_bytes, overhead_note
 from nvcomp_checkpoint.storage import stale_temp_files
 
@@ -102,16 +102,16 @@ def build_tree(title: str, tensors: list[TensorInfo], depth: int | None, compres
     def add(branch: Tree, node: dict[str, Any], level: int) -> None:
         for name, v in node.items():
             if isinstance(v, TensorInfo):
-                branch.add(Text(_leaf_label(name, v, compressed)))
+                branch.add(Text(_leaf_label(name, v, compressed), overflow="fold"))
                 continue
             n, raw, stored = totals(v)
             summary = f"{name}  ({n} tensor{'s' if n != 1 else ''}, {format_bytes(raw)}"
             summary += f" -> {format_bytes(stored)})" if compressed else ")"
-            child = branch.add(Text(summary))
+            child = branch.add(Text(summary, overflow="fold"))
             if depth == 0 or level + 1 < depth:
                 add(child, v, level + 1)
 
-    tree = Tree(Text(title))
+    tree = Tree(Text(title, overflow="fold"))
     add(tree, nested, 0)
     return tree
 
@@ -354,6 +354,19 @@ def _run_inspect_deepspeed(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _refuse_a_folder_without_checkpoints(path: str, files: list[dict[str, Any]]) -> None:
+    """A folder of scripts (or a mistyped one) is not a checkpoint: an error, not an empty table."""
+    if any(f["format"] not in (OTHER, DIRECTORY) for f in files):
+        return
+    names = sorted(f["file"] for f in files)
+    held = f"its {len(names)} files ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})" if names else "it is empty"
+    raise CheckpointError(
+        f"{path}: not a checkpoint folder: {held} hold no torch.save, safetensors or nvcomp-checkpoint file"
+        if names
+        else f"{path}: not a checkpoint folder: {held}"
+    )
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     kind = sniff(args.path)
     console = stdout_console()
@@ -364,6 +377,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     if kind == DIRECTORY:
         _dcp.refuse_uncommitted_save(args.path)  # rank files but no .metadata: not a checkpoint
         d = _inspect_dir(args)
+        _refuse_a_folder_without_checkpoints(args.path, d["files"])
         if args.json:
             print_json(_public(d))
             return EXIT_OK
@@ -414,10 +428,13 @@ def run_inspect(args: argparse.Namespace) -> int:
     title = (
         f"{args.path}  ({d['format']}, {format_bytes(d['file_bytes'])} file, {format_bytes(d['raw_bytes'])} of tensors{ratio})"
     )
-    if args.no_tree:
-        console.print(title, markup=False, highlight=False)
-    else:
-        console.print(build_tree(title, d["_infos"], args.depth, compressed))
+    # The title on a line of its own, soft-wrapped: a path is never cut (as a tree's root label is at
+    # the console's width when piped) nor folded mid-name; the tree's labels wrap at the width.
+    console.print(title, markup=False, highlight=False, soft_wrap=True)
+    if not args.no_tree:
+        tree = build_tree(title, d["_infos"], args.depth, compressed)
+        tree.hide_root = True
+        console.print(tree, soft_wrap=False)
     console.print(make_table(None, COMPONENT_COLUMNS, component_rows(d["_stats"], d["raw_bytes"], d["file_bytes"])))
     _print_codec_notes(console, d["_stats"])
     note = overhead_note(d["_stats"], d["raw_bytes"], d["file_bytes"]) if compressed else None

@@ -7,11 +7,13 @@ A tier is a folder or URL that a :class:`nvcomp_checkpoint.CheckpointManager` wr
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
+from nvcomp_checkpoint.errors import CheckpointError, TierNotFoundError
 from nvcomp_checkpoint.report import format_bytes
-from nvcomp_checkpoint.tiers import open_tier, verify_unit
+from nvcomp_checkpoint.tiers import TierStore, open_tier, verify_unit
 
 from ._ui import EXIT_FAILED, EXIT_OK, make_table, print_json, stdout_console
 
@@ -51,6 +53,8 @@ def list_tier(url: str, options: dict[str, Any] | None, quick: bool) -> list[dic
     """One row per committed step of the tier at ``url``, oldest first."""
     store = open_tier(url, options)
     manifests, problems = store.listing()
+    if not manifests and not problems:
+        _refuse_what_is_not_a_tier(url, store)
     rows = []
     for step in sorted({*manifests, *problems}):
         m = manifests.get(step)
@@ -86,6 +90,26 @@ def list_tier(url: str, options: dict[str, Any] | None, quick: bool) -> list[dic
             }
         )
     return rows
+
+
+def _refuse_what_is_not_a_tier(url: str, store: TierStore) -> None:
+    """A tier without steps is an empty one; a mistyped folder or a folder of other files is an error.
+
+    Raises:
+        TierNotFoundError: ``url`` is a local folder that does not exist.
+        CheckpointError: ``url`` holds files, none of them a step (not a tier).
+    """
+    names = store.names()
+    if not names and "://" not in store.root and os.path.isfile(store.root):
+        raise CheckpointError(f"{url}: a file, not a tier folder; for a checkpoint file: nvckpt inspect {url}")
+    if not names and "://" not in store.root and not os.path.isdir(store.root):
+        raise TierNotFoundError(f"{url}: no such folder (a tier is the folder or URL a CheckpointManager writes to)")
+    if names and not any(n.startswith("step-") for n in names):
+        shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+        raise CheckpointError(
+            f"{url}: not a tier: no step-NNNNNNNNNN units among its {len(names)} entries ({shown}). "
+            "`nvckpt ls` lists the folders a CheckpointManager writes to; for a checkpoint file or folder: nvckpt inspect PATH"
+        )
 
 
 def run_ls(args: argparse.Namespace) -> int:

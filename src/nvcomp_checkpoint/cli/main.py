@@ -8,22 +8,33 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
-from nvcomp_checkpoint import __version__
 from nvcomp_checkpoint.errors import CheckpointError
+from nvcomp_checkpoint.version import __version__
 
-from . import bench, chain, convert, estimate, inspect, ls, sync, verify
 from ._ui import EXIT_ERROR, EXIT_INTERNAL, stderr_console
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "COMMANDS"]
+
+#: Each command and its help line. ``nvckpt``, ``nvckpt --help`` and ``nvckpt --version`` are answered
+#: from this table alone: the command modules import torch (a second or more), so they are imported
+#: only once a command is named. tests/test_cli.py holds it equal to the modules' own help lines.
+COMMANDS = {
+    "inspect": "show a checkpoint's tensors and per-component sizes, ratios and codecs",
+    "compress": "convert a torch.save / Lightning / safetensors checkpoint (or an HF checkpoint directory) into ours",
+    "decompress": "convert one of our files (or directories) back into plain torch.save or safetensors",
+    "verify": "decode the object tree and every chunk as load does; non-zero exit on any problem",
+    "bench": "measure every codec and filter on every component and recommend a policy for your storage speed",
+    "estimate": "monthly GPU-idle and storage cost of checkpointing, without and with compression",
+    "rebase": "write a delta checkpoint (and its chain of bases) as one self-contained full checkpoint",
+    "ls": "list the steps on storage tiers: sizes, light/full, whether each verifies",
+    "sync": "copy missing steps from one tier to another (verified), then keep the newest N",
+}
+_GLOBAL_OPTIONS = ("-q", "--quiet", "--debug")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-q", "--quiet", action="store_true", help="no progress bars and no notes; results and errors only")
-    common.add_argument("--debug", action="store_true", help="show the traceback of unexpected errors")
+def _top_parser() -> tuple[argparse.ArgumentParser, Any]:
     parser = argparse.ArgumentParser(
         prog="nvckpt",
         description="Inspect, convert, verify and benchmark compressed training checkpoints (nvcomp-checkpoint).",
@@ -35,6 +46,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-q", "--quiet", dest="global_quiet", action="store_true", help="as the command's --quiet")
     parser.add_argument("--debug", dest="global_debug", action="store_true", help="as the command's --debug")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    return parser, sub
+
+
+def _light_parser() -> argparse.ArgumentParser:
+    """The top-level parser with each command's name and help line only (no command module imported)."""
+    parser, sub = _top_parser()
+    for name, text in COMMANDS.items():
+        sub.add_parser(name, help=text)
+    return parser
+
+
+def _names_a_command(argv: Sequence[str]) -> bool:
+    # The first argument that is not a global option: a command (whose module must be imported) or not.
+    first = next((a for a in argv if a not in _GLOBAL_OPTIONS), None)
+    return first in COMMANDS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand (imports every command module)."""
+    from . import bench, chain, convert, estimate, inspect, ls, sync, verify
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress bars and no notes; results and errors only")
+    common.add_argument("--debug", action="store_true", help="show the traceback of unexpected errors")
+    parser, sub = _top_parser()
     inspect.add_parser(sub, common)
     convert.add_parsers(sub, common)
     verify.add_parser(sub, common)
@@ -58,8 +94,10 @@ def _fail(message: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``nvckpt`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not _names_a_command(argv):
+        _light_parser().parse_args(argv)  # --help, --version or a usage error: each exits here
+    args = build_parser().parse_args(argv)
     args.quiet = bool(getattr(args, "quiet", False) or args.global_quiet)
     args.debug = bool(getattr(args, "debug", False) or args.global_debug)
     try:

@@ -83,18 +83,19 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def verify_file(path: str, reporter: Reporter, max_bytes: int | None = None) -> dict[str, Any]:
+def verify_file(path: str, reporter: Reporter, max_bytes: int | None = None, of: str = "") -> dict[str, Any]:
     """Verify one file; returns ``{file, tensors, raw_bytes, unreadable, failures: [{tensor, error}]}``.
 
     ``unreadable``: its index could not be read (truncated, not ours), so no tensor was checked.
-    ``max_bytes``: as for :func:`nvcomp_checkpoint.verify` (None: no limit).
+    ``max_bytes``: as for :func:`nvcomp_checkpoint.verify` (None: no limit). ``of``: where the file
+    stands among those verified (``"3/12"``), shown on its progress bar.
     """
     try:
         with nc.open(path) as reader:  # the index only: the size of the bar
             total: int | None = reader.raw_bytes
     except CheckpointError:
         total = None  # nc.verify reports why
-    task = reporter.start(f"verifying {os.path.basename(path)}", total)
+    task = reporter.start(f"verifying {os.path.basename(path)}" + (f" ({of})" if of else ""), total)
     try:
         # A file that starts with our magic (checked by the caller) and fails is damage, not a mistake.
         checked = nc.verify(path, progress=task.advance, max_bytes=max_bytes)
@@ -188,7 +189,7 @@ def run_verify(args: argparse.Namespace) -> int:
             "nvcomp-checkpoint (convert it with `nvckpt compress`)"
         )
     limit = default_max_bytes() if args.max_bytes is None else (args.max_bytes or None)
-    results = [verify_file(p, reporter, limit) for p in paths]
+    results = [verify_file(p, reporter, limit, f"{i}/{len(paths)}" if len(paths) > 1 else "") for i, p in enumerate(paths, 1)]
     failures = (
         [dict(f, file=r["file"]) for r in results for f in r["failures"]] + extra + (chain_failures if kind == NVCOMP else [])
     )

@@ -13,6 +13,7 @@ from functools import cache
 import torch
 
 from ..errors import CodecUnavailableError
+from ..version import install_hint
 from .base import CodecConfig, CpuCodec, GpuCodec
 from .cpu import NoneCpuCodec, ZstdCpuCodec
 from .registry import CODEC_FACTS, CodecFacts, codec_facts, gpu_chunk_bytes
@@ -72,7 +73,7 @@ def cpu_codec(codec_id: str, level: int | None = None, adaptive: bool = False) -
         if codec_id in GPU_ONLY_CODECS:
             raise CodecUnavailableError(
                 f"codec {codec_id!r} is an nvCOMP GPU codec with no CPU implementation; "
-                "it needs a CUDA GPU and `pip install nvcomp-checkpoint[cu12]` (or [cu13]). "
+                f"it needs a CUDA GPU and the cu12 (or cu13) extra: {install_hint('cu12')}. "
                 f"Portable codecs are: {', '.join(PORTABLE_CODECS)}"
             )
         raise CodecUnavailableError(f"unknown codec {codec_id!r}; known codecs: {', '.join(CODEC_IDS)}")

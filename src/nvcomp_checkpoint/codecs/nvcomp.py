@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import CodecUnavailableError, FormatError, GpuCodecError, GpuOutOfMemoryError
+from ..version import install_hint
 from .cpu import ZstdCpuCodec
 from .registry import CHUNK_CAP_BYTES, CODEC_FACTS, codec_facts, nvcomp_options
 from .zstd_frame import gpu_safe_reason
@@ -44,9 +45,8 @@ __all__ = [
 
 #: What to install; named in every error that says nvCOMP or CUDA is missing.
 INSTALL_HINT = (
-    "install the nvCOMP extra that matches your CUDA driver: "
-    "`pip install nvcomp-checkpoint[cu12]` (CUDA 12 driver) or "
-    "`pip install nvcomp-checkpoint[cu13]` (CUDA 13 driver)"
+    "install the nvCOMP extra that matches your CUDA driver, cu12 (CUDA 12 driver) or cu13 (CUDA 13 driver): "
+    f"{install_hint('cu12')}"
 )
 
 #: Largest raw chunk nvCOMP compresses as one chunk, per codec: the facts table's

@@ -111,7 +111,7 @@ class _Refusal:
 _REFUSAL_TEXT = (
     "this directory is a DCP checkpoint compressed by nvcomp-checkpoint; its rank files are not "
     "torch.save data. Load it with torch.distributed.checkpoint.load(state_dict, "
-    "storage_reader=nvcomp_checkpoint.dcp.NvcompReader(path)) (pip install nvcomp-checkpoint)"
+    "storage_reader=nvcomp_checkpoint.dcp.NvcompReader(path))"
 )
 #: Every ``.metadata`` we write starts with this pickle (protocol 2: the same bytes on every Python).
 REFUSAL_PICKLE = pickle.dumps(_Refusal(_REFUSAL_TEXT), protocol=2)

@@ -79,7 +79,7 @@ class SaveEntryPoint:
         stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
         tiers: list[Tier] | None = None,
         max_pending: int = 1,
-        log_as: str | None = None,
+        log_as: str = "saved",
         tiers_hint: str | None = None,
     ) -> None:
         # Checked first: a wrong argument must not leave anything half set up.

@@ -23,7 +23,7 @@ NAME = (
 )
 MESSAGE = (
     "this file is a checkpoint compressed by nvcomp-checkpoint, not torch.save data, so torch.load "
-    "cannot read it. Load it with nvcomp_checkpoint.load(path) (pip install nvcomp-checkpoint); in "
+    "cannot read it. Load it with nvcomp_checkpoint.load(path); in "
     "Lightning, with Trainer(plugins=[NvcompCheckpointIO()]) or NvcompCheckpointIO().load_checkpoint(path), "
     "and nvcomp_checkpoint.lightning.load_from_checkpoint(Model, path) for Model.load_from_checkpoint(path); "
     "or write a plain torch.save copy with `nvckpt decompress FILE OUT`"

@@ -168,6 +168,13 @@ def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[
             if ident is not None:
                 seen[ident] = index
             return TensorRef(index)
+        if _holds_state(node):
+            what = "model" if isinstance(node, torch.nn.Module) else "optimizer"
+            raise UnsupportedObjectError(
+                f"{where}: {_path_text(_path_of(level, key) if level is not None else ())[:200]} is a "
+                f"{type(node).__name__[:60]} object, not its state: save {what}.state_dict() instead "
+                f"({{'{what}': {what}.state_dict()}}) and load it back with {what}.load_state_dict(...)"
+            )
         if isinstance(node, _STORAGES):
             raise UnsupportedObjectError(
                 f"{where}: {_path_text(_path_of(level, key) if level is not None else ())[:200]} is a tensor storage; only "
@@ -227,6 +234,15 @@ def flatten(obj: Any, where: str = "checkpoint") -> tuple[Any, list[tuple[tuple[
             else:
                 result = done
     return result, tensors
+
+
+def _holds_state(node: Any) -> bool:
+    """A model or optimizer object whose tensors would go into the pickled tree (a loss module without any is fine)."""
+    if isinstance(node, torch.optim.Optimizer):
+        return True
+    if isinstance(node, torch.nn.Module):
+        return next(iter(node.parameters()), None) is not None or next(iter(node.buffers()), None) is not None
+    return False
 
 
 def _path_text(path: tuple[Any, ...]) -> str:

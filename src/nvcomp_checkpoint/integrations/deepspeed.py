@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import ChainPolicy, CodecPolicy, SaveReport
+from nvcomp_checkpoint.api import log_report, save_with_options
 from nvcomp_checkpoint.deepspeed_layout import (
     DEEPSPEED_PATTERNS,
     LATEST_UNIVERSAL_NAME,
@@ -45,6 +47,8 @@ from nvcomp_checkpoint.entrypoint import incremental_files
 from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.errors import CheckpointWriteError
 from nvcomp_checkpoint.incremental import unit_base_of
+from nvcomp_checkpoint.report import merge_reports
+from nvcomp_checkpoint.saveoptions import SaveOptions
 from nvcomp_checkpoint.storage import LocalStorage
 from nvcomp_checkpoint.tiers import Tier, TierCopies
 from nvcomp_checkpoint.version import install_hint
@@ -96,6 +100,8 @@ class _PendingTag:
     files: dict[str, str] = field(default_factory=dict)  # absolute path -> name in the tag dir
     handles: list[nc.AsyncSaveHandle] = field(default_factory=list)
     reports: list[SaveReport] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    blocked: float = 0.0  # seconds this rank's save() calls held training
 
 
 class NvcompCheckpointEngine(CheckpointEngine):
@@ -135,7 +141,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self.latest_requested: bool | None = None
         self._pending: _PendingTag | None = None
         self._uncommitted: _PendingTag | None = None  # async: saved, waiting for DeepSpeed's commit
-        self._saver = nc.AsyncSaver(max_pending=2, report_errors=False, workers=workers) if async_save else None
+        self._saver = nc.AsyncSaver(max_pending=2, report_errors=False, workers=workers, log_saves=False) if async_save else None
         #: Set by attach(): the engine's global step, read when a save begins.
         self.current_step: Callable[[], int | None] = lambda: None
 
@@ -160,16 +166,19 @@ class NvcompCheckpointEngine(CheckpointEngine):
             return
         # incremental: each file is a delta against the same file of the previous tag (a full one every full_every).
         base = None if self.incremental is None else self.incremental.base_for(path, slot=os.path.basename(path))
+        started = time.perf_counter()
         try:
             if self._saver is not None:
                 pending.handles.append(self._saver.save(state_dict, path, self.policy, workers=self.workers, base=base))
             else:
-                pending.reports.append(nc.save(state_dict, path, self.policy, workers=self.workers, base=base))
+                options = SaveOptions.of(path, "attach", policy=self.policy, workers=self.workers, base=base)
+                pending.reports.append(save_with_options(state_dict, path, options))  # logged per tag, at the commit
         except BaseException:
             if self.incremental is not None:
                 self.incremental.failed(os.path.basename(path), path)
             raise
         pending.files[os.path.abspath(path)] = os.path.basename(path)
+        pending.blocked += time.perf_counter() - started
 
     def load(self, path: str, map_location: Any = None) -> Any:
         return load_deepspeed_file(path, map_location)
@@ -308,6 +317,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
             base = None if self.incremental is None else unit_base_of(tag_dir)
             self.tiers.adopt(pending.step, tag_dir, base)
         self.reports = pending.reports
+        if pending.reports:  # one line per tag and rank, as every entry point logs one per checkpoint
+            log_report(merge_reports(tag_dir, pending.reports, time.perf_counter() - pending.started, pending.blocked))
         if self.on_commit is not None:
             self.on_commit(pending.save_dir, pending.tag, pending.reports)
 

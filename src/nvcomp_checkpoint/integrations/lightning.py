@@ -181,6 +181,10 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         self.fsspec_options = StorageOptions(fsspec_options or {})  # credentials out of its repr
         self._listeners: list[Callable[[SaveReport, dict[str, Any]], None]] = []
         _LIVE_PLUGINS.add(self)
+        #: Set by teardown (the end of fit/validate/test), cleared when the next run sets up: a save
+        #: between runs (``trainer.save_checkpoint`` after ``fit``) has no training to overlap and
+        #: nothing to stop a writer thread after it, so it is written at once.
+        self._between_runs = False
 
     def policy_for(self, storage_options: Optional[Any]) -> tuple[CodecPolicy, dict[str, Any] | None]:
         """The policy and index metadata of one save, given Lightning's ``storage_options``.
@@ -222,7 +226,8 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             return self._options(path, policy=policy, metadata=metadata, storage_options=self.fsspec_options or None, base=base)
 
         try:
-            if not self.async_save:
+            if not self.async_save or self._between_runs:
+                self._raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
                 base = self.incremental.base_for(path) if self.incremental is not None else None
                 self._saved(self._save_now(checkpoint, path, options(base)), after)
                 return
@@ -336,6 +341,7 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         a new background thread. While another exception is propagating (the Trainer tears down
         after an error too), a background failure is logged instead, so the first error stays visible.
         """
+        self._between_runs = True
         self.close("teardown, at the end of the run")
 
 
@@ -351,6 +357,9 @@ def _check_strategy(trainer: Any) -> None:
 
     check_sharded_checkpoint_io(trainer.strategy)
     check_deepspeed_checkpoint_io(trainer.strategy)
+    plugin = _find_plugin(getattr(trainer.strategy, "checkpoint_io", None))
+    if plugin is not None:  # a run begins: its saves go to the background again (async_save)
+        plugin._between_runs = False
 
 
 class NvcompStrategyCheck(Callback):
@@ -362,6 +371,14 @@ class NvcompStrategyCheck(Callback):
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         _check_strategy(trainer)
+
+    @override
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # Lightning's AsyncCheckpointIO does not pass teardown on to the plugin it wraps: the run's
+        # end is told here too (after the strategy's teardown), so no writer thread outlives the run.
+        plugin = _find_plugin(getattr(trainer.strategy, "checkpoint_io", None))
+        if plugin is not None:
+            plugin.teardown()
 
 
 def strategy_check_callbacks() -> list[Any]:

@@ -36,6 +36,7 @@ from nvcomp_checkpoint.dirconvert import (
 from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, load_tree
 from nvcomp_checkpoint.entrypoint.support import check_options
+from nvcomp_checkpoint.report import format_bytes
 from nvcomp_checkpoint.tiers import Tier
 from nvcomp_checkpoint.version import install_hint
 
@@ -84,9 +85,9 @@ _META_KEY = "transformers"
 
 #: Written into a converted checkpoint directory: what the files are, and how to read them (the
 #: Trainer and ``from_pretrained`` fail on the placeholders with messages of their own).
-_MARKER_TEXT = """\
-This checkpoint directory was compressed by nvcomp-checkpoint (not on PyPI yet: install it from a
-clone of its repository with pip install -e '.[transformers]').
+_MARKER_TEXT = f"""\
+This checkpoint directory was compressed by nvcomp-checkpoint. To install it:
+{install_hint("transformers")}.
 
 optimizer.pt.nvc (and model.safetensors.nvc, if present) hold the Trainer's optimizer.pt (and
 model.safetensors), compressed losslessly. optimizer.pt (and model.safetensors) are small
@@ -100,7 +101,10 @@ placeholders that transformers alone refuses to load:
   use nvcomp_checkpoint.transformers.NvcompTrainer, or NvcompTrainerMixin on your Trainer class).
 - Get the plain files back (from_pretrained, other tools):
     python -c "from nvcomp_checkpoint.transformers import decompress_checkpoint; decompress_checkpoint('<this directory>')"
-- Read one file: nvcomp_checkpoint.load("optimizer.pt.nvc")
+- Read one file as torch.load / safetensors read the plain one (each compressed file holds the
+  plain file's contents under one key: "optimizer" or "model"):
+    optimizer.pt: nvcomp_checkpoint.load("optimizer.pt.nvc")["optimizer"]
+    model.safetensors: nvcomp_checkpoint.load("model.safetensors.nvc")["model"]
 """
 
 
@@ -310,6 +314,26 @@ def _resume_hint(checkpoint: Path) -> str:
     return f"Resume from an earlier checkpoint instead: trainer.train(resume_from_checkpoint={str(earlier[-1])!r})."
 
 
+def _say_weights_stay_plain(directory: Path) -> bool:
+    """Log once (INFO) that the weights stay plain, and their share of the checkpoint: with a stock
+    Trainer a whole checkpoint compresses far less than its optimizer state, and the reason is easy to miss."""
+    weights = [directory / name for name in _WEIGHTS if (directory / name).is_file()]
+    if not weights:
+        return False
+    size = sum(p.stat().st_size for p in weights)
+    total = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    logger.info(
+        "%s: %s (%s, %.0f%% of the checkpoint) stays as the Trainer wrote it, uncompressed, so that a stock Trainer "
+        "and from_pretrained read it; only the optimizer state is compressed. nvcomp_checkpoint.transformers."
+        "NvcompTrainer (or NvcompTrainerMixin first in your Trainer's bases) compresses the weights too.",
+        directory,
+        ", ".join(p.name for p in weights),
+        format_bytes(size),
+        100.0 * size / total if total else 0.0,
+    )
+    return True
+
+
 def _step_of(name: str) -> int | None:
     match = re.fullmatch(r"checkpoint-(\d+)", name)
     return int(match.group(1)) if match else None
@@ -399,6 +423,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         self._weights = bool(compress_weights)
         self._resumes_itself = False  # the Trainer is an NvcompTrainerMixin: it loads what we wrote
         self._deepspeed = False  # the Trainer runs DeepSpeed: its engine writes compressed files itself
+        self._said_weights_stay_plain = False  # logged once per callback, at its first save
         _CALLBACKS.add(self)
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -512,6 +537,8 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         if directory is None:
             logger.warning("NvcompTrainerCallback: no checkpoint-%d directory under %s", state.global_step, args.output_dir)
             return
+        if not self._weights and not self._said_weights_stay_plain:
+            self._said_weights_stay_plain = _say_weights_stay_plain(directory)
 
         def convert() -> Any:
             return transformers_fsdp.with_fsdp_reports(
