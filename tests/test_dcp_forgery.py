@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, StoredItem, dcp_report, layout, read_stored_metadata
+from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, StoredItem, dcp_report, layout, metadata_file, read_stored_metadata
 from nvcomp_checkpoint.errors import FormatError, SizeLimitError, UnsafeCheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -351,9 +351,9 @@ def test_every_kind_of_dcp_metadata_reads_back(protocol: int) -> None:
 
 # -- rank files named by the metadata -----------------------------------------------------------------
 def _rewrite_storage(ckpt: Path, change: Callable[[StoredItem], StoredItem]) -> None:
-    md = layout.decode_metadata((ckpt / ".metadata").read_bytes(), "x")
+    md = metadata_file.decode_metadata((ckpt / ".metadata").read_bytes(), "x")
     md.storage_data = {k: change(v) for k, v in md.storage_data.items()}
-    (ckpt / ".metadata").write_bytes(layout.encode_metadata(md))
+    (ckpt / ".metadata").write_bytes(metadata_file.encode_metadata(md))
 
 
 @pytest.mark.parametrize(
@@ -408,7 +408,7 @@ def test_a_rank_file_of_another_checkpoint_under_the_expected_name_is_refused(
 def test_metadata_without_rank_file_digests_still_loads(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Checkpoints written before the digest was recorded: the field is absent from their pickles.
     ckpt = _copy(saved, "ours", tmp_path / "old")
-    md = layout.decode_metadata((ckpt / ".metadata").read_bytes(), "x")
+    md = metadata_file.decode_metadata((ckpt / ".metadata").read_bytes(), "x")
     for item in md.storage_data.values():
         assert isinstance(item.index_xxh3, int)
         object.__delattr__(item, "index_xxh3")

@@ -21,7 +21,8 @@ from ..policy import CodecPolicy
 from ..reader import CheckpointReader
 from ..storage import open_checkpoint_stream, storage_for, write_errors
 from ..writer import CheckpointWriter
-from .layout import METADATA_NAME, StoredItem, encode_metadata, join, shard_name
+from .layout import METADATA_NAME, StoredItem, join, shard_name
+from .metadata_file import encode_metadata
 from .reader import read_stored_metadata
 from .writer import FqnPolicy, bytes_key, unique_key
 

@@ -9,14 +9,11 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import pickletools
 import struct
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
-from ..errors import ChecksumError, FormatError
+from ..errors import FormatError
 from ..format.picklescan import PicklePolicy, scan_pickle
 
 __all__ = [
@@ -29,8 +26,8 @@ __all__ = [
     "rank_metadata_name",
     "WORLD_SIZE_TAG",
     "SAVE_TAG",
-    "encode_metadata",
-    "decode_metadata",
+    "RECORD_HEAD",
+    "MAX_METADATA_BYTES",
     "is_compressed_metadata",
     "refuse_stock_reader",
     "safe_unpickle",
@@ -41,10 +38,12 @@ __all__ = [
 #: DCP's commit point, as ``FileSystemWriter`` names it.
 METADATA_NAME = ".metadata"
 SHARD_SUFFIX = ".nvcdcp"
-#: Starts our record after the refusal pickle: name, record version 1, reserved zero byte.
+#: Starts our record after the refusal pickle: name, record version 1 (the pickle only: older
+#: checkpoints, read through the scan), reserved zero byte. Version 2 adds the JSON record
+#: (``metadata_file.RECORD_MAGIC_JSON``).
 RECORD_MAGIC = b"NVCDCP\x01\x00"
 #: magic, payload size (u64), xxh3-64 of the payload (u64); little-endian.
-_RECORD_HEAD = struct.Struct("<8sQQ")
+RECORD_HEAD = struct.Struct("<8sQQ")
 #: A DCP metadata pickle larger than this is refused before it is read (a forged size field).
 MAX_METADATA_BYTES = 1 << 30
 
@@ -120,50 +119,9 @@ REFUSAL_HEAD = b"\x80\x02cnvcomp_checkpoint.dcp.layout\nrefuse_stock_reader\n"
 assert REFUSAL_PICKLE.startswith(REFUSAL_HEAD)
 
 
-def encode_metadata(metadata: Any) -> bytes:
-    """``.metadata``: the refusal pickle, then magic, size, xxh3 and the pickled DCP ``Metadata``."""
-    payload = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-    return REFUSAL_PICKLE + _RECORD_HEAD.pack(RECORD_MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
-
-
 def is_compressed_metadata(head: bytes) -> bool:
     """Whether the first bytes of a ``.metadata`` file are ours."""
     return head.startswith(REFUSAL_HEAD)
-
-
-def _record_start(data: bytes, where: str) -> int:
-    """The offset just past the refusal pickle's STOP, found without running the pickle."""
-    try:
-        for op, _, pos in pickletools.genops(io.BytesIO(data[:4096])):
-            if op.name == "STOP" and pos is not None:  # a BytesIO always tells its position
-                return pos + 1
-    except Exception as exc:  # noqa: BLE001 - damaged bytes raise ValueError and others
-        raise FormatError(f"{where}: the metadata's leading record is damaged ({exc})") from exc
-    raise FormatError(f"{where}: the metadata's leading record is damaged (no end)")
-
-
-def decode_metadata(data: bytes, where: str) -> Any:
-    """The DCP ``Metadata`` of our ``.metadata`` bytes, checked and unpickled with the allow-list.
-
-    Raises:
-        FormatError: truncated, a newer record version, or a type outside the allow-list.
-        ChecksumError: the payload does not match its digest.
-    """
-    start = _record_start(data, where)
-    head = data[start : start + _RECORD_HEAD.size]
-    if len(head) != _RECORD_HEAD.size:
-        raise FormatError(f"{where}: truncated ({len(data)} bytes); restore the checkpoint from another copy")
-    magic, size, digest = _RECORD_HEAD.unpack(head)
-    if magic[:6] != RECORD_MAGIC[:6]:
-        raise FormatError(f"{where}: not an nvcomp-checkpoint DCP metadata record")
-    if magic[6] != RECORD_MAGIC[6]:
-        raise FormatError(f"{where}: DCP record version {magic[6]}; this nvcomp-checkpoint reads {RECORD_MAGIC[6]}. Upgrade it.")
-    payload = data[start + _RECORD_HEAD.size :]
-    if size > MAX_METADATA_BYTES or len(payload) != size:
-        raise FormatError(f"{where}: the record claims {size} bytes of metadata, the file holds {len(payload)} (truncated?)")
-    if xxhash.xxh3_64_intdigest(payload) != digest:
-        raise ChecksumError(f"{where}: the checkpoint metadata is corrupt (checksum mismatch); restore it from another copy")
-    return safe_unpickle(payload, where)
 
 
 #: Every global a DCP ``Metadata`` pickle may name, as exact ``(module, qualname)`` pairs (no dotted

@@ -424,7 +424,7 @@ def scan_pickle(data: bytes, prefix: str, policy: PicklePolicy) -> str | None:
                     raise over_budget()
                 stack[-1] = call(stack[-1], args, charged)
             elif code == 0x69 or code == 0x6F:  # INST, OBJ: cls(*items)
-                func: Any = None
+                func = None
                 if code == 0x69:
                     first = data.index(b"\n", pos, min(end, pos + policy.max_text_arg))
                     second = data.index(b"\n", first + 1, min(end, first + 1 + policy.max_text_arg))
