@@ -591,3 +591,33 @@ def test_converted_directories_record_rank_file_digests(saved: Path, tmp_path: P
     written = read_stored_metadata(saved / "ours").storage_data.values()
     with nc.open(_rank_file(saved / "ours")) as reader:
         assert {v.index_xxh3 for v in written} == {reader.index_xxh3}
+
+
+def test_a_plain_tensor_item_that_is_a_huge_view_is_refused_by_compress_and_verify(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A plain checkpoint whose "model.b" chunk is declared 2**40 elements and stored as a stride-0
+    # view of one (a few hundred bytes): compressing it would write 4 TiB.
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from nvcomp_checkpoint.dcp import compress_directory
+
+    ckpt = _copy(saved, "plain", tmp_path / "plain")
+    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    buf = io.BytesIO()
+    torch.save(torch.zeros(1).expand(1 << 40), buf)
+    (ckpt / "__9_0.distcp").write_bytes(buf.getvalue())
+    md.state_dict_metadata["model.b"] = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size([1 << 40]),
+        [ChunkStorageMetadata(torch.Size([0]), torch.Size([1 << 40]))],
+    )
+    md.storage_data = {
+        k: (_StorageInfo("__9_0.distcp", 0, len(buf.getvalue())) if k.fqn == "model.b" else v) for k, v in md.storage_data.items()
+    }
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(SizeLimitError, match="model.b") as info:
+        compress_directory(ckpt, tmp_path / "out")
+    assert "__9_0.distcp" in str(info.value) and "4398046511104" in str(info.value)
+    code, out = _nvckpt(capsys, "verify", str(ckpt))
+    assert code == 1 and "model.b" in out and "4398046511104" in out, out

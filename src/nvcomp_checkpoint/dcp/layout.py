@@ -33,6 +33,7 @@ __all__ = [
     "safe_unpickle",
     "check_file_name",
     "check_byte_item",
+    "check_tensor_item",
 ]
 
 #: DCP's commit point, as ``FileSystemWriter`` names it.
@@ -248,6 +249,21 @@ def check_byte_item(data: bytes, where: str, fqn: str) -> None:
             f"({weights_only_detail(exc.__cause__ or exc)}); DCP would unpickle it with torch.load(weights_only=False). "
             "If you trust this checkpoint, load it with NvcompReader(path, weights_only=False)"
         ) from exc
+
+
+def check_tensor_item(data: bytes, where: str, fqn: str) -> None:
+    """Refuse a tensor item of a plain DCP rank file (``torch.save`` of one chunk) before torch
+    loads it: its pickle must pass the scan of plain ``torch.save`` files, and it may build no more
+    than its own bytes (DCP clones a view before saving it, so a chunk's storage is the chunk: a
+    stride-0 view of 2**40 elements over one is forged).
+
+    Raises:
+        FormatError: Its pickle is refused, or it is not a torch.save archive.
+        SizeLimitError: It builds more than its size.
+    """
+    from ..format.torchsave import check_torch_archive
+
+    check_torch_archive(io.BytesIO(data), len(data), f"{where}: DCP item {fqn[:200]!r}", max_bytes=len(data))
 
 
 def join(directory: str, name: str) -> str:
