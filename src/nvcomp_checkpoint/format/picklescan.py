@@ -106,7 +106,10 @@ def loaded_global(module: str, name: str) -> Any:
         for attr in parts[cut:]:
             if obj is None:
                 break
-            obj = getattr(obj, "__dict__", {}).get(attr)
+            try:
+                obj = vars(obj).get(attr)
+            except Exception:  # noqa: BLE001 - no __dict__ (slots, C objects): not looked into
+                obj = None
         if obj is not None:
             return obj
     return None
@@ -116,7 +119,6 @@ def loaded_global(module: str, name: str) -> Any:
 # + 1 (0: none) << 48 | its size << 8 | tags. A container or a call's result is a list:
 # [size (items, or what its call copied), nesting depth, its items if a tuple (a call's arguments) else None].
 _INT, _STR, _SHARED, _SIZED, _LITERAL, _SHARED_RESULT = 1, 2, 4, 8, 16, 32
-_TAGS = 0xFF
 _SIZE_MASK = (1 << 40) - 1
 _ONE = 1 << 8
 _INT_LEAF = _ONE | _INT
