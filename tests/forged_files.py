@@ -36,6 +36,7 @@ __all__ = [
     "device_copy_of_a_view",
     "torch_saved",
     "with_base_path",
+    "plain_view",
     "FORGED_TREES",
 ]
 
@@ -174,6 +175,61 @@ def tensor_constructor(name: str = "FloatTensor", size: int = 1 << 30) -> bytes:
         + REDUCE
         + SETITEMS
     )
+
+
+def plain_view(
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    *,
+    offset: int = 0,
+    numel: int = 1,
+    record_elements: int = 1,
+    wrap: tuple[str, str, bytes] | None = None,
+) -> bytes:
+    """A torch.save archive of ``{"w": <a float32 view>}``, made with torch's own records.
+
+    The view is ``_rebuild_tensor_v2`` of storage "0" (declared ``numel`` elements; its record holds
+    ``record_elements``) at ``offset`` with ``size`` and ``stride``. ``wrap``: ``(module, name, args)``
+    calls that global on the view and then ``args`` (pickled opcodes) instead, as
+    ``_rebuild_device_tensor_from_cpu_tensor`` would be.
+    """
+
+    def ints(values: tuple[int, ...]) -> bytes:
+        return MARK + b"".join(b"\x8a\x08" + struct.pack("<q", v) for v in values) + TUPLE
+
+    view = (
+        global_op("torch._utils", "_rebuild_tensor_v2")
+        + MARK
+        + MARK
+        + str_op("storage")
+        + global_op("torch", "FloatStorage")
+        + str_op("0")
+        + str_op("cpu")
+        + b"\x8a\x08"
+        + struct.pack("<q", numel)
+        + TUPLE
+        + b"Q"
+        + b"\x8a\x08"
+        + struct.pack("<q", offset)
+        + ints(size)
+        + ints(stride)
+        + b"\x89"
+        + global_op("collections", "OrderedDict")
+        + EMPTY_TUPLE
+        + REDUCE
+        + TUPLE
+        + REDUCE
+    )
+    if wrap is not None:
+        view = global_op(wrap[0], wrap[1]) + MARK + view + wrap[2] + TUPLE + REDUCE
+    pkl = pickle2(EMPTY_DICT + str_op("w") + view + SETITEM)
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(record_elements)}, buf)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            dst.writestr(info, pkl if info.filename.endswith("/data.pkl") else src.read(info))
+    return out.getvalue()
 
 
 def archive(pkl: bytes) -> bytes:

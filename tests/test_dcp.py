@@ -544,14 +544,15 @@ def test_metadata_layout_is_pinned(two_rank_run: Path) -> None:
 
     from nvcomp_checkpoint.dcp import StoredItem
     from nvcomp_checkpoint.dcp.layout import RECORD_MAGIC, REFUSAL_HEAD
+    from nvcomp_checkpoint.dcp.metadata_file import RECORD_MAGIC_JSON
 
     assert REFUSAL_HEAD == b"\x80\x02cnvcomp_checkpoint.dcp.layout\nrefuse_stock_reader\n"
-    assert RECORD_MAGIC == b"NVCDCP\x01\x00"
+    assert RECORD_MAGIC == b"NVCDCP\x01\x00" and RECORD_MAGIC_JSON == b"NVCDCP\x02\x00"
     assert f"{StoredItem.__module__}.{StoredItem.__qualname__}" == "nvcomp_checkpoint.dcp.layout.StoredItem"
     data = (two_rank_run / "ours" / ".metadata").read_bytes()
     assert data.startswith(REFUSAL_HEAD)
     stop = next(pos for op, _, pos in pickletools.genops(data) if op.name == "STOP") + 1
-    assert data[stop : stop + 8] == RECORD_MAGIC
+    assert data[stop : stop + 8] == RECORD_MAGIC_JSON  # the pickle, then the JSON record (tests/test_dcp_metadata_json.py)
     assert b"nvcomp_checkpoint.dcp.layout" in data[stop:] and b"StoredItem" in data[stop:]
     metadata = NvcompReader(two_rank_run / "ours").read_metadata()
     items = list(metadata.storage_data.values())

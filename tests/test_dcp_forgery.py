@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, StoredItem, dcp_report, layout, read_stored_metadata
+from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter, StoredItem, dcp_report, layout, metadata_file, read_stored_metadata
 from nvcomp_checkpoint.errors import FormatError, SizeLimitError, UnsafeCheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -351,9 +351,9 @@ def test_every_kind_of_dcp_metadata_reads_back(protocol: int) -> None:
 
 # -- rank files named by the metadata -----------------------------------------------------------------
 def _rewrite_storage(ckpt: Path, change: Callable[[StoredItem], StoredItem]) -> None:
-    md = layout.decode_metadata((ckpt / ".metadata").read_bytes(), "x")
+    md = metadata_file.decode_metadata((ckpt / ".metadata").read_bytes(), "x")
     md.storage_data = {k: change(v) for k, v in md.storage_data.items()}
-    (ckpt / ".metadata").write_bytes(layout.encode_metadata(md))
+    (ckpt / ".metadata").write_bytes(metadata_file.encode_metadata(md))
 
 
 @pytest.mark.parametrize(
@@ -408,7 +408,7 @@ def test_a_rank_file_of_another_checkpoint_under_the_expected_name_is_refused(
 def test_metadata_without_rank_file_digests_still_loads(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Checkpoints written before the digest was recorded: the field is absent from their pickles.
     ckpt = _copy(saved, "ours", tmp_path / "old")
-    md = layout.decode_metadata((ckpt / ".metadata").read_bytes(), "x")
+    md = metadata_file.decode_metadata((ckpt / ".metadata").read_bytes(), "x")
     for item in md.storage_data.values():
         assert isinstance(item.index_xxh3, int)
         object.__delattr__(item, "index_xxh3")
@@ -591,3 +591,33 @@ def test_converted_directories_record_rank_file_digests(saved: Path, tmp_path: P
     written = read_stored_metadata(saved / "ours").storage_data.values()
     with nc.open(_rank_file(saved / "ours")) as reader:
         assert {v.index_xxh3 for v in written} == {reader.index_xxh3}
+
+
+def test_a_plain_tensor_item_that_is_a_huge_view_is_refused_by_compress_and_verify(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A plain checkpoint whose "model.b" chunk is declared 2**40 elements and stored as a stride-0
+    # view of one (a few hundred bytes): compressing it would write 4 TiB.
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from nvcomp_checkpoint.dcp import compress_directory
+
+    ckpt = _copy(saved, "plain", tmp_path / "plain")
+    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    buf = io.BytesIO()
+    torch.save(torch.zeros(1).expand(1 << 40), buf)
+    (ckpt / "__9_0.distcp").write_bytes(buf.getvalue())
+    md.state_dict_metadata["model.b"] = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size([1 << 40]),
+        [ChunkStorageMetadata(torch.Size([0]), torch.Size([1 << 40]))],
+    )
+    md.storage_data = {
+        k: (_StorageInfo("__9_0.distcp", 0, len(buf.getvalue())) if k.fqn == "model.b" else v) for k, v in md.storage_data.items()
+    }
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(SizeLimitError, match="model.b") as info:
+        compress_directory(ckpt, tmp_path / "out")
+    assert "__9_0.distcp" in str(info.value) and "4398046511104" in str(info.value)
+    code, out = _nvckpt(capsys, "verify", str(ckpt))
+    assert code == 1 and "model.b" in out and "4398046511104" in out, out

@@ -287,3 +287,15 @@ def test_in_place_compress_leaves_a_tag_missing_its_last_rank_as_it_is(
     assert not (tag / MANIFEST_NAME).exists()
     assert not any(nc.is_nvcomp_checkpoint(p) for p in tag.iterdir())
     assert main(["verify", str(tmp_path / "ckpt")]) == 1
+
+
+@pytest.mark.parametrize("count", [1 << 22, 1 << 40])
+def test_a_forged_partition_count_is_bounded_and_names_the_file(tmp_path: Path, count: int) -> None:
+    # partition_count says how many ranks wrote ZeRO files; [2**40] would build a set that size.
+    tag = _plain_deepspeed_folder(tmp_path / "ckpt")
+    rank0 = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = torch.load(rank0, weights_only=True)
+    state["optimizer_state_dict"]["partition_count"] = [count]
+    torch.save(state, rank0)
+    (problem,) = tag_problems(tag, read_partition_count=True)
+    assert str(rank0) in problem and f"partition_count {count}" in problem and len(problem) < 600, problem

@@ -26,7 +26,8 @@ from .filetype import (
     path_contents,
 )
 from .format.layout import FOOTER_MAGIC, MAGIC, magic_offset
-from .format.skeleton import check_torch_archive, weights_only_detail
+from .format.skeleton import weights_only_detail
+from .format.torchsave import check_torch_archive
 from .pending import wait_for_path
 from .policy import CodecPolicy
 from .reader import CheckpointReader, MapLocation
@@ -242,7 +243,8 @@ def load(
         storage_options: Passed to fsspec for URLs.
         max_bytes: For files from untrusted sources: a :class:`SizeLimitError` instead of
             decoding more than this many bytes (object tree plus tensors; for a plain
-            ``torch.save`` file, its size), checked before anything is allocated.
+            ``torch.save`` file, its size, and what its pickle builds: its storages and
+            copies, or the bytes its tensors span if more), checked before anything is allocated.
 
     Returns:
         The saved tree with bit-identical tensors.
@@ -264,7 +266,7 @@ def load(
     _check_plain_head(where, storage, spath, head)
     if max_bytes is not None and storage.size(spath) > max_bytes:
         raise SizeLimitError(f"{where}: a torch.save file of {storage.size(spath)} bytes, over max_bytes={max_bytes}")
-    return _load_plain(where, storage, spath, map_location, weights_only)
+    return _load_plain(where, storage, spath, map_location, weights_only, max_bytes)
 
 
 def _check_plain_head(where: str, storage: Any, spath: str, head: bytes) -> None:
@@ -294,7 +296,9 @@ def _check_plain_head(where: str, storage: Any, spath: str, head: bytes) -> None
     )
 
 
-def _load_plain(where: str, storage: Any, spath: str, map_location: MapLocation, weights_only: bool) -> Any:
+def _load_plain(
+    where: str, storage: Any, spath: str, map_location: MapLocation, weights_only: bool, max_bytes: int | None = None
+) -> Any:
     """A file written by ``torch.save`` (a run that switched to this library resumes from it)."""
     import pickle
 
@@ -302,8 +306,9 @@ def _load_plain(where: str, storage: Any, spath: str, map_location: MapLocation,
         with storage.open_read(spath) as f:
             if weights_only and f.read(len(ZIP_HEAD)) == ZIP_HEAD:
                 # What the weights-only unpickler would build but the process cannot survive
-                # (a dict key of tuples 100,000 deep) is refused first, as for our own files.
-                check_torch_archive(f, storage.size(spath), where)
+                # (a dict key of tuples 100,000 deep), state set on an enum member, and more
+                # bytes than max_bytes are refused first, as for our own files.
+                check_torch_archive(f, storage.size(spath), where, max_bytes)
             f.seek(0)
             if map_location is None and not torch.cuda.is_available():
                 # As for our own files: a checkpoint saved on a GPU still loads where there is none.

@@ -297,13 +297,25 @@ def tag_problems(tag_dir: str | os.PathLike[str], *, read_partition_count: bool 
     for (kind, prefix), ranks in sorted(by_kind.items()):
         count = max(ranks) + 1
         if read_partition_count and kind == OPTIM_PARTITION and prefix != "expp":
-            count = max(
-                count, _partition_count(os.path.join(tag_dir, f"{prefix}zero_pp_rank_{min(ranks)}_mp_rank_00_optim_states.pt"))
-            )
+            path = os.path.join(tag_dir, f"{prefix}zero_pp_rank_{min(ranks)}_mp_rank_00_optim_states.pt")
+            written = _partition_count(path)
+            if written > MAX_PARTITIONS:
+                problems.append(
+                    f"{path}: says partition_count {written}, over {MAX_PARTITIONS} ranks; the file is damaged or forged: "
+                    "restore the tag from another copy"
+                )
+                continue
+            count = max(count, written)
         missing = sorted(set(range(count)) - set(ranks))
         if missing:
-            problems.append(f"{tag_dir}: the {kind} files of ranks {missing} are missing (ranks up to {max(ranks)} are there)")
+            shown = ", ".join(map(str, missing[:20])) + (f", ... ({len(missing)} in all)" if len(missing) > 20 else "")
+            problems.append(f"{tag_dir}: the {kind} files of ranks [{shown}] are missing (ranks up to {max(ranks)} are there)")
     return problems
+
+
+#: The most ZeRO partitions (data-parallel ranks) a DeepSpeed file may say were written: the count
+#: read from a file builds the set of ranks to look for, so it is bounded before use.
+MAX_PARTITIONS = 1 << 20
 
 
 def _partition_count(path: str) -> int:

@@ -164,7 +164,7 @@ def verify_plain_dcp(path: str, max_bytes: int | None = None) -> list[dict[str, 
     from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
     from nvcomp_checkpoint.dcp import read_dcp_files
-    from nvcomp_checkpoint.dcp.layout import check_byte_item
+    from nvcomp_checkpoint.dcp.layout import check_byte_item, check_tensor_item
 
     files = read_dcp_files(path)
     metadata = files.metadata
@@ -204,6 +204,7 @@ def verify_plain_dcp(path: str, max_bytes: int | None = None) -> list[dict[str, 
                         # A byte item: DCP's planner unpickles it with torch.load(weights_only=False).
                         check_byte_item(raw, full, index.fqn)
                         continue
+                    check_tensor_item(raw, full, index.fqn)
                     t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
                     chunk = next(c for c in md.chunks if tuple(c.offsets) == tuple(index.offset or ()))
                     if not isinstance(t, torch.Tensor) or t.dtype != md.properties.dtype or tuple(t.shape) != tuple(chunk.sizes):

@@ -30,6 +30,7 @@ from rich.text import Text
 from nvcomp_checkpoint.errors import CheckpointError
 
 __all__ = [
+    "default_max_bytes",
     "EXIT_OK",
     "EXIT_FAILED",
     "EXIT_ERROR",
@@ -306,3 +307,16 @@ class _Task:
 
     def describe(self, description: str) -> None:
         self._progress.update(self._task, description=description)
+
+
+def default_max_bytes() -> int:
+    """The default of ``--max-bytes``: this machine's physical memory.
+
+    A file that decodes to more cannot be loaded into this machine's memory, so refusing it
+    loses nothing a load could have done here; and a forged file (a 135 KB index may declare
+    gigabytes of zeros, a 1 GiB one petabytes) costs at most this much decoding time.
+    """
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX: 64 GiB, a large training host
+        return 64 << 30

@@ -20,8 +20,11 @@ import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import boundedjson
 from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
 from nvcomp_checkpoint.filetype import HEAD_BYTES, NVCOMP, OTHER, SAFETENSORS, TORCH, kind_of
-from nvcomp_checkpoint.format.skeleton import check_torch_archive, flatten
+from nvcomp_checkpoint.format.skeleton import flatten
+from nvcomp_checkpoint.format.torchsave import check_torch_archive
 from nvcomp_checkpoint.storage import is_temp_name, is_url, storage_for
+
+from ._ui import default_max_bytes
 
 __all__ = [
     "NVCOMP",
@@ -259,7 +262,10 @@ class TorchSource(Source):
             storage, spath = storage_for(self.path)
             with storage.open_read(spath) as f:
                 if f.read(4) == b"PK\x03\x04":
-                    check_torch_archive(f, storage.size(spath), self.path)
+                    # Every tensor is handed to the writer whole: a view that spans more than the
+                    # file holds and this machine's memory (a stride-0 view of 2**40 elements) is refused.
+                    size = storage.size(spath)
+                    check_torch_archive(f, size, self.path, max_bytes=max(size, default_max_bytes()))
         try:
             # mmap: a checkpoint larger than memory is listed and converted from the page cache.
             return torch.load(self.path, map_location="cpu", weights_only=weights_only, mmap=True)

@@ -16,26 +16,13 @@ from nvcomp_checkpoint.report import format_bytes
 from nvcomp_checkpoint.storage import stale_temp_files
 
 from . import _dcp, _deepspeed
-from ._ui import EXIT_FAILED, EXIT_OK, Reporter, print_json, stdout_console
+from ._ui import EXIT_FAILED, EXIT_OK, Reporter, default_max_bytes, print_json, stdout_console
 from .chain import describe_chain
 from .sources import DIRECTORY, NVCOMP, SAFETENSORS, TORCH, dir_files, sniff
 
 __all__ = ["add_parser", "run_verify", "verify_file", "default_max_bytes", "parse_size"]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
-
-
-def default_max_bytes() -> int:
-    """The default of ``--max-bytes``: this machine's physical memory.
-
-    A file that decodes to more cannot be loaded into this machine's memory, so refusing it
-    loses nothing a load could have done here; and a forged file (a 135 KB index may declare
-    gigabytes of zeros, a 1 GiB one petabytes) costs at most this much decoding time.
-    """
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # not POSIX: 64 GiB, a large training host
-        return 64 << 30
 
 
 def parse_size(text: str) -> int:

@@ -21,7 +21,8 @@ from ..policy import CodecPolicy
 from ..reader import CheckpointReader
 from ..storage import file_mode_of, open_checkpoint_stream, storage_for, write_errors
 from ..writer import CheckpointWriter
-from .layout import METADATA_NAME, StoredItem, encode_metadata, join, shard_name
+from .layout import METADATA_NAME, StoredItem, check_tensor_item, join, shard_name
+from .metadata_file import encode_metadata
 from .reader import read_stored_metadata
 from .writer import FqnPolicy, bytes_key, unique_key
 
@@ -94,6 +95,7 @@ def compress_directory(
                     tree[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
                 else:
                     key = unique_key(index.fqn, tuple(index.offset or ()), used)
+                    check_tensor_item(raw, where, index.fqn)
                     tree[key] = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
                 keys[index] = key
         target = join(dst, out_name)

@@ -33,12 +33,12 @@ from .layout import (
     StoredItem,
     check_byte_item,
     check_file_name,
-    decode_metadata,
     is_compressed_metadata,
     join,
     rank_metadata_name,
     safe_unpickle,
 )
+from .metadata_file import decode_metadata
 
 __all__ = [
     "NvcompReader",

@@ -31,7 +31,8 @@ from ..errors import CheckpointError, FormatError
 from ..policy import CodecPolicy, CodecSpec, Component, classify
 from ..storage import storage_for, write_errors
 from ..writer import CheckpointWriter
-from .layout import METADATA_NAME, SAVE_TAG, WORLD_SIZE_TAG, StoredItem, encode_metadata, join, rank_metadata_name, shard_name
+from .layout import METADATA_NAME, SAVE_TAG, WORLD_SIZE_TAG, StoredItem, join, rank_metadata_name, shard_name
+from .metadata_file import encode_metadata
 from .reader import read_stored_metadata
 
 __all__ = ["NvcompWriter", "FqnPolicy", "fqn_component", "bytes_key", "unique_key"]

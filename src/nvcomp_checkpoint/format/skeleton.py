@@ -11,14 +11,14 @@ from __future__ import annotations
 import copy
 import io
 import pickle
-import pickletools
-import struct
 import zipfile
-from typing import IO, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from ..errors import FormatError, UnsafeCheckpointError, UnsupportedObjectError
+from .picklescan import PicklePolicy, builds_tensor, scan_pickle
+from .torchsave import MAX_PICKLE_NESTING, archive_pickle, storage_records
 
 __all__ = [
     "TensorRef",
@@ -29,7 +29,6 @@ __all__ = [
     "encode_skeleton",
     "decode_skeleton",
     "weights_only_detail",
-    "check_torch_archive",
     "MAX_TREE_DEPTH",
     "MAX_TREE_NODES",
     "MAX_PICKLE_NESTING",
@@ -81,11 +80,11 @@ MAX_TREE_DEPTH = 256
 #: and path components that the tensor paths of a tree may add up to. A model with a million
 #: tensors and its Adam state stays well under it.
 MAX_TREE_NODES = 1 << 24
-#: Nesting of containers inside a weights-only pickle, checked before torch builds anything:
-#: hashing a tuple recurses in C without a guard, so a dict key of tuples nested 100,000 deep
-#: crashes the interpreter. A little over the tree depth, for the argument tuples that pickle
-#: wraps around values.
-MAX_PICKLE_NESTING = MAX_TREE_DEPTH + 16
+assert MAX_PICKLE_NESTING == MAX_TREE_DEPTH + 16  # a little over the tree depth, for the argument tuples pickle adds
+
+#: The scan of an object tree's pickle before a weights-only load: the first global that builds
+#: tensor data, or a storage reference, is reported (a writer stores every tensor in the tensor table).
+TREE_POLICY = PicklePolicy(max_nesting=MAX_PICKLE_NESTING, persistent_ids=True, report_tensor_data=True)
 
 _CONTAINERS = (dict, list, tuple)
 _STORAGES = (torch.UntypedStorage, torch.storage.TypedStorage)
@@ -400,7 +399,7 @@ class _TreePickler(pickle.Pickler):
 
     :func:`flatten` takes the tensors of dicts, lists and tuples out of the tree; one inside any
     other object (a class instance ...) would be pickled with its bytes. torch.save subclasses this
-    class and looks storages up first, so a bare storage is caught by :func:`_storage_records`.
+    class and looks storages up first, so a bare storage is caught by :func:`~.torchsave.storage_records`.
     """
 
     def reducer_override(self, obj: Any) -> Any:
@@ -444,21 +443,17 @@ def encode_skeleton(skeleton: Any, where: str = "checkpoint") -> bytes:
             f"{where}: the checkpoint tree nests objects too deep for torch.save's pickler here; flatten it before saving"
         ) from exc
     data = buf.getvalue()
-    if _storage_records(zipfile.ZipFile(io.BytesIO(data)).namelist()):
+    if storage_records(zipfile.ZipFile(io.BytesIO(data)).namelist()):
         raise UnsupportedObjectError(f"{where}: the checkpoint tree holds a tensor storage inside an object; {fix}")
     return data
-
-
-def _storage_records(names: list[str]) -> list[str]:
-    """The records of a torch.save archive that hold tensor bytes (``<archive>/data/<key>``)."""
-    return [name for name in names if name.rsplit("/", 2)[-2:-1] == ["data"]]
 
 
 def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
     """Deserialize a skeleton; with ``weights_only`` nothing but safe types is constructed.
 
-    With ``weights_only`` the pickle is first scanned (:func:`_check_weights_only_pickle`) for
-    what the weights-only unpickler would build but the interpreter cannot survive. In both modes
+    With ``weights_only`` the pickle is first scanned (:func:`~.picklescan.scan_pickle`) for
+    what the weights-only unpickler would build but the interpreter cannot survive, and for state
+    set on a module-level object (an enum member). In both modes
     a tree holding tensor data (a storage record; with ``weights_only`` also a call that builds a
     tensor or storage) is refused before torch builds anything.
 
@@ -471,14 +466,15 @@ def decode_skeleton(data: bytes, *, weights_only: bool, where: str) -> Any:
         # torch.save's zip archive is what every writer of this format stores; anything else
         # (a legacy torch pickle, random bytes) is damage, not an object the rules refuse.
         raise FormatError(f"{corrupt}: it is not a torch.save archive (it starts with {bytes(data[:8])!r})")
-    pkl, records = _archive_pickle(io.BytesIO(data), len(data), corrupt)
+    pkl, _, stored = archive_pickle(io.BytesIO(data), len(data), corrupt)
+    records = list(stored)
     # Tensor bytes never go through pickle: a writer stores every tensor in the tensor table, so
     # tensor data in the tree (a storage record, or a call that builds a tensor) is forged. Found
     # before torch builds anything: a stride-0 view of 2**40 elements is 4 bytes of storage here,
     # and 4 TiB once a caller copies or re-saves it.
     found: str | None = None
     if weights_only:
-        found, _ = _check_weights_only_pickle(pkl, corrupt, object_tree=True)
+        found = scan_pickle(pkl, corrupt, TREE_POLICY)
     if found is None and records:
         found = f"its archive holds {len(records)} tensor storage record(s)"
     if found is not None:
@@ -555,7 +551,7 @@ class _LocatingUnpickler(pickle.Unpickler):
         real = self._REAL.get(f"{module}.{name}")
         if real is not None:
             return real
-        return type("_Stub", (_Stub,), {"tensor_data": _builds_tensor(f"{module}.{name}".encode())})
+        return type("_Stub", (_Stub,), {"tensor_data": builds_tensor(f"{module}.{name}")})
 
     def persistent_load(self, pid: Any) -> Any:
         stub = _Stub()
@@ -566,14 +562,12 @@ class _LocatingUnpickler(pickle.Unpickler):
 def _tensor_data_path(pkl: bytes, corrupt: str) -> str | None:
     """Where in the tree (a quoted path, or "its root") the pickle of a refused object tree puts tensor data.
 
-    Only for a pickle the weights-only scan reads whole without refusing it for anything but
-    tensor data (so nesting and sizes are bounded): it is unpickled with :class:`_LocatingUnpickler`
-    (no global of the file is called) and walked once. None when that cannot be done.
+    Only for a pickle the scan accepts but for its tensor data (so nesting and sizes are
+    bounded): it is unpickled with :class:`_LocatingUnpickler` (no global of the file is called)
+    and walked once. None when that cannot be done.
     """
     try:
-        _, whole = _check_weights_only_pickle(pkl, corrupt, object_tree=True)
-        if not whole:
-            return None
+        scan_pickle(pkl, corrupt, TREE_POLICY)
         root = _LocatingUnpickler(io.BytesIO(pkl)).load()
     except Exception:  # noqa: BLE001 - locating is a courtesy of the error message; the file is refused anyway
         return None
@@ -592,205 +586,6 @@ def _tensor_data_path(pkl: bytes, corrupt: str) -> str | None:
         elif _carries(node):
             return _path_text(path)
     return None
-
-
-def check_torch_archive(stream: IO[bytes], size: int, where: str) -> None:
-    """Apply the pickle scan of :func:`decode_skeleton` to a plain ``torch.save`` zip archive.
-
-    Only the ``data.pkl`` record is read (tensors are separate records), so this costs little
-    before a weights-only ``torch.load`` of the same file. Tensors are what such a file holds:
-    the rules on tensor data in object trees do not apply.
-
-    Raises:
-        FormatError: The archive is unreadable, or its pickle is refused by the scan.
-    """
-    refused = f"{where}: this torch.save file is refused"
-    _check_weights_only_pickle(_archive_pickle(stream, size, refused)[0], refused)
-
-
-def _archive_pickle(stream: IO[bytes], size: int, corrupt: str) -> tuple[bytes, list[str]]:
-    """The ``data.pkl`` record of a torch.save archive, which torch reads the tree from, and the
-    names of its tensor storage records."""
-    try:
-        with zipfile.ZipFile(stream) as archive:
-            infos = archive.infolist()
-            names = [info.filename for info in infos]
-            picks = [info for info in infos if info.filename.endswith("/data.pkl") or info.filename == "data.pkl"]
-            if len(picks) != 1 or len(set(names)) != len(names):
-                raise FormatError(f"{corrupt}: its archive holds {len(picks)} data.pkl records among {len(names)} names")
-            # torch writes records uncompressed; a deflated one could expand without bound.
-            if picks[0].compress_type != zipfile.ZIP_STORED or picks[0].file_size > size:
-                raise FormatError(f"{corrupt}: its data.pkl record is compressed or larger than the archive")
-            return archive.read(picks[0]), _storage_records(names)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError, RuntimeError, NotImplementedError) as exc:
-        raise FormatError(f"{corrupt}: not a readable archive ({exc})") from exc
-
-
-# Tags kept with each simulated stack value, below its nesting depth (value >> _TAG_BITS):
-# what it is (an int, a str literal, the bytearray or _codecs.encode global), and for a tuple
-# what its first item is (the first argument of a call).
-_INT, _STR, _BYTEARRAY, _ENCODE, _INT_FIRST, _STR_FIRST = 1, 2, 4, 8, 16, 32
-_TAG_BITS = 6
-_TAGS = (1 << _TAG_BITS) - 1
-_ONE = 1 << _TAG_BITS
-_DEEP = (MAX_PICKLE_NESTING + 1) << _TAG_BITS
-
-
-def _builds_tensor(name: bytes) -> bool:
-    """Whether a global (``b"module.name"``) builds a tensor or a storage: allowed by the weights-only
-    rules, never in an object tree a writer makes (its tensors are in the tensor table).
-
-    The ``torch._utils._rebuild_*`` functions (a view of a storage, a device copy of one: 1.1 KB of
-    pickle took 8 GiB; sparse, nested, quantized tensors), the tensor and storage classes
-    (``torch.FloatTensor(n)`` allocates ``n`` elements) and ``torch.nn.parameter``'s classes.
-    """
-    module, _, attr = name.rpartition(b".")
-    if module != b"torch" and not module.startswith(b"torch."):
-        return False
-    return attr.startswith(b"_rebuild") or attr.endswith((b"Tensor", b"Storage")) or module == b"torch.nn.parameter"
-
-
-def _check_weights_only_pickle(pkl: bytes, corrupt: str, object_tree: bool = False) -> tuple[str | None, bool]:
-    """Refuse, before torch builds anything, a pickle that would crash or exhaust the process.
-
-    A linear pass over the opcodes that simulates the unpickler's stack with a nesting depth per
-    value. Refused: containers nested deeper than :data:`MAX_PICKLE_NESTING` (tuples that deep
-    overflow the C stack when hashed as a dict key; other containers are refused here before
-    torch spends time building what the tree rules refuse); ``bytearray(n)`` of an integer
-    ``n`` (a few bytes that commit ``n`` bytes of zeros; a writer pickles a bytearray from its
-    bytes); ``_codecs.encode`` of anything but a string literal (``encode(encode(..., "hex"),
-    "hex")`` doubles per level: 1.5 KB of pickle made 128 MB, and each level more doubles it;
-    a writer pickles bytes as ``encode("<latin-1 text>", "latin1")``). With ``object_tree``, the
-    first global that builds a tensor (:func:`_builds_tensor`) or storage reference is returned,
-    for the caller to refuse once it knows where in the tree it is. The depth of a tuple is exact (tuples never change); that of a list or dict counts
-    what was added to it before it was used elsewhere, a lower bound that the tree walk then
-    completes. Anything else the weights-only unpickler rejects is left for it to reject.
-
-    Returns:
-        ``(what builds tensor data, or None; whether the whole pickle was scanned)``: the scan
-        stops at an opcode that the weights-only unpickler refuses by itself.
-
-    Raises:
-        FormatError: The pickle is refused, or its opcodes are not a pickle.
-    """
-    found: str | None = None
-    # One branch per opcode, the most frequent first: this runs over every byte of the tree.
-    stack: list[int] = []
-    push = stack.append
-    marks: list[int] = []
-    memo: dict[int, int] = {}
-    pos, end = 0, len(pkl)
-    unpack_from = struct.unpack_from
-    try:
-        while pos < end:
-            op = pkl[pos]
-            pos += 1
-            if op == 0x71:  # BINPUT
-                memo[pkl[pos]] = stack[-1]
-                pos += 1
-            elif op == 0x72:  # LONG_BINPUT
-                memo[unpack_from("<I", pkl, pos)[0]] = stack[-1]
-                pos += 4
-            elif op == 0x58:  # BINUNICODE
-                pos += 4 + unpack_from("<I", pkl, pos)[0]
-                push(_STR)
-            elif op == 0x4B:  # BININT1
-                pos += 1
-                push(_INT)
-            elif op == 0x28:  # MARK
-                marks.append(len(stack))
-            elif op == 0x68:  # BINGET
-                push(memo[pkl[pos]])
-                pos += 1
-            elif op == 0x6A:  # LONG_BINGET
-                push(memo[unpack_from("<I", pkl, pos)[0]])
-                pos += 4
-            elif op in (0x61, 0x73, 0x65, 0x75):  # APPEND, SETITEM, APPENDS, SETITEMS: into stack[-1]
-                if op == 0x61:
-                    depth = stack.pop()
-                elif op == 0x73:
-                    depth = stack.pop()
-                    stack.pop()  # the key: hashed, and a tuple's depth is bounded where it is built
-                else:
-                    mark = marks.pop()
-                    added = stack[mark + 1 :: 2] if op == 0x75 else stack[mark:]
-                    del stack[mark:]
-                    depth = max(added, default=0)
-                depth = ((depth >> _TAG_BITS) + 1) << _TAG_BITS
-                if depth > stack[-1]:
-                    if depth >= _DEEP:
-                        raise FormatError(f"{corrupt}: its pickle nests containers more than {MAX_PICKLE_NESTING} deep")
-                    stack[-1] = depth | (stack[-1] & _TAGS)
-            elif op in (0x5D, 0x7D, 0x29, 0x8F):  # [], {}, (), set()
-                push(_ONE)
-            elif op in (0x4A, 0x4D):  # BININT, BININT2
-                pos += 4 if op == 0x4A else 2
-                push(_INT)
-            elif op == 0x47:  # BINFLOAT
-                pos += 8
-                push(0)
-            elif op in (0x4E, 0x88, 0x89):  # None, True, False
-                push(0)
-            elif op in (0x74, 0x85, 0x86, 0x87):  # TUPLE, TUPLE1, TUPLE2, TUPLE3
-                mark = marks.pop() if op == 0x74 else len(stack) - (op - 0x84)
-                if mark < 0:
-                    raise IndexError("a tuple of missing items")
-                items = stack[mark:]
-                del stack[mark:]
-                depth = ((max(items, default=0) >> _TAG_BITS) + 1) << _TAG_BITS
-                if depth >= _DEEP:
-                    raise FormatError(f"{corrupt}: its pickle nests containers more than {MAX_PICKLE_NESTING} deep")
-                first = items[0] if items else 0
-                push(depth | (_INT_FIRST if first & _INT else 0) | (_STR_FIRST if first & _STR else 0))
-            elif op == 0x52:  # REDUCE: func(*args)
-                args = stack.pop()
-                if stack[-1] & _BYTEARRAY and args & _INT_FIRST:
-                    raise FormatError(f"{corrupt}: its pickle builds a bytearray from a size, which no writer does")
-                if stack[-1] & _ENCODE and not args & _STR_FIRST:
-                    raise FormatError(
-                        f"{corrupt}: its pickle encodes something other than a string literal, which no writer does"
-                    )
-                stack[-1] = args & ~_TAGS
-            elif op == 0x81:  # NEWOBJ: cls.__new__(cls, *args)
-                args = stack.pop()
-                stack[-1] = args & ~_TAGS
-            elif op == 0x62:  # BUILD: the state goes into the object
-                stack.pop()
-            elif op == 0x51:  # BINPERSID: a storage in place of its id
-                stack[-1] = 0
-                if object_tree and found is None:
-                    found = "its pickle refers to a tensor storage"
-            elif op == 0x63:  # GLOBAL: module and name, a line each
-                first = pkl.index(b"\n", pos)
-                second = pkl.index(b"\n", first + 1)
-                name = pkl[pos:second].replace(b"\n", b".")
-                pos = second + 1
-                if object_tree and found is None and _builds_tensor(name):
-                    found = f"its pickle calls {name.decode(errors='replace')}"
-                push(
-                    _BYTEARRAY
-                    if name in (b"builtins.bytearray", b"__builtin__.bytearray")
-                    else _ENCODE
-                    if name == b"_codecs.encode"
-                    else 0
-                )
-            elif op in (0x55, 0x8A):  # SHORT_BINSTRING, LONG1
-                pos += 1 + pkl[pos]
-                push(_INT if op == 0x8A else _STR)
-            elif op == 0x80:  # PROTO
-                pos += 1
-            elif op == 0x2E:  # STOP
-                return found, True
-            elif chr(op) in _PICKLE_OPCODES:
-                return found, False  # a real opcode that the weights-only unpickler refuses by itself
-            else:
-                raise FormatError(f"{corrupt}: byte {pos - 1} of its pickle is no pickle opcode ({op:#04x})")
-    except (IndexError, KeyError, ValueError, struct.error) as exc:
-        raise FormatError(f"{corrupt}: its pickle is malformed near byte {pos} ({type(exc).__name__})") from exc
-    return found, False
-
-
-_PICKLE_OPCODES = {op.code for op in pickletools.opcodes}
 
 
 def weights_only_detail(exc: BaseException) -> str:
