@@ -152,6 +152,30 @@ class ZstdCpuCodec:
             raise FormatError(f"zstd frame decoded to {len(out)} bytes, the index says {raw_size}")
         return out
 
+    def decode_into(self, frame: memoryview, out: memoryview) -> None:
+        raw_size = out.nbytes
+        if raw_size < _INTO_MIN_BYTES:
+            out[:] = self.decode(frame, raw_size)
+            return
+        try:
+            declared = zstandard.frame_content_size(frame)
+            if declared == raw_size:
+                # libzstd decodes a frame whose declared size fits the output in one pass straight
+                # into it (ZSTD_decompressStream's single-pass path): no bytes object, no copy.
+                done = 0
+                with self._dctx().stream_reader(frame) as reader:
+                    while done < raw_size:
+                        got = reader.readinto(out[done:])
+                        if not got:
+                            break
+                        done += got
+                if done == raw_size:
+                    return
+        except zstandard.ZstdError as exc:
+            raise FormatError(f"corrupt zstd frame: {exc}") from exc
+        # No declared size, a forged one, or several frames back to back (nvCOMP): decode's checks.
+        out[:] = self.decode(frame, raw_size)
+
 
 def _sample(data: memoryview) -> bytes:
     """:data:`PICK_SAMPLE_BYTES` of ``data`` in four pieces spread over it: planes change along
@@ -160,6 +184,10 @@ def _sample(data: memoryview) -> bytes:
     step = (len(data) - piece) // 3
     return b"".join(data[i * step : i * step + piece] for i in range(4))
 
+
+#: Below this ``decode_into`` decodes to a new buffer and copies: a stream reader costs more
+#: than the copy of a small frame.
+_INTO_MIN_BYTES = 64 << 10
 
 #: Largest output decoded in one call without a size from the frame header: a chunk's cap.
 _ONE_SHOT_LIMIT = CHUNK_CAP_BYTES
@@ -194,3 +222,6 @@ class NoneCpuCodec:
         if len(frame) != raw_size:
             raise FormatError(f"raw frame holds {len(frame)} bytes, the index says {raw_size}")
         return frame
+
+    def decode_into(self, frame: memoryview, out: memoryview) -> None:
+        out[:] = self.decode(frame, out.nbytes)
