@@ -10,7 +10,9 @@ the optimizer's hyper-parameters and a top-level ``step`` and ``epoch``), each t
   of it (Orbax's ``save_background``) overlapping the in-place change of the state below, whose
   own time is given too (for a synchronous save, ``durable`` is the save plus that change);
 - ``load``: reading it back with the method's own loader;
-- peak extra host memory: the process's peak RSS during the save minus its RSS before.
+- peak extra host memory: the process's peak RSS during the save minus its RSS before (glibc
+  told to return freed blocks of 128 KiB or more at once, so a trial cannot reuse pages an
+  earlier one left resident and look free).
 
 Torn-write check: right after the save call returns, every tensor (``add_`` / ``logical_not_``)
 and every Python scalar of the state is changed in place (the optimizer's ``step`` included); the
@@ -341,7 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.methods.split(","):
             cmd = [sys.executable, __file__, "--one", name, "--trials", str(args.trials), "--workdir", tmp]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            # Freed blocks go back to the system at once, so that the peak RSS of a trial counts
+            # what the save allocates even where an earlier trial's memory could be reused.
+            child_env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if proc.returncode or line is None:
                 print(f"{name}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}", file=sys.stderr)

@@ -87,6 +87,54 @@ def planes_and_frames(path: Path) -> tuple[list[np.ndarray], list[tuple[bytes, i
     return planes, compressed, raw
 
 
+def component_ratios(path: Path) -> dict[str, dict[str, float]]:
+    """Per component: ours, ``zstd -1`` on each whole tensor, and ``zstd -1`` on each of our planes."""
+    cctx = zstandard.ZstdCompressor(level=1)
+    dctx = zstandard.ZstdDecompressor()
+    raw: dict[str, int] = {}
+    sizes: dict[str, dict[str, int]] = {}
+    with CheckpointReader(path) as reader, open(path, "rb") as f:
+        data = f.read()
+        for entry in reader.index.tensors:
+            c = entry.component
+            raw[c] = raw.get(c, 0) + entry.nbytes
+            got = sizes.setdefault(c, {"ours": 0, "zstd -1 per tensor": 0, "zstd -1 on our planes": 0})
+            got["ours"] += entry.stored_bytes
+            got["zstd -1 per tensor"] += len(
+                cctx.compress(reader.read(entry.key).contiguous().view(-1).view(torch.uint8).numpy())
+            )
+            for _, _, frames in entry.chunks():
+                for fr in frames:
+                    stored = data[fr.offset : fr.offset + fr.size]
+                    plane = stored if fr.is_raw else dctx.decompress(stored, max_output_size=fr.raw_size)
+                    got["zstd -1 on our planes"] += min(len(plane), len(cctx.compress(plane)))
+    return {c: {m: raw[c] / n for m, n in got.items()} for c, got in sizes.items() if raw[c] >= 1 << 20}
+
+
+def plot_ratios(ratios: dict[str, dict[str, float]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    comps = list(ratios)
+    methods = list(next(iter(ratios.values())))
+    fig, ax = plt.subplots(figsize=(7.5, 3.2), dpi=90)
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        xs = [j + i * width for j in range(len(comps))]
+        bars = ax.bar(xs, [ratios[c][m] for c in comps], width, label=m)
+        ax.bar_label(bars, fmt="%.3f", fontsize=6)
+    ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(comps))], comps, fontsize=8)
+    ax.set_ylabel("compression ratio")
+    ax.set_ylim(1.0, max(max(r.values()) for r in ratios.values()) * 1.08)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def _on_threads(jobs: list[Callable[[], None]], threads: int) -> None:
     if threads == 1:
         for job in jobs:
@@ -204,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, default=None, help="where the files go (default: a temporary directory)")
     p.add_argument("--store", action="store_true", help="make this run the stored baseline (benchmarks/results/)")
     p.add_argument("--markdown", type=Path, help="also write the table as Markdown")
+    p.add_argument("--plot", type=Path, help="also draw the ratio per component (PNG)")
     args = p.parse_args(argv)
     env = environment()
     threads = args.workers or len(os.sched_getaffinity(0))
@@ -218,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         stored = ours.stat().st_size
         planes, compressed, raw_frames = planes_and_frames(ours)
         plain_ratio = raw / sum(len(zstandard.ZstdCompressor(level=1).compress(p)) for p in planes)
+        ratios = component_ratios(ours)
 
         def load() -> None:
             with CheckpointReader(ours, workers=threads) as reader:
@@ -275,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     lines += ["", "| share of the limit | |", "|---|---|"] + [f"| {n} | {v:.0%} |" for n, v in share]
+    methods = list(next(iter(ratios.values())))
+    lines += ["", "| component | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    lines += [f"| {c} | " + " | ".join(f"{r[m]:.4f}" for m in methods) + " |" for c, r in ratios.items()]
     text = "\n".join(lines)
     print(text)
     if args.markdown:
@@ -285,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     metrics.update({n: metric(v, "share", "higher") for n, v in share})
     metrics["ratio"] = metric(raw / stored, "x", "exact")
+    metrics.update({f"ratio {c}": metric(r["ours"], "x", "exact") for c, r in ratios.items()})
+    if args.plot:
+        plot_ratios(
+            ratios, args.plot, f"Ratio per component, {args.checkpoint} ({'fp32' if args.fp32_weights else 'bf16'} weights)"
+        )
     env.update(
         checkpoint=args.checkpoint, bf16_weights=not args.fp32_weights, threads=threads, tensor_bytes=raw, rounds=args.rounds
     )
