@@ -10,6 +10,8 @@ the optimizer's hyper-parameters and a top-level ``step`` and ``epoch``), each t
   of it (Orbax's ``save_background``) overlapping the in-place change of the state below, whose
   own time is given too (for a synchronous save, ``durable`` is the save plus that change);
 - ``load``: reading it back with the method's own loader;
+- held between saves: RSS before the trial minus RSS before the first save (DCP's stagers keep
+  their staging copy of the state from one save to the next);
 - peak extra host memory: the process's peak RSS during the save minus its RSS before (glibc
   told to return freed blocks of 128 KiB or more at once, so a trial cannot reuse pages an
   earlier one left resident and look free).
@@ -263,6 +265,7 @@ def run_one(name: str, trials: int, workdir: Path) -> dict[str, Any]:
     (save, load), teardown = method(name, workdir)
     path = workdir / f"{name}.ckpt"
     rows = []
+    start_rss = _status_kib("VmRSS")
     for trial in range(trials + 1):  # trial 0: warm-up
         restore(state, pristine)
         rss = _status_kib("VmRSS")
@@ -287,6 +290,8 @@ def run_one(name: str, trials: int, workdir: Path) -> dict[str, Any]:
                     "change_s": tm - t1,
                     "load_s": t4 - t3,
                     "peak_extra_bytes": max(0, peak - rss) * 1024,
+                    # Memory the method keeps from one save to the next (staging buffers).
+                    "held_bytes": max(0, rss - start_rss) * 1024,
                     "exact": same(loaded, pristine),
                 }
             )
@@ -382,11 +387,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{_median([x['change_s'] for x in t]):.3f}",
                 f"{_median([x['load_s'] for x in t]):.3f}",
                 f"{peak:.0f}",
+                f"{max(x['held_bytes'] for x in t) / 1e6:.0f}",
                 f"{exact}/{len(t)}",
             )
         )
         metrics[f"{r['method']} save_blocking s"] = metric(_median(b), "s", "lower")
         metrics[f"{r['method']} peak extra MB"] = metric(peak, "MB", "lower")
+        metrics[f"{r['method']} held MB"] = metric(max(x["held_bytes"] for x in t) / 1e6, "MB", "lower")
         metrics[f"{r['method']} exact share"] = metric(exact / len(t), "share", "exact")
     lines = ["| " + " | ".join(row) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("---" for _ in head) + "|")
