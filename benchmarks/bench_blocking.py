@@ -370,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "state change s",
         "load s",
         "peak extra host MB",
+        "held between saves MB",
         "exact trials",
     )
     rows = [head]
