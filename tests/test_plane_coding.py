@@ -14,7 +14,7 @@ import zstandard
 
 import nvcomp_checkpoint as nc
 from conftest import assert_tree_equal
-from nvcomp_checkpoint.codecs.cpu import LARGE_FRAME_BYTES, ZstdCpuCodec
+from nvcomp_checkpoint.codecs.cpu import LARGE_FRAME_BYTES, ZstdCpuCodec, _fast_params
 from nvcomp_checkpoint.codecs.zstd_frame import read_frame
 from nvcomp_checkpoint.filters import ByteplaneFilter
 
@@ -164,6 +164,17 @@ def test_the_sampled_choice_never_loses_to_either_parameter_set_on_whole_planes(
         ours = len(ZstdCpuCodec(1).encode(memoryview(plane)))
         each = [len(zstandard.ZstdCompressor(compression_params=p).compress(plane)) for p in _LARGE_LEVEL1.values()]
         assert ours == min(each)
+
+
+def test_a_plane_whose_repeats_lie_far_apart_gets_the_large_hash_table() -> None:
+    # 500 distinct 64-byte runs in random order: more 7-byte contexts than 2**10 table
+    # entries keep, far fewer than 2**13 (the high plane of a MoE's bf16 gradients is alike).
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(120, 128, (500, 64), dtype=np.uint8)
+    plane = blocks[rng.integers(0, 500, (1 << 20) // 64)].tobytes()
+    ours = len(ZstdCpuCodec(1).encode(memoryview(plane)))
+    hash10 = len(zstandard.ZstdCompressor(compression_params=_fast_params(10)).compress(plane))
+    assert ours < 0.5 * hash10
 
 
 def _frame_bytes(path, key: str) -> list[bytes]:

@@ -132,6 +132,10 @@ class CheckpointReader:
         except BaseException:
             self._stream.close()
             raise
+        #: Local files are read by the decoding workers themselves (:meth:`_pread`).
+        self._fd = _local_fd(self.storage, self._stream)
+        #: Each decoding worker's read and plane buffers, reused from chunk to chunk.
+        self._scratch = _Scratch()
         self._by_key = {t.key: (i, t) for i, t in enumerate(self.index.tensors)}
         self._aliases: dict[str, int] | None = None
         #: A delta file's base (delta.py), opened when a tensor first needs it.
@@ -409,22 +413,77 @@ class CheckpointReader:
             for fut in in_flight:  # after a failure: the chunks not started are not decoded
                 fut.cancel()
 
-    def _checked_frame(self, entry: TensorEntry, codec: Any, i: int, p: int, f: Frame, data: Any) -> Any:
-        """Frame ``p`` of chunk ``i`` of ``entry`` (its stored bytes ``data``), checksummed and decoded."""
+    def _check_frame(self, entry: TensorEntry, i: int, p: int, f: Frame, data: Any) -> None:
+        """Refuse frame ``p`` of chunk ``i`` of ``entry`` unless its stored bytes ``data`` match its checksum."""
         if xxhash.xxh3_64_intdigest(data) != f.xxh:
             raise ChecksumError(
                 f"{self.path}: tensor {entry.key!r}, chunk {i}"
                 + (f" (byte plane {p})" if entry.planes > 1 else "")
                 + f" at byte {f.offset} is corrupt (checksum mismatch); restore the file from another copy"
             )
+
+    def _undecodable(self, entry: TensorEntry, i: int, p: int, f: Frame, exc: FormatError) -> FormatError:
+        return FormatError(
+            f"{self.path}: tensor {entry.key!r}, chunk {i}"
+            + (f" (byte plane {p})" if entry.planes > 1 else "")
+            + f" at byte {f.offset} does not decode: {exc}; the index or the frame is corrupt"
+        )
+
+    def _checked_frame(self, entry: TensorEntry, codec: Any, i: int, p: int, f: Frame, data: Any) -> Any:
+        """Frame ``p`` of chunk ``i`` of ``entry`` (its stored bytes ``data``), checksummed and decoded."""
+        self._check_frame(entry, i, p, f, data)
         try:
             return data if f.is_raw else codec.decode(data, f.raw_size)
         except FormatError as exc:
-            raise FormatError(
-                f"{self.path}: tensor {entry.key!r}, chunk {i}"
-                + (f" (byte plane {p})" if entry.planes > 1 else "")
-                + f" at byte {f.offset} does not decode: {exc}; the index or the frame is corrupt"
-            ) from exc
+            raise self._undecodable(entry, i, p, f, exc) from exc
+
+    def _checked_frame_into(self, entry: TensorEntry, codec: Any, i: int, p: int, f: Frame, data: Any, out: np.ndarray) -> None:
+        """:meth:`_checked_frame` decoded into ``out`` (``f.raw_size`` bytes) instead of a new buffer."""
+        data = data[: f.size]
+        self._check_frame(entry, i, p, f, data)
+        target = out.data
+        if target.nbytes != f.raw_size:
+            raise FormatError(f"{self.path}: tensor {entry.key!r}, chunk {i}: frame of {f.raw_size} bytes for {target.nbytes}")
+        try:
+            if f.is_raw:
+                if len(data) != f.raw_size:
+                    raise FormatError(f"raw frame holds {len(data)} bytes, the index says {f.raw_size}")
+                target[:] = data
+            else:
+                codec.decode_into(data, target)
+        except FormatError as exc:
+            raise self._undecodable(entry, i, p, f, exc) from exc
+
+    def _chunk_reader(self, entry: TensorEntry) -> Callable[[tuple[Frame, ...]], tuple[int, memoryview]]:
+        """How a decoding worker gets one chunk's stored bytes: ``frames -> (offset of the first, bytes)``.
+
+        A local file is read chunk by chunk in the workers (``os.preadv`` into a buffer of each
+        worker's, no lock), so reading overlaps decoding and memory holds a chunk per worker. Other
+        storage is read a tensor at a time here, in one request, as before.
+        """
+        if self._fd is None:
+            first, span = self._span(entry)
+            view = memoryview(span)
+            return lambda frames: (first, view)
+
+        def read(frames: tuple[Frame, ...]) -> tuple[int, memoryview]:
+            first = min(f.offset for f in frames)
+            size = max(f.offset + f.size for f in frames) - first
+            return first, self._pread(first, size)
+
+        return read
+
+    def _pread(self, offset: int, size: int) -> memoryview:
+        """``size`` bytes at ``offset`` of the local file, in this thread's read buffer."""
+        assert self._fd is not None
+        view = self._scratch.array("read", size).data
+        done = 0
+        while done < size:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise FormatError(f"{self.path}: file is truncated (wanted {size} bytes at {offset}, got {done})")
+            done += got
+        return view
 
     def _read_frame_bytes(self, frame: Frame, what: str) -> bytes:
         data = self._read_at(frame.offset, frame.size)
@@ -477,23 +536,36 @@ class CheckpointReader:
         out = _allocate(entry, self.path)
         futures: list[Future[None]] = []
         if entry.frames:
-            base, span = self._span(entry)
-            view = memoryview(span)
+            chunk_bytes = self._chunk_reader(entry)
             codec = cpu_codec(entry.codec.id)
             filt = plane_filter(entry.filter, entry.width, entry.rotate)
             planes = entry.planes
+            scratch = self._scratch
 
             def decode_chunk(i: int, start: int, length: int, frames: tuple[Frame, ...]) -> None:
                 dest = out[start : start + length]
-                raws = [
-                    self._checked_frame(entry, codec, i, p, f, view[f.offset - base : f.offset - base + f.size])
-                    for p, f in enumerate(frames)
-                ]
-                # All planes at once: a single pass over the chunk (ByteplaneFilter.join, rotations undone in it).
-                if planes > 1:
-                    filt.join(dest, raws)
+                base, view = chunk_bytes(frames)
+                if planes == 1:
+                    # Straight into the tensor's memory: no intermediate buffer.
+                    self._checked_frame_into(entry, codec, i, 0, frames[0], view[frames[0].offset - base :], dest)
                 else:
-                    dest[:] = np.frombuffer(raws[0], dtype=np.uint8)
+                    # Compressed planes are decoded into this worker's scratch buffer, raw planes
+                    # stay where they were read; one pass (ByteplaneFilter.join, rotations undone
+                    # in it) then writes the tensor's memory.
+                    buf = scratch.array("planes", sum(f.raw_size for f in frames if not f.is_raw))
+                    raws: list[np.ndarray] = []
+                    at = 0
+                    for p, f in enumerate(frames):
+                        data = view[f.offset - base : f.offset - base + f.size]
+                        if f.is_raw:
+                            self._check_frame(entry, i, p, f, data)
+                            raws.append(np.frombuffer(data, dtype=np.uint8))
+                        else:
+                            target = buf[at : at + f.raw_size]
+                            at += f.raw_size
+                            self._checked_frame_into(entry, codec, i, p, f, data, target)
+                            raws.append(target)
+                    filt.join(dest, raws)
                 if after_chunk is not None:
                     after_chunk(start, frames, dest)
 
@@ -616,6 +688,29 @@ def _allocate(entry: TensorEntry, where: str) -> np.ndarray:
             f"{where}: tensor {entry.key!r} needs {entry.nbytes} bytes of memory, which cannot be "
             "allocated here; read other tensors with nvcomp_checkpoint.open(), or check where the file came from"
         ) from exc
+
+
+def _local_fd(storage: Storage, stream: Any) -> int | None:
+    """The file descriptor of a local file opened for reading, where ``os.preadv`` can read it."""
+    if not storage.is_local or not hasattr(os, "preadv"):
+        return None
+    try:
+        return int(stream.fileno())
+    except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
+        return None
+
+
+class _Scratch(threading.local):
+    """Buffers of one thread, by name, grown to the largest size asked for and then reused."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def array(self, name: str, size: int) -> np.ndarray:
+        buf = self.buffers.get(name)
+        if buf is None or buf.size < size:
+            buf = self.buffers[name] = np.empty(size, dtype=np.uint8)
+        return buf[:size]
 
 
 def _typed(flat: torch.Tensor, entry: TensorEntry) -> torch.Tensor:

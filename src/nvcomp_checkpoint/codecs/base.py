@@ -62,6 +62,10 @@ class CpuCodec(Protocol):
         """Decompress one frame; the result must be exactly ``raw_size`` bytes."""
         ...
 
+    def decode_into(self, frame: memoryview, out: memoryview) -> None:
+        """Decompress one frame into ``out`` (writable, 1-D bytes), which it must fill exactly."""
+        ...
+
 
 class GpuCodec(Protocol):
     """Encodes and decodes batches of frames on one CUDA device."""

@@ -1,0 +1,127 @@
+"""Decoding into the tensor's own memory: the same bytes and the same refusals as decoding to a new
+buffer, and a load whose memory beyond its result is a few chunks per worker, not a tensor's frames."""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+import nvcomp_checkpoint as nc
+from conftest import assert_tree_equal
+from nvcomp_checkpoint.codecs.cpu import NoneCpuCodec, ZstdCpuCodec
+from nvcomp_checkpoint.errors import FormatError
+from nvcomp_checkpoint.reader import CheckpointReader
+
+MIB = 1 << 20
+
+
+def _payload(size: int) -> bytes:
+    w = torch.randn((size + 3) // 4, generator=torch.Generator().manual_seed(size)) * 0.02
+    return w.view(torch.uint8).numpy().tobytes()[:size]
+
+
+def _frames(size: int) -> dict[str, bytes]:
+    data = _payload(size)
+    half = size // 2
+    return {
+        "ours": ZstdCpuCodec(1).encode(memoryview(data)),
+        "level 3": zstandard.ZstdCompressor(level=3).compress(data),
+        "no declared size": zstandard.ZstdCompressor(write_content_size=False).compress(data),
+        # nvCOMP's batched encoder may write a chunk as frames back to back.
+        "two frames": zstandard.ZstdCompressor().compress(data[:half]) + zstandard.ZstdCompressor().compress(data[half:]),
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "size"),
+    [(kind, size) for kind in ("ours", "level 3", "two frames") for size in (0, 100, 70_000, 3 * MIB + 5)]
+    + [("no declared size", size) for size in (100, 70_000, 3 * MIB + 5)],
+)
+def test_decode_into_writes_what_decode_returns(size: int, kind: str) -> None:
+    codec = ZstdCpuCodec(1)
+    frame = memoryview(_frames(size)[kind])
+    out = np.full(size, 0xAB, dtype=np.uint8)
+    codec.decode_into(frame, memoryview(out))
+    assert out.tobytes() == bytes(codec.decode(frame, size)) == _payload(size)
+
+
+@pytest.mark.parametrize("delta", [-1, 1, 4096])
+def test_decode_into_refuses_a_frame_of_another_size(delta: int) -> None:
+    size = 3 * MIB
+    frame = memoryview(_frames(size)["ours"])
+    out = np.empty(size + delta, dtype=np.uint8)
+    with pytest.raises(FormatError):
+        ZstdCpuCodec(1).decode_into(frame, memoryview(out))
+
+
+@pytest.mark.parametrize("cut", [1, 1000])
+def test_decode_into_refuses_a_truncated_frame(cut: int) -> None:
+    size = 3 * MIB
+    frame = _frames(size)["ours"]
+    with pytest.raises(FormatError):
+        ZstdCpuCodec(1).decode_into(memoryview(frame[:-cut]), memoryview(np.empty(size, dtype=np.uint8)))
+
+
+def test_raw_frames_decode_into_only_at_their_size() -> None:
+    out = np.empty(4, dtype=np.uint8)
+    NoneCpuCodec().decode_into(memoryview(b"abcd"), memoryview(out))
+    assert out.tobytes() == b"abcd"
+    with pytest.raises(FormatError):
+        NoneCpuCodec().decode_into(memoryview(b"abc"), memoryview(out))
+
+
+def _tree() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "fp32": torch.randn(3 * MIB + 7, generator=g) * 0.02,  # rotated planes, several chunks
+        "bf16": (torch.randn(5 * MIB + 1, generator=g) * 0.02).to(torch.bfloat16),
+        "fp64": torch.randn(MIB, generator=g, dtype=torch.float64),  # byte planes, strided join
+        "int": torch.randint(0, 7, (MIB,), generator=g, dtype=torch.int64),
+        "bytes": torch.randint(0, 3, (3 * MIB,), generator=g, dtype=torch.uint8),  # one plane: into the tensor
+        "small": torch.arange(5, dtype=torch.float16),
+    }
+
+
+def test_local_reads_in_the_workers_and_fsspec_reads_decode_the_same(tmp_path: Path) -> None:
+    tree = _tree()
+    path = tmp_path / "a.nvc"
+    nc.save(tree, path)
+    url = f"memory://{tmp_path.name}/a.nvc"
+    nc.save(tree, url)
+    try:
+        for workers in (1, 3):
+            with CheckpointReader(path, workers=workers) as local:
+                assert local._fd is not None  # read by the workers, chunk by chunk
+                assert_tree_equal(local.load(), tree)
+            with CheckpointReader(url, workers=workers) as remote:
+                assert remote._fd is None  # read a tensor at a time, as object stores are
+                assert_tree_equal(remote.load(), tree)
+    finally:
+        fsspec.filesystem("memory").rm(url, recursive=True)
+
+
+def test_a_load_holds_a_few_chunks_per_worker_beyond_its_result(tmp_path: Path) -> None:
+    # 64 MiB of noise that does not compress: before, the reader held a tensor's whole
+    # stored bytes (about 60 MB here) while its chunks were decoded.
+    tree = {"w": torch.randn(16 * MIB, generator=torch.Generator().manual_seed(2))}
+    path = tmp_path / "big.nvc"
+    nc.save(tree, path)
+    chunk = 4 * MIB
+    workers = 2
+    with CheckpointReader(path, workers=workers) as reader:
+        tracemalloc.start()
+        try:
+            loaded = reader.load()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert_tree_equal(loaded, tree)
+    extra = peak - loaded["w"].nbytes
+    # Per worker: one chunk's stored bytes read and one chunk's decoded planes.
+    assert extra < workers * 2 * chunk + 4 * MIB, f"{extra / MIB:.1f} MiB beyond the result"
