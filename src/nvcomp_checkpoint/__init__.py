@@ -19,6 +19,7 @@ from .policy import CodecPolicy, CodecSpec, Component, classify
 from .reader import CheckpointReader
 from .report import ComponentStats, SaveReport
 from .tiers import CheckpointManager, Restored, Tier
+from .torchload import disable_torch_load, enable_torch_load, torch_load_reads_nvc
 from .version import __version__
 
 __all__ = [
@@ -54,4 +55,7 @@ __all__ = [
     "CheckpointManager",
     "Restored",
     "serve_metrics",
+    "enable_torch_load",
+    "disable_torch_load",
+    "torch_load_reads_nvc",
 ]

@@ -13,7 +13,7 @@ from typing import Sequence
 from nvcomp_checkpoint import __version__
 from nvcomp_checkpoint.errors import CheckpointError
 
-from . import bench, chain, convert, estimate, inspect, ls, sync, verify
+from . import bench, chain, convert, estimate, inspect, ls, run, sync, verify
 from ._ui import EXIT_ERROR, EXIT_INTERNAL, stderr_console
 
 __all__ = ["main", "build_parser"]
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     chain.add_parser(sub, common)
     ls.add_parser(sub, common)
     sync.add_parser(sub, common)
+    run.add_parser(sub, common)
     return parser
 
 

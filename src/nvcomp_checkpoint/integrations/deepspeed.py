@@ -16,11 +16,12 @@ writes (:data:`DEEPSPEED_SAFE_GLOBALS`); any other class is refused, named in th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ from nvcomp_checkpoint.errors import CheckpointWriteError
 from nvcomp_checkpoint.incremental import unit_base_of
 from nvcomp_checkpoint.storage import LocalStorage
 from nvcomp_checkpoint.tiers import Tier, TierCopies
+from nvcomp_checkpoint.torchload import torch_load_reads_nvc
 from nvcomp_checkpoint.version import install_hint
 
 try:
@@ -68,6 +70,7 @@ __all__ = [
     "attach_once",
     "attach_after",
     "is_deepspeed_engine",
+    "deepspeed_torch_load",
 ]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
@@ -408,7 +411,44 @@ def attach(
 
     save_checkpoint.__doc__ = original.__doc__
     engine.save_checkpoint = save_checkpoint
+    _load_through_hook(engine)
     return ours
+
+
+# -- DeepSpeed's own torch.load of our files ----------------------------------------------------
+# DeepSpeed reads most files through engine.checkpoint_engine.load, but some with torch.load itself:
+# ZeRO-3's load_checkpoint(load_optimizer_states=False) calls zero_to_fp32, and so do the zero_to_fp32
+# script, ds_to_universal and the universal loader. There a scope of the core's torch.load hook reads
+# our files as the engine does: DeepSpeed's allow-list, the tag's manifest checked.
+
+
+@contextlib.contextmanager
+def deepspeed_torch_load() -> Iterator[None]:
+    """While the block runs, DeepSpeed's ``torch.load`` of one of our files reads it (this thread only).
+
+    For DeepSpeed's functions that open rank files themselves::
+
+        with deepspeed_torch_load():
+            state = get_fp32_state_dict_from_zero_checkpoint("ckpt")
+
+    Our files are read as the attached engine reads them (:func:`load_deepspeed_file`: weights-only,
+    :data:`DEEPSPEED_SAFE_GLOBALS` allowed, the tag's manifest checked), whatever ``weights_only``
+    DeepSpeed passes; plain files go to ``torch.load`` unchanged. For DeepSpeed's scripts, ``nvckpt run``.
+    """
+    with torch_load_reads_nvc(loader=load_deepspeed_file):
+        yield
+
+
+def _load_through_hook(engine: Any) -> None:
+    """Make ``engine.load_checkpoint`` run inside :func:`deepspeed_torch_load` (every load form reads our files)."""
+    original = engine.load_checkpoint
+
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        with deepspeed_torch_load():
+            return original(*args, **kwargs)
+
+    load_checkpoint.__doc__ = original.__doc__
+    engine.load_checkpoint = load_checkpoint
 
 
 # -- attaching to the engines a framework creates ------------------------------------------------
