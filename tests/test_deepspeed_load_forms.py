@@ -1,6 +1,6 @@
 """DeepSpeed's own readers on a compressed folder: every ``load_checkpoint`` form, ``zero_to_fp32``, ``ds_to_universal``.
 
-One 2-rank CPU run per ZeRO stage (tests/deepspeed_load_forms.py) saves the same training run with
+One 2-rank CPU run per ZeRO stage (2 and 3) (tests/deepspeed_load_forms.py) saves the same training run with
 stock DeepSpeed (``plain``) and attached (``ours``), then loads each folder in every form
 ``load_checkpoint`` offers, stock engines the plain folder and attached engines ours: what each load
 gives must be the same. DeepSpeed's ``zero_to_fp32`` (functions and the script it copies into the
@@ -63,7 +63,7 @@ def _universal(root: Path, folder: str, through_nvckpt: bool) -> None:
     _python(*argv, cwd=root)
 
 
-@pytest.fixture(scope="module", params=[3], ids=["zero3"])
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
     """Both folders saved, every load form's results, and the universal checkpoints loaded by one rank."""
     stage = request.param
