@@ -75,6 +75,9 @@ def first_line(junit: Path, test: str) -> str:
 def run(mode: str, tests: Path, selection: list[str], keyword: str | None, out: Path, site: Path) -> Path:
     junit = out / f"{mode}.xml"
     env = dict(os.environ, NVCKPT_UPSTREAM_MODE=mode, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # DeepSpeed's CPU accelerator counts NUMA nodes as devices unless LOCAL_SIZE says otherwise, and its
+    # tests skip a world larger than the device count: up to 4 CPU ranks.
+    env.setdefault("LOCAL_SIZE", "4")
     src = Path(__file__).resolve().parents[1] / "src"
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(src), str(tests), env.get("PYTHONPATH", "")])
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *selection]

@@ -441,7 +441,9 @@ def deepspeed_torch_load() -> Iterator[None]:
 
 def _load_through_hook(engine: Any) -> None:
     """Make ``engine.load_checkpoint`` run inside :func:`deepspeed_torch_load` (every load form reads our files)."""
-    original = engine.load_checkpoint
+    original = getattr(engine, "load_checkpoint", None)
+    if original is None:
+        return  # an object with DeepSpeed's save interface only: there is no load to hook
 
     def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
         with deepspeed_torch_load():
