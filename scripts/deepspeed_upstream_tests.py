@@ -6,7 +6,9 @@
 runs them). The script runs ``tests/unit/checkpoint`` (or the FILES given, relative to it) twice on
 CPU ranks (``DS_ACCELERATOR=cpu``, gloo): once stock, once with a ``sitecustomize`` that makes every
 ``deepspeed.initialize`` return an engine with ``nvcomp_checkpoint.deepspeed.attach`` applied (so every
-checkpoint the tests save is ours, and every load reads ours). It writes each run's JUnit XML and a
+checkpoint the tests save is ours, and every load reads ours) and runs DeepSpeed's tools the tests call
+directly (``zero_to_fp32``'s functions, ``ds_to_universal``) inside ``deepspeed_torch_load()``, as
+``docs/deepspeed.md`` tells users to. It writes each run's JUnit XML and a
 table of the tests whose outcome differs (``DIR/differences.md``); ``docs/deepspeed.md`` records the
 last run and why each difference is expected. Takes hours for the whole folder on 2 cores; pass
 FILES or ``-k`` for a part.
@@ -46,6 +48,30 @@ if os.environ.get("NVCKPT_UPSTREAM_MODE"):
 
         initialize.__wrapped__ = _initialize
         deepspeed.initialize = initialize
+
+        # DeepSpeed's tools, called directly by the tests, as docs/deepspeed.md tells users to call them
+        # on our folders: inside deepspeed_torch_load(). (Patched before any test imports them by name.)
+        import functools
+
+        import deepspeed.checkpoint.ds_to_universal as universal
+        import deepspeed.utils.zero_to_fp32 as zero_to_fp32
+        from nvcomp_checkpoint.deepspeed import deepspeed_torch_load
+
+        def hooked(fn):
+            @functools.wraps(fn)
+            def inner(*args, **kwargs):
+                with deepspeed_torch_load():
+                    return fn(*args, **kwargs)
+
+            return inner
+
+        universal.main = hooked(universal.main)
+        for name in (
+            "get_fp32_state_dict_from_zero_checkpoint",
+            "convert_zero_checkpoint_to_fp32_state_dict",
+            "load_state_dict_from_zero_checkpoint",
+        ):
+            setattr(zero_to_fp32, name, hooked(getattr(zero_to_fp32, name)))
 """
 
 
