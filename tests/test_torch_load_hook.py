@@ -83,8 +83,10 @@ def test_scope_reads_our_files_by_path_stream_and_bytes(files: dict[str, Path]) 
 
 def test_our_files_are_read_weights_only_unless_trusted(files: dict[str, Path]) -> None:
     with nc.torch_load_reads_nvc():
-        with pytest.raises(UnsafeCheckpointError, match="Point"):
+        with pytest.raises(UnsafeCheckpointError, match="Point") as caught:
             torch.load(files["object"], weights_only=False)  # the caller's False does not open our files to pickle
+        # The refusal says what works through the hook (the caller's weights_only=False does not).
+        assert "add_safe_globals" in str(caught.value) and "trust=True" in str(caught.value)
         # torch's own allow-list is honoured, as in torch.load(weights_only=True).
         with torch.serialization.safe_globals([Point]):
             assert torch.load(files["object"])["point"].x == 3
@@ -212,9 +214,26 @@ def test_nvckpt_run_runs_a_script_whose_torch_load_reads_ours(
     assert _cli("run", str(script), str(files["plain"]), "3") == 3
     # The script's own failure: its traceback, exit status 1, as python gives.
     assert _cli("run", str(script), str(files["object"]), "0") == 1
-    assert "UnsafeCheckpointError" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "UnsafeCheckpointError" in err and "pass --trust" in err
     assert _cli("run", "--trust", str(script), str(files["object"]), "0") == 0
     assert "keys ['point', 'w']" in capsys.readouterr().out
     assert _cli("run", str(tmp_path / "missing.py")) == 2
     assert "no such script" in capsys.readouterr().err
     assert torch.load is original
+
+
+def test_a_foreign_class_in_deepspeeds_torch_load_is_refused_naming_deepspeed_and_the_fix(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'nvcomp-checkpoint[deepspeed]')")
+    from nvcomp_checkpoint.deepspeed import deepspeed_torch_load
+    from nvcomp_checkpoint.deepspeed_layout import write_manifest
+
+    tag = tmp_path / "t1"
+    tag.mkdir()
+    nc.save({"module": {"w": torch.ones(2)}, "extra": Point(1)}, tag / "mp_rank_00_model_states.pt")
+    write_manifest(tag, "t1", 1, {p.name: p.stat().st_size for p in tag.iterdir()})
+    with deepspeed_torch_load():
+        with pytest.raises(UnsafeCheckpointError, match="Point") as caught:
+            torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)  # as DeepSpeed calls it
+    message = str(caught.value)
+    assert "DeepSpeed" in message and "add_safe_globals" in message and "Lightning" not in message, message

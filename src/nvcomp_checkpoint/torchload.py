@@ -23,6 +23,7 @@ from typing import IO, Any, Callable, Iterator
 import torch
 
 from .api import load
+from .errors import UnsafeCheckpointError
 from .filetype import HEAD_BYTES, NVCOMP, kind_of
 
 __all__ = ["enable_torch_load", "disable_torch_load", "torch_load_reads_nvc", "torch_load_reads_nvc_now", "PathLoader"]
@@ -118,7 +119,18 @@ def _wrapper(f: Any, *args: Any, **kwargs: Any) -> Any:
     # Safe by default: weights-only rules for our files whatever the caller passed (tools pass
     # weights_only=False for their own trusted files, not for ours); trust=True honours it.
     weights_only = not (reading.trust and kwargs.get("weights_only") is False)
-    return _load_ours(f, map_location, weights_only, reading)
+    try:
+        return _load_ours(f, map_location, weights_only, reading)
+    except UnsafeCheckpointError as exc:
+        if reading.loader is not None:
+            raise  # the loader words its own refusals
+        # The reader's advice (weights_only=False) does not reach our files through this hook.
+        raise UnsafeCheckpointError(
+            f"{exc} (read through nvcomp_checkpoint's torch.load hook, which keeps weights-only rules for "
+            "nvcomp-checkpoint files whatever weights_only the caller passes: allow the type with "
+            "torch.serialization.add_safe_globals([...]), or, for a file you trust, use "
+            "enable_torch_load(trust=True) / torch_load_reads_nvc(trust=True) / `nvckpt run --trust`)"
+        ) from exc
 
 
 def _install() -> None:
@@ -179,7 +191,8 @@ def torch_load_reads_nvc(*, trust: bool = False, loader: PathLoader | None = Non
     Args:
         trust: As for :func:`enable_torch_load`.
         loader: Reads one of our files given by path, as ``loader(path, map_location)``, for a
-            weights-only load; default :func:`nvcomp_checkpoint.load`. Streams always go to the default.
+            weights-only load, and words its own errors; default :func:`nvcomp_checkpoint.load`.
+            Streams always go to the default.
     """
     global _scopes
     with _LOCK:

@@ -17,7 +17,7 @@ from typing import Any
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.deepspeed_layout import OTHER_FILE, classify_file, load_deepspeed_file
-from nvcomp_checkpoint.errors import CheckpointError
+from nvcomp_checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from nvcomp_checkpoint.torchload import disable_torch_load, enable_torch_load
 
 __all__ = ["add_parser", "run_run", "load_any"]
@@ -48,9 +48,15 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def load_any(path: str, map_location: Any) -> Any:
     """One of our files by path: a DeepSpeed tag's file as the attached engine reads it, any other with ``nc.load``."""
-    if classify_file(os.path.basename(path)).kind != OTHER_FILE:
-        return load_deepspeed_file(path, map_location)
-    return nc.load(path, map_location)
+    try:
+        if classify_file(os.path.basename(path)).kind != OTHER_FILE:
+            return load_deepspeed_file(path, map_location)
+        return nc.load(path, map_location)
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(
+            f"{exc} (nvckpt run keeps weights-only rules for nvcomp-checkpoint files whatever weights_only the "
+            "script passes; for a file you trust, pass --trust)"
+        ) from exc
 
 
 def run_run(args: argparse.Namespace) -> int:

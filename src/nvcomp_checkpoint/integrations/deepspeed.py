@@ -40,7 +40,7 @@ from nvcomp_checkpoint.deepspeed_layout import (
 )
 from nvcomp_checkpoint.deepspeed_layout import deepspeed_policy as _layout_policy
 from nvcomp_checkpoint.entrypoint import incremental_files
-from nvcomp_checkpoint.errors import CheckpointWriteError
+from nvcomp_checkpoint.errors import CheckpointWriteError, UnsafeCheckpointError
 from nvcomp_checkpoint.incremental import unit_base_of
 from nvcomp_checkpoint.storage import LocalStorage
 from nvcomp_checkpoint.tiers import Tier, TierCopies
@@ -435,8 +435,20 @@ def deepspeed_torch_load() -> Iterator[None]:
     :data:`DEEPSPEED_SAFE_GLOBALS` allowed, the tag's manifest checked), whatever ``weights_only``
     DeepSpeed passes; plain files go to ``torch.load`` unchanged. For DeepSpeed's scripts, ``nvckpt run``.
     """
-    with torch_load_reads_nvc(loader=load_deepspeed_file):
+    with torch_load_reads_nvc(loader=_load_for_deepspeed):
         yield
+
+
+def _load_for_deepspeed(path: str, map_location: Any) -> Any:
+    try:
+        return load_deepspeed_file(path, map_location)
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(
+            f"{exc} (DeepSpeed read this nvcomp-checkpoint file through the torch.load hook, which allows "
+            "DeepSpeed's own classes and keeps weights-only rules for the rest, whatever weights_only DeepSpeed "
+            "passes: if you trust the file, allow the class with torch.serialization.add_safe_globals([...]) "
+            "before the call)"
+        ) from exc
 
 
 def _load_through_hook(engine: Any) -> None:
