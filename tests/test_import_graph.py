@@ -61,6 +61,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "dcp",
             "broadcast",
             "deepspeed_layout",
+            "torchload",
             "",
         ),
     ),

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .reader import CheckpointReader
     from .report import ComponentStats, SaveReport
     from .tiers import CheckpointManager, Restored, Tier
+    from .torchload import disable_torch_load, enable_torch_load, torch_load_reads_nvc
 
 #: Where each public name lives (imported by ``__getattr__`` on first use).
 _LAZY = {
@@ -61,6 +62,9 @@ _LAZY = {
     "CheckpointManager": "tiers",
     "Restored": "tiers",
     "Tier": "tiers",
+    "disable_torch_load": "torchload",
+    "enable_torch_load": "torchload",
+    "torch_load_reads_nvc": "torchload",
 }
 
 __all__ = [
@@ -96,6 +100,9 @@ __all__ = [
     "CheckpointManager",
     "Restored",
     "serve_metrics",
+    "enable_torch_load",
+    "disable_torch_load",
+    "torch_load_reads_nvc",
 ]
 
 

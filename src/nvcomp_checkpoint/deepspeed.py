@@ -17,6 +17,7 @@ from .integrations.deepspeed import (
     check_tag_complete,
     deepspeed_policy,
     deepspeed_safe_globals,
+    deepspeed_torch_load,
     is_deepspeed_engine,
     load_deepspeed_file,
 )
@@ -34,4 +35,5 @@ __all__ = [
     "deepspeed_policy",
     "deepspeed_safe_globals",
     "load_deepspeed_file",
+    "deepspeed_torch_load",
 ]

@@ -64,6 +64,7 @@ __all__ = [
     "deepspeed_safe_globals",
     "safe_global_objects",
     "load_deepspeed_file",
+    "is_universal_dir",
 ]
 
 #: The tag's commit record, written once every rank's files are durable, before ``latest``.
@@ -500,6 +501,16 @@ def deepspeed_safe_globals() -> Iterator[None]:
                 _ALLOW_ADDED.clear()
 
 
+#: The folder of per-parameter files in a universal checkpoint (DeepSpeed's ``ds_to_universal`` output).
+UNIVERSAL_PARAMS_DIR = "zero"
+
+
+def is_universal_dir(tag_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``tag_dir`` is a universal checkpoint: ``ds_to_universal`` copies the model-states files of a
+    (committed) tag there as they are, ours included, next to its ``zero/`` folder, and writes no manifest."""
+    return os.path.isdir(os.path.join(tag_dir, UNIVERSAL_PARAMS_DIR))
+
+
 def load_deepspeed_file(path: str | os.PathLike[str], map_location: Any = None) -> Any:
     """Load one file of a DeepSpeed checkpoint, ours or plain ``torch.save``, without trusting its pickle.
 
@@ -508,11 +519,12 @@ def load_deepspeed_file(path: str | os.PathLike[str], map_location: Any = None) 
 
     Raises:
         CheckpointNotFoundError: ``path``, or another file of its committed tag, is missing.
-        FormatError: A file of the tag differs in size from the one committed, or the tag was never committed.
+        FormatError: A file of the tag differs in size from the one committed, or the tag was never committed
+            (one of our files in a folder without a manifest that is not a universal checkpoint).
         UnsafeCheckpointError: The file holds a class outside :data:`SAFE_GLOBAL_NAMES` (named).
     """
     tag_dir = os.path.dirname(os.fspath(path))
-    if not check_tag_complete(tag_dir) and is_ours(path):
+    if not check_tag_complete(tag_dir) and is_ours(path) and not is_universal_dir(tag_dir):
         # Our files without a manifest: a save that died before every rank's files were durable.
         raise FormatError(_never_committed(os.fspath(path)))
     with deepspeed_safe_globals():

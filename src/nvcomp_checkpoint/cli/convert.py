@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
@@ -353,27 +354,124 @@ def _compress_dir(
     return _convert_dir(src, dst, args.force, "compress", compress_one)
 
 
+def _decompress_one(rel: str, kind: str, in_path: str, tmp: Path, args: argparse.Namespace, reporter: Reporter) -> dict[str, Any]:
+    """One file of a directory: ours decompressed (``FILE.nvc`` back to ``FILE``), any other copied."""
+    if kind != NVCOMP:
+        return _copy_file(rel, kind, in_path, tmp)
+    out_rel = rel[: -len(NVC_SUFFIX)] if rel.endswith(NVC_SUFFIX) else rel
+    out_path = tmp / out_rel
+    LOCAL.makedirs(os.fspath(out_path.parent))
+    to = "safetensors" if out_rel.endswith(".safetensors") else args.to
+    fmt, raw, written = _decompress_file(in_path, str(out_path), to, args.trust, reporter)
+    return {
+        "file": rel,
+        "action": "decompressed",
+        "output": out_rel,
+        "format": fmt,
+        "input_bytes": os.path.getsize(in_path),
+        "raw_bytes": raw,
+        "output_bytes": written,
+    }
+
+
 def _decompress_dir(src: str, dst: str, args: argparse.Namespace, reporter: Reporter) -> list[dict[str, Any]]:
     def decompress_one(rel: str, kind: str, in_path: str, tmp: Path) -> dict[str, Any]:
-        if kind != NVCOMP:
-            return _copy_file(rel, kind, in_path, tmp)
-        out_rel = rel[: -len(NVC_SUFFIX)] if rel.endswith(NVC_SUFFIX) else rel
-        out_path = tmp / out_rel
-        LOCAL.makedirs(os.fspath(out_path.parent))
-        # A file that was safetensors before compression goes back to safetensors.
-        to = "safetensors" if out_rel.endswith(".safetensors") else args.to
-        fmt, raw, written = _decompress_file(in_path, str(out_path), to, args.trust, reporter)
-        return {
-            "file": rel,
-            "action": "decompressed",
-            "output": out_rel,
-            "format": fmt,
-            "input_bytes": os.path.getsize(in_path),
-            "raw_bytes": raw,
-            "output_bytes": written,
-        }
+        return _decompress_one(rel, kind, in_path, tmp, args, reporter)
 
     return _convert_dir(src, dst, args.force, "decompress", decompress_one)
+
+
+# -- a whole run: checkpoint folders of every kind under one directory -------------------------
+def _nested_units(src: str) -> list[tuple[str, str]]:
+    """``(relative folder, kind)`` of the DeepSpeed tags and DCP checkpoints under ``src`` (not ``src`` itself):
+    their files convert together (a tag's manifest, a DCP checkpoint's metadata), not one by one."""
+    units: list[tuple[str, str]] = []
+    for folder, subdirs, _ in os.walk(src):
+        rel = Path(os.path.relpath(folder, src)).as_posix()
+        if rel == ".":
+            continue
+        if _deepspeed.is_tag_dir(folder):
+            units.append((rel, "deepspeed"))
+        elif _dcp.is_dcp_dir(folder):
+            units.append((rel, "dcp"))
+        else:
+            continue
+        subdirs.clear()
+    return units
+
+
+def _decompress_run(src: str, dst: str, args: argparse.Namespace, reporter: Reporter) -> list[dict[str, Any]]:
+    """Every checkpoint under ``src`` to plain files at ``dst`` in one go: a tier, a run's folder of
+    checkpoints (files, HF/Accelerate folders, DeepSpeed tags, DCP checkpoints), staged and put at
+    ``dst`` in one rename. Files of ours decompress; DeepSpeed tags and DCP checkpoints convert whole."""
+    units = dict(_nested_units(src))
+    if not units:
+        return _decompress_dir(src, dst, args, reporter)
+
+    def unit_of(rel: str) -> str | None:
+        parent = Path(rel).parent.as_posix()
+        return parent if parent in units else None
+
+    def started(name: str) -> None:
+        reporter.start(f"decompressing {name}")
+
+    _check_dst_dir(src, dst, args.force)
+    tmp = _tmp_dir_for(dst)
+    rows: list[dict[str, Any]] = []
+    try:
+        for rel, kind in dir_files(src):
+            unit = unit_of(rel)
+            if unit is None:
+                rows.append(_decompress_one(rel, kind, os.path.join(src, rel), tmp, args, reporter))
+            elif units[unit] == "deepspeed":
+                _copy_file(rel, kind, os.path.join(src, rel), tmp)  # converted in place below, with its tag
+        for unit, kind in units.items():
+            if kind == "deepspeed":
+                unit_rows = _deepspeed.convert_in_place(os.fspath(tmp / unit), False, None, None, started)
+                parent = Path(unit).parent.as_posix()  # the rows name "<tag>/<file>"
+                above = "" if parent == "." else parent + "/"
+                rows.extend(dict(r, file=above + r["file"], output=above + r["output"]) for r in unit_rows)
+            elif _dcp.dcp_kind(os.path.join(src, unit)) == _dcp.DCP_OURS:
+                started(unit)
+                _dcp_decompress_into(os.path.join(src, unit), tmp / unit, args, reporter)
+                rows.append(_unit_row(unit, os.path.join(src, unit), tmp / unit))
+            else:
+                for rel, kind in dir_files(os.path.join(src, unit)):
+                    rows.append(_copy_file(f"{unit}/{rel}", kind, os.path.join(src, unit, rel), tmp))
+        _commit_dir(tmp, dst)
+    except BaseException:
+        LOCAL.remove(os.fspath(tmp))
+        raise
+    finally:
+        reporter.stop()
+    return rows
+
+
+#: What ``decompress_directory`` reads and rewrites: the commit record, the rank files and per-rank metadata.
+_DCP_WRITTEN = re.compile(r"(__\d+)?\.metadata|__\d+_[0-9a-zA-Z]+\.nvcdcp")
+
+
+def _dcp_decompress_into(src_unit: str, out: Path, args: argparse.Namespace, reporter: Reporter) -> None:
+    """A compressed DCP checkpoint to plain at ``out``; its other files (Lightning's ``meta.pt``) come along."""
+    from nvcomp_checkpoint.dcp import decompress_directory
+
+    decompress_directory(src_unit, out)
+    for rel, kind in dir_files(src_unit):
+        if _DCP_WRITTEN.fullmatch(rel) is None and not (out / rel).exists():
+            _decompress_one(rel, kind, os.path.join(src_unit, rel), out, args, reporter)
+
+
+def _unit_row(unit: str, src_unit: str, out: Path) -> dict[str, Any]:
+    size_in = sum(os.path.getsize(os.path.join(src_unit, rel)) for rel, _ in dir_files(src_unit))
+    size_out = sum(os.path.getsize(out / rel) for rel, _ in dir_files(os.fspath(out)))
+    return {
+        "file": unit + "/",
+        "action": "decompressed",
+        "output": unit + "/",
+        "format": "dcp",
+        "input_bytes": size_in,
+        "output_bytes": size_out,
+    }
 
 
 def _print_dir_rows(title: str, rows: list[dict[str, Any]]) -> None:
@@ -594,7 +692,7 @@ def run_decompress(args: argparse.Namespace) -> int:
     if sniff(args.src) == DIRECTORY and _dcp.is_dcp_dir(args.src):
         return _convert_dcp(args, "decompress")
     if sniff(args.src) == DIRECTORY:
-        rows = _decompress_dir(args.src, args.dst, args, reporter)
+        rows = _decompress_run(args.src, args.dst, args, reporter)
         if args.json:
             print_json({"source": args.src, "destination": args.dst, "layout": "directory", "files": rows})
         elif not args.quiet:

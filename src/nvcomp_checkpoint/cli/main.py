@@ -29,7 +29,8 @@ COMMANDS = {
     "estimate": "monthly GPU-idle and storage cost of checkpointing, without and with compression",
     "rebase": "write a delta checkpoint (and its chain of bases) as one self-contained full checkpoint",
     "ls": "list the steps on storage tiers: sizes, light/full, whether each verifies",
-    "sync": "copy missing steps from one tier to another (verified), then keep the newest N",
+    "sync": "copy missing or damaged steps from one tier to another (verified), then keep the newest N",
+    "run": "run a Python script or module whose torch.load reads our files (DeepSpeed's zero_to_fp32.py, ds_to_universal)",
 }
 _GLOBAL_OPTIONS = ("-q", "--quiet", "--debug")
 
@@ -65,7 +66,7 @@ def _names_a_command(argv: Sequence[str]) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand (imports every command module)."""
-    from . import bench, chain, convert, estimate, inspect, ls, sync, verify
+    from . import bench, chain, convert, estimate, inspect, ls, run, sync, verify
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bars and no notes; results and errors only")
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     chain.add_parser(sub, common)
     ls.add_parser(sub, common)
     sync.add_parser(sub, common)
+    run.add_parser(sub, common)
     return parser
 
 

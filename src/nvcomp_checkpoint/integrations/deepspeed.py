@@ -16,12 +16,13 @@ writes (:data:`DEEPSPEED_SAFE_GLOBALS`); any other class is refused, named in th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -45,12 +46,13 @@ from nvcomp_checkpoint.deepspeed_layout import (
 from nvcomp_checkpoint.deepspeed_layout import deepspeed_policy as _layout_policy
 from nvcomp_checkpoint.entrypoint import incremental_files
 from nvcomp_checkpoint.entrypoint.support import check_options
-from nvcomp_checkpoint.errors import CheckpointWriteError
+from nvcomp_checkpoint.errors import CheckpointWriteError, UnsafeCheckpointError
 from nvcomp_checkpoint.incremental import unit_base_of
 from nvcomp_checkpoint.report import merge_reports
 from nvcomp_checkpoint.saveoptions import SaveOptions
 from nvcomp_checkpoint.storage import LocalStorage
 from nvcomp_checkpoint.tiers import Tier, TierCopies
+from nvcomp_checkpoint.torchload import torch_load_reads_nvc
 from nvcomp_checkpoint.version import install_hint
 
 try:
@@ -76,6 +78,7 @@ __all__ = [
     "attach_once",
     "attach_after",
     "is_deepspeed_engine",
+    "deepspeed_torch_load",
 ]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
@@ -420,6 +423,7 @@ def attach(
     save_checkpoint.__doc__ = original.__doc__
     engine.save_checkpoint = save_checkpoint
     _check_latest_on_load(engine)
+    _load_through_hook(engine)
     return ours
 
 
@@ -444,6 +448,56 @@ def _check_latest_on_load(engine: Any) -> None:
             # before DeepSpeed fails on a bare assertion.
             tag = tag_to_load(load_dir, tag)
         return original(load_dir, tag, *args, **kwargs)
+
+    load_checkpoint.__doc__ = original.__doc__
+    engine.load_checkpoint = load_checkpoint
+
+
+# -- DeepSpeed's own torch.load of our files ----------------------------------------------------
+# DeepSpeed reads most files through engine.checkpoint_engine.load, but some with torch.load itself:
+# ZeRO-3's load_checkpoint(load_optimizer_states=False) calls zero_to_fp32, and so do the zero_to_fp32
+# script, ds_to_universal and the universal loader. There a scope of the core's torch.load hook reads
+# our files as the engine does: DeepSpeed's allow-list, the tag's manifest checked.
+
+
+@contextlib.contextmanager
+def deepspeed_torch_load() -> Iterator[None]:
+    """While the block runs, DeepSpeed's ``torch.load`` of one of our files reads it (this thread only).
+
+    For DeepSpeed's functions that open rank files themselves::
+
+        with deepspeed_torch_load():
+            state = get_fp32_state_dict_from_zero_checkpoint("ckpt")
+
+    Our files are read as the attached engine reads them (:func:`load_deepspeed_file`: weights-only,
+    :data:`DEEPSPEED_SAFE_GLOBALS` allowed, the tag's manifest checked), whatever ``weights_only``
+    DeepSpeed passes; plain files go to ``torch.load`` unchanged. For DeepSpeed's scripts, ``nvckpt run``.
+    """
+    with torch_load_reads_nvc(loader=_load_for_deepspeed):
+        yield
+
+
+def _load_for_deepspeed(path: str, map_location: Any) -> Any:
+    try:
+        return load_deepspeed_file(path, map_location)
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(
+            f"{exc} (DeepSpeed read this nvcomp-checkpoint file through the torch.load hook, which allows "
+            "DeepSpeed's own classes and keeps weights-only rules for the rest, whatever weights_only DeepSpeed "
+            "passes: if you trust the file, allow the class with torch.serialization.add_safe_globals([...]) "
+            "before the call)"
+        ) from exc
+
+
+def _load_through_hook(engine: Any) -> None:
+    """Make ``engine.load_checkpoint`` run inside :func:`deepspeed_torch_load` (every load form reads our files)."""
+    original = getattr(engine, "load_checkpoint", None)
+    if original is None:
+        return  # an object with DeepSpeed's save interface only: there is no load to hook
+
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        with deepspeed_torch_load():
+            return original(*args, **kwargs)
 
     load_checkpoint.__doc__ = original.__doc__
     engine.load_checkpoint = load_checkpoint
