@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "version", "tensors", "workers", "codecs", "filters", "metrics", "failures", "safepaths")),
-    ("format", ("format", "policy", "storage", "report", "filetype", "pending", "dirstore", "delta")),
+    ("format", ("format", "policy", "storage", "report", "filetype", "pending", "filedigest", "dirstore", "delta")),
     ("pipeline", ("writer", "reader", "snapshot", "saveoptions")),
     (
         "api",

@@ -6,7 +6,7 @@ optimizer partition, MoE expert files) in this library's format under DeepSpeed'
 ``engine.load_checkpoint(dir)`` reads those and plain DeepSpeed checkpoints alike.
 
 A tag is *committed* once every rank's files are durable: rank 0 then writes the tag's manifest
-(:data:`MANIFEST_NAME`, every file of every rank with its size) and only after it ``latest``, both
+(:data:`MANIFEST_NAME`, every file of every rank with its size and digest) and only after it ``latest``, both
 atomically. A save killed at any moment therefore leaves ``latest`` on the previous committed tag, and a
 load of a tag whose manifest names a file that is missing fails on every rank, naming the file.
 
@@ -37,6 +37,7 @@ from nvcomp_checkpoint.deepspeed_layout import (
     deepspeed_safe_globals,
     load_deepspeed_file,
     read_latest,
+    tag_file_records,
     write_latest,
     write_manifest,
 )
@@ -276,7 +277,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         tag_dir = os.path.join(pending.save_dir, pending.tag)
         files = {}
         if error is None:
-            files = {name: os.stat(path).st_size for path, name in pending.files.items()}
+            files = tag_file_records(pending.files)  # each rank records its own files: rank 0 may not see them
         mine = {"ok": error is None, "files": files}
         gathered = _all_gather(mine)
         if self._pending is pending:
@@ -294,7 +295,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self.incremental.failed()
         if failed:
             raise CheckpointWriteError(f"{tag_dir}: ranks {failed} failed to write tag {pending.tag!r}; the tag is not committed")
-        everything: dict[str, int] = {}
+        everything: dict[str, dict[str, Any]] = {}
         for theirs in gathered:
             everything.update(theirs["files"])
         if _rank() == 0 and everything:  # nothing of the tag's own (save_16bit_model): no tag to commit
