@@ -43,6 +43,7 @@ from nvcomp_checkpoint.deepspeed_layout import (
 )
 from nvcomp_checkpoint.deepspeed_layout import deepspeed_policy as _layout_policy
 from nvcomp_checkpoint.entrypoint import incremental_files
+from nvcomp_checkpoint.entrypoint.loading import failed_on_any_rank
 from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.errors import CheckpointWriteError
 from nvcomp_checkpoint.incremental import unit_base_of
@@ -414,7 +415,7 @@ def attach(
 
 
 def _check_latest_on_load(engine: Any) -> None:
-    """Make ``engine.load_checkpoint(dir)`` read ``latest`` under the rule for paths read from files.
+    """Make ``engine.load_checkpoint(dir)`` read ``latest`` under the rule for paths read from files, and fail on every rank if it fails on any.
 
     DeepSpeed joins the tag ``latest`` names to the folder as written: ``../other_run/g4`` or an
     absolute path would load another run's tag. The tag is read here (a tag folder of ``dir``, or
@@ -428,10 +429,21 @@ def _check_latest_on_load(engine: Any) -> None:
         if tag is None:
             universal = getattr(engine, "load_universal_checkpoint", lambda: False)()
             tag = read_latest(load_dir, LATEST_UNIVERSAL_NAME if universal else LATEST_NAME)
-        return original(load_dir, tag, *args, **kwargs)
+        return _loaded_on_every_rank(lambda: original(load_dir, tag, *args, **kwargs), os.path.join(load_dir, str(tag)))
 
     load_checkpoint.__doc__ = original.__doc__
     engine.load_checkpoint = load_checkpoint
+
+
+def _loaded_on_every_rank(load: Callable[[], Any], where: str) -> Any:
+    """``load()`` (DeepSpeed's ``load_checkpoint``), raising on every rank if it raised on any.
+
+    Each rank reads and checks its own files (its ZeRO partition): a damaged or swapped rank-1 file
+    fails rank 1 alone, and a resume that falls back on the error would train the ranks from
+    different steps. One agreement after the load (``all_gather_object`` of each rank's outcome)
+    makes every rank raise, naming the failing rank and its file.
+    """
+    return failed_on_any_rank(load, where)
 
 
 # -- attaching to the engines a framework creates ------------------------------------------------
