@@ -28,6 +28,7 @@ from nvcomp_checkpoint.dirconvert import (
     PLACEHOLDER_TAG,
     SUFFIX,
     PlainFile,
+    check_identity,
     compress_in_place,
     compressed_copy,
     decompress_in_place,
@@ -168,6 +169,7 @@ def compress_checkpoint(
         verify=verify,
         workers=workers,
         stream_wrapper=stream_wrapper,
+        identity={"step": _folder_step(directory)},
     )
 
 
@@ -290,6 +292,7 @@ def _load_tree(path: Path | str, key: str, map_location: Any, leader_load: bool 
     ``leader_load``: read once per node and broadcast (:func:`~nvcomp_checkpoint.entrypoint.load_tree`)."""
     path = Path(path)
     try:
+        check_identity(path, {"step": _folder_step(path.parent)})
         saved = load_tree(path, map_location, leader_load=leader_load)
     except nc.errors.CheckpointError as exc:
         raise type(exc)(f"{str(exc).rstrip('.')}. {_resume_hint(path.parent)}") from exc
@@ -308,6 +311,19 @@ def _resume_hint(checkpoint: Path) -> str:
     if not earlier:
         return "There is no earlier checkpoint in this directory to resume from."
     return f"Resume from an earlier checkpoint instead: trainer.train(resume_from_checkpoint={str(earlier[-1])!r})."
+
+
+def _folder_step(directory: Path) -> int | None:
+    """The step a checkpoint folder was saved at: ``global_step`` of its trainer_state.json (which the
+    Trainer writes before the callback converts), else the N of its name ``checkpoint-N``."""
+    try:
+        with open(directory / "trainer_state.json", "rb") as f:
+            step = json.load(f).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        step = None
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    return _step_of(directory.name)
 
 
 def _step_of(name: str) -> int | None:
