@@ -16,7 +16,7 @@ from typing import Any
 
 from .errors import ChecksumError, FormatError, MixedSaveError
 from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
-from .storage import LOCAL
+from .storage import LOCAL, Storage
 
 __all__ = ["digest", "index_digest", "file_record", "record_problem", "valid_record"]
 
@@ -30,18 +30,25 @@ def digest(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def index_digest(path: str | os.PathLike[str]) -> int | None:
+def index_digest(path: str | os.PathLike[str], *, storage: Storage = LOCAL, size: int | None = None) -> int | None:
     """The xxh3 of an nvcomp-checkpoint file's index, as its footer records it (the reader checks
-    the index against it): the file's identity, read in one small read. ``None`` for other files.
+    the index against it): the file's identity, read in one small read (one range read on an object
+    store). ``None`` for other files.
+
+    Args:
+        path: The file, on ``storage``.
+        storage: Where the file is (default: the local file system).
+        size: The file's size, if known (saves a stat).
 
     Raises:
         FormatError: The file ends in a footer whose fields are impossible (named).
     """
     where = os.fspath(path)
-    size = os.path.getsize(where)
+    if size is None:
+        size = storage.size(where)
     if size < len(MAGIC) + FOOTER.size:
         return None
-    with LOCAL.open_read(where) as f:
+    with storage.open_read(where) as f:
         f.seek(size - FOOTER.size)
         data = f.read(FOOTER.size)
     if not data.endswith(FOOTER_MAGIC):
