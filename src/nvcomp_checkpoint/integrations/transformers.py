@@ -36,6 +36,7 @@ from nvcomp_checkpoint.dirconvert import (
 )
 from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, load_tree
+from nvcomp_checkpoint.entrypoint.loading import failed_on_any_rank, leader_load_applies
 from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.tiers import Tier
 from nvcomp_checkpoint.version import install_hint
@@ -292,7 +293,7 @@ def _load_tree(path: Path | str, key: str, map_location: Any, leader_load: bool 
     ``leader_load``: read once per node and broadcast (:func:`~nvcomp_checkpoint.entrypoint.load_tree`)."""
     path = Path(path)
     try:
-        check_identity(path, {"step": _folder_step(path.parent)})
+        _check_converted(path, leader_load)
         saved = load_tree(path, map_location, leader_load=leader_load)
     except nc.errors.CheckpointError as exc:
         raise type(exc)(f"{str(exc).rstrip('.')}. {_resume_hint(path.parent)}") from exc
@@ -301,6 +302,19 @@ def _load_tree(path: Path | str, key: str, map_location: Any, leader_load: bool 
             f"{path}: holds no {key!r} entry; it was not written by NvcompTrainerCallback. {_resume_hint(path.parent)}"
         )
     return saved[key]
+
+
+def _check_converted(path: Path, leader_load: bool) -> None:
+    """Refuse a converted file of another checkpoint than its folder's (:func:`check_identity`, :class:`MixedSaveError`).
+
+    With ``leader_load`` the rank that reads the file for its node checks it (the others open no
+    file), and every rank learns the outcome before the collective load.
+    """
+    if not (leader_load and leader_load_applies()):
+        check_identity(path, {"step": _folder_step(path.parent)})
+        return
+    reads = int(os.environ.get("LOCAL_RANK", "0")) == 0  # the lowest rank of its node: load_broadcast's reader
+    failed_on_any_rank(lambda: check_identity(path, {"step": _folder_step(path.parent)}) if reads else None, str(path))
 
 
 def _resume_hint(checkpoint: Path) -> str:
