@@ -122,7 +122,14 @@ def test_files_keep_deepspeed_names_and_are_compressed(run: tuple[int, Path]) ->
     )
     manifest = json.loads((root / "ours" / "t3" / MANIFEST_NAME).read_text())
     assert manifest["tag"] == "t3" and manifest["world_size"] == 2
-    assert manifest["files"] == {n: (root / "ours" / "t3" / n).stat().st_size for n in plain}
+    # Each file with its size and index digest, recorded by the rank that wrote it.
+    from nvcomp_checkpoint.filedigest import index_digest
+
+    assert manifest["files"] == {
+        n: {"bytes": (root / "ours" / "t3" / n).stat().st_size, "index_xxh3": index_digest(root / "ours" / "t3" / n)}
+        for n in plain
+    }
+    assert manifest["format"] == "nvcomp-checkpoint deepspeed tag v2" and len(manifest["save_id"]) == 32
     if stage == 2:  # save_16bit_model's export is read by other tools: it stays a torch.save file
         assert _kind(root / "export" / "pytorch_model.bin") == TORCH
 

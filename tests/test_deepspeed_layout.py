@@ -299,3 +299,56 @@ def test_a_forged_partition_count_is_bounded_and_names_the_file(tmp_path: Path, 
     torch.save(state, rank0)
     (problem,) = tag_problems(tag, read_partition_count=True)
     assert str(rank0) in problem and f"partition_count {count}" in problem and len(problem) < 600, problem
+
+
+def _compressed_run(root: Path, value: float) -> Path:
+    """A DeepSpeed folder (2 ranks, tag t1) compressed and committed by ``nvckpt compress``; constant
+    tensors, so two runs' files compress to the same sizes."""
+    from nvcomp_checkpoint.cli.main import main
+
+    tag = root / "t1"
+    tag.mkdir(parents=True)
+    torch.save({"module": {"w": torch.full((256,), value)}, "ds_version": "0.19"}, tag / "mp_rank_00_model_states.pt")
+    for rank in range(2):
+        state = {"single_partition_of_fp32_groups": [torch.full((128,), value + rank)], "partition_count": [2]}
+        torch.save({"optimizer_state_dict": state, "ds_version": "0.19"}, tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    (root / "latest").write_text("t1")
+    assert main(["compress", str(root)]) == 0
+    return tag
+
+
+def test_a_same_size_rank_file_of_another_run_is_refused_by_load_and_verify(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nvcomp_checkpoint.cli.main import main
+    from nvcomp_checkpoint.errors import MixedSaveError
+
+    mine, theirs = _compressed_run(tmp_path / "a", 1.0), _compressed_run(tmp_path / "b", 3.0)
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert (mine / name).stat().st_size == (theirs / name).stat().st_size  # only a digest tells them apart
+    (mine / name).write_bytes((theirs / name).read_bytes())
+    with pytest.raises(MixedSaveError, match=name):
+        load_deepspeed_file(mine / name)
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "a")]) == 1
+    assert name in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "b")]) == 0
+
+
+def test_tag_manifest_records_digests_and_identity_and_v1_manifests_still_load(tmp_path: Path) -> None:
+    from nvcomp_checkpoint.deepspeed_layout import MANIFEST_NAME
+    from nvcomp_checkpoint.errors import FormatError
+
+    tag = _compressed_run(tmp_path / "a", 1.0)
+    manifest = json.loads((tag / MANIFEST_NAME).read_text())
+    assert manifest["tag"] == "t1" and manifest["world_size"] == 2 and len(manifest["save_id"]) == 32
+    assert all(isinstance(r["index_xxh3"], int) and r["bytes"] > 0 for r in manifest["files"].values()), manifest
+    # A manifest written before digests were recorded (v1, sizes only) still loads, checking sizes.
+    old = {"format": "nvcomp-checkpoint deepspeed tag v1", "tag": "t1", "world_size": 2}
+    old["files"] = {n: r["bytes"] for n, r in manifest["files"].items()}
+    (tag / MANIFEST_NAME).write_text(json.dumps(old))
+    assert load_deepspeed_file(tag / "mp_rank_00_model_states.pt")["module"]["w"][0] == 1.0
+    old["files"]["mp_rank_00_model_states.pt"] += 1
+    (tag / MANIFEST_NAME).write_text(json.dumps(old))
+    with pytest.raises(FormatError, match="committed"):
+        load_deepspeed_file(tag / "mp_rank_00_model_states.pt")

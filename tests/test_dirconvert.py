@@ -81,3 +81,30 @@ def test_a_failure_leaves_the_plain_files_as_they_were(tmp_path: Path) -> None:
         )
     assert calls == ["a.pt"] and sorted(os.listdir(directory)) == ["a.pt", "b.pt", "other.json"]
     assert {n: (directory / n).read_bytes() for n in trees} == before and directory.stat().st_mtime == 1_000_000
+
+
+def test_a_converted_file_of_another_save_is_refused_and_files_without_an_identity_load(tmp_path: Path) -> None:
+    import shutil
+
+    from nvcomp_checkpoint.dirconvert import check_identity
+    from nvcomp_checkpoint.errors import MixedSaveError
+
+    kwargs: dict[str, Any] = {"meta_key": "test", "marker": "m", "resumes": "r"}
+    for name in ("first", "second", "old"):
+        (tmp_path / name).mkdir()
+    first, trees = _directory(tmp_path / "first")
+    compress_in_place(first, [PlainFile(n, "tree", _read) for n in trees], identity={"step": 1}, **kwargs)
+    for name in trees:
+        check_identity(first / (name + SUFFIX), {"step": 1})
+    with pytest.raises(MixedSaveError, match=r"a\.pt\.nvc: written for step 1, but .* step 2"):
+        check_identity(first / ("a.pt" + SUFFIX), {"step": 2})
+    # The same step, another conversion: its save id differs from the folder's other file.
+    second, _ = _directory(tmp_path / "second")
+    compress_in_place(second, [PlainFile(n, "tree", _read) for n in trees], identity={"step": 1}, **kwargs)
+    shutil.copyfile(second / ("b.pt" + SUFFIX), first / ("b.pt" + SUFFIX))
+    with pytest.raises(MixedSaveError, match=r"a\.pt\.nvc: not converted with b\.pt\.nvc"):
+        check_identity(first / ("a.pt" + SUFFIX), {"step": 1})
+    # Converted before identities were recorded: nothing to check, the folder loads as before.
+    old, _ = _directory(tmp_path / "old")
+    compress_in_place(old, [PlainFile(n, "tree", _read) for n in trees], **kwargs)
+    check_identity(old / ("a.pt" + SUFFIX), {"step": 5})

@@ -831,3 +831,17 @@ def test_a_stock_trainer_is_told_once_that_its_weights_stay_plain(
     assert "NvcompTrainer" in said[0]
     saved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compressed ")]
     assert len(saved) == 2, saved  # one line per checkpoint (checkpoint-2, checkpoint-4), not one per file
+
+
+def test_an_optimizer_state_of_another_checkpoint_is_refused_naming_it(
+    stock_run: Path, script: tuple[Path, ModuleType], tmp_path: Path
+) -> None:
+    # optimizer.pt.nvc of checkpoint-8 copied into checkpoint-4: the resume would go on from step 4
+    # with step 8's moments, without a word, if nothing tied the file to its folder.
+    _, mod = script
+    ckpt = tmp_path / "out" / "checkpoint-4"
+    shutil.copytree(stock_run / "checkpoint-4", ckpt)
+    shutil.copyfile(stock_run / "checkpoint-8" / "optimizer.pt.nvc", ckpt / "optimizer.pt.nvc")
+    for stock in (True, False):  # the callback on a stock Trainer, and NvcompTrainer
+        with pytest.raises(nc.errors.MixedSaveError, match=re.escape(f"{ckpt / 'optimizer.pt.nvc'}: written for step 8")):
+            mod.run(str(tmp_path / "probe"), 8, 4, resume=str(ckpt), stock=stock)

@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "boundedjson",
         ),
     ),
-    ("format", ("format", "policy", "storage", "report", "filetype", "pending", "dirstore", "delta")),
+    ("format", ("format", "policy", "storage", "report", "filetype", "pending", "filedigest", "dirstore", "delta")),
     ("pipeline", ("writer", "reader", "snapshot", "saveoptions")),
     (
         "api",

@@ -145,6 +145,7 @@ def test_an_adopted_delta_is_not_committed_where_its_base_copy_failed(tmp_path: 
         [nc.Tier(fw, name="fw"), nc.Tier(tmp_path / "shared", name="shared", retries=0, backoff_s=0, max_queued=8)],
         tier0_external=True,
     )
+    mgr.wait()  # the tiers' leftovers are cleaned in the background: the blocker below would be one
     blocker = tmp_path / "shared" / "step-0000000010.nvc"  # a folder where step 10's copy goes
     blocker.mkdir(parents=True)
     (blocker / "x").write_bytes(b"x")

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import threading
+import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -24,11 +25,13 @@ from .api import load
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointWriteError,
     DeepSpeedTagNotFoundError,
     FormatError,
     NestingLimitError,
     UnsupportedObjectError,
 )
+from .filedigest import file_record, record_problem, valid_record
 from .filetype import HEAD_BYTES, NVCOMP, kind_of
 from .policy import CodecPolicy, Component
 from .safepaths import inside_path
@@ -57,7 +60,9 @@ __all__ = [
     "write_latest",
     "read_manifest",
     "write_manifest",
+    "tag_file_records",
     "check_tag_complete",
+    "check_tag_file",
     "tag_problems",
     "is_ours",
     "deepspeed_policy",
@@ -69,7 +74,10 @@ __all__ = [
 
 #: The tag's commit record, written once every rank's files are durable, before ``latest``.
 MANIFEST_NAME = "nvckpt_manifest.json"
-MANIFEST_FORMAT = "nvcomp-checkpoint deepspeed tag v1"
+#: v2: each file's size and digest (:mod:`nvcomp_checkpoint.filedigest`) and the save's identity
+#: (tag, world size, save id). v1 (sizes only) is still read, its files checked by size alone.
+MANIFEST_FORMAT = "nvcomp-checkpoint deepspeed tag v2"
+MANIFEST_FORMAT_V1 = "nvcomp-checkpoint deepspeed tag v1"
 #: Present in a tag while ``nvckpt compress/decompress`` converts its files in place.
 CONVERTING_NAME = "nvckpt_converting.json"
 #: DeepSpeed's pointer to the newest tag: a file holding the tag's name.
@@ -228,14 +236,50 @@ def write_latest(save_dir: str | os.PathLike[str], tag: str) -> None:
     LOCAL.write_bytes(os.path.join(os.fspath(save_dir), LATEST_NAME), tag.encode())
 
 
-def write_manifest(tag_dir: str | os.PathLike[str], tag: str, world_size: int, files: Mapping[str, int]) -> None:
-    """Commit a tag: the manifest (every file of every rank with its size), atomically. Every file must be durable."""
-    manifest = {"format": MANIFEST_FORMAT, "tag": tag, "world_size": world_size, "files": dict(files)}
-    LOCAL.write_bytes(os.path.join(os.fspath(tag_dir), MANIFEST_NAME), json.dumps(manifest, indent=1, sort_keys=True).encode())
+def write_manifest(
+    tag_dir: str | os.PathLike[str], tag: str, world_size: int, files: Mapping[str, Mapping[str, Any] | int]
+) -> None:
+    """Commit a tag: the manifest (every file of every rank with its size and digest, and the save's identity), atomically.
+
+    Every file must be durable. ``files`` maps each file name to its :func:`~nvcomp_checkpoint.filedigest.file_record`
+    (taken by the rank that wrote it: rank 0 may not see another node's files), or to its size alone,
+    in which case the record is taken here from the file in ``tag_dir`` (which must have that size).
+
+    Raises:
+        CheckpointWriteError: A file given by size has another size now.
+    """
+    tag_dir = os.fspath(tag_dir)
+    records = {}
+    for name, given in files.items():
+        if isinstance(given, int):
+            record = file_record(os.path.join(tag_dir, name))
+            if record["bytes"] != given:
+                raise CheckpointWriteError(f"{os.path.join(tag_dir, name)}: {record['bytes']} bytes, not the {given} saved")
+            given = record
+        records[name] = dict(given)
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "tag": tag,
+        "world_size": world_size,
+        "save_id": uuid.uuid4().hex,
+        "files": records,
+    }
+    LOCAL.write_bytes(os.path.join(tag_dir, MANIFEST_NAME), json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+
+def tag_file_records(files: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """The manifest records of the files this rank wrote (absolute path -> name in the tag): size and digest.
+
+    An nvcomp-checkpoint file's digest is the index digest its writer put in the footer: one small
+    read per file, no read-back of the file.
+    """
+    return {name: file_record(path) for path, name in files.items()}
 
 
 def read_manifest(tag_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The manifest of ``tag_dir``, checked for form (not against the files), or None without one.
+
+    A v1 manifest (sizes only) is returned with its sizes as records ``{"bytes": size}``.
 
     Raises:
         FormatError: The manifest is not one of this library's, or names a path outside the tag.
@@ -251,23 +295,30 @@ def read_manifest(tag_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     try:
         manifest = boundedjson.loads(raw, manifest_path, "tag manifest")
         files = manifest["files"]
-        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+        if manifest.get("format") not in (MANIFEST_FORMAT, MANIFEST_FORMAT_V1) or not isinstance(files, dict):
             raise ValueError("not a manifest of this library")
     except NestingLimitError:
         raise  # names the file and the depth already
     except (ValueError, KeyError, TypeError) as exc:
         raise FormatError(f"{manifest_path}: unreadable tag manifest ({type(exc).__name__}); the tag cannot be trusted") from exc
-    for name, size in files.items():
+    v1 = manifest["format"] == MANIFEST_FORMAT_V1
+    for name, record in files.items():
         inside_path(name, where=manifest_path, what="names the file", single=True)
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise FormatError(f"{manifest_path}: gives {name!r} the size {size!r}, not a number of bytes")
+        if v1:
+            if not isinstance(record, int) or isinstance(record, bool) or record < 0:
+                raise FormatError(f"{manifest_path}: gives {name!r} the size {record!r}, not a number of bytes")
+            files[name] = {"bytes": record}
+        elif not valid_record(record):
+            raise FormatError(
+                f"{manifest_path}: gives {name!r} the record {record!r}, not a size and a digest; the tag cannot be trusted"
+            )
     return manifest
 
 
 def tag_problems(tag_dir: str | os.PathLike[str], *, read_partition_count: bool = False) -> list[str]:
     """Everything that keeps ``tag_dir`` from being a complete tag, one message per problem (empty: complete).
 
-    With a manifest: every file it names is there with its committed size. Without one (a plain
+    With a manifest: every file it names is there with its committed size and digest. Without one (a plain
     DeepSpeed tag): the ranks of each kind of per-rank file run from 0 without a gap, the model
     states are there, and none of the files is ours (ours without a manifest: a save that never committed).
     With ``read_partition_count``, the lowest rank's ZeRO file of a plain tag is read for the number
@@ -335,6 +386,9 @@ def _partition_count(path: str) -> int:
 def check_tag_complete(tag_dir: str | os.PathLike[str]) -> bool:
     """Raise unless every file the manifest of ``tag_dir`` names is there with its committed size.
 
+    Sizes only, so that each rank's load reads nothing of the other ranks' files; :func:`check_tag_file`
+    checks the digest of the file a rank loads, :func:`tag_problems` those of every file.
+
     Returns:
         True if the tag has a manifest (and is complete), False if it has none (a plain DeepSpeed tag,
         or one of ours whose save never committed).
@@ -349,33 +403,57 @@ def check_tag_complete(tag_dir: str | os.PathLike[str]) -> bool:
     manifest = read_manifest(tag_dir)
     if manifest is None:
         return False
-    for problem in _manifest_problems(tag_dir, manifest):
+    for problem in _manifest_problems(tag_dir, manifest, digests=False):
         raise problem
     return True
 
 
-def _manifest_problems(tag_dir: str, manifest: dict[str, Any]) -> list[FormatError]:
-    """A file the manifest names that is missing (:class:`CheckpointNotFoundError`) or of another size, each named."""
+def _manifest_problems(tag_dir: str, manifest: dict[str, Any], *, digests: bool = True) -> list[FormatError]:
+    """Each file the manifest names that is missing (:class:`CheckpointNotFoundError`), of another size, or
+    (with ``digests``) another save's (its digest differs: :class:`MixedSaveError`), each named."""
     problems: list[FormatError] = []
-    for name, size in sorted(manifest["files"].items()):
-        path = os.path.join(tag_dir, name)
-        try:
-            actual = os.stat(path).st_size
-        except FileNotFoundError:
-            problems.append(
-                CheckpointNotFoundError(
-                    f"{path}: missing from committed tag {manifest.get('tag')!r} (its manifest names it); "
-                    "restore the file or load another tag"
-                )
-            )
-            continue
-        if actual != size:
-            problems.append(
-                FormatError(
-                    f"{path}: {actual} bytes, but tag {manifest.get('tag')!r} committed {size}; the file was changed or truncated"
-                )
-            )
+    for name in sorted(manifest["files"]):
+        problem = _file_problem(tag_dir, name, manifest, digests=digests)
+        if problem is not None:
+            problems.append(problem)
     return problems
+
+
+def _file_problem(tag_dir: str, name: str, manifest: dict[str, Any], *, digests: bool = True) -> FormatError | None:
+    path = os.path.join(tag_dir, name)
+    if not os.path.exists(path):
+        return CheckpointNotFoundError(
+            f"{path}: missing from committed tag {manifest.get('tag')!r} (its manifest names it); restore the file or load another tag"
+        )
+    record = manifest["files"][name]
+    if not digests or ("index_xxh3" not in record and "blake2b" not in record):  # a v1 manifest: sizes only
+        actual = os.path.getsize(path)
+        if actual == record["bytes"]:
+            return None
+        return FormatError(
+            f"{path}: {actual} bytes, but tag {manifest.get('tag')!r} committed {record['bytes']}; the file was changed or truncated"
+        )
+    return record_problem(path, record, f"tag {manifest.get('tag')!r}")
+
+
+def check_tag_file(path: str | os.PathLike[str]) -> bool:
+    """Raise unless the file at ``path`` is the one its tag's manifest committed (size and digest).
+
+    Returns:
+        True if the tag has a manifest naming the file, False otherwise (a plain DeepSpeed tag, or a file the manifest does not name).
+
+    Raises:
+        MixedSaveError: The file is another save's (its digest differs: another run's or tag's file copied in).
+        FormatError: The manifest is unreadable, or the file's size differs.
+    """
+    tag_dir, name = os.path.split(os.fspath(path))
+    manifest = read_manifest(tag_dir)
+    if manifest is None or name not in manifest["files"]:
+        return False
+    problem = _file_problem(tag_dir, name, manifest)
+    if problem is not None:
+        raise problem
+    return True
 
 
 def _converting(tag_dir: str) -> str:
@@ -515,17 +593,19 @@ def load_deepspeed_file(path: str | os.PathLike[str], map_location: Any = None) 
     """Load one file of a DeepSpeed checkpoint, ours or plain ``torch.save``, without trusting its pickle.
 
     A file in a tag directory that has a manifest is loaded only if every file the manifest names
-    is there with its committed size.
+    is there with its committed size, and the file itself has the digest the manifest records.
 
     Raises:
         CheckpointNotFoundError: ``path``, or another file of its committed tag, is missing.
         FormatError: A file of the tag differs in size from the one committed, or the tag was never committed
             (one of our files in a folder without a manifest that is not a universal checkpoint).
+        MixedSaveError: The file is not the one its tag committed (another run's or tag's file copied in).
         UnsafeCheckpointError: The file holds a class outside :data:`SAFE_GLOBAL_NAMES` (named).
     """
     tag_dir = os.path.dirname(os.fspath(path))
     if not check_tag_complete(tag_dir) and is_ours(path) and not is_universal_dir(tag_dir):
         # Our files without a manifest: a save that died before every rank's files were durable.
         raise FormatError(_never_committed(os.fspath(path)))
+    check_tag_file(path)
     with deepspeed_safe_globals():
         return load(path, map_location=map_location, weights_only=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
@@ -17,7 +18,7 @@ from typing import IO, Any, Callable, Mapping, Sequence
 from .api import load, save
 from .api import open as open_checkpoint
 from .dirstore import MARKER_NAME, write_marker
-from .errors import CheckpointError, CheckpointWriteError, FormatError
+from .errors import CheckpointError, CheckpointWriteError, FormatError, MixedSaveError
 from .policy import CodecPolicy
 from .report import SaveReport, merge_reports
 from .storage import LOCAL, stale_temp_files
@@ -31,10 +32,15 @@ __all__ = [
     "is_placeholder",
     "SUFFIX",
     "PLACEHOLDER_TAG",
+    "IDENTITY_KEY",
+    "check_identity",
 ]
 
 #: Appended to the name of each converted file (``optimizer.pt`` -> ``optimizer.pt.nvc``).
 SUFFIX = ".nvc"
+
+#: The metadata key of each converted file's identity: what ties it to its directory (see :func:`check_identity`).
+IDENTITY_KEY = "nvckpt_directory"
 
 #: Bytes every placeholder holds (see :class:`PlainFile`), which tell it from the file it stands for.
 PLACEHOLDER_TAG = b"nvcomp-checkpoint-placeholder"
@@ -93,6 +99,7 @@ def compress_in_place(
     verify: bool = True,
     workers: int | None = None,
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+    identity: Mapping[str, Any] | None = None,
 ) -> SaveReport:
     """Replace ``files`` (in this order) by compressed copies; see the module docstring.
 
@@ -105,6 +112,9 @@ def compress_in_place(
         resumes: Who reads the plain files when this fails (``"the Trainer resumes from them"``).
         verify: Decode each compressed file and compare it bit for bit with the plain tree
             before the plain file is deleted.
+        identity: What identifies the directory's save (``{"step": 40}``), kept in each compressed
+            file's metadata under :data:`IDENTITY_KEY` with a save id common to the files of this
+            call, for :func:`check_identity` at load.
 
     Raises:
         CheckpointWriteError: Writing failed; the directory is as it was.
@@ -116,6 +126,7 @@ def compress_in_place(
     stale_temp_files(directory, remove=True)  # a conversion killed mid-write left save()'s temporary file
     written: list[Path] = []
     reports: list[SaveReport] = []
+    extra = {} if identity is None else {IDENTITY_KEY: {**identity, "save_id": uuid.uuid4().hex}}
     try:
         for file in files:
             tree, meta = file.read(directory / file.name)
@@ -125,7 +136,7 @@ def compress_in_place(
                     {file.key: tree},
                     target,
                     policy,
-                    metadata={meta_key: meta},
+                    metadata={meta_key: meta, **extra},
                     workers=workers,
                     stream_wrapper=stream_wrapper,
                     file_mode=stat.S_IMODE((directory / file.name).stat().st_mode),
@@ -205,6 +216,42 @@ def compressed_copy(directory: str | os.PathLike[str] | None, names: Sequence[st
         return None  # a plain file wins: it is what the framework wrote
     found = [p for name in names if (p := Path(directory) / (name + SUFFIX)).is_file()]
     return found[0] if found else None
+
+
+def check_identity(path: str | os.PathLike[str], expected: Mapping[str, Any]) -> None:
+    """Raise unless the converted file ``path`` was written for its directory's save.
+
+    Its identity (:data:`IDENTITY_KEY`) must agree with ``expected`` (what the directory says of its
+    save, such as ``{"step": 40}``) on each key both hold, and its save id with that of every other
+    converted file of the directory. A file converted before identities were recorded has none:
+    it is not checked.
+
+    Raises:
+        MixedSaveError: The file was converted for another save (an earlier checkpoint's file copied in), named.
+    """
+    path = Path(path)
+    mine = _identity_of(path)
+    if mine is None:
+        return
+    for key, value in expected.items():
+        if key in mine and value is not None and mine[key] != value:
+            raise MixedSaveError(
+                f"{path}: written for {key} {mine[key]!r}, but {path.parent} is the save of {key} {value!r} (a file "
+                "copied in from another checkpoint?). Restore this checkpoint's file or resume from another checkpoint."
+            )
+    for other in sorted(path.parent.glob("*" + SUFFIX)):
+        theirs = _identity_of(other) if other != path else None
+        if theirs is not None and theirs.get("save_id") != mine.get("save_id"):
+            raise MixedSaveError(
+                f"{path}: not converted with {other.name} (their save ids differ: one of them was copied in from "
+                "another checkpoint). Restore this checkpoint's files or resume from another checkpoint."
+            )
+
+
+def _identity_of(path: Path) -> dict[str, Any] | None:
+    with open_checkpoint(path) as reader:
+        found = reader.metadata.get(IDENTITY_KEY)
+    return found if isinstance(found, dict) else None
 
 
 def _verify_copy(target: Path, key: str, original: Any) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -19,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 from . import boundedjson
 from .errors import CheckpointWriteError, ChecksumError, FormatError, MixedSaveError
-from .format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
+from .filedigest import digest, index_digest
 from .safepaths import inside_path
 from .storage import LOCAL, temp_name
 from .version import __version__
@@ -51,34 +50,6 @@ MARKER_NAME = "NVCOMP_CHECKPOINT.txt"
 STAGING_SUFFIX = ".nvckpt-staging"
 OLD_SUFFIX = ".nvckpt-old"
 DELETING_SUFFIX = ".nvckpt-deleting"
-
-
-def digest(path: str | os.PathLike[str]) -> str:
-    """BLAKE2b-128 of a file, in hex."""
-    h = hashlib.blake2b(digest_size=16)
-    with LOCAL.open_read(os.fspath(path)) as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def index_digest(path: str | os.PathLike[str]) -> int | None:
-    """The xxh3 of an nvcomp-checkpoint file's index, as its footer records it (the reader checks
-    the index against it): the file's identity, read in one small read. ``None`` for other files.
-
-    Raises:
-        FormatError: The file ends in a footer whose fields are impossible (named).
-    """
-    where = os.fspath(path)
-    size = os.path.getsize(where)
-    if size < len(MAGIC) + FOOTER.size:
-        return None
-    with LOCAL.open_read(where) as f:
-        f.seek(size - FOOTER.size)
-        data = f.read(FOOTER.size)
-    if not data.endswith(FOOTER_MAGIC):
-        return None
-    return unpack_footer(data, size, where)[2]
 
 
 def sync_tree(root: Path) -> None:

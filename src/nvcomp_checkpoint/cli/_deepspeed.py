@@ -27,6 +27,7 @@ from nvcomp_checkpoint.deepspeed_layout import (
     is_tag_dir,
     read_latest,
     tag_dirs,
+    tag_file_records,
     tag_problems,
     tag_to_load,
     write_manifest,
@@ -165,12 +166,15 @@ def convert_in_place(
             rows.append(_row(tag, name, "compressed" if to_ours else "decompressed", before, os.path.getsize(full)))
         if to_ours:
             world = 1 + max((classify_file(n).rank or 0 for n in names if classify_file(n).kind == OPTIM_PARTITION), default=0)
-            write_manifest(
-                tag, os.path.basename(os.path.normpath(tag)), world, {n: os.path.getsize(os.path.join(tag, n)) for n in names}
-            )
+            write_manifest(tag, os.path.basename(os.path.normpath(tag)), world, _records(tag, names))
         LOCAL.remove(os.path.join(tag, CONVERTING_NAME))
         LOCAL.fsync(tag)
     return rows
+
+
+def _records(tag: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    """The manifest records (size, digest) of a converted tag's files."""
+    return tag_file_records({os.path.join(tag, n): n for n in names})
 
 
 def _row(tag: str, name: str, action: str, before: int, after: int, note: str = "") -> dict[str, Any]:

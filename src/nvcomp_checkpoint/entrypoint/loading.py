@@ -13,7 +13,14 @@ from ..api import is_nvcomp_checkpoint, load
 from ..broadcast import load_broadcast
 from ..errors import CheckpointError, UnsafeCheckpointError
 
-__all__ = ["torch_weights_only", "load_as_torch", "load_tree", "leader_load_applies", "checked_on_every_rank"]
+__all__ = [
+    "torch_weights_only",
+    "load_as_torch",
+    "load_tree",
+    "leader_load_applies",
+    "checked_on_every_rank",
+    "failed_on_any_rank",
+]
 
 _T = TypeVar("_T")
 
@@ -108,22 +115,7 @@ def checked_on_every_rank(check: Callable[[], _T], where: str, leader_load: bool
     """
     if not (leader_load and leader_load_applies()):
         return check()
-    error: Exception | None = None
-    result: Any = None
-    try:
-        result = check()
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it before the collective
-        error = exc
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, ("error", f"{type(error).__name__}: {error}") if error is not None else ("ok", result))
-    if error is not None:
-        raise error
-    failed = [(rank, message) for rank, (kind, message) in enumerate(outcomes) if kind == "error"]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(
-            f"{where}: rank {rank} failed before the collective load (leader_load), so no rank loads: {message}"
-        )
+    result, outcomes = _agreed(check, where, "failed before the collective load (leader_load), so no rank loads")
     mine = dist.get_rank()
     differ = [rank for rank, (_, value) in enumerate(outcomes) if value != result]
     if differ:
@@ -134,3 +126,42 @@ def checked_on_every_rank(check: Callable[[], _T], where: str, leader_load: bool
             "file system) or drop leader_load."
         )
     return result
+
+
+def failed_on_any_rank(action: Callable[[], _T], where: str) -> _T:
+    """Run this rank's part of a load in which each rank reads its own files, and raise on every rank if it failed on any.
+
+    A rank that finds its file damaged or of another save raises, while the others load theirs and
+    return: a caller that falls back on the error (a fresh start, an older checkpoint) would then
+    train the ranks from different states. Where :func:`leader_load_applies`, this is a collective
+    (one ``all_gather_object`` of each rank's outcome on the default group, after ``action``) that
+    every rank must call: if ``action`` raised on any rank, every rank raises (its own error, or a
+    ``CheckpointError`` naming the failing rank and its message, which names the file).
+
+    Returns:
+        ``action()``'s result on this rank (not sent to the other ranks).
+    """
+    if not leader_load_applies():
+        return action()
+    box: list[_T] = []
+    _agreed(lambda: box.append(action()), where, "failed to load its part of the checkpoint, so no rank goes on")
+    return box[0]
+
+
+def _agreed(check: Callable[[], Any], where: str, failed: str) -> tuple[Any, list[Any]]:
+    """``check()`` on this rank and every rank's outcome (one ``all_gather_object``); raises on every rank if any failed."""
+    error: Exception | None = None
+    result: Any = None
+    try:
+        result = check()
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it before going on
+        error = exc
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, ("error", f"{type(error).__name__}: {error}") if error is not None else ("ok", result))
+    if error is not None:
+        raise error
+    failures = [(rank, message) for rank, (kind, message) in enumerate(outcomes) if kind == "error"]
+    if failures:
+        rank, message = failures[0]
+        raise CheckpointError(f"{where}: rank {rank} {failed}: {message}")
+    return result, outcomes

@@ -6,7 +6,7 @@ optimizer partition, MoE expert files) in this library's format under DeepSpeed'
 ``engine.load_checkpoint(dir)`` reads those and plain DeepSpeed checkpoints alike.
 
 A tag is *committed* once every rank's files are durable: rank 0 then writes the tag's manifest
-(:data:`MANIFEST_NAME`, every file of every rank with its size) and only after it ``latest``, both
+(:data:`MANIFEST_NAME`, every file of every rank with its size and digest) and only after it ``latest``, both
 atomically. A save killed at any moment therefore leaves ``latest`` on the previous committed tag, and a
 load of a tag whose manifest names a file that is missing fails on every rank, naming the file.
 
@@ -39,12 +39,14 @@ from nvcomp_checkpoint.deepspeed_layout import (
     deepspeed_safe_globals,
     load_deepspeed_file,
     read_latest,
+    tag_file_records,
     tag_to_load,
     write_latest,
     write_manifest,
 )
 from nvcomp_checkpoint.deepspeed_layout import deepspeed_policy as _layout_policy
 from nvcomp_checkpoint.entrypoint import incremental_files
+from nvcomp_checkpoint.entrypoint.loading import failed_on_any_rank
 from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.errors import CheckpointWriteError, UnsafeCheckpointError
 from nvcomp_checkpoint.incremental import unit_base_of
@@ -288,7 +290,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         tag_dir = os.path.join(pending.save_dir, pending.tag)
         files = {}
         if error is None:
-            files = {name: os.stat(path).st_size for path, name in pending.files.items()}
+            files = tag_file_records(pending.files)  # each rank records its own files: rank 0 may not see them
         mine = {"ok": error is None, "files": files}
         gathered = _all_gather(mine)
         if self._pending is pending:
@@ -306,7 +308,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self.incremental.failed()
         if failed:
             raise CheckpointWriteError(f"{tag_dir}: ranks {failed} failed to write tag {pending.tag!r}; the tag is not committed")
-        everything: dict[str, int] = {}
+        everything: dict[str, dict[str, Any]] = {}
         for theirs in gathered:
             everything.update(theirs["files"])
         if _rank() == 0 and everything:  # nothing of the tag's own (save_16bit_model): no tag to commit
@@ -428,7 +430,7 @@ def attach(
 
 
 def _check_latest_on_load(engine: Any) -> None:
-    """Make ``engine.load_checkpoint(dir)`` read ``latest`` under the rule for paths read from files.
+    """Make ``engine.load_checkpoint(dir)`` read ``latest`` under the rule for paths read from files, and fail on every rank if it fails on any.
 
     DeepSpeed joins the tag ``latest`` names to the folder as written: ``../other_run/g4`` or an
     absolute path would load another run's tag. The tag is read here (a tag folder of ``dir``, or
@@ -447,7 +449,7 @@ def _check_latest_on_load(engine: Any) -> None:
             # A tag that is not there (`latest` naming a removed tag) is named with the fix, on every rank,
             # before DeepSpeed fails on a bare assertion.
             tag = tag_to_load(load_dir, tag)
-        return original(load_dir, tag, *args, **kwargs)
+        return _loaded_on_every_rank(lambda: original(load_dir, tag, *args, **kwargs), os.path.join(load_dir, str(tag)))
 
     load_checkpoint.__doc__ = original.__doc__
     engine.load_checkpoint = load_checkpoint
@@ -501,6 +503,17 @@ def _load_through_hook(engine: Any) -> None:
 
     load_checkpoint.__doc__ = original.__doc__
     engine.load_checkpoint = load_checkpoint
+
+
+def _loaded_on_every_rank(load: Callable[[], Any], where: str) -> Any:
+    """``load()`` (DeepSpeed's ``load_checkpoint``), raising on every rank if it raised on any.
+
+    Each rank reads and checks its own files (its ZeRO partition): a damaged or swapped rank-1 file
+    fails rank 1 alone, and a resume that falls back on the error would train the ranks from
+    different steps. One agreement after the load (``all_gather_object`` of each rank's outcome)
+    makes every rank raise, naming the failing rank and its file.
+    """
+    return failed_on_any_rank(load, where)
 
 
 # -- attaching to the engines a framework creates ------------------------------------------------

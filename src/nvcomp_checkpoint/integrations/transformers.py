@@ -28,6 +28,7 @@ from nvcomp_checkpoint.dirconvert import (
     PLACEHOLDER_TAG,
     SUFFIX,
     PlainFile,
+    check_identity,
     compress_in_place,
     compressed_copy,
     decompress_in_place,
@@ -35,6 +36,7 @@ from nvcomp_checkpoint.dirconvert import (
 )
 from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
 from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, load_tree
+from nvcomp_checkpoint.entrypoint.loading import failed_on_any_rank, leader_load_applies
 from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.report import format_bytes
 from nvcomp_checkpoint.tiers import Tier
@@ -172,6 +174,7 @@ def compress_checkpoint(
         verify=verify,
         workers=workers,
         stream_wrapper=stream_wrapper,
+        identity={"step": _folder_step(directory)},
     )
 
 
@@ -294,6 +297,7 @@ def _load_tree(path: Path | str, key: str, map_location: Any, leader_load: bool 
     ``leader_load``: read once per node and broadcast (:func:`~nvcomp_checkpoint.entrypoint.load_tree`)."""
     path = Path(path)
     try:
+        _check_converted(path, leader_load)
         saved = load_tree(path, map_location, leader_load=leader_load)
     except nc.errors.CheckpointError as exc:
         raise type(exc)(f"{str(exc).rstrip('.')}. {_resume_hint(path.parent)}") from exc
@@ -302,6 +306,19 @@ def _load_tree(path: Path | str, key: str, map_location: Any, leader_load: bool 
             f"{path}: holds no {key!r} entry; it was not written by NvcompTrainerCallback. {_resume_hint(path.parent)}"
         )
     return saved[key]
+
+
+def _check_converted(path: Path, leader_load: bool) -> None:
+    """Refuse a converted file of another checkpoint than its folder's (:func:`check_identity`, :class:`MixedSaveError`).
+
+    With ``leader_load`` the rank that reads the file for its node checks it (the others open no
+    file), and every rank learns the outcome before the collective load.
+    """
+    if not (leader_load and leader_load_applies()):
+        check_identity(path, {"step": _folder_step(path.parent)})
+        return
+    reads = int(os.environ.get("LOCAL_RANK", "0")) == 0  # the lowest rank of its node: load_broadcast's reader
+    failed_on_any_rank(lambda: check_identity(path, {"step": _folder_step(path.parent)}) if reads else None, str(path))
 
 
 def _resume_hint(checkpoint: Path) -> str:
@@ -332,6 +349,19 @@ def _say_weights_stay_plain(directory: Path) -> bool:
         100.0 * size / total if total else 0.0,
     )
     return True
+
+
+def _folder_step(directory: Path) -> int | None:
+    """The step a checkpoint folder was saved at: ``global_step`` of its trainer_state.json (which the
+    Trainer writes before the callback converts), else the N of its name ``checkpoint-N``."""
+    try:
+        with open(directory / "trainer_state.json", "rb") as f:
+            step = json.load(f).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        step = None
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    return _step_of(directory.name)
 
 
 def _step_of(name: str) -> int | None:

@@ -16,7 +16,7 @@ import xxhash
 
 from .. import boundedjson
 from ..errors import CheckpointError, FormatError, NestingLimitError, TierNotFoundError, TierUnavailableError, UnsafePathError
-from ..format.layout import FOOTER, FOOTER_MAGIC, MAGIC, unpack_footer
+from ..filedigest import index_digest
 from ..reader import CheckpointReader
 from ..safepaths import inside_path
 from ..storage import Storage, abort_unfinished_uploads, is_temp_name, list_names, storage_for, write_errors
@@ -308,7 +308,7 @@ class TierStore:
         for rel in rels:
             path = join_path(unit, rel) if rel else unit
             size = self.storage.size(path)
-            digest = index_digest(self.storage, path, size)
+            digest = index_digest(path, storage=self.storage, size=size)
             whole = None if digest is not None else file_xxh3(self.storage, path)
             entries.append(FileEntry(rel, size, digest, whole))
         return UnitManifest(step, directory, light, tuple(entries), time.time(), base=base, source=source)
@@ -342,7 +342,7 @@ class TierStore:
                 raise FormatError(f"{path}: missing (step {manifest.step} is listed but its file is gone)") from exc
             if size != entry.size:
                 raise FormatError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or replaced)")
-            if entry.index_xxh3 is not None and index_digest(self.storage, path, size) != entry.index_xxh3:
+            if entry.index_xxh3 is not None and index_digest(path, storage=self.storage, size=size) != entry.index_xxh3:
                 raise FormatError(f"{path}: the index digest differs from the manifest's (damaged or replaced)")
             if entry.xxh3 is not None and (full or entry.index_xxh3 is None) and file_xxh3(self.storage, path) != entry.xxh3:
                 raise FormatError(f"{path}: checksum mismatch against the manifest (damaged copy)")
@@ -360,22 +360,6 @@ def walk_files(storage: Storage, root: str, prefix: str = "") -> list[str]:
         rel = f"{prefix}/{name}" if prefix else name
         out.extend(walk_files(storage, root, rel) if is_dir else [rel])
     return out
-
-
-def index_digest(storage: Storage, path: str, size: int) -> int | None:
-    """The footer's xxh3 of the index for an nvcomp-checkpoint file, None for other files.
-
-    Only the footer is read (one small range read on an object store).
-    """
-    if size < len(MAGIC) + FOOTER.size:
-        return None
-    with storage.open_read(path) as f:
-        f.seek(size - FOOTER.size)
-        data = f.read(FOOTER.size)
-    if not data.endswith(FOOTER_MAGIC):
-        return None
-    _, _, digest = unpack_footer(data, size, path)
-    return digest
 
 
 def file_xxh3(storage: Storage, path: str) -> int:
