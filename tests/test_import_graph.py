@@ -3,7 +3,7 @@
 Every import counts, also those inside functions. Layers, lowest first (a module may import its own
 layer and those below):
 
-    base        errors, version, tensors, workers, codecs/*, filters/*, metrics, failures, safepaths, deadline, credentials, boundedjson
+    base        errors, version, tensors, workers, codecs/*, filters/*, metrics, failures, safepaths, deadline, credentials, boundedjson, progressbar
     format      format/*, policy, storage, report, filetype, pending, dirstore, delta
     pipeline    writer, reader, snapshot, saveoptions
     api         api, async_save, savegroup, entrypoint/* (base, options, loading, reports), dirconvert, tiers/*,
@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "deadline",
             "credentials",
             "boundedjson",
+            "progressbar",
         ),
     ),
     ("format", ("format", "policy", "storage", "report", "filetype", "pending", "filedigest", "dirstore", "delta")),

@@ -30,6 +30,7 @@ from .format.skeleton import weights_only_detail
 from .format.torchsave import check_torch_archive
 from .pending import wait_for_path
 from .policy import CodecPolicy
+from .progressbar import progress_bar, tensor_bytes
 from .reader import CheckpointReader, MapLocation
 from .report import SaveReport, format_bytes
 from .saveoptions import SaveOptions
@@ -60,7 +61,7 @@ def save(
     metadata: dict[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
     workers: int | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | bool | None = None,
     stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
     base: str | os.PathLike[str] | None = None,
     base_state: Any = None,
@@ -79,7 +80,9 @@ def save(
         metadata: JSON-safe values stored in the index (read back with ``open(path).metadata``).
         storage_options: Passed to fsspec for URLs (credentials, endpoint ...).
         workers: Compression threads (default: every core).
-        progress: Called with the raw bytes of each chunk as it is written.
+        progress: Called with the raw bytes of each chunk as it is written (from the compression
+            threads), or ``True``: a progress bar on stderr (bytes, speed, time left) while the save
+            runs, when stderr is a terminal.
         stream_wrapper: Wraps the output stream (benchmarks throttle storage with it); the
             wrapper's ``write`` must pass every byte on, in order.
         base: An earlier checkpoint of the same run: the file is written as a delta of it
@@ -101,6 +104,24 @@ def save(
     Returns:
         A :class:`SaveReport` with raw and stored bytes, time and a per-component table.
     """
+    if isinstance(progress, bool):
+        if not progress:
+            progress = None
+        else:
+            with progress_bar(f"saving {os.path.basename(os.fspath(path))}", tensor_bytes(obj)) as advance:
+                return save(
+                    obj,
+                    path,
+                    policy,
+                    metadata=metadata,
+                    storage_options=storage_options,
+                    workers=workers,
+                    progress=advance,
+                    stream_wrapper=stream_wrapper,
+                    base=base,
+                    base_state=base_state,
+                    file_mode=file_mode,
+                )
     options = SaveOptions.of(
         path,
         "save",
