@@ -89,7 +89,9 @@ PYTHONPATH= "$PY" -m pip --python "$work/venv/bin/python" show -q nvcomp-checkpo
 mkdir "$work/use"
 cd "$work/use"
 export PYTHONPATH=
-"$work/venv/bin/nvckpt" --version | grep -q "^nvckpt (nvcomp-checkpoint) "
+# Output captured first: `cmd | grep -q` under pipefail fails when grep stops reading early (SIGPIPE).
+version="$("$work/venv/bin/nvckpt" --version)"
+grep -q "^nvckpt (nvcomp-checkpoint) " <<<"$version"
 "$work/venv/bin/python" - "$work/venv" "$root" <<'EOF'
 import importlib.metadata, os, sys
 venv, root = (os.path.realpath(p) for p in sys.argv[1:])
@@ -107,5 +109,6 @@ group = importlib.metadata.entry_points(group="lightning.pytorch.callbacks_facto
 assert any(e.value == "nvcomp_checkpoint.integrations.lightning_entry:callbacks" for e in group), list(group)
 print(f"check_wheel.sh: the wheel imports from {os.path.dirname(where)}; save, load and the Lightning plugin work")
 EOF
-"$work/venv/bin/nvckpt" inspect --no-tree c.nvc | grep -q "nvcomp-checkpoint"
+inspected="$("$work/venv/bin/nvckpt" inspect --no-tree c.nvc)"
+grep -q "nvcomp-checkpoint" <<<"$inspected"
 echo "check_wheel.sh: $(basename "$wheel") and $(basename "$sdist") check out ($((SECONDS - started)) s)"
