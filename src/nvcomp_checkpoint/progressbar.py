@@ -6,13 +6,13 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
-import torch
-
-__all__ = ["progress_bar", "tensor_bytes"]
+__all__ = ["progress_bar", "byte_columns", "tensor_bytes"]
 
 
 def tensor_bytes(obj: Any) -> int:
     """The bytes of the tensors of a state tree (dicts, lists, tuples; a shared tensor once): a save's total."""
+    import torch  # here: the CLI imports this module for its columns, and `nvckpt --help` imports no torch
+
     seen: set[int] = set()
     total = 0
     stack = [obj]
@@ -29,6 +29,19 @@ def tensor_bytes(obj: Any) -> int:
     return total
 
 
+def byte_columns() -> tuple[Any, ...]:
+    """The columns of a bar over bytes: what, the bar, bytes done of the total, speed, time left (the CLI's too)."""
+    from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    return (
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+
+
 @contextlib.contextmanager
 def progress_bar(description: str, total: int | None) -> Iterator[Callable[[int], None]]:
     """A bar of ``total`` bytes on stderr while the block runs; yields the function that advances it.
@@ -36,16 +49,9 @@ def progress_bar(description: str, total: int | None) -> Iterator[Callable[[int]
     The function may be called from several threads at once (rich's ``Progress`` holds a lock).
     """
     from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import Progress
 
     console = Console(stderr=True)
-    columns = (
-        TextColumn("{task.description}", markup=False),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+    with Progress(*byte_columns(), console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)

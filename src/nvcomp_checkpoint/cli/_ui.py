@@ -14,20 +14,17 @@ from typing import Any, Iterable, Sequence
 
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.progress import (
-    BarColumn,
-    DownloadColumn,
     Progress,
     SpinnerColumn,
     TaskID,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
 )
 from rich.table import Table
 from rich.text import Text
 
 from nvcomp_checkpoint.errors import CheckpointError
+from nvcomp_checkpoint.progressbar import byte_columns
 
 __all__ = [
     "default_max_bytes",
@@ -249,13 +246,7 @@ class Reporter:
         if total is None:
             columns: tuple[Any, ...] = (SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeElapsedColumn())
         else:
-            columns = (
-                TextColumn("{task.description}", markup=False),
-                BarColumn(),
-                DownloadColumn(binary_units=True),
-                TransferSpeedColumn(),
-                TimeRemainingColumn(),
-            )
+            columns = byte_columns()
         progress = Progress(
             *columns,
             console=self.console,
