@@ -4,10 +4,10 @@ Every import counts, also those inside functions. Layers, lowest first (a module
 layer and those below):
 
     base        errors, version, tensors, workers, codecs/*, filters/*, metrics, failures, safepaths, deadline, credentials, boundedjson, progressbar
-    format      format/*, policy, storage, report, filetype, pending, dirstore, delta
+    format      format/*, policy, storage, report, filetype, pending, filedigest, dirstore, delta
     pipeline    writer, reader, snapshot, saveoptions
     api         api, async_save, savegroup, entrypoint/* (base, options, loading, reports), dirconvert, tiers/*,
-                incremental, dcp/*, broadcast, the package __init__
+                incremental, dcp/*, broadcast, deepspeed_layout, torchload, the package __init__
     adapters    cli/*, integrations/*, the short-name shims lightning/accelerate/transformers/deepspeed
 
 Inside the ``tiers`` package the modules run one way too (TIERS, lowest first), and nothing outside
