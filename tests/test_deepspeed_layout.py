@@ -358,3 +358,24 @@ def test_tag_manifest_records_digests_and_identity_and_v1_manifests_still_load(t
     (tag / MANIFEST_NAME).write_text(json.dumps(old))
     with pytest.raises(FormatError, match="committed"):
         load_deepspeed_file(tag / "mp_rank_00_model_states.pt")
+
+
+def test_nvckpt_ls_verifies_a_deepspeed_tag_copied_to_a_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A tier copy of a DeepSpeed tag holds DeepSpeed's classes (the loss scaler of every ZeRO optimizer
+    # file): `nvckpt ls` checks it with DeepSpeed's allow-list, as `nvckpt verify` of the folder does.
+    pytest.importorskip("deepspeed")
+    from nvcomp_checkpoint.cli.main import main
+
+    tag = tmp_path / "run" / "t1"
+    tag.mkdir(parents=True)
+    path = tag / "mp_rank_00_model_states.pt"
+    nc.save(_scalers(), path)
+    write_manifest(tag, "t1", 1, {path.name: path.stat().st_size})
+    mgr = nc.CheckpointManager(
+        [nc.Tier(tmp_path / "run", name="fw"), nc.Tier(tmp_path / "shared", name="shared")], tier0_external=True
+    )
+    mgr.wait()
+    mgr.adopt(1, tag)
+    mgr.close()
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "shared"), "--json"]) == 0, capsys.readouterr()

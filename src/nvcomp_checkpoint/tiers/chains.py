@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ from typing import Any
 
 import xxhash
 
+from ..deepspeed_layout import OTHER_FILE, classify_file, deepspeed_safe_globals
 from ..errors import CheckpointError, FormatError
 from ..reader import CheckpointReader
 from ..safepaths import inside_path
@@ -217,10 +219,16 @@ def chain_manifests(store: TierStore, manifest: UnitManifest) -> dict[int, UnitM
 
 
 def decode_errors(paths: list[str], storage_options: dict[str, Any] | None) -> str | None:
-    """Why one of the nvcomp-checkpoint files at ``paths`` does not decode in full (None: they all do)."""
+    """Why one of the nvcomp-checkpoint files at ``paths`` does not decode in full (None: they all do).
+
+    A DeepSpeed rank file (a copied tag) is read with DeepSpeed's allow-list, as every loader of it
+    does: its optimizer state holds DeepSpeed's loss scaler.
+    """
     for path in paths:
-        with CheckpointReader(path, storage_options=storage_options) as reader:
-            for tensor, err in reader.verify():
-                if err is not None:
-                    return f"tensor {tensor.key!r}: {err}"
+        deepspeed = classify_file(posixpath.basename(path)).kind != OTHER_FILE
+        with deepspeed_safe_globals() if deepspeed else contextlib.nullcontext():
+            with CheckpointReader(path, storage_options=storage_options) as reader:
+                for tensor, err in reader.verify():
+                    if err is not None:
+                        return f"tensor {tensor.key!r}: {err}"
     return None
