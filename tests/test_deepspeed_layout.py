@@ -379,3 +379,23 @@ def test_nvckpt_ls_verifies_a_deepspeed_tag_copied_to_a_tier(tmp_path: Path, cap
     mgr.close()
     capsys.readouterr()
     assert main(["ls", str(tmp_path / "shared"), "--json"]) == 0, capsys.readouterr()
+
+
+def test_a_deepspeed_delta_tag_names_its_base_tag_though_its_files_end_in_pt(tmp_path: Path) -> None:
+    # The tiers and the rotation find a chain through unit_base_of: DeepSpeed's rank files keep their
+    # `.pt` names, so a lookup of `.nvc` files only took every delta tag for a full one, and its base
+    # never reached the tier (a fresh node then could not open the delta).
+    from nvcomp_checkpoint.incremental import keep_with_bases, unit_base_of
+
+    first, second = tmp_path / "t1", tmp_path / "t2"
+    first.mkdir()
+    second.mkdir()
+    name = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = {"optimizer_state_dict": {"single_partition_of_fp32_groups": [torch.randn(4096)]}}
+    nc.save(state, first / name)
+    state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][:10] += 1
+    nc.save(state, second / name, base=first / name)
+    (second / "notes.txt").write_text("not a checkpoint")
+    assert unit_base_of(str(first)) is None
+    assert unit_base_of(str(second)) == str(first)
+    assert keep_with_bases([str(second)]) == {str(first), str(second)}

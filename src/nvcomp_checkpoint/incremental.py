@@ -15,9 +15,10 @@ from . import boundedjson
 from .credentials import StorageOptions
 from .delta import ChainPolicy, base_path_of, retained
 from .errors import CheckpointError, UnsafePathError
+from .filetype import HEAD_BYTES, NVCOMP, kind_of
 from .reader import CheckpointReader
 from .safepaths import inside_path
-from .storage import is_url, list_names, storage_for
+from .storage import LOCAL, is_url, list_names, storage_for
 
 __all__ = ["IncrementalFiles", "DEFERRED_NAME", "unit_base_of", "keep_with_bases"]
 
@@ -273,12 +274,13 @@ class IncrementalFiles:
 def unit_base_of(path: str, storage_options: dict[str, Any] | None = None) -> str | None:
     """The unit a checkpoint file or folder (a ``save_state`` folder) is a delta against, or None.
 
-    For a folder: the folder holding the base of the first delta file in it.
+    For a folder: the folder holding the base of the first delta file in it, whatever its name
+    (DeepSpeed's rank files keep their ``.pt`` names).
     """
     path = _norm(path)
     if not is_url(path) and os.path.isdir(path):
         for name in sorted(os.listdir(path)):
-            if name.endswith(".nvc"):
+            if name.endswith(".nvc") or _is_ours(os.path.join(path, name)):
                 try:
                     base = base_path_of(os.path.join(path, name), CheckpointReader, storage_options)
                 except (CheckpointError, OSError):
@@ -291,6 +293,16 @@ def unit_base_of(path: str, storage_options: dict[str, Any] | None = None) -> st
     except (CheckpointError, OSError):
         return None
     return None if base is None else _norm(base)
+
+
+def _is_ours(path: str) -> bool:
+    """Whether the local file at ``path`` is one of this library's (by its first bytes)."""
+    try:
+        with LOCAL.open_read(path) as f:
+            head = f.read(HEAD_BYTES)
+        return kind_of(head, os.path.getsize(path)) == NVCOMP
+    except (OSError, CheckpointError):  # a folder, a FIFO, a file gone meanwhile: not a delta of ours
+        return False
 
 
 def keep_with_bases(keep: Iterable[str], storage_options: dict[str, Any] | None = None) -> set[str]:
