@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -104,38 +105,23 @@ def save(
     Returns:
         A :class:`SaveReport` with raw and stored bytes, time and a per-component table.
     """
-    if isinstance(progress, bool):
-        if not progress:
-            progress = None
-        else:
-            with progress_bar(f"saving {os.path.basename(os.fspath(path))}", tensor_bytes(obj)) as advance:
-                return save(
-                    obj,
-                    path,
-                    policy,
-                    metadata=metadata,
-                    storage_options=storage_options,
-                    workers=workers,
-                    progress=advance,
-                    stream_wrapper=stream_wrapper,
-                    base=base,
-                    base_state=base_state,
-                    file_mode=file_mode,
-                )
-    options = SaveOptions.of(
-        path,
-        "save",
-        policy=policy,
-        metadata=metadata,
-        storage_options=storage_options,
-        workers=workers,
-        progress=progress,
-        stream_wrapper=stream_wrapper,
-        base=base,
-        base_state=base_state,
-        file_mode=file_mode,
-    )
-    report = save_with_options(obj, path, options)
+    with contextlib.ExitStack() as bar:
+        if progress is True:
+            progress = bar.enter_context(progress_bar(f"saving {os.path.basename(os.fspath(path))}", tensor_bytes(obj)))
+        options = SaveOptions.of(
+            path,
+            "save",
+            policy=policy,
+            metadata=metadata,
+            storage_options=storage_options,
+            workers=workers,
+            progress=progress or None,
+            stream_wrapper=stream_wrapper,
+            base=base,
+            base_state=base_state,
+            file_mode=file_mode,
+        )
+        report = save_with_options(obj, path, options)
     log_report(report)
     return report
 
