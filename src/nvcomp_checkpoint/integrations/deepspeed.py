@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -117,7 +118,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
     every rank's files are durable (or :meth:`wait` does, on every rank).
 
     Attributes:
-        reports: The :class:`SaveReport` of each file this rank saved for the last committed tag.
+        last_report: This rank's :class:`SaveReport` of the last committed tag (its files merged; ``path``
+            is the tag folder), ``None`` before one.
+        reports: Deprecated: the :class:`SaveReport` of each file of that tag; use ``last_report``.
     """
 
     def __init__(
@@ -131,6 +134,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         incremental: bool | ChainPolicy = False,
         full_every: int | None = None,
         delta_base: str | None = None,
+        on_saved: Callable[[SaveReport], None] | None = None,
     ) -> None:
         # Checked first: a wrong argument must not leave anything half set up.
         self.tiers: TierCopies | None = None if tiers is None else TierCopies(tiers, "attach")
@@ -140,8 +144,19 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self.policy = deepspeed_policy(policy)
         self.async_save = async_save
         self.workers = workers
+        if on_commit is not None:
+            warnings.warn(
+                "attach(on_commit=...) is deprecated: pass on_saved=callable(report), called with this rank's report "
+                "of the committed tag (report.path is the tag folder)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        if on_saved is not None and not callable(on_saved):
+            raise TypeError(f"attach(on_saved=...) must be callable, got {type(on_saved).__name__}")
         self.on_commit = on_commit
+        self.on_saved = on_saved
         self.reports: list[SaveReport] = []
+        self.last_report: SaveReport | None = None
         #: Set by attach()'s save_checkpoint for the save under way: the caller's save_latest.
         self.latest_requested: bool | None = None
         self._pending: _PendingTag | None = None
@@ -323,7 +338,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self.tiers.adopt(pending.step, tag_dir, base)
         self.reports = pending.reports
         if pending.reports:  # one line per tag and rank, as every entry point logs one per checkpoint
-            log_report(merge_reports(tag_dir, pending.reports, time.perf_counter() - pending.started, pending.blocked))
+            self.last_report = merge_reports(tag_dir, pending.reports, time.perf_counter() - pending.started, pending.blocked)
+            log_report(self.last_report)
+            if self.on_saved is not None:
+                self.on_saved(self.last_report)
         if self.on_commit is not None:
             self.on_commit(pending.save_dir, pending.tag, pending.reports)
 
@@ -357,6 +375,7 @@ def attach(
     full_every: int | None = None,
     delta_base: str | None = None,
     leader_load: bool = False,
+    on_saved: Callable[[SaveReport], None] | None = None,
 ) -> NvcompCheckpointEngine:
     """Make ``engine`` (a ``deepspeed.DeepSpeedEngine``) save compressed checkpoints and load ours and plain ones.
 
@@ -373,7 +392,8 @@ def attach(
             writes), or by the next ``save_checkpoint``, ``engine.destroy()`` or
             ``NvcompCheckpointEngine.wait()`` (all collective), which wait for them.
         workers: Compression threads per rank (default: every core).
-        on_commit: Called on every rank as ``on_commit(save_dir, tag, reports)`` once a tag is committed.
+        on_commit: Deprecated: called on every rank as ``on_commit(save_dir, tag, reports)`` once a tag is
+            committed; use ``on_saved``.
         tiers: :class:`~nvcomp_checkpoint.Tier` s each committed tag is copied to (by rank 0, in the
             background, named by the engine's global step at the save); the save folder is tier 0.
             ``NvcompCheckpointEngine.resume_path()`` finds the newest copy that checks (a fresh node).
@@ -381,6 +401,8 @@ def attach(
             this process saved, a full tag every ``full_every`` (default 10) tags; ``delta_base``:
             ``"previous"`` (default) or ``"full"``; or a :class:`~nvcomp_checkpoint.ChainPolicy` saying both. A delta tag
             needs its base tags: remove a tag only when no kept tag is a delta against it.
+        on_saved: Called on every rank with that rank's :class:`SaveReport` of a tag once the tag is committed
+            (``report.path`` is the tag folder), as every entry point's ``on_saved``; also ``engine.last_report``.
         leader_load: Refused: every rank of a ZeRO run reads its own partition file, so there is no
             file one rank could read for the others (see docs/deepspeed.md).
 
@@ -405,6 +427,7 @@ def attach(
         incremental=incremental,
         full_every=full_every,
         delta_base=delta_base,
+        on_saved=on_saved,
     )
     ours.current_step = lambda: getattr(engine, "global_steps", None)
     engine.checkpoint_engine = ours
