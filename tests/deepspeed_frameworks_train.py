@@ -112,9 +112,9 @@ def accelerate_run(mode: str, root: str) -> None:
 
             nc.save = save
             # The attached DeepSpeed engine writes each file with save_with_options (logged once per tag).
-            import nvcomp_checkpoint.integrations.deepspeed as ds_integration
+            import nvcomp_checkpoint.entrypoint.deepspeed_engine as ds_backend
 
-            ds_integration.save_with_options = save
+            ds_backend.save_with_options = save
         acc.save_state(os.path.join(root, "killed"))
         raise AssertionError("the save of 'killed' should have been killed")
     resumed = {}

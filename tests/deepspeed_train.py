@@ -137,9 +137,9 @@ def kill_during_t5(stage: int, rank: int) -> None:
         # The attached engine saves each file with save_with_options (it logs one line per tag, not per file).
         import dataclasses
 
-        import nvcomp_checkpoint.integrations.deepspeed as ds_integration
+        import nvcomp_checkpoint.entrypoint.deepspeed_engine as ds_backend
 
-        real_save = ds_integration.save_with_options
+        real_save = ds_backend.save_with_options
 
         def save(obj, path, options):  # noqa: ANN001, ANN202
             if os.sep + "t5" + os.sep in os.fspath(path):
@@ -157,7 +157,7 @@ def kill_during_t5(stage: int, rank: int) -> None:
                 options = dataclasses.replace(options, progress=die)
             return real_save(obj, path, options)
 
-        ds_integration.save_with_options = save
+        ds_backend.save_with_options = save
     if stage == 3 and rank == 0:
         real_write = LocalStorage.write_bytes
 

@@ -6,7 +6,8 @@ layer and those below):
     base        errors, version, tensors, workers, codecs/*, filters/*, metrics, failures, safepaths, deadline, credentials, boundedjson, progressbar
     format      format/*, policy, storage, report, filetype, pending, filedigest, dirstore, delta
     pipeline    writer, reader, snapshot, saveoptions
-    api         api, async_save, savegroup, entrypoint/* (base, options, loading, reports), dirconvert, tiers/*,
+    api         api, async_save, savegroup, entrypoint/* (base, session, options, loading, commit, reports, support,
+                deepspeed_engine), dirconvert, tiers/*,
                 incremental, dcp/*, broadcast, deepspeed_layout, torchload, the package __init__
     adapters    cli/*, integrations/*, the short-name shims lightning/accelerate/transformers/deepspeed
 
@@ -262,13 +263,10 @@ def _integration_framework(module: str) -> str:
 
 # The HF Trainer saves FSDP state with Accelerate's fsdp_utils functions: its FSDP module swaps in
 # the Accelerate integration's (the one pair of integrations allowed to depend on each other).
-# DeepSpeed's engine is what Accelerate, the Trainer and Lightning run under with DeepSpeed: their
-# integrations attach its checkpoint engine through the DeepSpeed integration (attach_once, attach_after).
+# (Accelerate, the Trainer and Lightning attach DeepSpeed's checkpoint engine through the core's
+# DeepSpeed backend, entrypoint.deepspeed_engine, not through the DeepSpeed integration.)
 BUILT_ON = {
     (f"{PACKAGE}.integrations.transformers_fsdp", f"{PACKAGE}.integrations.accelerate_fsdp"),
-    (f"{PACKAGE}.integrations.accelerate", f"{PACKAGE}.integrations.deepspeed"),
-    (f"{PACKAGE}.integrations.transformers", f"{PACKAGE}.integrations.deepspeed"),
-    (f"{PACKAGE}.integrations.lightning_deepspeed", f"{PACKAGE}.integrations.deepspeed"),
 }
 
 

@@ -1,5 +1,8 @@
 """How the integrations load: ``torch.load``'s ``weights_only`` rules, and a collective load (``leader_load``)
-whose checks every rank agrees on before it."""
+whose checks every rank agrees on before it.
+
+:func:`failed_on_any_rank` is the load-side twin of :func:`~.commit.commit_on_every_rank`: one agreement of
+every rank's outcome (:func:`~.commit.gather_outcomes`), and a failure on any rank raised on every rank."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch.distributed as dist
 from ..api import is_nvcomp_checkpoint, load
 from ..broadcast import load_broadcast
 from ..errors import CheckpointError, UnsafeCheckpointError
+from .commit import gather_outcomes
 
 __all__ = [
     "torch_weights_only",
@@ -117,12 +121,12 @@ def checked_on_every_rank(check: Callable[[], _T], where: str, leader_load: bool
         return check()
     result, outcomes = _agreed(check, where, "failed before the collective load (leader_load), so no rank loads")
     mine = dist.get_rank()
-    differ = [rank for rank, (_, value) in enumerate(outcomes) if value != result]
+    differ = [rank for rank, value in enumerate(outcomes) if value != result]
     if differ:
         rank = differ[0]
         raise CheckpointError(
             f"{where}: the ranks see different checkpoint files before the collective load (leader_load): rank {mine} "
-            f"found {result!r}, rank {rank} found {outcomes[rank][1]!r}. Give every rank the same files (a shared "
+            f"found {result!r}, rank {rank} found {outcomes[rank]!r}. Give every rank the same files (a shared "
             "file system) or drop leader_load."
         )
     return result
@@ -149,19 +153,12 @@ def failed_on_any_rank(action: Callable[[], _T], where: str) -> _T:
 
 
 def _agreed(check: Callable[[], Any], where: str, failed: str) -> tuple[Any, list[Any]]:
-    """``check()`` on this rank and every rank's outcome (one ``all_gather_object``); raises on every rank if any failed."""
-    error: Exception | None = None
-    result: Any = None
-    try:
-        result = check()
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it before going on
-        error = exc
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, ("error", f"{type(error).__name__}: {error}") if error is not None else ("ok", result))
+    """``check()`` on this rank and every rank's result (:func:`~.commit.gather_outcomes`, as the commit agrees); raises on every rank if any failed."""
+    result, error, outcomes = gather_outcomes(check)
     if error is not None:
         raise error
-    failures = [(rank, message) for rank, (kind, message) in enumerate(outcomes) if kind == "error"]
+    failures = [(rank, outcome.error) for rank, outcome in enumerate(outcomes) if not outcome.ok]
     if failures:
         rank, message = failures[0]
         raise CheckpointError(f"{where}: rank {rank} {failed}: {message}")
-    return result, outcomes
+    return result, [outcome.value for outcome in outcomes]

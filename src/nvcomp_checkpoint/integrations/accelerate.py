@@ -677,7 +677,7 @@ class NvcompStateHooks(SaveEntryPoint):
 def _attach_deepspeed(accelerator: Accelerator, policy: nc.CodecPolicy, workers: int | None) -> Callable[[], None]:
     """Attach our checkpoint engine to each DeepSpeed engine the accelerator has prepared or will prepare."""
     # Imported here: the hooks of an Accelerator without DeepSpeed must not need DeepSpeed.
-    from nvcomp_checkpoint.integrations.deepspeed import attach_after  # noqa: PLC0415
+    from nvcomp_checkpoint.entrypoint.deepspeed_engine import attach_after  # noqa: PLC0415
 
     return attach_after(accelerator, "prepare", lambda: list(accelerator._models), policy=policy, workers=workers)
 

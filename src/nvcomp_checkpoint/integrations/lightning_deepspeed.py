@@ -50,7 +50,7 @@ class NvcompDeepSpeedStrategy(StrategyOptions, DeepSpeedStrategy):
         super().init_deepspeed()
         # The engine exists from here on; Lightning restores a checkpoint only after setup
         # (restore_checkpoint_after_setup), so a resume already reads through our engine.
-        from nvcomp_checkpoint.integrations.deepspeed import attach_once  # noqa: PLC0415 - needs DeepSpeed
+        from nvcomp_checkpoint.entrypoint.deepspeed_engine import attach_once  # noqa: PLC0415
 
         attach_once(self.deepspeed_engine, policy=self.policy, workers=self.workers, on_commit=self._committed)
 

@@ -513,7 +513,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
                 "(Trainer(..., callbacks=[NvcompTrainerCallback()])), so it can attach to the DeepSpeed engine "
                 "before a resume loads the checkpoint."
             )
-        from nvcomp_checkpoint.integrations.deepspeed import attach_after  # noqa: PLC0415 - needs DeepSpeed
+        from nvcomp_checkpoint.entrypoint.deepspeed_engine import attach_after  # noqa: PLC0415
 
         self._deepspeed = True
         self._weights = False
@@ -596,7 +596,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
             self._wait_for_saves("on_save at the end of training")
 
     def _check_deepspeed_attached(self) -> None:
-        from nvcomp_checkpoint.integrations.deepspeed import NvcompCheckpointEngine, is_deepspeed_engine  # noqa: PLC0415
+        from nvcomp_checkpoint.entrypoint.deepspeed_engine import NvcompCheckpointEngine, is_deepspeed_engine  # noqa: PLC0415
 
         trainer = (_trainer_locals() or {}).get("self")
         engine = getattr(trainer, "model_wrapped", None)
