@@ -12,9 +12,12 @@
   whose ``latest`` names it by ``../other_run/g4`` and by its absolute path (``ROOT/latest_outside.json``).
 * ``resume``: fresh processes attach, ``load_checkpoint`` each folder (``latest``) and train 2 steps
   (losses: ``ROOT/resumed.json``); the engine resumed from ``ours`` saves incrementally (``ROOT/sync``:
-  t5 full, t6 a delta, t7 full), the one from ``plain`` asynchronously (``ROOT/async``), copying to an S3
-  tier when ``NVCKPT_DS_S3`` names a moto endpoint; a fresh engine then resumes from the tier, or without
-  one from the delta tag.
+  t5 full, t6 a delta, t7 full), then a tag t8 whose file fails on rank 1 (each rank's error:
+  ``ROOT/failed-RANK.json``); the one from ``plain`` saves with the raw engine's every option
+  (``attach(async_save=True, tiers=[...], incremental=True)``, ``ROOT/async``: t5 full, t6 a delta),
+  copying to an S3 tier when ``NVCKPT_DS_S3`` names a moto endpoint, else to a local folder tier that
+  keeps one step. The async folder is then moved away (a fresh node) and a fresh engine resumes from
+  the tier's delta tag through its base. Each rank's ``on_saved`` calls: ``ROOT/on_saved-RANK.json``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import nvcomp_checkpoint as nc  # noqa: E402
-from nvcomp_checkpoint.deepspeed import attach  # noqa: E402
+from nvcomp_checkpoint.deepspeed import MANIFEST_NAME, attach  # noqa: E402
 from nvcomp_checkpoint.storage import LocalStorage  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, SEQ, BATCH = 128, 64, 2, 16, 2
@@ -169,6 +172,22 @@ def kill_during_t5(stage: int, rank: int) -> None:
         LocalStorage.write_bytes = write_bytes
 
 
+def fail_t8_on_rank_1(rank: int) -> None:
+    """Make rank 1's files of tag t8 fail to write (a full disk, say); rank 0's are written."""
+    if rank != 1:
+        return
+    import nvcomp_checkpoint.entrypoint.deepspeed_engine as ds_backend
+
+    real_save = ds_backend.save_with_options
+
+    def save(obj, path, options):  # noqa: ANN001, ANN202
+        if os.sep + "t8" + os.sep in os.fspath(path):
+            raise OSError(28, "No space left on device", os.fspath(path))
+        return real_save(obj, path, options)
+
+    ds_backend.save_with_options = save
+
+
 def main() -> None:
     mode, stage, root = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     init()
@@ -193,10 +212,28 @@ def main() -> None:
     if mode == "resume":
         resumed = {}
         s3 = os.environ.get("NVCKPT_DS_S3")  # a moto endpoint: the async engine's tags are copied to an S3 tier
-        tiers = None
         if s3:
             options = {"client_kwargs": {"endpoint_url": s3}, "key": "x", "secret": "y", "skip_instance_cache": True}
             tiers = [nc.Tier(f"s3://tiers/ds-zero{stage}", storage_options=options)]
+        else:
+            tiers = [nc.Tier(os.path.join(root, "tier"), keep=1)]  # retention must keep the delta's base
+        saved: dict[str, list[dict[str, object]]] = {"sync": [], "async": []}
+
+        def on_saved(kind: str):  # noqa: ANN202
+            def record(report: nc.SaveReport) -> None:
+                # Called once the tag is committed, on every rank: its manifest and `latest` are there.
+                latest = os.path.join(os.path.dirname(report.path), "latest")
+                saved[kind].append(
+                    {
+                        "path": report.path,
+                        "manifest": os.path.exists(os.path.join(report.path, MANIFEST_NAME)),
+                        "latest": open(latest).read() if os.path.exists(latest) else None,
+                    }
+                )
+
+            return record
+
+        last_reports = {}
         for name in ("ours", "plain"):
             if name == "plain":
                 engine = make_engine(stage)
@@ -204,9 +241,9 @@ def main() -> None:
             # the other engine's synchronous t5 holds (both trained from t3 on the same batches). The
             # synchronous one saves incrementally (t5 full, t6 a delta, t7 full: full_every=2).
             if name == "ours":
-                ours = attach(engine, incremental=True, full_every=2)
+                ours = attach(engine, incremental=True, full_every=2, on_saved=on_saved("sync"))
             else:
-                ours = attach(engine, async_save=True, tiers=tiers)
+                ours = attach(engine, async_save=True, tiers=tiers, incremental=True, on_saved=on_saved("async"))
             path, _ = engine.load_checkpoint(os.path.join(root, name))
             assert path is not None and os.path.basename(os.path.dirname(path)) == "t3", path
             assert engine.global_steps == 3, engine.global_steps
@@ -218,6 +255,14 @@ def main() -> None:
                 engine.save_checkpoint(target, tag="t6")
                 resumed["after_t6"] = train(engine, 1)
                 engine.save_checkpoint(target, tag="t7")
+                fail_t8_on_rank_1(rank)
+                try:
+                    engine.save_checkpoint(target, tag="t8")
+                    failed: object = None
+                except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+                    failed = {"type": type(exc).__name__, "message": str(exc)}
+                with open(os.path.join(root, f"failed-{rank}.json"), "w") as f:
+                    json.dump(failed, f)
             if name == "plain":
                 # Committed at an optimizer step once every rank's files are durable (or by wait()), not
                 # before: `latest` waits for every rank's files.
@@ -232,27 +277,23 @@ def main() -> None:
                     assert f.read() == "t6"
                 resumed["after_async_t6"] = train(engine, 1)
                 engine.destroy()
-        if tiers is None:
-            # A fresh engine from the delta tag t6 (its chain: t5) continues as the saving one did.
-            engine = make_engine(stage)
-            attach(engine)
-            engine.load_checkpoint(os.path.join(root, "sync"), tag="t6")
-            resumed["from_delta_t6"] = train(engine, 1)
-        else:
-            # A fresh node: the async folder is gone; every rank loads the newest copy on the S3 tier.
-            torch.distributed.barrier()
-            if rank == 0:
-                os.rename(os.path.join(root, "async"), os.path.join(root, "async-gone"))
-            torch.distributed.barrier()
-            engine = make_engine(stage)
-            found = attach(engine, tiers=tiers).resume_path(os.path.join(root, "restore"))
-            assert found is not None
-            engine.load_checkpoint(os.path.dirname(found), tag=os.path.basename(found))
-            resumed["tier"] = {"path": found, "step": engine.global_steps, "losses": train(engine, 1)}
-            torch.distributed.barrier()
-            if rank == 0:
-                os.rename(os.path.join(root, "async-gone"), os.path.join(root, "async"))
+            last_reports[name] = ours.last_report.path if ours.last_report is not None else None
+        with open(os.path.join(root, f"on_saved-{rank}.json"), "w") as f:
+            json.dump({"saved": saved, "last_report": last_reports}, f)
+        # A fresh node: the async folder (tier 0) is gone; every rank loads the newest copy on the tier,
+        # a delta tag (t6) whose base (t5) the tier holds too.
+        torch.distributed.barrier()
         if rank == 0:
+            os.rename(os.path.join(root, "async"), os.path.join(root, "async-gone"))
+        torch.distributed.barrier()
+        engine = make_engine(stage)
+        found = attach(engine, tiers=tiers).resume_path(os.path.join(root, "restore"))
+        assert found is not None
+        engine.load_checkpoint(os.path.dirname(found), tag=os.path.basename(found))
+        resumed["tier"] = {"path": found, "step": engine.global_steps, "losses": train(engine, 1)}
+        torch.distributed.barrier()
+        if rank == 0:
+            os.rename(os.path.join(root, "async-gone"), os.path.join(root, "async"))
             with open(os.path.join(root, "resumed.json"), "w") as f:
                 json.dump(resumed, f)
         torch.distributed.barrier()

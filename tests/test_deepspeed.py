@@ -31,8 +31,8 @@ from nvcomp_checkpoint.errors import CheckpointNotFoundError, FormatError, Unsaf
 from nvcomp_checkpoint.filetype import NVCOMP, TORCH, kind_of  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("deepspeed_train.py")
-#: The ZeRO stage whose resume run also copies to an S3 tier and resumes from it (one stage: the suite's time);
-#: the other stage's resume run loads its delta tag in a fresh engine (deepspeed_train.py).
+#: The ZeRO stage whose resume run copies to an S3 tier (one stage: the suite's time); the other stage's
+#: copies to a local folder tier (deepspeed_train.py).
 TIER_STAGE = 3
 ENV = {
     "DS_ACCELERATOR": "cpu",
@@ -163,12 +163,11 @@ def test_async_save_commits_once_durable_with_the_same_files_as_sync(run: tuple[
         )
 
 
-def test_incremental_tags_are_deltas_of_the_previous_tag_and_resume_identically(run: tuple[int, Path]) -> None:
+def test_incremental_tags_are_deltas_of_the_previous_tag(run: tuple[int, Path]) -> None:
     from nvcomp_checkpoint.delta import base_path_of
     from nvcomp_checkpoint.reader import CheckpointReader
 
-    stage, root = run
-    resumed = json.loads((root / "resumed.json").read_text())
+    _, root = run
     sync = root / "sync"
     names = sorted(p.name for p in (sync / "t6").iterdir() if p.name != MANIFEST_NAME)
     assert names == sorted(p.name for p in (sync / "t5").iterdir() if p.name != MANIFEST_NAME)
@@ -176,27 +175,54 @@ def test_incremental_tags_are_deltas_of_the_previous_tag_and_resume_identically(
         assert base_path_of(str(sync / "t5" / name), CheckpointReader) is None  # the process's first save: full
         assert base_path_of(str(sync / "t6" / name), CheckpointReader) == str(sync / "t5" / name)
         assert base_path_of(str(sync / "t7" / name), CheckpointReader) is None  # full_every=2
+        # The async engine (async_save, tiers and incremental at once) chains its tags the same way.
+        assert base_path_of(str(root / "async" / "t6" / name), CheckpointReader) == str(root / "async" / "t5" / name)
     assert sum((sync / "t6" / n).stat().st_size for n in names) < sum((sync / "t5" / n).stat().st_size for n in names)
-    if stage == TIER_STAGE:
-        pytest.skip("the fresh engine from the delta tag runs in the other stage's run (suite time)")
-    # A fresh engine loads the delta tag through its chain and continues as the saving engine did.
-    assert resumed["from_delta_t6"] == resumed["after_t6"]
 
 
-def test_tags_are_copied_to_an_s3_tier_and_a_fresh_node_resumes_from_it(run: tuple[int, Path]) -> None:
+def test_async_tiered_incremental_engine_resumes_on_a_fresh_node_from_the_tiers_delta_tag(run: tuple[int, Path]) -> None:
+    """attach(async_save=True, tiers=[...], incremental=True): the tier holds the delta tag t6 and its base t5
+    (a local tier keeping one step keeps the base too); with the save folder gone, fresh ranks resume from
+    the tier (resume_path) with the uninterrupted run's next losses."""
     stage, root = run
-    if stage != TIER_STAGE:
-        pytest.skip(f"carried by the ZeRO-{TIER_STAGE} run only (suite time)")
     resumed = json.loads((root / "resumed.json").read_text())
-    keys = json.loads((root / "s3_keys.json").read_text())
-    copied = {k.split("/")[1] for k in keys}
-    assert {"step-0000000005", "step-0000000006"} <= copied, keys
     tag_files = sorted(p.name for p in (root / "async" / "t6").iterdir())
-    for name in tag_files:  # every file of the tag, its manifest included
-        assert any(k.split("/")[1] == "step-0000000006" and k.endswith("/" + name) for k in keys), (name, keys)
+    if stage == TIER_STAGE:
+        keys = json.loads((root / "s3_keys.json").read_text())
+        copied: dict[str, set[str]] = {}
+        for key in keys:
+            if key.count("/") >= 2:  # a file of a step's folder (not the step's manifest beside it)
+                copied.setdefault(key.split("/")[1], set()).add(key.rsplit("/", 1)[1])
+    else:
+        copied = {p.name: {f.name for f in p.iterdir()} for p in (root / "tier").iterdir() if p.is_dir()}
+        assert sorted(copied) == ["step-0000000005", "step-0000000006"]  # keep=1, and t6's base
+    assert {"step-0000000005", "step-0000000006"} <= set(copied), sorted(copied)
+    assert set(tag_files) <= copied["step-0000000006"]  # every file of the tag, its manifest included
     assert resumed["tier"]["step"] == 6
     assert resumed["tier"]["losses"] == resumed["after_async_t6"]
     assert Path(resumed["tier"]["path"]).is_relative_to(root / "restore")
+
+
+def test_on_saved_is_called_on_every_rank_once_each_tag_is_committed(run: tuple[int, Path]) -> None:
+    _, root = run
+    for rank in (0, 1):
+        record = json.loads((root / f"on_saved-{rank}.json").read_text())
+        for kind, tags in (("sync", ["t5", "t6", "t7"]), ("async", ["t5", "t6"])):
+            # report.path is the tag folder; the tag's manifest and `latest` were there when it was called.
+            expected = [{"path": str(root / kind / t), "manifest": True, "latest": t} for t in tags]
+            assert record["saved"][kind] == expected, (rank, kind)
+        assert record["last_report"] == {"ours": str(root / "sync" / "t7"), "plain": str(root / "async" / "t6")}
+
+
+def test_a_file_failing_on_one_rank_fails_the_save_on_every_rank_naming_rank_and_file(run: tuple[int, Path]) -> None:
+    _, root = run
+    for rank in (0, 1):
+        failed = json.loads((root / f"failed-{rank}.json").read_text())
+        assert failed is not None and failed["type"] == "CheckpointWriteError", (rank, failed)
+        assert "rank 1 failed to write its files" in failed["message"], failed
+        assert "No space left on device" in failed["message"] and f"{os.sep}t8{os.sep}" in failed["message"], failed
+    assert (root / "sync" / "latest").read_text() == "t7"
+    assert not (root / "sync" / "t8" / MANIFEST_NAME).exists()
 
 
 def test_flat_master_weights_and_moments_are_classified(run: tuple[int, Path]) -> None:
