@@ -132,7 +132,6 @@ STACKS: tuple[Stack, ...] = (
         "Accelerate + DeepSpeed",
         "register_nvcomp_hooks",
         DEEPSPEED_PARTITIONS,
-        _ds("async_save", "tiers", "incremental"),
         applies=frozenset(OPTIONS) - {"compress_weights"},
     ),
     Stack(

@@ -11,11 +11,15 @@ wrapper, crash safety, in-place updates, async saves) is in ``docs/accelerate.md
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import re
+import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
@@ -36,6 +40,7 @@ try:
         SCALER_NAME,
         SCHEDULER_NAME,
         DistributedType,
+        broadcast_object_list,
     )
 except ImportError as exc:
     raise ImportError(
@@ -44,15 +49,17 @@ except ImportError as exc:
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import ChainPolicy
+from nvcomp_checkpoint.delta import retained
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate
-from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, incremental_files, load_tree
+from nvcomp_checkpoint.entrypoint import CheckpointSession, SessionOptions, checked_on_every_rank, load_tree
+from nvcomp_checkpoint.entrypoint.loading import failed_on_any_rank, leader_load_applies
 from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError, StateSaveError
-from nvcomp_checkpoint.incremental import keep_with_bases
+from nvcomp_checkpoint.incremental import IncrementalFiles, unit_base_of
 from nvcomp_checkpoint.integrations import accelerate_fsdp
 from nvcomp_checkpoint.savegroup import SaveGroup
 from nvcomp_checkpoint.storage import LOCAL
-from nvcomp_checkpoint.tiers import Tier
+from nvcomp_checkpoint.tiers import Tier, TierCopies
 
 __all__ = [
     "register_nvcomp_hooks",
@@ -159,18 +166,19 @@ def register_nvcomp_hooks(
 
     Returns:
         A handle: ``handle.last_report`` is the :class:`~nvcomp_checkpoint.SaveReport` of the
-        last committed save (per component, all ``.nvc`` files together), ``handle.wait()``
-        waits for a pending async save, and ``handle.remove()`` restores Accelerate's own
-        ``save_state``/``load_state``.
+        last committed save (per component, all its files together), ``handle.wait()``
+        waits for a pending async save (with DeepSpeed: on every process), and ``handle.remove()``
+        restores Accelerate's own ``save_state``/``load_state``.
 
     Raises:
         CheckpointError: The accelerator uses Megatron-LM or XLA, or FSDP with ``async_save``, or
-            DeepSpeed with ``async_save``, ``tiers``, ``incremental`` or ``leader_load``, or already
-            has these hooks. (FSDP state is compressed: sharded through
-            :class:`~nvcomp_checkpoint.dcp.NvcompWriter`, full into ``.nvc`` files; see
-            :mod:`nvcomp_checkpoint.integrations.accelerate_fsdp`. DeepSpeed's checkpoint is written
-            compressed by :func:`nvcomp_checkpoint.deepspeed.attach`'s engine, attached to each
-            DeepSpeed engine ``prepare`` creates: see ``docs/accelerate.md``.)
+            DeepSpeed with ``leader_load`` (:class:`~nvcomp_checkpoint.errors.UnsupportedOptionError`,
+            from the one check of ``entrypoint.support``), or already has these hooks. (FSDP state is
+            compressed: sharded through :class:`~nvcomp_checkpoint.dcp.NvcompWriter`, full into ``.nvc``
+            files; see :mod:`nvcomp_checkpoint.integrations.accelerate_fsdp`. DeepSpeed's checkpoint is
+            written compressed by :func:`nvcomp_checkpoint.deepspeed.attach`'s engine, attached to each
+            DeepSpeed engine ``prepare`` creates, with ``async_save`` and ``incremental`` passed on to
+            it; the folder, its tier copies and its rotation stay these hooks': see ``docs/accelerate.md``.)
 
     Example:
         >>> accelerator = Accelerator()
@@ -249,18 +257,22 @@ class _LoadCall:
     model_kwargs: dict[str, Any]
 
 
-class NvcompStateHooks(SaveEntryPoint):
+class NvcompStateHooks:
     """The handle :func:`register_nvcomp_hooks` returns (design: ``docs/accelerate.md``).
 
-    The options (``policy``, ``workers``, ``async_save`` ...), :meth:`wait`, :meth:`pending` and
-    :meth:`resume_path` are :class:`~nvcomp_checkpoint.entrypoint.SaveEntryPoint`'s.
+    It holds a :class:`~nvcomp_checkpoint.entrypoint.CheckpointSession` (``session``), the one owner
+    of the saves, their background errors, the copies to the tiers, the ``incremental`` chains and the
+    removal of old folders; what is here is Accelerate's: wrapping ``save_state``/``load_state``,
+    its folders, and (with DeepSpeed) the engines that write the ZeRO partitions.
 
     Attributes:
         accelerator: The accelerator whose ``save_state``/``load_state`` are wrapped.
-        last_report: Per-component totals of the last committed save's ``.nvc`` files (``None``
+        session: The :class:`~nvcomp_checkpoint.entrypoint.CheckpointSession` of these hooks.
+        last_report: The last committed save's report, its files together (per component; ``None``
             before the first save and on processes that write nothing). With FSDP, its DCP
-            directories too, each summed over every rank's file, on the process that commits.
-        last_reports: The same, per file (or FSDP directory) name.
+            directories too, each summed over every rank's file; with DeepSpeed, this process's
+            files of each tag; on the process that commits.
+        policy, workers, async_save, on_saved, stream_wrapper, tiers, incremental, leader_load: The options.
     """
 
     def __init__(
@@ -278,9 +290,8 @@ class NvcompStateHooks(SaveEntryPoint):
         delta_base: str | None = None,
         leader_load: bool = False,
     ) -> None:
-        # Checked first: a wrong argument must not leave the accelerator half wrapped.
-        self.incremental = incremental_files("register_nvcomp_hooks", incremental, full_every, delta_base)
-        super().__init__(
+        # Converted and checked first: a wrong argument must not leave the accelerator half wrapped.
+        options = SessionOptions.of(
             "register_nvcomp_hooks",
             policy,
             workers=workers,
@@ -288,12 +299,19 @@ class NvcompStateHooks(SaveEntryPoint):
             on_saved=on_saved,
             stream_wrapper=stream_wrapper,
             tiers=tiers,
+            incremental=incremental,
+            full_every=full_every,
+            delta_base=delta_base,
+        )
+        self.session = CheckpointSession(
+            "register_nvcomp_hooks",
+            options,
             log_as="save_state",
             tiers_hint="register_nvcomp_hooks(accelerator, tiers=[nc.Tier(...)])",
         )
         self.accelerator = accelerator
         self.leader_load = leader_load
-        self.last_reports: dict[str, nc.SaveReport] = {}
+        self._last_reports: dict[str, nc.SaveReport] = {}
         self._saving: _SaveCall | None = None
         self._loading: _LoadCall | None = None
         # Whatever save_state/load_state were before (Accelerate's, or another wrapper's) is
@@ -305,8 +323,104 @@ class NvcompStateHooks(SaveEntryPoint):
         accelerator.load_state = self.load_state
         accelerator._nvcomp_state_hooks = self
         self._restore_prepare: Callable[[], None] | None = None
+        self._tags: _DeepSpeedTags | None = None
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            self._restore_prepare = _attach_deepspeed(accelerator, self.policy, self.workers)
+            self._tags = _DeepSpeedTags(accelerator, self.session.incremental)
+            self._restore_prepare = _attach_deepspeed(accelerator, options)
+
+    # -- the options and the session's public surface, as before -------------------------------
+    @property
+    def policy(self) -> nc.CodecPolicy:
+        return self.session.options.policy
+
+    @property
+    def workers(self) -> int | None:
+        return self.session.options.workers
+
+    @property
+    def async_save(self) -> bool:
+        return self.session.options.async_save
+
+    @property
+    def on_saved(self) -> Callable[[nc.SaveReport], Any] | None:
+        return self.session.options.on_saved
+
+    @property
+    def stream_wrapper(self) -> Callable[[IO[bytes]], IO[bytes]] | None:
+        return self.session.options.stream_wrapper
+
+    @property
+    def max_pending(self) -> int:
+        return self.session.options.max_pending
+
+    @property
+    def tiers(self) -> TierCopies | None:
+        return self.session.tiers
+
+    @property
+    def incremental(self) -> IncrementalFiles | None:
+        return self.session.incremental
+
+    @property
+    def last_report(self) -> nc.SaveReport | None:
+        return self.session.last_report
+
+    @property
+    def last_reports(self) -> dict[str, nc.SaveReport]:
+        """Deprecated: the last committed save's reports per file (or FSDP directory, or DeepSpeed tag); use ``last_report``."""
+        warnings.warn(
+            "NvcompStateHooks.last_reports is deprecated: use last_report, the save's report with its files together "
+            "(as on every entry point)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return dict(self._last_reports)
+
+    def pending(self) -> int:
+        """Saves not yet committed (0 without ``async_save``)."""
+        return self.session.pending()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every pending save (and copy to ``tiers``) is committed; raise the first background failure.
+
+        With DeepSpeed it is collective (call it on every process, as ``save_state``): the tags the
+        engines still hold are committed first, and a failure on any process raises on every one.
+
+        Raises:
+            CheckpointWriteError: A background save failed; what it would have replaced is untouched.
+            TimeoutError: Saves still pending after ``timeout`` seconds.
+        """
+        if self._tags is not None:
+            self._settle_on_every_rank("wait()")
+        self.session.wait(timeout)
+
+    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
+        """The newest checkpoint folder on ``tiers`` that checks, as a local folder, or ``None`` (a fresh start).
+
+        See :meth:`CheckpointSession.resume_path`. With several processes it is collective: the main
+        process finds (and lays out into ``local_dir``, which every process must see) the copy, and
+        every process gets its path. ``accelerator.load_state(path)`` loads it.
+
+        Raises:
+            ValueError: No ``tiers`` were given.
+        """
+        if not _distributed(self.accelerator):
+            return self.session.resume_path(local_dir)
+        found: list[Any] = [None]
+        error: list[BaseException] = []
+        if self.accelerator.is_main_process:
+            try:
+                found = [self.session.resume_path(local_dir)]
+            except BaseException as exc:  # noqa: BLE001 - raised on every process below
+                error.append(exc)
+        failed_on_any_rank(lambda: _reraise(error), "register_nvcomp_hooks.resume_path()")
+        return broadcast_object_list(found)[0]
+
+    def close(self, when: str = "close()") -> None:
+        """Wait for pending saves and copies, stop the background threads, raise a failure (``when`` reports it)."""
+        if self._tags is not None:
+            self._settle_on_every_rank(when)
+        self.session.close(when)
 
     def remove(self) -> None:
         """Restore Accelerate's ``save_state``/``load_state`` on the accelerator.
@@ -336,12 +450,23 @@ class NvcompStateHooks(SaveEntryPoint):
                     setattr(acc, name, previous)
             del acc.__dict__["_nvcomp_state_hooks"]
 
-    def _raise_errors(self, when: str, consequence: str = "") -> None:
-        failed = self._failed_save_info()
-        if failed is not None:
-            # As after a synchronous failure: the next save_state reuses the failed one's number.
-            self.accelerator.project_configuration.iteration = failed["iteration"]
-        super()._raise_errors(when, consequence)
+    def _settle_on_every_rank(self, when: str, consequence: str = "") -> None:
+        """DeepSpeed: commit the engines' tags in flight, wait for the pending saves, and raise a failure on every process.
+
+        Collective. A save fails on the process that commits it (the main one), in the background:
+        every process raises here, and takes the failed save's number as the next one, as the main
+        process does, so that all name the next folder alike.
+        """
+        assert self._tags is not None
+        self._tags.commit_in_flight()
+        self.session.settle()
+        try:
+            failed_on_any_rank(lambda: self.session.raise_errors(when, consequence), when)
+        except BaseException:
+            if _distributed(self.accelerator):
+                config = self.accelerator.project_configuration
+                config.iteration = broadcast_object_list([config.iteration])[0]
+            raise
 
     # -- saving ----------------------------------------------------------------------------
     def save_state(
@@ -359,13 +484,17 @@ class NvcompStateHooks(SaveEntryPoint):
             CheckpointWriteError: Writing failed (the disk is full ...); the directory that was
                 at the target before, if any, is untouched and ``save_iteration`` is unchanged.
                 With ``async_save``: the previous, pending save failed (this one is not started).
+                With DeepSpeed, raised on every process when it failed on any.
         """
         acc = self.accelerator
         config = acc.project_configuration
         entered = time.perf_counter()
-        if self.async_save:
+        if self._tags is not None:
+            # The previous save's tags and folder commit land before this one starts, on every process.
+            self._settle_on_every_rank("the next save_state")
+        elif self.async_save:
             # One save in flight: its commit and rotation must land before this one starts.
-            self._wait_for_saves("the next save_state")
+            self.session.wait_for_saves("the next save_state")
         auto = bool(config.automatic_checkpoint_naming)
         if auto:
             checkpoints = Path(os.path.abspath(acc.project_dir)) / "checkpoints"
@@ -406,20 +535,29 @@ class NvcompStateHooks(SaveEntryPoint):
             self._run_inner_save(call, auto, safe_serialization, save_model_func_kwargs)
             acc.wait_for_everyone()
 
-        try:
+        def save() -> None:
             if not writes:
                 write(None)
-            else:  # the group commits once every .nvc file is durable; then the copies to the tiers
-                self._save_group(
-                    os.fspath(shown),
-                    entered,
-                    self._after_durable(call.iteration, call.target),
-                    write,
-                    background=self.async_save,
-                    info={"iteration": call.iteration},
-                    commit=lambda reports: self._commit(call, reports, rotation),
-                    failed=lambda exc: self._failed(call, exc),
-                )
+                return
+            # The group commits once every part is durable (.nvc files, DeepSpeed's committed tags);
+            # then the copies to the tiers.
+            self.session.checkpoint(
+                os.fspath(shown),
+                entered,
+                self._after_durable(call),
+                write,
+                background=self.async_save,
+                info={"iteration": call.iteration},
+                commit=lambda reports: self._commit(call, reports, rotation),
+                failed=lambda exc: self._failed(call, exc),
+            )
+
+        try:
+            if self._tags is not None:
+                # A failure on the committing process (or a rank's tag) raises on every process.
+                failed_on_any_rank(save, "save_state")
+            else:
+                save()
         except BaseException as exc:
             config.iteration = call.iteration
             if self.incremental is not None:
@@ -430,12 +568,21 @@ class NvcompStateHooks(SaveEntryPoint):
             if isinstance(exc, (OSError, RuntimeError, CheckpointWriteError)) and not isinstance(exc, StateSaveError):
                 raise _save_failed(target, exc) from exc
             raise
-        if not self.async_save:
+        if not self.async_save and self._tags is None:
             acc.wait_for_everyone()
         return shown
 
+    def _after_durable(self, call: _SaveCall) -> list[Callable[[nc.SaveReport], Any]]:
+        """What runs once the folder is committed: the copy to the tiers, a delta folder with its base folder."""
+        tiers = self.session.tiers
+        if self._tags is None or tiers is None or self.incremental is None:
+            return self.session.after_durable(call.iteration, call.target)
+        target = os.fspath(call.target)
+        # DeepSpeed's deltas lie one level down, in the tag folders: the base folder is found there.
+        return [lambda report: tiers.adopt(call.iteration, target, _folder_base(target))]
+
     def _commit(self, call: _SaveCall, reports: dict[str, nc.SaveReport], rotation: tuple[Path, int] | None) -> None:
-        """Manifest, commit, rotation: runs once every ``.nvc`` file is durable (maybe in the background)."""
+        """Manifest, commit, rotation: runs once every part is durable (maybe in the background)."""
         fields = {
             "accelerate": accelerate.__version__,
             "step": call.step,
@@ -465,7 +612,7 @@ class NvcompStateHooks(SaveEntryPoint):
                 *accelerate_fsdp.replaced_files(previous, call.staging),
             ],
         )
-        self.last_reports = dict(reports)
+        self._last_reports = dict(reports)
         if previous == {}:  # updated in place, a folder that no save with these hooks wrote
             left = sorted(n for n in LOCAL.listdir(os.fspath(target)) if _PLAIN_STATE_FILE.fullmatch(n) and n not in new)
             if left:
@@ -480,22 +627,24 @@ class NvcompStateHooks(SaveEntryPoint):
             checkpoints, limit = rotation
             ordered = [p for _, p in numbered_dirs(checkpoints, _number)]
             if self.incremental is not None:  # a chain goes as a whole: the folders kept ones need stay
-                needed = keep_with_bases([os.fspath(p) for p in [*ordered[-limit:], target]])
+                needed = set(retained([os.fspath(p) for p in [*ordered[-limit:], target]], _folder_base))
                 ordered, limit = [p for p in ordered if os.fspath(p) not in needed], 0
-            # Each folder goes once nothing needs it (SaveEntryPoint._remove_checkpoint): after this commit,
+            # Each folder goes once nothing needs it (CheckpointSession.remove): after this commit,
             # and after its copies to the tiers.
             rotate(
                 ordered,
                 limit,
                 keep=target,
                 trash=checkpoints.parent,
-                when=lambda old, delete: self._remove_checkpoint(old, lambda _: delete()),
+                when=lambda old, delete: self.session.remove(old, lambda _: delete()),
             )
 
     def _failed(self, call: _SaveCall, exc: BaseException) -> BaseException:
         remove_quietly(call.staging)
         if self.incremental is not None:
             self.incremental.failed()
+        # As after a synchronous failure: the next save_state reuses the failed one's number.
+        self.accelerator.project_configuration.iteration = call.iteration
         error = _save_failed(call.target, exc)
         error.__cause__ = exc
         return error
@@ -505,7 +654,7 @@ class NvcompStateHooks(SaveEntryPoint):
         config = acc.project_configuration
         fsdp = acc.distributed_type == DistributedType.FSDP  # every rank writes its shards (accelerate_fsdp)
         # Every rank writes its partition through the attached engine (save_checkpoint per model).
-        deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+        deepspeed = self._tags is not None
         handle = acc.register_save_state_pre_hook(self._save_hook)
         acc._optimizers = call.optimizers if fsdp or deepspeed else []
         config.automatic_checkpoint_naming = False
@@ -518,11 +667,16 @@ class NvcompStateHooks(SaveEntryPoint):
                     accelerate.accelerator, self.policy, workers=self.workers, on_saved=on_saved
                 )
                 if fsdp
+                else self._tags.saving(call.staging, call.target)
+                if self._tags is not None
                 else contextlib.nullcontext()
             ):
                 self._inner_save(str(call.staging), safe_serialization=safe_serialization, **kwargs)
-            if deepspeed and call.group is not None:
-                _report_deepspeed(acc, call)
+            if self._tags is not None:
+                if not self.async_save:
+                    self._tags.commit_in_flight()  # an engine attached with async_save by someone else
+                if call.group is not None:
+                    self._tags.hand_over(self.session, call.group, background=self.async_save)
         finally:
             self._saving = None
             config.automatic_checkpoint_naming = auto
@@ -547,11 +701,11 @@ class NvcompStateHooks(SaveEntryPoint):
             if self.incremental is not None and call.staging.parent == call.target.parent:
                 base = self.incremental.base_for(call.target / name, slot=name)
             path = call.staging / name
-            options = self._options(path, metadata={"accelerate": {"kind": kind, "index": i, **meta}}, base=base)
+            options = self.session.save_options(path, metadata={"accelerate": {"kind": kind, "index": i, **meta}}, base=base)
             if call.background:
-                self._save_file(call.group, name, state, path, options)
+                self.session.add_file(call.group, name, state, path, options)
             else:
-                call.group.add_report(name, self._save_now(state, path, options))
+                call.group.add_report(name, self.session.save_now(state, path, options))
             (call.models if kind == "model" else call.optimizer_files).append(name)
 
     def _writes(self) -> bool:
@@ -578,20 +732,25 @@ class NvcompStateHooks(SaveEntryPoint):
                 file copied in from another checkpoint, even one of the same size).
         """
         acc = self.accelerator
-        if self.async_save:
+        deepspeed = self._tags is not None
+        if deepspeed:
+            # The directory to load may be the one a pending save is about to commit; its failure
+            # on the committing process is raised on every process.
+            self._settle_on_every_rank("load_state")
+        elif self.async_save:
             # The directory to load may be the one a pending save is about to commit.
-            self._settle_saves()
+            self.session.settle()
             if acc.num_processes > 1:
                 acc.wait_for_everyone()  # the other ranks wait for the main process's commit
         if input_dir is None and not acc.project_configuration.automatic_checkpoint_naming:
             if self.async_save:
-                self._raise_errors("load_state")
+                self.session.raise_errors("load_state")
             self._inner_load(None, load_kwargs, **load_model_func_kwargs)  # Accelerate's own error
             return
 
         def locate() -> tuple[Path, dict[str, Any] | None]:
             if self.async_save:
-                self._raise_errors("load_state")
+                self.session.raise_errors("load_state")
             if input_dir is not None:
                 found = Path(os.path.expanduser(os.fspath(input_dir)))
                 _STORE.recover(found)
@@ -603,21 +762,22 @@ class NvcompStateHooks(SaveEntryPoint):
             return found, _STORE.checked_manifest(found, lists=("models", "optimizers"), identities=reads)
 
         # With leader_load the loads below are collectives: a failed background save (the main
-        # process's) or a directory that differs on one node makes every rank raise, not wait.
-        path, manifest = checked_on_every_rank(locate, "load_state", self.leader_load)
+        # process's) or a directory that differs on one node makes every rank raise, not wait. So
+        # are DeepSpeed's (each rank loads its partition, and the engine agrees on the outcome).
+        path, manifest = checked_on_every_rank(locate, "load_state", self.leader_load or deepspeed)
         if manifest is None:  # saved without these hooks
             self._inner_load(os.fspath(path), load_kwargs, **load_model_func_kwargs)
             return
         if "deepspeed" in manifest or acc.distributed_type == DistributedType.DEEPSPEED:
             _check_deepspeed_loadable(acc, path, manifest)
             self._inner_load(os.fspath(path), load_kwargs, **load_model_func_kwargs)
+            self._next_iteration_after(manifest)
             return
         if "fsdp" in manifest or acc.distributed_type == DistributedType.FSDP:
             accelerate_fsdp.check_loadable(acc, path, manifest)
             with accelerate_fsdp.nvcomp_fsdp_functions(accelerate.accelerator):
                 self._inner_load(os.fspath(path), load_kwargs, **load_model_func_kwargs)
-            if self.tiers is not None and isinstance(manifest.get("iteration"), int):
-                acc.project_configuration.iteration = manifest["iteration"] + 1
+            self._next_iteration_after(manifest)
             return
         if len(manifest["optimizers"]) != len(acc._optimizers):
             raise CheckpointError(
@@ -649,9 +809,12 @@ class NvcompStateHooks(SaveEntryPoint):
             self._loading = None
             acc._optimizers = call.optimizers
             handle.remove()
+        self._next_iteration_after(manifest)
+
+    def _next_iteration_after(self, manifest: dict[str, Any]) -> None:
         if self.tiers is not None and isinstance(manifest.get("iteration"), int):
             # The tiers name copies by iteration: the next save must come after the one loaded.
-            acc.project_configuration.iteration = manifest["iteration"] + 1
+            self.accelerator.project_configuration.iteration = manifest["iteration"] + 1
 
     def _load_hook(self, models: list[torch.nn.Module], input_dir: str) -> None:
         call = self._loading
@@ -674,22 +837,196 @@ class NvcompStateHooks(SaveEntryPoint):
 
 
 # -- DeepSpeed --------------------------------------------------------------------------------
-def _attach_deepspeed(accelerator: Accelerator, policy: nc.CodecPolicy, workers: int | None) -> Callable[[], None]:
-    """Attach our checkpoint engine to each DeepSpeed engine the accelerator has prepared or will prepare."""
+def _attach_deepspeed(accelerator: Accelerator, options: SessionOptions) -> Callable[[], None]:
+    """Attach our checkpoint engine to each DeepSpeed engine the accelerator has prepared or will prepare.
+
+    The engines write the ZeRO partition files (in the background with ``async_save``: they are then
+    decoupled, and commit each tag at the first optimizer step at which every rank's files are durable)
+    and each delta against the same file of the previous folder (``incremental``, through the session's
+    chains, see :class:`_DeepSpeedTags`). The tiers are the session's: they copy the whole folder.
+    """
     # Imported here: the hooks of an Accelerator without DeepSpeed must not need DeepSpeed.
     from nvcomp_checkpoint.entrypoint.deepspeed_engine import attach_after  # noqa: PLC0415
 
-    return attach_after(accelerator, "prepare", lambda: list(accelerator._models), policy=policy, workers=workers)
+    def committed(report: nc.SaveReport) -> None:
+        # Routed through the accelerator: an engine outlives the hooks that attached it (remove(), register again).
+        hooks = getattr(accelerator, "_nvcomp_state_hooks", None)
+        if isinstance(hooks, NvcompStateHooks) and hooks._tags is not None:
+            hooks._tags.committed(report)
+
+    return attach_after(
+        accelerator,
+        "prepare",
+        lambda: list(accelerator._models),
+        policy=options.policy,
+        workers=options.workers,
+        async_save=options.async_save,
+        incremental=options.incremental or False,
+        on_saved=committed,
+    )
 
 
-def _report_deepspeed(accelerator: Accelerator, call: _SaveCall) -> None:
-    """Give the save's group this process's reports of the DeepSpeed files (its own partition and model states)."""
-    for model in accelerator._models:
-        engine = getattr(model, "checkpoint_engine", None)
-        for report in getattr(engine, "reports", None) or []:
-            name = os.path.relpath(report.path, call.staging).replace(os.sep, "/")
-            if not name.startswith(".."):
-                call.group.add_report(name, report)  # type: ignore[union-attr]
+class _DeepSpeedTags:
+    """The DeepSpeed tags of the folder being saved, as parts of its save (on every process).
+
+    The session owns the folder's save; each tag (``pytorch_model/`` ...) is one of its parts, done
+    when the engine has committed it on every rank (its ``on_saved``), so the folder's manifest, its
+    copy to the tiers and the rotation come after every rank's partition is durable. With
+    ``incremental``, the engines choose each file's base through the session's chains, by the path
+    the file is committed at (a delta names its base relative to itself; the folder is staged at the
+    depth it is committed at, as Accelerate's own ``.nvc`` files are).
+    """
+
+    def __init__(self, accelerator: Accelerator, incremental: IncrementalFiles | None) -> None:
+        self.accelerator = accelerator
+        self.incremental = incremental
+        self._lock = threading.Lock()
+        self._expected: dict[str, concurrent.futures.Future[nc.SaveReport]] = {}  # tag folder -> its commit
+        self._current: dict[str, concurrent.futures.Future[nc.SaveReport]] = {}  # the tags of the save under way
+        self._moves: tuple[Path, Path] | None = None  # (staging, target) of the save under way
+
+    def _engines(self) -> list[Any]:
+        from nvcomp_checkpoint.integrations.deepspeed import NvcompCheckpointEngine  # noqa: PLC0415
+
+        found = [getattr(m, "checkpoint_engine", None) for m in self.accelerator._models]
+        return [e for e in found if isinstance(e, NvcompCheckpointEngine)]
+
+    @contextlib.contextmanager
+    def saving(self, staging: Path, target: Path) -> Any:
+        """While Accelerate's ``save_state`` writes into ``staging``: expect each model's tag there."""
+        tags = [_tag_key(staging / (MODEL_NAME if i == 0 else f"{MODEL_NAME}_{i}")) for i in range(len(self.accelerator._models))]
+        with self._lock:
+            self._current = {tag: concurrent.futures.Future() for tag in tags}
+            self._expected.update(self._current)
+        if self.incremental is not None:
+            for engine in self._engines():
+                if not isinstance(engine.incremental, _CommittedPaths):
+                    engine.incremental = _CommittedPaths(self.incremental, self)
+        self._moves = (staging, target)
+        try:
+            yield
+        finally:
+            self._moves = None
+
+    def committed_path(self, path: str) -> tuple[str, str] | None:
+        """Where a file staged now is committed, and its slot (its path in the folder); None outside a save."""
+        moves = self._moves
+        if moves is None:
+            return None
+        staging, target = moves
+        rel = os.path.relpath(os.path.abspath(path), staging)
+        if rel.startswith("..") or staging.parent != target.parent:
+            return None  # not a file of the folder, or staged inside it (an in-place update: saved in full)
+        return os.fspath(target / rel), rel.replace(os.sep, "/")
+
+    def committed(self, report: nc.SaveReport) -> None:
+        """An engine's ``on_saved``: its tag is committed on every rank."""
+        with self._lock:
+            future = self._expected.pop(_tag_key(report.path), None)
+        if future is not None and not future.done():
+            future.set_result(report)
+
+    def commit_in_flight(self) -> None:
+        """Commit the tags the engines still hold (collective: every process calls it, as ``save_state``).
+
+        A tag expected and still not committed then never will be (its commit failed, raised on every
+        rank where it ran): its folder's save fails with it.
+        """
+        error: BaseException | None = None
+        for engine in self._engines():
+            try:
+                engine.wait()
+            except BaseException as exc:  # noqa: BLE001 - ends the expected tags, then raised
+                error = error or exc
+        with self._lock:
+            left, self._expected = self._expected, {}
+        for tag, future in left.items():
+            if not future.done():
+                future.set_exception(
+                    CheckpointWriteError(
+                        f"{tag}: DeepSpeed did not commit this tag ({error or 'its commit failed on a rank, raised there'}); "
+                        "the folder is not committed"
+                    )
+                )
+        if error is not None:
+            raise error
+
+    def hand_over(self, session: CheckpointSession, group: SaveGroup, *, background: bool) -> None:
+        """Each tag of the folder as a part of ``group``: its report once the engines have committed it."""
+        with self._lock:
+            mine, self._current = self._current, {}
+        for tag, future in sorted(mine.items()):
+            name = os.path.basename(tag)
+            if not os.path.isdir(tag):
+                with self._lock:
+                    self._expected.pop(tag, None)  # a model Accelerate did not save through DeepSpeed
+                continue
+            if future.done() or not background:
+                if not future.done():
+                    raise CheckpointWriteError(f"{tag}: DeepSpeed did not commit this tag within save_state")
+                group.add_report(name, future.result())
+            else:
+                session.add_job(group, name, functools.partial(_committed_report, future, tag))
+
+
+class _CommittedPaths:
+    """The session's ``incremental`` chains as a DeepSpeed engine's: each file by the path it is committed at."""
+
+    def __init__(self, files: IncrementalFiles, tags: _DeepSpeedTags) -> None:
+        self.files = files
+        self.tags = tags
+        self.storage_options = files.storage_options
+
+    def base_for(self, path: str | os.PathLike[str], slot: str = "") -> str | None:
+        moved = self.tags.committed_path(os.fspath(path))
+        if moved is None:
+            return None  # outside a save of these hooks (after remove(), an in-place update): in full
+        return self.files.base_for(*moved)
+
+    def failed(self, slot: str | None = None, path: str | os.PathLike[str] | None = None) -> None:
+        moved = None if path is None else self.tags.committed_path(os.fspath(path))
+        self.files.failed(None if moved is None else moved[1], None if moved is None else moved[0])
+
+
+def _committed_report(future: concurrent.futures.Future[nc.SaveReport], tag: str) -> nc.SaveReport:
+    """Wait (on the session's background thread) until the engines commit ``tag``; its report."""
+    while True:
+        try:
+            return future.result(timeout=0.2)
+        except concurrent.futures.TimeoutError:
+            # The engines commit a tag in the training loop (an optimizer step, save_state, wait()); once
+            # the main thread is gone none will, and the exit must not wait for it.
+            if not threading.main_thread().is_alive():
+                raise CheckpointWriteError(
+                    f"{tag}: the process ended before DeepSpeed committed this tag (call hooks.wait() on every "
+                    "process before the end of the run); the folder is not committed"
+                ) from None
+
+
+def _tag_key(path: str | os.PathLike[str]) -> str:
+    return os.path.normpath(os.path.abspath(os.fspath(path)))
+
+
+def _folder_base(folder: str) -> str | None:
+    """The folder a ``save_state`` folder is a delta against: by its ``.nvc`` files, or by DeepSpeed's tag folders in it."""
+    base = unit_base_of(folder)
+    if base is not None or not os.path.isdir(folder):
+        return base
+    for name in sorted(os.listdir(folder)):
+        if _DEEPSPEED_TAG.fullmatch(name) and os.path.isdir(os.path.join(folder, name)):
+            tag_base = unit_base_of(os.path.join(folder, name))
+            if tag_base is not None:
+                return os.path.dirname(tag_base)
+    return None
+
+
+def _distributed(accelerator: Accelerator) -> bool:
+    return accelerator.num_processes > 1 and leader_load_applies()
+
+
+def _reraise(errors: list[BaseException]) -> None:
+    if errors:
+        raise errors[0]
 
 
 def _is_deepspeed_file(staging: Path, path: Path) -> bool:
