@@ -65,10 +65,16 @@ def write_json(root: str, name: str, obj: object) -> None:
 
 # -- Accelerate ------------------------------------------------------------------------------------
 def accelerate_run(mode: str, root: str) -> None:
+    """``first``: after the plain save, the hooks save ``ours`` (step 3) and ``ours2`` (step 5, a delta
+    against ``ours``) in the background, copied to the tier ``ROOT/tier``; ``ref2.json``: steps 6-7.
+    ``resume``: besides ``ours`` and ``plain``, resumes from the tier's newest copy (laid out with its
+    chain in ``ROOT/restore``: tier 0 is gone on a fresh node), records steps 6-7 (``from_tier``), and
+    saves ``ours3`` synchronously (copied to the tier as the hooks are removed)."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
     from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+    from nvcomp_checkpoint.errors import UnsupportedOptionError
 
     plugin = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=1)
     plugin.deepspeed_config.update(ZERO, train_micro_batch_size_per_gpu=BATCH, train_batch_size=2 * BATCH)
@@ -79,13 +85,17 @@ def accelerate_run(mode: str, root: str) -> None:
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # The tier keeps its newest copy only, and with it the folder that copy is a delta against.
+    options = {"async_save": True, "tiers": [nc.Tier(os.path.join(root, "tier"), keep=1)], "incremental": True}
     if mode == "resume":
-        try:  # what the DeepSpeed path does not implement is refused before anything is wrapped
-            register_nvcomp_hooks(acc, async_save=True)
-            raise AssertionError("async_save with DeepSpeed should be refused")
-        except CheckpointError as exc:
-            assert "async_save" in str(exc) and "prepare" not in vars(acc), exc  # noqa: PT017
-        hooks = register_nvcomp_hooks(acc)  # before prepare: attached to the engine prepare creates
+        try:  # refused by the one check (entrypoint.support) before anything is wrapped
+            register_nvcomp_hooks(acc, leader_load=True)
+            raise AssertionError("leader_load with DeepSpeed should be refused")
+        except UnsupportedOptionError as exc:
+            assert "leader_load" in str(exc) and "Accelerate + DeepSpeed" in str(exc), exc  # noqa: PT017
+            assert "prepare" not in vars(acc), exc  # noqa: PT017
+        # Before prepare: attached to the engine prepare creates. Synchronous here (the first run's are async).
+        hooks = register_nvcomp_hooks(acc, **{**options, "async_save": False})
     model, optimizer = acc.prepare(model, optimizer)
 
     def train(steps: int) -> list[float]:
@@ -101,28 +111,40 @@ def accelerate_run(mode: str, root: str) -> None:
     if mode == "first":
         train(STEPS)
         acc.save_state(os.path.join(root, "plain"))  # stock: no hooks yet
-        hooks = register_nvcomp_hooks(acc)  # after prepare: attached at once
-        acc.save_state(os.path.join(root, "ours"))
-        write_json(root, "reports.json", sorted(hooks.last_reports) if acc.is_main_process else [])
-        write_json(root, "ref.json", train(2))
+        hooks = register_nvcomp_hooks(acc, **options)  # after prepare: attached at once
+        acc.save_state(os.path.join(root, "ours"))  # returns once each rank's partition is copied
+        # Not visible before DeepSpeed's commit of the tag (at the next optimizer step) and the folder's.
+        assert not os.path.exists(os.path.join(root, "ours")) and hooks.pending() == acc.is_main_process
+        write_json(root, "ref.json", train(2))  # the tag is committed at a step, the folder behind it
+        acc.save_state(os.path.join(root, "ours2"))  # a delta against ours: waits for it first
+        assert os.path.isdir(os.path.join(root, "ours"))
+        write_json(root, "ref2.json", train(2))
+        hooks.wait()  # every process: commits ours2's tag, then the folder and its copy to the tier
+        report = hooks.last_report
+        write_json(root, "report.json", os.path.basename(report.path) if acc.is_main_process and report is not None else None)
         if acc.process_index == 1:
 
-            def save(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            def kill(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            nc.save = save
-            # The attached DeepSpeed engine writes each file with save_with_options (logged once per tag).
-            import nvcomp_checkpoint.entrypoint.deepspeed_engine as ds_backend
-
-            ds_backend.save_with_options = save
+            model.checkpoint_engine.save = kill  # as rank 1 writes its partition of the next save
         acc.save_state(os.path.join(root, "killed"))
+        hooks.wait()
         raise AssertionError("the save of 'killed' should have been killed")
     resumed = {}
     for name in ("ours", "plain"):
         acc.load_state(os.path.join(root, name))
         assert model.global_steps == STEPS, model.global_steps
         resumed[name] = train(2)
+    # A fresh node: the newest copy on the tier, laid out with the folder it is a delta against.
+    path = hooks.resume_path(os.path.join(root, "restore"))
+    assert path is not None and path.startswith(os.path.join(root, "restore")), path
+    acc.load_state(path)
+    assert model.global_steps == STEPS + 2, model.global_steps
+    resumed["from_tier"] = train(2)
     write_json(root, "resumed.json", resumed)
+    acc.save_state(os.path.join(root, "ours3"))  # synchronous: committed when it returns, on every process
+    assert os.path.isfile(os.path.join(root, "ours3", "nvcomp_checkpoint.json"))
     hooks.remove()
     assert "prepare" not in vars(acc)  # Accelerator.prepare is the class's again
 

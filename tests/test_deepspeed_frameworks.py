@@ -24,7 +24,9 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from nvcomp_checkpoint.deepspeed import MANIFEST_NAME  # noqa: E402
+from nvcomp_checkpoint.delta import base_path_of  # noqa: E402
 from nvcomp_checkpoint.filetype import NVCOMP, TORCH, kind_of  # noqa: E402
+from nvcomp_checkpoint.reader import CheckpointReader  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("deepspeed_frameworks_train.py")
 ENV = {
@@ -70,6 +72,9 @@ def _resumes(root: Path, framework: str) -> None:
 
 @pytest.mark.slow
 def test_accelerate_save_state_writes_deepspeed_compressed_and_resumes_after_a_kill(tmp_path: Path) -> None:
+    # register_nvcomp_hooks(acc, async_save=True, tiers=[...], incremental=True) on ZeRO-2: each folder is
+    # committed after DeepSpeed's tag, the second one a delta, both copied to the tier; a fresh node resumes
+    # from the tier. leader_load is refused by the one check (in the resume run).
     first = fresh_process.run_ranks(
         (str(SCRIPT), "accelerate", "first", str(tmp_path)),
         2,
@@ -81,18 +86,32 @@ def test_accelerate_save_state_writes_deepspeed_compressed_and_resumes_after_a_k
     assert fresh_process.ended_by_signal(first) == signal.SIGKILL, first.stdout[-2000:] + first.stderr[-4000:]
     assert "should have been killed" not in first.stderr
     _check_tags(tmp_path / "ours" / "pytorch_model", tmp_path / "plain" / "pytorch_model")
-    manifest = json.loads((tmp_path / "ours" / "nvcomp_checkpoint.json").read_text())
-    assert manifest["deepspeed"] == {"tags": ["pytorch_model"]}
-    assert manifest["models"] == [] and manifest["optimizers"] == []
-    assert "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt" in manifest["files"]
-    # The main process's report: its own partition and the model states.
-    assert json.loads((tmp_path / "reports.json").read_text()) == [
-        "pytorch_model/mp_rank_00_model_states.pt",
-        "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
-    ]
+    _check_tags(tmp_path / "ours2" / "pytorch_model", tmp_path / "plain" / "pytorch_model")
+    for name in ("ours", "ours2"):
+        manifest = json.loads((tmp_path / name / "nvcomp_checkpoint.json").read_text())
+        assert manifest["deepspeed"] == {"tags": ["pytorch_model"]}
+        assert manifest["models"] == [] and manifest["optimizers"] == []
+        assert "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt" in manifest["files"]
+    # Every file of ours2's tag is a delta against the same file of ours (each rank's partition too).
+    for name in _deepspeed_files(tmp_path / "ours2" / "pytorch_model"):
+        assert base_path_of(str(tmp_path / "ours2" / "pytorch_model" / name), CheckpointReader) == str(
+            tmp_path / "ours" / "pytorch_model" / name
+        ), name
+    # The main process's report: the folder, its files together.
+    assert json.loads((tmp_path / "report.json").read_text()) == "ours2"
     # The killed save committed nothing.
     assert not (tmp_path / "killed").exists()
-    _resumes(tmp_path, "accelerate")
+    # A fresh node: tier 0 is gone; the tier kept its newest copy (a delta) and the copy it needs.
+    (tmp_path / "ours2").rename(tmp_path / "ours2.gone")
+    run_python(*TORCHRUN, "accelerate", "resume", str(tmp_path), cwd=tmp_path, **ENV)
+    ref = json.loads((tmp_path / "ref.json").read_text())
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert len(ref) == 2
+    assert resumed == {"ours": ref, "plain": ref, "from_tier": json.loads((tmp_path / "ref2.json").read_text())}
+    # The resumed run's synchronous save (full: the first of its process), numbered after the folder it
+    # resumed from, reached the tier, which keeps it alone.
+    assert json.loads((tmp_path / "ours3" / "nvcomp_checkpoint.json").read_text())["iteration"] == 3
+    assert sorted(p.name for p in (tmp_path / "tier").iterdir() if p.is_dir()) == ["step-0000000003"]
 
 
 @pytest.mark.slow

@@ -886,7 +886,7 @@ class _DeepSpeedTags:
         self._moves: tuple[Path, Path] | None = None  # (staging, target) of the save under way
 
     def _engines(self) -> list[Any]:
-        from nvcomp_checkpoint.integrations.deepspeed import NvcompCheckpointEngine  # noqa: PLC0415
+        from nvcomp_checkpoint.entrypoint.deepspeed_engine import NvcompCheckpointEngine  # noqa: PLC0415
 
         found = [getattr(m, "checkpoint_engine", None) for m in self.accelerator._models]
         return [e for e in found if isinstance(e, NvcompCheckpointEngine)]
