@@ -18,6 +18,7 @@ process) the unmodified strategies run on CUDA device 0 instead.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -122,6 +123,29 @@ def accelerate_run(mode: str, root: str) -> None:
         hooks.wait()  # every process: commits ours2's tag, then the folder and its copy to the tier
         report = hooks.last_report
         write_json(root, "report.json", os.path.basename(report.path) if acc.is_main_process and report is not None else None)
+        # The main process's disk fills up as it commits the next folder, in the background: hooks.wait()
+        # raises on every process, the folder is not committed, and the next save reuses its number.
+        from nvcomp_checkpoint.storage import LOCAL
+
+        fsync = LOCAL.fsync
+        if acc.is_main_process:
+
+            def full(path: str) -> None:
+                if path.endswith("random_states_0.pkl"):  # one of Accelerate's files, fsynced by the commit
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+                fsync(path)
+
+            LOCAL.fsync = full  # type: ignore[method-assign]
+        iteration = acc.save_iteration
+        acc.save_state(os.path.join(root, "full"))
+        try:
+            hooks.wait()
+            raise AssertionError("the commit of 'full' should have failed")
+        except CheckpointError as exc:
+            with open(os.path.join(root, f"failed_{acc.process_index}.txt"), "w") as f:
+                f.write(str(exc))
+        LOCAL.fsync = fsync  # type: ignore[method-assign]
+        assert acc.save_iteration == iteration, (acc.save_iteration, iteration)
         if acc.process_index == 1:
 
             def kill(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202

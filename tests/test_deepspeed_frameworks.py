@@ -99,6 +99,11 @@ def test_accelerate_save_state_writes_deepspeed_compressed_and_resumes_after_a_k
         ), name
     # The main process's report: the folder, its files together.
     assert json.loads((tmp_path / "report.json").read_text()) == "ours2"
+    # A commit that failed on the main process (a full disk) raised on both, and committed nothing.
+    failed = [(tmp_path / f"failed_{rank}.txt").read_text() for rank in (0, 1)]
+    assert str(tmp_path / "full") in failed[0] and "No space left" in failed[0], failed[0]
+    assert "process 0" in failed[1] and "No space left" in failed[1], failed[1]
+    assert not (tmp_path / "full").exists() and not (tmp_path / ".full.nvckpt-staging").exists()
     # The killed save committed nothing.
     assert not (tmp_path / "killed").exists()
     # A fresh node: tier 0 is gone; the tier kept its newest copy (a delta) and the copy it needs.

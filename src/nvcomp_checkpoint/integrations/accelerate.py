@@ -52,7 +52,7 @@ from nvcomp_checkpoint import ChainPolicy
 from nvcomp_checkpoint.delta import retained
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate
 from nvcomp_checkpoint.entrypoint import CheckpointSession, SessionOptions, checked_on_every_rank, load_tree
-from nvcomp_checkpoint.entrypoint.loading import failed_on_any_rank, leader_load_applies
+from nvcomp_checkpoint.entrypoint.loading import leader_load_applies
 from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError, StateSaveError
 from nvcomp_checkpoint.incremental import IncrementalFiles, unit_base_of
@@ -413,7 +413,7 @@ class NvcompStateHooks:
                 found = [self.session.resume_path(local_dir)]
             except BaseException as exc:  # noqa: BLE001 - raised on every process below
                 error.append(exc)
-        failed_on_any_rank(lambda: _reraise(error), "register_nvcomp_hooks.resume_path()")
+        _on_every_process(lambda: _reraise(error), "register_nvcomp_hooks.resume_path()")
         return broadcast_object_list(found)[0]
 
     def close(self, when: str = "close()") -> None:
@@ -458,10 +458,17 @@ class NvcompStateHooks:
         process does, so that all name the next folder alike.
         """
         assert self._tags is not None
-        self._tags.commit_in_flight()
-        self.session.settle()
         try:
-            failed_on_any_rank(lambda: self.session.raise_errors(when, consequence), when)
+            try:
+                self._tags.commit_in_flight()  # an engine's failed commit raises on every rank
+            except BaseException:
+                # The folder that waited for the tag failed with it: one failure, raised once (this one).
+                self.session.settle()
+                with contextlib.suppress(CheckpointWriteError):
+                    self.session.raise_errors(when)
+                raise
+            self.session.settle()
+            _on_every_process(lambda: self.session.raise_errors(when, consequence), when)
         except BaseException:
             if _distributed(self.accelerator):
                 config = self.accelerator.project_configuration
@@ -555,7 +562,7 @@ class NvcompStateHooks:
         try:
             if self._tags is not None:
                 # A failure on the committing process (or a rank's tag) raises on every process.
-                failed_on_any_rank(save, "save_state")
+                _on_every_process(save, "save_state")
             else:
                 save()
         except BaseException as exc:
@@ -1022,6 +1029,32 @@ def _folder_base(folder: str) -> str | None:
 
 def _distributed(accelerator: Accelerator) -> bool:
     return accelerator.num_processes > 1 and leader_load_applies()
+
+
+def _on_every_process(action: Callable[[], Any], where: str) -> Any:
+    """``action()`` on every process, raising on every one if it raised on any (collective when distributed).
+
+    A save is committed by one process (and with DeepSpeed each rank writes its own partition): a
+    failure there must not leave the others training on as if the checkpoint existed. One
+    ``all_gather_object`` of each process's outcome after ``action``: a process whose ``action``
+    raised raises its own error; the others a :class:`CheckpointWriteError` naming it and its message.
+    """
+    if not leader_load_applies():
+        return action()
+    result, error = None, None
+    try:
+        result = action()
+    except BaseException as exc:  # noqa: BLE001 - raised below, after every process knows
+        error = exc
+    outcomes: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointWriteError(f"{where}: process {rank} failed, so every process raises: {message}")
+    return result
 
 
 def _reraise(errors: list[BaseException]) -> None:
