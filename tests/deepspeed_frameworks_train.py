@@ -55,6 +55,8 @@ class Net(nn.Module):
 
 
 GPU = os.environ.get("NVCKPT_DS_GPU") == "1"
+#: Accelerate's first two saves with the hooks (automatic naming), relative to ROOT.
+OURS, OURS2 = "project/checkpoints/checkpoint_1", "project/checkpoints/checkpoint_2"
 
 
 def write_json(root: str, name: str, obj: object) -> None:
@@ -66,9 +68,10 @@ def write_json(root: str, name: str, obj: object) -> None:
 
 # -- Accelerate ------------------------------------------------------------------------------------
 def accelerate_run(mode: str, root: str) -> None:
-    """``first``: after the plain save, the hooks save ``ours`` (step 3) and ``ours2`` (step 5, a delta
-    against ``ours``) in the background, copied to the tier ``ROOT/tier``; ``ref2.json``: steps 6-7.
-    ``resume``: besides ``ours`` and ``plain``, resumes from the tier's newest copy (laid out with its
+    """``first``: after the plain save, the hooks save ``OURS`` (step 3) and ``OURS2`` (step 5, a delta
+    against ``OURS``; ``total_limit=1`` keeps both) in the background, copied to the tier ``ROOT/tier``;
+    ``ref2.json``: steps 6-7; then a commit fails (a full disk), and a save is killed.
+    ``resume``: besides ``OURS`` and ``plain``, resumes from the tier's newest copy (laid out with its
     chain in ``ROOT/restore``: tier 0 is gone on a fresh node), records steps 6-7 (``from_tier``), and
     saves ``ours3`` synchronously (copied to the tier as the hooks are removed)."""
     from accelerate import Accelerator
@@ -81,8 +84,13 @@ def accelerate_run(mode: str, root: str) -> None:
     plugin.deepspeed_config.update(ZERO, train_micro_batch_size_per_gpu=BATCH, train_batch_size=2 * BATCH)
     # Without a backend named, Accelerate on a machine without GPUs counts one process (and each rank
     # would save as the main one); DeepSpeed's ranks still run over gloo.
-    acc = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    acc = Accelerator(
+        deepspeed_plugin=plugin,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
+        project_dir=os.path.join(root, "project"),
+    )
     assert acc.num_processes == 2, acc.num_processes
+    ours, ours2 = (os.path.join(root, OURS), os.path.join(root, OURS2))
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -112,13 +120,15 @@ def accelerate_run(mode: str, root: str) -> None:
     if mode == "first":
         train(STEPS)
         acc.save_state(os.path.join(root, "plain"))  # stock: no hooks yet
+        config = acc.project_configuration
+        config.automatic_checkpoint_naming, config.total_limit = True, 1  # checkpoints/checkpoint_<n>, rotated
         hooks = register_nvcomp_hooks(acc, **options)  # after prepare: attached at once
-        acc.save_state(os.path.join(root, "ours"))  # returns once each rank's partition is copied
+        assert str(acc.save_state()) == ours  # returns once each rank's partition is copied
         # Not visible before DeepSpeed's commit of the tag (at the next optimizer step) and the folder's.
-        assert not os.path.exists(os.path.join(root, "ours")) and hooks.pending() == acc.is_main_process
+        assert not os.path.exists(ours) and hooks.pending() == acc.is_main_process
         write_json(root, "ref.json", train(2))  # the tag is committed at a step, the folder behind it
-        acc.save_state(os.path.join(root, "ours2"))  # a delta against ours: waits for it first
-        assert os.path.isdir(os.path.join(root, "ours"))
+        assert str(acc.save_state()) == ours2  # a delta against ours: waits for it first
+        assert os.path.isdir(ours)
         write_json(root, "ref2.json", train(2))
         hooks.wait()  # every process: commits ours2's tag, then the folder and its copy to the tier
         report = hooks.last_report
@@ -137,7 +147,7 @@ def accelerate_run(mode: str, root: str) -> None:
 
             LOCAL.fsync = full  # type: ignore[method-assign]
         iteration = acc.save_iteration
-        acc.save_state(os.path.join(root, "full"))
+        acc.save_state()
         try:
             hooks.wait()
             raise AssertionError("the commit of 'full' should have failed")
@@ -152,14 +162,14 @@ def accelerate_run(mode: str, root: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
             model.checkpoint_engine.save = kill  # as rank 1 writes its partition of the next save
-        acc.save_state(os.path.join(root, "killed"))
+        acc.save_state()  # the same number again
         hooks.wait()
         raise AssertionError("the save of 'killed' should have been killed")
     resumed = {}
-    for name in ("ours", "plain"):
+    for key, name in (("ours", OURS), ("plain", "plain")):
         acc.load_state(os.path.join(root, name))
         assert model.global_steps == STEPS, model.global_steps
-        resumed[name] = train(2)
+        resumed[key] = train(2)
     # A fresh node: the newest copy on the tier, laid out with the folder it is a delta against.
     path = hooks.resume_path(os.path.join(root, "restore"))
     assert path is not None and path.startswith(os.path.join(root, "restore")), path

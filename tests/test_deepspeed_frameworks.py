@@ -85,29 +85,30 @@ def test_accelerate_save_state_writes_deepspeed_compressed_and_resumes_after_a_k
     # The third save is killed by design: the run must end with that SIGKILL, not finish or fail otherwise.
     assert fresh_process.ended_by_signal(first) == signal.SIGKILL, first.stdout[-2000:] + first.stderr[-4000:]
     assert "should have been killed" not in first.stderr
-    _check_tags(tmp_path / "ours" / "pytorch_model", tmp_path / "plain" / "pytorch_model")
-    _check_tags(tmp_path / "ours2" / "pytorch_model", tmp_path / "plain" / "pytorch_model")
-    for name in ("ours", "ours2"):
-        manifest = json.loads((tmp_path / name / "nvcomp_checkpoint.json").read_text())
+    checkpoints = tmp_path / "project" / "checkpoints"
+    ours, ours2 = checkpoints / "checkpoint_1", checkpoints / "checkpoint_2"
+    _check_tags(ours / "pytorch_model", tmp_path / "plain" / "pytorch_model")
+    _check_tags(ours2 / "pytorch_model", tmp_path / "plain" / "pytorch_model")
+    for folder in (ours, ours2):
+        manifest = json.loads((folder / "nvcomp_checkpoint.json").read_text())
         assert manifest["deepspeed"] == {"tags": ["pytorch_model"]}
         assert manifest["models"] == [] and manifest["optimizers"] == []
         assert "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt" in manifest["files"]
-    # Every file of ours2's tag is a delta against the same file of ours (each rank's partition too).
-    for name in _deepspeed_files(tmp_path / "ours2" / "pytorch_model"):
-        assert base_path_of(str(tmp_path / "ours2" / "pytorch_model" / name), CheckpointReader) == str(
-            tmp_path / "ours" / "pytorch_model" / name
-        ), name
+    # Every file of checkpoint_2's tag is a delta against the same file of checkpoint_1 (each rank's
+    # partition too), which total_limit=1 therefore keeps.
+    for name in _deepspeed_files(ours2 / "pytorch_model"):
+        assert base_path_of(str(ours2 / "pytorch_model" / name), CheckpointReader) == str(ours / "pytorch_model" / name), name
     # The main process's report: the folder, its files together.
-    assert json.loads((tmp_path / "report.json").read_text()) == "ours2"
-    # A commit that failed on the main process (a full disk) raised on both, and committed nothing.
+    assert json.loads((tmp_path / "report.json").read_text()) == "checkpoint_2"
+    # A commit that failed on the main process (a full disk) raised on both, and committed nothing;
+    # the killed save (the same number again) committed nothing either.
     failed = [(tmp_path / f"failed_{rank}.txt").read_text() for rank in (0, 1)]
-    assert str(tmp_path / "full") in failed[0] and "No space left" in failed[0], failed[0]
+    assert str(checkpoints / "checkpoint_3") in failed[0] and "No space left" in failed[0], failed[0]
     assert "process 0" in failed[1] and "No space left" in failed[1], failed[1]
-    assert not (tmp_path / "full").exists() and not (tmp_path / ".full.nvckpt-staging").exists()
-    # The killed save committed nothing.
-    assert not (tmp_path / "killed").exists()
+    # (The killed one may leave its hidden staging folder, which the next save of that number clears.)
+    assert sorted(p for p in os.listdir(checkpoints) if not p.startswith(".")) == ["checkpoint_1", "checkpoint_2"]
     # A fresh node: tier 0 is gone; the tier kept its newest copy (a delta) and the copy it needs.
-    (tmp_path / "ours2").rename(tmp_path / "ours2.gone")
+    ours2.rename(tmp_path / "checkpoint_2.gone")
     run_python(*TORCHRUN, "accelerate", "resume", str(tmp_path), cwd=tmp_path, **ENV)
     ref = json.loads((tmp_path / "ref.json").read_text())
     resumed = json.loads((tmp_path / "resumed.json").read_text())
