@@ -26,6 +26,7 @@ import fresh_process  # noqa: E402
 import nvcomp_checkpoint as nc  # noqa: E402
 from conftest import assert_tree_equal  # noqa: E402
 from nvcomp_checkpoint.accelerate import MANIFEST_NAME, MARKER_NAME, is_nvcomp_state_dir, register_nvcomp_hooks  # noqa: E402
+from nvcomp_checkpoint.entrypoint import CheckpointSession  # noqa: E402
 
 N_STEPS, M_STEPS = 4, 3
 
@@ -590,6 +591,10 @@ def test_user_hooks_still_run_and_compose(script: Path, tmp_path: Path) -> None:
     assert hooks.last_report is not None and hooks.last_report.stored_bytes == sum(
         (tmp_path / "ckpt" / n).stat().st_size for n in ("model.nvc", "optimizer.nvc")
     )
+    # One name per idea: last_report; the per-file dict is deprecated. The hooks hold their session.
+    with pytest.warns(DeprecationWarning, match="last_report"):
+        assert sorted(hooks.last_reports) == ["model.nvc", "optimizer.nvc"]
+    assert isinstance(hooks.session, CheckpointSession) and hooks.policy is hooks.session.options.policy
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
