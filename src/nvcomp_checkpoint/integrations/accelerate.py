@@ -141,7 +141,7 @@ def register_nvcomp_hooks(
     Args:
         accelerator: The ``Accelerator`` whose checkpoints to compress.
         policy, workers, async_save, on_saved, stream_wrapper, tiers: As for every integration
-            (:class:`nvcomp_checkpoint.entrypoint.SaveEntryPoint`). With ``async_save``,
+            (:class:`nvcomp_checkpoint.entrypoint.SessionOptions`). With ``async_save``,
             ``save_state`` returns once model and optimizer state are copied (one extra copy in
             host memory); the ``.nvc`` files, the commit and the rotation follow in the background.
             ``on_saved`` runs once the directory is committed. The folder ``save_state`` writes is
@@ -149,10 +149,10 @@ def register_nvcomp_hooks(
             (``save_iteration``), ``load_state`` of a folder these hooks saved sets
             ``save_iteration`` to the one after it, and on a fresh node
             ``accelerator.load_state(hooks.resume_path())`` loads the newest copy that checks.
-        incremental: Each ``.nvc`` file of a ``save_state`` folder is a delta against the same
-            file of the previous folder these hooks saved (a full folder every ``full_every``,
-            and the first save of a process); ``total_limit`` rotation keeps every folder a kept
-            one needs. A folder updated in place is saved in full. With ``tiers``, a delta folder
+        incremental: Each ``.nvc`` file of a ``save_state`` folder (with DeepSpeed: each file of
+            its tags, every rank's partition) is a delta against the same file of the previous
+            folder these hooks saved (a full folder every ``full_every``, and the first save of a
+            process); ``total_limit`` rotation keeps every folder a kept one needs. A folder updated in place is saved in full. With ``tiers``, a delta folder
             reaches a tier after its chain and ``resume_path(local_dir)`` lays it out there with its chain.
             ``True`` (with ``full_every`` and ``delta_base``) or a :class:`~nvcomp_checkpoint.ChainPolicy`.
         full_every, delta_base: With ``incremental=True``: as for :class:`~nvcomp_checkpoint.ChainPolicy`
@@ -404,7 +404,7 @@ class NvcompStateHooks:
         Raises:
             ValueError: No ``tiers`` were given.
         """
-        if not _distributed(self.accelerator):
+        if self.session.tiers is None or not _distributed(self.accelerator):
             return self.session.resume_path(local_dir)
         found: list[Any] = [None]
         error: list[BaseException] = []
@@ -418,9 +418,11 @@ class NvcompStateHooks:
 
     def close(self, when: str = "close()") -> None:
         """Wait for pending saves and copies, stop the background threads, raise a failure (``when`` reports it)."""
-        if self._tags is not None:
-            self._settle_on_every_rank(when)
-        self.session.close(when)
+        try:
+            if self._tags is not None:
+                self._settle_on_every_rank(when)
+        finally:
+            self.session.close(when)  # while a failure above propagates, its own are logged
 
     def remove(self) -> None:
         """Restore Accelerate's ``save_state``/``load_state`` on the accelerator.
