@@ -52,6 +52,7 @@ from nvcomp_checkpoint import ChainPolicy
 from nvcomp_checkpoint.delta import retained
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate
 from nvcomp_checkpoint.entrypoint import CheckpointSession, SessionOptions, checked_on_every_rank, load_tree
+from nvcomp_checkpoint.entrypoint.commit import gather_outcomes
 from nvcomp_checkpoint.entrypoint.loading import leader_load_applies
 from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError, FormatError, StateSaveError
@@ -1037,22 +1038,17 @@ def _on_every_process(action: Callable[[], Any], where: str) -> Any:
     """``action()`` on every process, raising on every one if it raised on any (collective when distributed).
 
     A save is committed by one process (and with DeepSpeed each rank writes its own partition): a
-    failure there must not leave the others training on as if the checkpoint existed. One
-    ``all_gather_object`` of each process's outcome after ``action``: a process whose ``action``
-    raised raises its own error; the others a :class:`CheckpointWriteError` naming it and its message.
+    failure there must not leave the others training on as if the checkpoint existed. The one
+    agreement of every rank (:func:`~nvcomp_checkpoint.entrypoint.commit.gather_outcomes`, as the
+    collective commit's): a process whose ``action`` raised raises its own error; the others a
+    :class:`CheckpointWriteError` naming it and its message.
     """
     if not leader_load_applies():
         return action()
-    result, error = None, None
-    try:
-        result = action()
-    except BaseException as exc:  # noqa: BLE001 - raised below, after every process knows
-        error = exc
-    outcomes: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
+    result, error, outcomes = gather_outcomes(action, share=False)
     if error is not None:
         raise error
-    failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
+    failed = [(rank, outcome.error) for rank, outcome in enumerate(outcomes) if not outcome.ok]
     if failed:
         rank, message = failed[0]
         raise CheckpointWriteError(f"{where}: process {rank} failed, so every process raises: {message}")
