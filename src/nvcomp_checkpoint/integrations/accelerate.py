@@ -153,8 +153,9 @@ def register_nvcomp_hooks(
         incremental: Each ``.nvc`` file of a ``save_state`` folder (with DeepSpeed: each file of
             its tags, every rank's partition) is a delta against the same file of the previous
             folder these hooks saved (a full folder every ``full_every``, and the first save of a
-            process); ``total_limit`` rotation keeps every folder a kept one needs. A folder updated in place is saved in full. With ``tiers``, a delta folder
-            reaches a tier after its chain and ``resume_path(local_dir)`` lays it out there with its chain.
+            process); ``total_limit`` rotation keeps every folder a kept one needs. A folder updated
+            in place is saved in full. With ``tiers``, a delta folder reaches a tier after its chain
+            and ``resume_path(local_dir)`` lays it out there with its chain.
             ``True`` (with ``full_every`` and ``delta_base``) or a :class:`~nvcomp_checkpoint.ChainPolicy`.
         full_every, delta_base: With ``incremental=True``: as for :class:`~nvcomp_checkpoint.ChainPolicy`
             (``full_every`` default 10, ``delta_base`` ``"previous"`` (default) or ``"full"``); refused
