@@ -6,7 +6,9 @@ with FRAMEWORK ``accelerate``, ``hf`` or ``lightning`` and MODE:
 
 * ``first``: train 3 steps and save the same state twice, plain (the framework's stock DeepSpeed save,
   ``ROOT/plain``) and compressed (our integration, ``ROOT/ours``); train 2 more steps (their losses:
-  ``ROOT/ref.json``). Accelerate then starts a third save, during which rank 1 is killed with SIGKILL.
+  ``ROOT/ref.json``). Accelerate then starts a third save, during which rank 1 is killed with SIGKILL;
+  Lightning saves with ``async_save``, ``tiers`` and ``incremental`` and is killed after step 3 (see
+  :func:`lightning_run`).
 * ``resume``: fresh processes resume with our integration from ``ROOT/ours`` and from ``ROOT/plain`` and
   train the same 2 steps (losses: ``ROOT/resumed.json``, with ``{"ours": [...], "plain": [...]}``).
 
@@ -192,11 +194,19 @@ def hf_run(mode: str, root: str) -> None:
 
 # -- Lightning -------------------------------------------------------------------------------------
 def lightning_run(mode: str, root: str) -> None:
+    """``first``: the stock strategy trains 5 steps and saves ``plain`` at step 3 (the reference losses: its
+    steps 3 and 4). Ours trains with ``NvcompCheckpointIO(async_save=True, tiers=..., incremental=True)``:
+    ``ModelCheckpoint`` (top 1) saves ``ckpts/step=1``, ``step=2`` (a delta; removing ``step=1`` waits for
+    it), then ``ours`` at step 3 (a delta of ``step=2``); every folder goes to the tier ``tier``; once
+    ``plugin.wait()`` committed the last one on both ranks, both ranks are killed (SIGKILL).
+    ``resume``: fresh processes resume from the tier's newest copy (laid out with its chain) and from
+    ``plain``, and train steps 3 and 4."""
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DeepSpeedStrategy
     from lightning.pytorch.strategies.ddp import DDPStrategy
 
-    from nvcomp_checkpoint.lightning import NvcompDeepSpeedStrategy
+    from nvcomp_checkpoint.lightning import NvcompCheckpointIO, NvcompDeepSpeedStrategy
 
     class _OnCPU:
         def setup_environment(self) -> None:
@@ -211,6 +221,7 @@ def lightning_run(mode: str, root: str) -> None:
     if GPU:  # Lightning's own strategies, unmodified, on one CUDA device
         Stock, Ours = DeepSpeedStrategy, NvcompDeepSpeedStrategy  # type: ignore[misc]
     world = 1 if GPU else 2
+    tier = nc.Tier(os.path.join(root, "tier"))
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -237,7 +248,27 @@ def lightning_run(mode: str, root: str) -> None:
             if trainer.global_step == STEPS:
                 trainer.save_checkpoint(self.path)
 
-    def fit(cls: type, max_steps: int, ckpt_path: str | None = None, save: str | None = None) -> Module:
+    class Before(ModelCheckpoint):
+        """ModelCheckpoint's saves and top-k removals before step 3 (where SaveAt saves)."""
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: object, **kwargs: object) -> None:
+            if trainer.global_step < STEPS:
+                super().on_train_batch_end(trainer, *args, **kwargs)
+
+    class Killed(pl.Callback):
+        def __init__(self, plugin: NvcompCheckpointIO) -> None:
+            self.plugin = plugin
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+            if trainer.global_step == STEPS and not GPU:
+                self.plugin.wait()  # every rank: the tag in flight committed, then the copies to the tier done
+                ckpts = os.path.join(root, "ckpts")
+                write_json(root, "killed.json", {"ckpts": sorted(os.listdir(ckpts)), "reports": self.plugin.last_report.path})
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def fit(
+        cls: type, max_steps: int, ckpt_path: str | None = None, callbacks: tuple[pl.Callback, ...] = (), **kw: object
+    ) -> Module:
         torch.manual_seed(0)
         devices = (
             {"process_group_backend": "nccl"}
@@ -254,24 +285,32 @@ def lightning_run(mode: str, root: str) -> None:
             strategy=strategy,
             max_steps=max_steps,
             enable_progress_bar=False,
-            enable_checkpointing=False,
             enable_model_summary=False,
             logger=False,
             default_root_dir=root,
-            callbacks=[SaveAt(save)] if save else [],
+            callbacks=list(callbacks),
+            **kw,
         )
         module = Module()
         trainer.fit(module, ckpt_path=ckpt_path)
         return module
 
     if mode == "first":
-        fit(Stock, STEPS, save=os.path.join(root, "plain"))
-        module = fit(Ours, STEPS + 2, save=os.path.join(root, "ours"))
+        module = fit(Stock, STEPS + 2, callbacks=(SaveAt(os.path.join(root, "plain")),), enable_checkpointing=False)
         write_json(root, "ref.json", module.losses[STEPS:])
+        plugin = NvcompCheckpointIO(async_save=True, tiers=[tier], incremental=True)
+        top1 = Before(dirpath=os.path.join(root, "ckpts"), filename="{step}", every_n_train_steps=1, save_top_k=1)
+        fit(Ours, STEPS + 2, callbacks=(SaveAt(os.path.join(root, "ours")), Killed(plugin), top1), plugins=[plugin])
+        if not GPU:
+            raise AssertionError("the run should have been killed after its step-3 checkpoint")
         return
+    # A fresh node: the tier's newest copy, laid out with its chain; each rank of the node in its own folder.
+    rank = int(os.environ.get("RANK", "0"))
+    newest = NvcompCheckpointIO(tiers=[tier]).resume_path(os.path.join(root, f"restore-{rank}"))
+    assert newest is not None
     resumed = {}
-    for name in ("ours", "plain"):
-        module = fit(Ours, STEPS + 2, os.path.join(root, name))
+    for name, path in (("ours", newest), ("plain", os.path.join(root, "plain"))):
+        module = fit(Ours, STEPS + 2, path, enable_checkpointing=False)
         resumed[name] = module.losses
     write_json(root, "resumed.json", resumed)
 
