@@ -308,6 +308,9 @@ def lightning_run(mode: str, root: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     newest = NvcompCheckpointIO(tiers=[tier]).resume_path(os.path.join(root, f"restore-{rank}"))
     assert newest is not None
+    if rank == 0:  # before fit: no process group yet
+        with open(os.path.join(root, "newest.json"), "w") as f:
+            json.dump(os.path.relpath(newest, root), f)
     resumed = {}
     for name, path in (("ours", newest), ("plain", os.path.join(root, "plain"))):
         module = fit(Ours, STEPS + 2, path, enable_checkpointing=False)

@@ -144,6 +144,11 @@ def test_lightning_deepspeed_async_tiers_deltas_resume_on_a_fresh_node_after_a_k
     shutil.rmtree(ours)  # a fresh node: tier 0 is gone, the tier holds the chain
     shutil.rmtree(ckpts)
     _resumes(tmp_path, "lightning")
+    # The newest copy (step 3), laid out with its chain where its rank files look for their bases.
+    newest = tmp_path / json.loads((tmp_path / "newest.json").read_text())
+    assert newest.name == "step-0000000003" and newest.parent.parent.name == "restore-0", newest
+    for base in ("step=1.ckpt", "step=2.ckpt"):
+        _check_tags(newest.parent / "ckpts" / base / "checkpoint", tmp_path / "plain" / "checkpoint")
 
 
 # -- what needs no ranks ---------------------------------------------------------------------------
