@@ -200,7 +200,7 @@ def lightning_run(mode: str, root: str) -> None:
     it), then ``ours`` at step 3 (a delta of ``step=2``); every folder goes to the tier ``tier``; once
     ``plugin.wait()`` committed the last one on both ranks, both ranks are killed (SIGKILL).
     ``resume``: fresh processes resume from the tier's newest copy (laid out with its chain) and from
-    ``plain``, and train steps 3 and 4."""
+    ``plain`` (saving ``resumed-plain`` at step 4, synchronously, without a plugin), and train steps 3 and 4."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -241,11 +241,11 @@ def lightning_run(mode: str, root: str) -> None:
             return torch.utils.data.DataLoader(torch.zeros(64, DIM), batch_size=BATCH)
 
     class SaveAt(pl.Callback):
-        def __init__(self, path: str) -> None:
-            self.path = path
+        def __init__(self, path: str, step: int = STEPS) -> None:
+            self.path, self.step = path, step
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-            if trainer.global_step == STEPS:
+            if trainer.global_step == self.step:
                 trainer.save_checkpoint(self.path)
 
     class Before(ModelCheckpoint):
@@ -313,7 +313,9 @@ def lightning_run(mode: str, root: str) -> None:
             json.dump(os.path.relpath(newest, root), f)
     resumed = {}
     for name, path in (("ours", newest), ("plain", os.path.join(root, "plain"))):
-        module = fit(Ours, STEPS + 2, path, enable_checkpointing=False)
+        # The resume from the plain folder saves once more, synchronously and without a plugin (the strategy's own session).
+        again = (SaveAt(os.path.join(root, "resumed-plain"), STEPS + 1),) if name == "plain" else ()
+        module = fit(Ours, STEPS + 2, path, callbacks=again, enable_checkpointing=False)
         resumed[name] = module.losses
     write_json(root, "resumed.json", resumed)
 

@@ -149,6 +149,8 @@ def test_lightning_deepspeed_async_tiers_deltas_resume_on_a_fresh_node_after_a_k
     assert newest.name == "step-0000000003" and newest.parent.parent.name == "restore-0", newest
     for base in ("step=1.ckpt", "step=2.ckpt"):
         _check_tags(newest.parent / "ckpts" / base / "checkpoint", tmp_path / "plain" / "checkpoint")
+    # A synchronous save without a plugin (the strategy's own session), after the resume from the plain folder.
+    _check_tags(tmp_path / "resumed-plain" / "checkpoint", tmp_path / "plain" / "checkpoint")
 
 
 # -- what needs no ranks ---------------------------------------------------------------------------
