@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import nvcomp_checkpoint as nc  # noqa: E402
-from nvcomp_checkpoint.errors import CheckpointError  # noqa: E402
+from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError  # noqa: E402
 
 DIM, BATCH, STEPS = 16, 2, 3
 ZERO = {"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
@@ -199,8 +199,9 @@ def lightning_run(mode: str, root: str) -> None:
     ``ModelCheckpoint`` (top 1) saves ``ckpts/step=1``, ``step=2`` (a delta; removing ``step=1`` waits for
     it), then ``ours`` at step 3 (a delta of ``step=2``); every folder goes to the tier ``tier``; once
     ``plugin.wait()`` committed the last one on both ranks, both ranks are killed (SIGKILL).
-    ``resume``: fresh processes resume from the tier's newest copy (laid out with its chain) and from
-    ``plain`` (saving ``resumed-plain`` at step 4, synchronously, without a plugin), and train steps 3 and 4."""
+    ``resume``: fresh processes resume from the tier's newest copy (laid out with its chain; its save at
+    step 5, ``failed``, fails on rank 1 and so on both) and from ``plain`` (saving ``resumed-plain`` at step
+    4, synchronously, without a plugin), and train steps 3 and 4."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -267,7 +268,12 @@ def lightning_run(mode: str, root: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def fit(
-        cls: type, max_steps: int, ckpt_path: str | None = None, callbacks: tuple[pl.Callback, ...] = (), **kw: object
+        cls: type,
+        max_steps: int,
+        ckpt_path: str | None = None,
+        callbacks: tuple[pl.Callback, ...] = (),
+        failing: str | None = None,
+        **kw: object,
     ) -> Module:
         torch.manual_seed(0)
         devices = (
@@ -292,7 +298,15 @@ def lightning_run(mode: str, root: str) -> None:
             **kw,
         )
         module = Module()
-        trainer.fit(module, ckpt_path=ckpt_path)
+        try:
+            trainer.fit(module, ckpt_path=ckpt_path)
+        except CheckpointWriteError as exc:
+            if failing is None:
+                raise
+            with open(os.path.join(failing, f"rank{trainer.global_rank}.txt"), "w") as f:
+                f.write(str(exc))
+        else:
+            assert failing is None or GPU, "the last save should have failed on every rank"
         return module
 
     if mode == "first":
@@ -311,12 +325,23 @@ def lightning_run(mode: str, root: str) -> None:
     if rank == 0:  # before fit: no process group yet
         with open(os.path.join(root, "newest.json"), "w") as f:
             json.dump(os.path.relpath(newest, root), f)
-    resumed = {}
-    for name, path in (("ours", newest), ("plain", os.path.join(root, "plain"))):
-        # The resume from the plain folder saves once more, synchronously and without a plugin (the strategy's own session).
-        again = (SaveAt(os.path.join(root, "resumed-plain"), STEPS + 1),) if name == "plain" else ()
-        module = fit(Ours, STEPS + 2, path, callbacks=again, enable_checkpointing=False)
-        resumed[name] = module.losses
+    # The resume from the tier saves at its last step (async) where rank 1 cannot write its partition file
+    # (a folder is in the way): the commit at the end of fit fails on both ranks, each saying so.
+    failed, blocked = os.path.join(root, "failed"), "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt/in-the-way"
+    os.makedirs(os.path.join(failed, blocked), exist_ok=True)
+    module = fit(
+        Ours,
+        STEPS + 2,
+        newest,
+        callbacks=(SaveAt(failed, STEPS + 2),),
+        failing=failed,
+        plugins=[NvcompCheckpointIO(async_save=True)],
+        enable_checkpointing=False,
+    )
+    resumed = {"ours": module.losses}
+    # The resume from the plain folder saves once more, synchronously and without a plugin (the strategy's own session).
+    again = (SaveAt(os.path.join(root, "resumed-plain"), STEPS + 1),)
+    resumed["plain"] = fit(Ours, STEPS + 2, os.path.join(root, "plain"), callbacks=again, enable_checkpointing=False).losses
     write_json(root, "resumed.json", resumed)
 
 

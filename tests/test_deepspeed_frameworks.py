@@ -151,6 +151,14 @@ def test_lightning_deepspeed_async_tiers_deltas_resume_on_a_fresh_node_after_a_k
         _check_tags(newest.parent / "ckpts" / base / "checkpoint", tmp_path / "plain" / "checkpoint")
     # A synchronous save without a plugin (the strategy's own session), after the resume from the plain folder.
     _check_tags(tmp_path / "resumed-plain" / "checkpoint", tmp_path / "plain" / "checkpoint")
+    # Rank 1 could not write its file of the step-5 save: both ranks raised, neither committed the tag.
+    failed = tmp_path / "failed"
+    errors = {p.name: p.read_text() for p in failed.glob("rank*.txt")}
+    assert sorted(errors) == ["rank0.txt", "rank1.txt"], errors
+    assert "ranks [1] failed" in errors["rank0.txt"], errors
+    for error in errors.values():
+        assert str(failed / "checkpoint") in error and "not committed" in error, errors
+    assert not (failed / "latest").exists() and not (failed / "checkpoint" / MANIFEST_NAME).exists()
 
 
 # -- what needs no ranks ---------------------------------------------------------------------------
