@@ -6,7 +6,9 @@ with FRAMEWORK ``accelerate``, ``hf`` or ``lightning`` and MODE:
 
 * ``first``: train 3 steps and save the same state twice, plain (the framework's stock DeepSpeed save,
   ``ROOT/plain``) and compressed (our integration, ``ROOT/ours``); train 2 more steps (their losses:
-  ``ROOT/ref.json``). Accelerate then starts a third save, during which rank 1 is killed with SIGKILL.
+  ``ROOT/ref.json``). Accelerate then starts a third save, during which rank 1 is killed with SIGKILL;
+  Lightning saves with ``async_save``, ``tiers`` and ``incremental`` and is killed after step 3 (see
+  :func:`lightning_run`).
 * ``resume``: fresh processes resume with our integration from ``ROOT/ours`` and from ``ROOT/plain`` and
   train the same 2 steps (losses: ``ROOT/resumed.json``, with ``{"ours": [...], "plain": [...]}``).
 
@@ -33,7 +35,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import nvcomp_checkpoint as nc  # noqa: E402
-from nvcomp_checkpoint.errors import CheckpointError  # noqa: E402
+from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError  # noqa: E402
 
 DIM, BATCH, STEPS = 16, 2, 3
 ZERO = {"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
@@ -248,11 +250,20 @@ def hf_run(mode: str, root: str) -> None:
 
 # -- Lightning -------------------------------------------------------------------------------------
 def lightning_run(mode: str, root: str) -> None:
+    """``first``: the stock strategy trains 5 steps and saves ``plain`` at step 3 (the reference losses: its
+    steps 3 and 4). Ours trains with ``NvcompCheckpointIO(async_save=True, tiers=..., incremental=True)``:
+    ``ModelCheckpoint`` (top 1) saves ``ckpts/step=1``, ``step=2`` (a delta; removing ``step=1`` waits for
+    it), then ``ours`` at step 3 (a delta of ``step=2``); every folder goes to the tier ``tier``; once
+    ``plugin.wait()`` committed the last one on both ranks, both ranks are killed (SIGKILL).
+    ``resume``: fresh processes resume from the tier's newest copy (laid out with its chain; its save at
+    step 5, ``failed``, fails on rank 1 and so on both) and from ``plain`` (saving ``resumed-plain`` at step
+    4, synchronously, without a plugin), and train steps 3 and 4."""
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DeepSpeedStrategy
     from lightning.pytorch.strategies.ddp import DDPStrategy
 
-    from nvcomp_checkpoint.lightning import NvcompDeepSpeedStrategy
+    from nvcomp_checkpoint.lightning import NvcompCheckpointIO, NvcompDeepSpeedStrategy
 
     class _OnCPU:
         def setup_environment(self) -> None:
@@ -267,6 +278,7 @@ def lightning_run(mode: str, root: str) -> None:
     if GPU:  # Lightning's own strategies, unmodified, on one CUDA device
         Stock, Ours = DeepSpeedStrategy, NvcompDeepSpeedStrategy  # type: ignore[misc]
     world = 1 if GPU else 2
+    tier = nc.Tier(os.path.join(root, "tier"))
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -286,14 +298,39 @@ def lightning_run(mode: str, root: str) -> None:
             return torch.utils.data.DataLoader(torch.zeros(64, DIM), batch_size=BATCH)
 
     class SaveAt(pl.Callback):
-        def __init__(self, path: str) -> None:
-            self.path = path
+        def __init__(self, path: str, step: int = STEPS) -> None:
+            self.path, self.step = path, step
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-            if trainer.global_step == STEPS:
+            if trainer.global_step == self.step:
                 trainer.save_checkpoint(self.path)
 
-    def fit(cls: type, max_steps: int, ckpt_path: str | None = None, save: str | None = None) -> Module:
+    class Before(ModelCheckpoint):
+        """ModelCheckpoint's saves and top-k removals before step 3 (where SaveAt saves)."""
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: object, **kwargs: object) -> None:
+            if trainer.global_step < STEPS:
+                super().on_train_batch_end(trainer, *args, **kwargs)
+
+    class Killed(pl.Callback):
+        def __init__(self, plugin: NvcompCheckpointIO) -> None:
+            self.plugin = plugin
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+            if trainer.global_step == STEPS and not GPU:
+                self.plugin.wait()  # every rank: the tag in flight committed, then the copies to the tier done
+                ckpts = os.path.join(root, "ckpts")
+                write_json(root, "killed.json", {"ckpts": sorted(os.listdir(ckpts)), "reports": self.plugin.last_report.path})
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def fit(
+        cls: type,
+        max_steps: int,
+        ckpt_path: str | None = None,
+        callbacks: tuple[pl.Callback, ...] = (),
+        failing: str | None = None,
+        **kw: object,
+    ) -> Module:
         torch.manual_seed(0)
         devices = (
             {"process_group_backend": "nccl"}
@@ -310,25 +347,57 @@ def lightning_run(mode: str, root: str) -> None:
             strategy=strategy,
             max_steps=max_steps,
             enable_progress_bar=False,
-            enable_checkpointing=False,
             enable_model_summary=False,
             logger=False,
             default_root_dir=root,
-            callbacks=[SaveAt(save)] if save else [],
+            callbacks=list(callbacks),
+            **kw,
         )
         module = Module()
-        trainer.fit(module, ckpt_path=ckpt_path)
+        try:
+            trainer.fit(module, ckpt_path=ckpt_path)
+        except CheckpointWriteError as exc:
+            if failing is None:
+                raise
+            with open(os.path.join(failing, f"rank{trainer.global_rank}.txt"), "w") as f:
+                f.write(str(exc))
+        else:
+            assert failing is None or GPU, "the last save should have failed on every rank"
         return module
 
     if mode == "first":
-        fit(Stock, STEPS, save=os.path.join(root, "plain"))
-        module = fit(Ours, STEPS + 2, save=os.path.join(root, "ours"))
+        module = fit(Stock, STEPS + 2, callbacks=(SaveAt(os.path.join(root, "plain")),), enable_checkpointing=False)
         write_json(root, "ref.json", module.losses[STEPS:])
+        plugin = NvcompCheckpointIO(async_save=True, tiers=[tier], incremental=True)
+        top1 = Before(dirpath=os.path.join(root, "ckpts"), filename="{step}", every_n_train_steps=1, save_top_k=1)
+        fit(Ours, STEPS + 2, callbacks=(SaveAt(os.path.join(root, "ours")), Killed(plugin), top1), plugins=[plugin])
+        if not GPU:
+            raise AssertionError("the run should have been killed after its step-3 checkpoint")
         return
-    resumed = {}
-    for name in ("ours", "plain"):
-        module = fit(Ours, STEPS + 2, os.path.join(root, name))
-        resumed[name] = module.losses
+    # A fresh node: the tier's newest copy, laid out with its chain; each rank of the node in its own folder.
+    rank = int(os.environ.get("RANK", "0"))
+    newest = NvcompCheckpointIO(tiers=[tier]).resume_path(os.path.join(root, f"restore-{rank}"))
+    assert newest is not None
+    if rank == 0:  # before fit: no process group yet
+        with open(os.path.join(root, "newest.json"), "w") as f:
+            json.dump(os.path.relpath(newest, root), f)
+    # The resume from the tier saves at its last step (async) where rank 1 cannot write its partition file
+    # (a folder is in the way): the commit at the end of fit fails on both ranks, each saying so.
+    failed, blocked = os.path.join(root, "failed"), "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt/in-the-way"
+    os.makedirs(os.path.join(failed, blocked), exist_ok=True)
+    module = fit(
+        Ours,
+        STEPS + 2,
+        newest,
+        callbacks=(SaveAt(failed, STEPS + 2),),
+        failing=failed,
+        plugins=[NvcompCheckpointIO(async_save=True)],
+        enable_checkpointing=False,
+    )
+    resumed = {"ours": module.losses}
+    # The resume from the plain folder saves once more, synchronously and without a plugin (the strategy's own session).
+    again = (SaveAt(os.path.join(root, "resumed-plain"), STEPS + 1),)
+    resumed["plain"] = fit(Ours, STEPS + 2, os.path.join(root, "plain"), callbacks=again, enable_checkpointing=False).losses
     write_json(root, "resumed.json", resumed)
 
 

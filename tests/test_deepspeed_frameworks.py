@@ -2,7 +2,8 @@
 
 Per framework, one 2-rank CPU run (tests/deepspeed_frameworks_train.py) saves the same state plain and
 through our integration and records the next losses (Accelerate's is then killed with SIGKILL in the
-middle of a third save); fresh processes resume from both folders with our integration. Lightning's
+middle of a third save; Lightning's saves with async_save, tiers and incremental and is killed after its
+third checkpoint); fresh processes resume from both folders (Lightning's: from the tier) with our integration. Lightning's
 DeepSpeedStrategy refuses the CPU: its run lifts that one check (see the script), and
 ``benchmarks/gpu_deepspeed_check.py`` (a step of ``benchmarks/gpu_check.sh``) runs the unmodified
 strategy on a GPU.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -136,10 +138,52 @@ def test_hf_trainer_with_deepspeed_writes_the_deepspeed_part_compressed_and_resu
 
 
 @pytest.mark.slow
-def test_lightning_deepspeed_strategy_writes_compressed_and_resumes(tmp_path: Path) -> None:
-    run_python(*TORCHRUN, "lightning", "first", str(tmp_path), cwd=tmp_path, **ENV)
-    _check_tags(tmp_path / "ours" / "checkpoint", tmp_path / "plain" / "checkpoint")
+def test_lightning_deepspeed_async_tiers_deltas_resume_on_a_fresh_node_after_a_kill(tmp_path: Path) -> None:
+    from nvcomp_checkpoint.incremental import DEFERRED_NAME, unit_base_of
+
+    first = fresh_process.run_ranks(
+        (str(SCRIPT), "lightning", "first", str(tmp_path)),
+        2,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONWARNINGS="ignore", **ENV),
+        timeout=300,
+    )
+    # Both ranks are killed by design once the step-3 checkpoint is committed and on the tier.
+    assert fresh_process.ended_by_signal(first) == signal.SIGKILL, first.stdout[-2000:] + first.stderr[-4000:]
+    assert "should have been killed" not in first.stderr
+    ours, ckpts = tmp_path / "ours", tmp_path / "ckpts"
+    _check_tags(ours / "checkpoint", tmp_path / "plain" / "checkpoint")
+    # Each rank file is a delta against the same file of the previous checkpoint: ours -> step=2 -> step=1 (full).
+    assert unit_base_of(str(ours)) == str(ckpts / "step=2.ckpt")
+    assert unit_base_of(str(ckpts / "step=2.ckpt")) == str(ckpts / "step=1.ckpt")
+    assert unit_base_of(str(ckpts / "step=1.ckpt")) is None
+    # ModelCheckpoint's top-1 removal of step=1 (after step=2's commit, in the background) waits for the delta.
+    killed = json.loads((tmp_path / "killed.json").read_text())
+    assert killed == {"ckpts": [DEFERRED_NAME, "step=1.ckpt", "step=2.ckpt"], "reports": str(ours)}
+    assert json.loads((ckpts / DEFERRED_NAME).read_text()) == ["step=1.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "tier").iterdir() if p.is_dir()) == [
+        "step-0000000001",
+        "step-0000000002",
+        "step-0000000003",
+    ]
+    shutil.rmtree(ours)  # a fresh node: tier 0 is gone, the tier holds the chain
+    shutil.rmtree(ckpts)
     _resumes(tmp_path, "lightning")
+    # The newest copy (step 3), laid out with its chain where its rank files look for their bases.
+    newest = tmp_path / json.loads((tmp_path / "newest.json").read_text())
+    assert newest.name == "step-0000000003" and newest.parent.parent.name == "restore-0", newest
+    for base in ("step=1.ckpt", "step=2.ckpt"):
+        _check_tags(newest.parent / "ckpts" / base / "checkpoint", tmp_path / "plain" / "checkpoint")
+    # A synchronous save without a plugin (the strategy's own session), after the resume from the plain folder.
+    _check_tags(tmp_path / "resumed-plain" / "checkpoint", tmp_path / "plain" / "checkpoint")
+    # Rank 1 could not write its file of the step-5 save: both ranks raised, neither committed the tag.
+    failed = tmp_path / "failed"
+    errors = {p.name: p.read_text() for p in failed.glob("rank*.txt")}
+    assert sorted(errors) == ["rank0.txt", "rank1.txt"], errors
+    for error in errors.values():  # each rank names rank 1 and its file
+        assert "rank 1 failed" in error and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in error, errors
+        assert "not committed" in error, errors
+    assert not (failed / "latest").exists() and not (failed / "checkpoint" / MANIFEST_NAME).exists()
 
 
 # -- what needs no ranks ---------------------------------------------------------------------------
@@ -163,14 +207,12 @@ def test_lightning_stock_deepspeed_strategy_with_the_plugin_is_refused_and_ours_
     check_deepspeed_checkpoint_io(ours)
     assert ours.policy == policy
     assert NvcompDeepSpeedStrategy(stage=2, policy={"min_compress_bytes": 1024}).policy == CodecPolicy(min_compress_bytes=1024)
-    for plugin, match in (
-        (NvcompCheckpointIO(async_save=True), r"async_save=\.\.\."),
-        (NvcompCheckpointIO(leader_load=True), r"leader_load=\.\.\..*own optimizer partition"),
-        (NvcompCheckpointIO(tiers=[Tier("/nonexistent-tier")]), r"tiers=\.\.\."),
-    ):
-        ours.checkpoint_io = plugin
-        with pytest.raises(CheckpointError, match=match):
-            check_deepspeed_checkpoint_io(ours)
+    ours.checkpoint_io = NvcompCheckpointIO(leader_load=True)
+    with pytest.raises(CheckpointError, match=r"leader_load=\.\.\..*own optimizer partition"):
+        check_deepspeed_checkpoint_io(ours)
+    # What the strategy's session honours (the run above): nothing refused.
+    ours.checkpoint_io = NvcompCheckpointIO(async_save=True, tiers=[Tier("/nonexistent-tier")], incremental=True)
+    check_deepspeed_checkpoint_io(ours)
 
 
 def test_lightning_deepspeed_strategy_on_the_cpu_is_refused_by_lightning_before_any_step(tmp_path: Path) -> None:

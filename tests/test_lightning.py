@@ -585,6 +585,48 @@ def test_remove_checkpoint(tmp_path):
     plugin.teardown()
 
 
+def test_deepspeed_folders_removed_by_model_checkpoint_wait_for_the_deltas_that_need_them(tmp_path):
+    # NvcompDeepSpeedStrategy's engine saves each rank file through the plugin's session (incremental=True) as
+    # <checkpoint>/checkpoint/<rank file>; ModelCheckpoint removes whole folders, knowing nothing of chains.
+    from nvcomp_checkpoint.incremental import DEFERRED_NAME, unit_base_of
+
+    rank_file = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+    def save(plugin: NvcompCheckpointIO, name: str, step: int) -> str | None:
+        path = tmp_path / name / "checkpoint" / rank_file
+        path.parent.mkdir(parents=True)
+        assert plugin.incremental is not None
+        base = plugin.incremental.base_for(path, slot=rank_file)  # what the attached engine asks
+        nc.save({"w": torch.full((256,), float(step))}, path, base=base)
+        return base
+
+    def file_of(name: str) -> str:
+        return str(tmp_path / name / "checkpoint" / rank_file)
+
+    plugin = NvcompCheckpointIO(incremental=True)
+    assert save(plugin, "step=1.ckpt", 1) is None
+    assert save(plugin, "step=2.ckpt", 2) == file_of("step=1.ckpt")
+    assert save(plugin, "last.ckpt", 2) == file_of("step=2.ckpt")
+    assert save(plugin, "step=3.ckpt", 3) == file_of("step=2.ckpt")  # last.ckpt, rewritten in place, is no base
+    # The tiers and the removals find a folder's base unit through its tag folder.
+    assert unit_base_of(str(tmp_path / "step=3.ckpt")) == str(tmp_path / "step=2.ckpt")
+
+    def left() -> list[str]:
+        return sorted(p.name for p in tmp_path.iterdir())
+
+    plugin.remove_checkpoint(tmp_path / "step=1.ckpt")  # step=2 needs it
+    assert left() == [DEFERRED_NAME, "last.ckpt", "step=1.ckpt", "step=2.ckpt", "step=3.ckpt"]
+    assert json.loads((tmp_path / DEFERRED_NAME).read_text()) == ["step=1.ckpt"]
+    # A resumed run (a fresh plugin) reads the chains from the files and the deferred list from the folder.
+    fresh = NvcompCheckpointIO(incremental=True)
+    fresh.remove_checkpoint(tmp_path / "step=2.ckpt")  # last.ckpt and step=3 need it
+    assert json.loads((tmp_path / DEFERRED_NAME).read_text()) == ["step=1.ckpt", "step=2.ckpt"]
+    fresh.remove_checkpoint(tmp_path / "last.ckpt")
+    assert left() == [DEFERRED_NAME, "step=1.ckpt", "step=2.ckpt", "step=3.ckpt"]
+    fresh.remove_checkpoint(tmp_path / "step=3.ckpt")  # nothing needs the chain any more: it goes whole
+    assert left() == []
+
+
 # -- async saves ------------------------------------------------------------------------------
 def _complete_checkpoints(directory: Path) -> list[str]:
     """The checkpoint files a reader sees (a save in progress is a hidden temporary file)."""

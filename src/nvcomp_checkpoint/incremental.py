@@ -49,6 +49,12 @@ def _norm(path: str | os.PathLike[str]) -> str:
     return path if is_url(path) else os.path.abspath(path)
 
 
+def _under(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or lies inside it."""
+    sep = "/" if is_url(folder) else os.sep
+    return path == folder or path.startswith(folder.rstrip(sep) + sep)
+
+
 class IncrementalFiles:
     """Bookkeeping of an integration's ``incremental=True``: bases, ``full_every`` counting, deferred deletion.
 
@@ -64,6 +70,10 @@ class IncrementalFiles:
         can_be_base: False for paths the framework rewrites in place (Lightning's ``last.ckpt``):
             a file others depend on must not change.
         storage_options: fsspec options for URLs.
+        keep_needed_folders: A folder asked to be removed waits, as a file does, while a kept delta needs a
+            file in it (Lightning's DeepSpeed checkpoint folders, which ``ModelCheckpoint`` rotates knowing
+            nothing of chains). Without it a folder goes at once: Accelerate's rotation keeps chains whole
+            itself (:func:`keep_with_bases`).
     """
 
     def __init__(
@@ -73,6 +83,7 @@ class IncrementalFiles:
         *,
         can_be_base: Callable[[str], bool] | None = None,
         storage_options: dict[str, Any] | None = None,
+        keep_needed_folders: bool = False,
     ) -> None:
         if policy is not None and not isinstance(policy, ChainPolicy):
             raise TypeError(f"{owner}: IncrementalFiles takes a ChainPolicy, got {type(policy).__name__}")
@@ -80,6 +91,7 @@ class IncrementalFiles:
         self.owner = owner
         self.can_be_base = can_be_base or _any_file
         self.storage_options = StorageOptions.of(storage_options)
+        self.keep_needed_folders = keep_needed_folders
         self._history: dict[str, list[str]] = {}  # slot -> paths saved in its current chain
         self._written: set[str] = set()  # every path saved by this process (a second save rewrites it)
         self._doomed: set[str] = set()
@@ -101,7 +113,8 @@ class IncrementalFiles:
         """The earlier file to save ``path`` against (None: save in full); call just before the save."""
         path = _norm(path)
         with self._lock:
-            self._doomed.discard(path)  # saved again: the framework keeps it after all
+            # Saved again: the framework keeps it (and the folder it is saved in) after all.
+            self._doomed -= {d for d in self._doomed if _under(path, d)}
             self._going.discard(path)
             history = self._history.setdefault(slot, [])
             rewritten = path in self._written
@@ -149,7 +162,7 @@ class IncrementalFiles:
         """
         path = _norm(path)
         storage, spath = storage_for(path, self.storage_options)
-        if storage.isdir(spath):
+        if storage.isdir(spath) and not self.keep_needed_folders:
             # A folder unit (Accelerate's save_state): its rotation already kept the folders that kept
             # deltas need (keep_with_bases), so it goes now.
             delete(path)
@@ -176,21 +189,26 @@ class IncrementalFiles:
         needed: set[str] = set()
         for p in self._live():
             needed.update(self._chain(p))
+
+        def is_needed(p: str) -> bool:  # a folder is needed while a file in it is
+            return any(_under(n, p) for n in needed)
+
         done = []
-        for p in sorted(self._doomed - needed):
+        for p in sorted(p for p in self._doomed if not is_needed(p)):
             try:
                 delete(p)
             except FileNotFoundError:
                 pass
             self._doomed.discard(p)
-            # Deleted: it no longer needs its bases. A path is in _written until then so that a save
-            # that is not durable yet (async) counts as kept.
-            self._written.discard(p)
-            self._bases.pop(p, None)
+            # Deleted: it (and what was saved in it) no longer needs its bases. A path is in _written until
+            # then so that a save that is not durable yet (async) counts as kept.
+            for gone_path in [w for w in self._written | set(self._bases) if _under(w, p)]:
+                self._written.discard(gone_path)
+                self._bases.pop(gone_path, None)
             if self._exists(p):  # ``delete`` deferred it (tier copies read it): listed until it is gone
                 self._going.add(p)
             done.append(p)
-        kept = sorted(self._doomed & needed)
+        kept = sorted(p for p in self._doomed if is_needed(p))
         if kept:
             _LOG.info("%s: keeping %s until the deltas that need them are removed", self.owner, ", ".join(kept))
         for folder in {_dirname(p) for p in [*done, *kept, *gone]}:
@@ -214,8 +232,11 @@ class IncrementalFiles:
                 names = list_names(storage, root)
             except (FileNotFoundError, OSError):
                 continue
-            found.update(_child(folder, n) for n, d in names.items() if not d and not n.startswith("."))
-        return sorted(found - self._doomed - self._going)
+            found.update(
+                _child(folder, n) for n, d in names.items() if (self.keep_needed_folders or not d) and not n.startswith(".")
+            )
+        leaving = self._doomed | self._going
+        return sorted(p for p in found if not any(_under(p, d) for d in leaving))
 
     def _chain(self, path: str) -> list[str]:
         """The bases ``path`` needs, nearest first (empty for a full file, a missing one or another kind of file)."""
@@ -224,6 +245,8 @@ class IncrementalFiles:
         while True:
             if current in self._bases:  # known before the file is durable (an async save)
                 base = self._bases[current]
+            elif not is_url(current) and os.path.isdir(current):
+                base = unit_base_of(current, self.storage_options)  # a folder unit: read from its delta files
             else:
                 try:
                     base = base_path_of(current, CheckpointReader, self.storage_options)
@@ -274,25 +297,49 @@ class IncrementalFiles:
 def unit_base_of(path: str, storage_options: dict[str, Any] | None = None) -> str | None:
     """The unit a checkpoint file or folder (a ``save_state`` folder) is a delta against, or None.
 
-    For a folder: the folder holding the base of the first delta file in it, whatever its name
-    (DeepSpeed's rank files keep their ``.pt`` names).
+    For a folder: the folder that holds the base of the first delta file in it at the same depth, whatever
+    the file's name (DeepSpeed's rank files keep their ``.pt`` names) and however deep it lies (Lightning's
+    DeepSpeed checkpoint folder holds the tag folder ``checkpoint/`` with the rank files).
     """
     path = _norm(path)
     if not is_url(path) and os.path.isdir(path):
-        for name in sorted(os.listdir(path)):
-            if name.endswith(".nvc") or _is_ours(os.path.join(path, name)):
+        for rel in _files_below(path):
+            full = os.path.join(path, rel)
+            if rel.endswith(".nvc") or _is_ours(full):
                 try:
-                    base = base_path_of(os.path.join(path, name), CheckpointReader, storage_options)
+                    base = base_path_of(full, CheckpointReader, storage_options)
                 except (CheckpointError, OSError):
                     continue
                 if base is not None:
-                    return os.path.dirname(os.path.abspath(base))
+                    unit = os.path.abspath(base)
+                    for _ in range(rel.count(os.sep) + 1):
+                        unit = os.path.dirname(unit)
+                    return unit
         return None
     try:
         base = base_path_of(path, CheckpointReader, storage_options)
     except (CheckpointError, OSError):
         return None
     return None if base is None else _norm(base)
+
+
+#: How deep :func:`unit_base_of` looks into a folder unit for a delta file.
+_UNIT_DEPTH = 4
+
+
+def _files_below(folder: str, depth: int = _UNIT_DEPTH) -> list[str]:
+    """The files of ``folder`` as paths relative to it: its own first, then each subfolder's (sorted)."""
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it)
+    except OSError:
+        return []
+    files = [name for name, is_dir in entries if not is_dir]
+    if depth > 1:
+        for name, is_dir in entries:
+            if is_dir:
+                files.extend(os.path.join(name, rel) for rel in _files_below(os.path.join(folder, name), depth - 1))
+    return files
 
 
 def _is_ours(path: str) -> bool:

@@ -100,6 +100,8 @@ class SessionOptions:
         """
         converted = CodecPolicy.of(policy, f"{label}(policy=...)")
         SaveOptions(policy=converted, workers=workers)  # checks workers now, not at the first save
+        if tiers is not None and not isinstance(tiers, (list, tuple)):
+            TierCopies(tiers, label)  # its TypeError names the fix (one Tier: "wrap it in [...]")
         return cls(
             policy=converted,
             workers=workers,

@@ -114,7 +114,6 @@ STACKS: tuple[Stack, ...] = (
         "Lightning + DeepSpeed",
         "NvcompDeepSpeedStrategy",
         DEEPSPEED_PARTITIONS,
-        _ds("async_save", "tiers", "incremental"),
         applies=frozenset(OPTIONS) - {"compress_weights"},
     ),
     Stack("Accelerate", "register_nvcomp_hooks", ONE_FILE, applies=frozenset(OPTIONS) - {"compress_weights"}),

@@ -26,17 +26,18 @@ from nvcomp_checkpoint.async_save import wait_for_path
 from nvcomp_checkpoint.credentials import StorageOptions
 from nvcomp_checkpoint.entrypoint import (
     POLICY_OPTION_KEYS,
-    SaveEntryPoint,
+    CheckpointSession,
+    SessionOptions,
     checked_on_every_rank,
-    incremental_files,
     load_as_torch,
     policy_and_metadata,
     report_metrics,
 )
+from nvcomp_checkpoint.incremental import IncrementalFiles
 from nvcomp_checkpoint.savegroup import SavedCallback
 from nvcomp_checkpoint.saveoptions import SaveOptions
 from nvcomp_checkpoint.storage import storage_for
-from nvcomp_checkpoint.tiers import Tier
+from nvcomp_checkpoint.tiers import Tier, TierCopies
 from nvcomp_checkpoint.version import install_hint
 
 if TYPE_CHECKING:  # checked against the unified package; the standalone ones have the same classes
@@ -88,12 +89,19 @@ def _storage_as_loaded(storage: Any, location: str) -> Any:
     return storage
 
 
+#: The tag Lightning's ``DeepSpeedStrategy`` saves every checkpoint folder's files under (``<path>/checkpoint/``).
+DEEPSPEED_TAG = "checkpoint"
+
+
 def _not_last(path: str) -> bool:
-    # ModelCheckpoint rewrites last.ckpt in place: a delta against it would lose its base.
-    return not os.path.basename(path).startswith(getattr(ModelCheckpoint, "CHECKPOINT_NAME_LAST", None) or "last")
+    # ModelCheckpoint rewrites last.ckpt in place: a delta against it would lose its base. A rank file of a
+    # DeepSpeed checkpoint (<path>/checkpoint/<file>) is named by its checkpoint folder.
+    parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
+    name = parts[-3] if len(parts) >= 3 and parts[-2] == DEEPSPEED_TAG else parts[-1]
+    return not name.startswith(getattr(ModelCheckpoint, "CHECKPOINT_NAME_LAST", None) or "last")
 
 
-class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
+class NvcompCheckpointIO(CheckpointIO):
     """Saves Lightning checkpoints compressed, per component (weights, optimizer moments ...).
 
     One class serves both ``Trainer(plugins=[...])`` and ``Fabric(plugins=[...])``, and can be
@@ -105,9 +113,15 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
     are durable, skipped if one failed: the run always keeps a complete checkpoint. Use it instead
     of Lightning's ``AsyncCheckpointIO`` (issue 14035). Design: ``docs/lightning.md``.
 
+    The saves, their background errors, the copies to the tiers, the ``incremental`` chains and the
+    order of removals belong to :attr:`session` (a :class:`~nvcomp_checkpoint.entrypoint.CheckpointSession`,
+    held as Lightning's ``_WrappingCheckpointIO`` holds its ``checkpoint_io``); this class is Lightning's
+    interface to it. Our strategies (``NvcompDeepSpeedStrategy``, ``NvcompModelParallelStrategy``) save
+    through the same session.
+
     Args:
         policy, workers, async_save, max_pending, on_saved, stream_wrapper, tiers: As for every
-            integration (:class:`nvcomp_checkpoint.entrypoint.SaveEntryPoint`). ``on_saved`` is the
+            integration (:class:`nvcomp_checkpoint.entrypoint.SessionOptions`). ``on_saved`` is the
             "checkpoint finished" hook of Lightning issue 19414. ``ModelCheckpoint``'s folder is tier 0,
             with its own top-k; copies are named by the checkpoint's ``global_step``, and
             ``trainer.fit(ckpt_path=plugin.resume_path())`` resumes on a fresh node.
@@ -131,6 +145,7 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
             node), every rank raises instead of waiting. Sharded strategies read their own shards.
 
     Attributes:
+        session: The :class:`~nvcomp_checkpoint.entrypoint.CheckpointSession` every save goes through.
         last_report: The :class:`SaveReport` of the most recent completed save (``None`` before one);
             ``plugin.last_report.table()`` prints what each component took.
 
@@ -157,27 +172,31 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         leader_load: bool = False,
     ) -> None:
         CheckpointIO.__init__(self)
-        self.leader_load = leader_load
-        self.incremental = incremental_files(
-            "NvcompCheckpointIO",
-            incremental,
-            full_every,
-            delta_base,
-            storage_options=fsspec_options or None,
-            can_be_base=_not_last,
-        )
-        _register_with_standalone_packages()
-        SaveEntryPoint.__init__(
-            self,
+        options = SessionOptions.of(
             "NvcompCheckpointIO",
             policy,
             workers=workers,
             async_save=async_save,
-            max_pending=max_pending,
             on_saved=on_saved,
             stream_wrapper=stream_wrapper,
             tiers=tiers,
+            max_pending=max_pending,
+            incremental=incremental,
+            full_every=full_every,
+            delta_base=delta_base,
         )
+        self.session = CheckpointSession(
+            "NvcompCheckpointIO",
+            options,
+            # A DeepSpeed checkpoint folder ModelCheckpoint removes waits for the kept deltas that need it.
+            incremental_options={
+                "storage_options": fsspec_options or None,
+                "can_be_base": _not_last,
+                "keep_needed_folders": True,
+            },
+        )
+        self.leader_load = leader_load
+        _register_with_standalone_packages()
         self.fsspec_options = StorageOptions(fsspec_options or {})  # credentials out of its repr
         self._listeners: list[Callable[[SaveReport, dict[str, Any]], None]] = []
         _LIVE_PLUGINS.add(self)
@@ -185,6 +204,89 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         #: between runs (``trainer.save_checkpoint`` after ``fit``) has no training to overlap and
         #: nothing to stop a writer thread after it, so it is written at once.
         self._between_runs = False
+        #: Set by a strategy whose checkpoints are committed collectively (``NvcompDeepSpeedStrategy``): commits
+        #: the checkpoint in flight, so that :meth:`wait` does not wait for an optimizer step that never comes.
+        self.commit_in_flight: Callable[[], None] | None = None
+
+    # -- the session's options and state, as this class has always offered them ------------------
+    @property
+    def policy(self) -> CodecPolicy:
+        return self.session.options.policy
+
+    @property
+    def workers(self) -> int | None:
+        return self.session.options.workers
+
+    @property
+    def async_save(self) -> bool:
+        return self.session.options.async_save
+
+    @property
+    def max_pending(self) -> int:
+        return self.session.options.max_pending
+
+    @property
+    def on_saved(self) -> SavedCallback | None:
+        return self.session.options.on_saved
+
+    @property
+    def stream_wrapper(self) -> Callable[[IO[bytes]], IO[bytes]] | None:
+        return self.session.options.stream_wrapper
+
+    @property
+    def tiers(self) -> TierCopies | None:
+        return self.session.tiers
+
+    @property
+    def incremental(self) -> IncrementalFiles | None:
+        return self.session.incremental
+
+    @property
+    def last_report(self) -> SaveReport | None:
+        return self.session.last_report
+
+    def pending(self) -> int:
+        """Saves not yet durable (0 without ``async_save``)."""
+        return self.session.pending()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every pending save (and copy to ``tiers``) is durable; raise the first background failure.
+
+        With ``NvcompDeepSpeedStrategy`` the checkpoint in flight is committed first, on every rank
+        together: call it on every rank.
+
+        Raises:
+            nvcomp_checkpoint.errors.CheckpointWriteError: A background save failed; what it would
+                have replaced is untouched.
+            TimeoutError: Saves still pending after ``timeout`` seconds (``None``: no limit).
+        """
+        if self.commit_in_flight is not None:
+            self.commit_in_flight()
+        self.session.wait(timeout)
+
+    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
+        """The newest checkpoint copy on ``tiers`` that checks (every file), or ``None`` (a fresh start).
+
+        For ``trainer.fit(ckpt_path=plugin.resume_path())`` on a fresh node, where tier 0 is gone; see
+        :meth:`CheckpointSession.resume_path`. A delta is laid out with its chain into ``local_dir``
+        (default ``.nvckpt-restore``): under several ranks of one node, give each its own.
+
+        Raises:
+            ValueError: No ``tiers`` were given.
+        """
+        return self.session.resume_path(local_dir)
+
+    def close(self, when: str) -> None:
+        """Wait for pending saves and copies, stop the background threads, raise a failure (``when`` names it)."""
+        self.session.close(when)
+
+    def after_durable(self, checkpoint: Mapping[str, Any], path: Any, *, copy: bool = True) -> list[SavedCallback]:
+        """What runs once a checkpoint a strategy writes itself is durable at ``path``: ``NvcompCheckpointMetrics``
+        gets its report, and (``copy``) the tiers a copy of ``path`` named by its ``global_step``."""
+        info = _counters(checkpoint)
+        return self.session.after_durable(
+            info.get("global_step") if copy else None, path, lambda r: self._tell_listeners(r, info)
+        )
 
     def policy_for(self, storage_options: Optional[Any]) -> tuple[CodecPolicy, dict[str, Any] | None]:
         """The policy and index metadata of one save, given Lightning's ``storage_options``.
@@ -215,31 +317,32 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
                 background save failed, and this one was not started.
         """
         started = time.perf_counter()
+        session = self.session
         policy, metadata = self.policy_for(storage_options)
-        info = {}
-        if isinstance(checkpoint, Mapping):  # Lightning's counters, readable with `nvckpt inspect`
-            info = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
+        info = _counters(checkpoint)  # Lightning's counters, readable with `nvckpt inspect`
         metadata = {"written_by": type(self).__name__, **info, **(metadata or {})}
-        after = self._after_durable(info.get("global_step"), path, lambda r: self._tell_listeners(r, info))
+        after = self.after_durable(checkpoint, path)
 
         def options(base: str | None) -> SaveOptions:
-            return self._options(path, policy=policy, metadata=metadata, storage_options=self.fsspec_options or None, base=base)
+            return session.save_options(
+                path, policy=policy, metadata=metadata, storage_options=self.fsspec_options or None, base=base
+            )
 
         try:
             if not self.async_save or self._between_runs:
-                self._raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
+                session.raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
                 base = self.incremental.base_for(path) if self.incremental is not None else None
-                self._saved(self._save_now(checkpoint, path, options(base)), after)
+                session.saved(session.save_now(checkpoint, path, options(base)), after)
                 return
-            self._wait_for_slot()
-            self._raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
+            session.wait_for_slot()
+            session.raise_errors(f"the next save, to {os.fspath(path)}", "That save was not started.")
             base = self.incremental.base_for(path) if self.incremental is not None else None
             built = options(base)
-            self._save_group(
+            session.checkpoint(
                 path,
                 started,
                 after,
-                lambda group: self._save_file(group, "checkpoint", checkpoint, path, built),
+                lambda group: session.add_file(group, "checkpoint", checkpoint, path, built),
                 failed=lambda exc: self._save_failed(path),  # in the background: whoever raises the error later
             )
         except BaseException:
@@ -250,8 +353,7 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         """A checkpoint a sharded strategy wrote itself (``NvcompModelParallelStrategy``'s directory) is
         durable: as for a save of this plugin, ``report`` becomes :attr:`last_report`, ``on_saved`` and
         ``NvcompCheckpointMetrics`` get it, and the tiers a copy of ``path`` named by its ``global_step``."""
-        info = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
-        self._saved(report, self._after_durable(info.get("global_step"), path, lambda r: self._tell_listeners(r, info)))
+        self.session.saved(report, self.after_durable(checkpoint, path))
 
     def _save_failed(self, path: Any) -> None:
         if self.incremental is not None:
@@ -288,7 +390,7 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         def check() -> None:
             if self.async_save:
                 # A checkpoint still being written must not be read as missing, or as the older one.
-                self._wait_for_saves(where, "Nothing was loaded; fix the cause and save again.")
+                self.session.wait_for_saves(where, "Nothing was loaded; fix the cause and save again.")
             # And for another plugin's (a second Trainer in this process), as nc.load waits for any saver's.
             wait_for_path(path)
             storage, spath = storage_for(path, options)
@@ -323,11 +425,11 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         """
         if self.async_save:
             where = os.fspath(path)
-            self._raise_errors(
+            self.session.raise_errors(
                 f"remove_checkpoint({where!r})", f"{where} was not removed: it may be the newest complete checkpoint."
             )
-        # After the pending saves, the deltas that need it and its copies to the tiers (SaveEntryPoint._remove_checkpoint).
-        self._remove_checkpoint(path, self._delete)
+        # After the pending saves, the deltas that need it and its copies to the tiers (CheckpointSession.remove).
+        self.session.remove(path, self._delete)
 
     def _delete(self, path: str) -> None:
         storage, spath = storage_for(path, self.fsspec_options or None)
@@ -342,7 +444,14 @@ class NvcompCheckpointIO(SaveEntryPoint, CheckpointIO):
         after an error too), a background failure is logged instead, so the first error stays visible.
         """
         self._between_runs = True
-        self.close("teardown, at the end of the run")
+        self.session.close("teardown, at the end of the run")
+
+
+def _counters(checkpoint: Any) -> dict[str, int]:
+    """Lightning's ``epoch`` and ``global_step`` of a checkpoint dict (those it has)."""
+    if not isinstance(checkpoint, Mapping):
+        return {}
+    return {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
 
 
 #: Every NvcompCheckpointIO alive: Lightning's callbacks factory adds the strategy check only when one exists.
