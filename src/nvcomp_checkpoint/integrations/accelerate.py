@@ -584,13 +584,9 @@ class NvcompStateHooks:
         return shown
 
     def _after_durable(self, call: _SaveCall) -> list[Callable[[nc.SaveReport], Any]]:
-        """What runs once the folder is committed: the copy to the tiers, a delta folder with its base folder."""
-        tiers = self.session.tiers
-        if self._tags is None or tiers is None or self.incremental is None:
-            return self.session.after_durable(call.iteration, call.target)
-        target = os.fspath(call.target)
-        # DeepSpeed's deltas lie one level down, in the tag folders: the base folder is found there.
-        return [lambda report: tiers.adopt(call.iteration, target, _folder_base(target))]
+        """What runs once the folder is committed: the copy to the tiers, a delta folder with its base folder
+        (found through DeepSpeed's tag folders too: :func:`~nvcomp_checkpoint.incremental.unit_base_of`)."""
+        return self.session.after_durable(call.iteration, call.target)
 
     def _commit(self, call: _SaveCall, reports: dict[str, nc.SaveReport], rotation: tuple[Path, int] | None) -> None:
         """Manifest, commit, rotation: runs once every part is durable (maybe in the background)."""
@@ -638,7 +634,7 @@ class NvcompStateHooks:
             checkpoints, limit = rotation
             ordered = [p for _, p in numbered_dirs(checkpoints, _number)]
             if self.incremental is not None:  # a chain goes as a whole: the folders kept ones need stay
-                needed = set(retained([os.fspath(p) for p in [*ordered[-limit:], target]], _folder_base))
+                needed = set(retained([os.fspath(p) for p in [*ordered[-limit:], target]], unit_base_of))
                 ordered, limit = [p for p in ordered if os.fspath(p) not in needed], 0
             # Each folder goes once nothing needs it (CheckpointSession.remove): after this commit,
             # and after its copies to the tiers.
@@ -1016,19 +1012,6 @@ def _committed_report(future: concurrent.futures.Future[nc.SaveReport], tag: str
 
 def _tag_key(path: str | os.PathLike[str]) -> str:
     return os.path.normpath(os.path.abspath(os.fspath(path)))
-
-
-def _folder_base(folder: str) -> str | None:
-    """The folder a ``save_state`` folder is a delta against: by its ``.nvc`` files, or by DeepSpeed's tag folders in it."""
-    base = unit_base_of(folder)
-    if base is not None or not os.path.isdir(folder):
-        return base
-    for name in sorted(os.listdir(folder)):
-        if _DEEPSPEED_TAG.fullmatch(name) and os.path.isdir(os.path.join(folder, name)):
-            tag_base = unit_base_of(os.path.join(folder, name))
-            if tag_base is not None:
-                return os.path.dirname(tag_base)
-    return None
 
 
 def _distributed(accelerator: Accelerator) -> bool:
