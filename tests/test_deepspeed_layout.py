@@ -324,19 +324,24 @@ def test_a_same_size_rank_file_of_another_run_is_refused_by_load_and_verify(
     from nvcomp_checkpoint.errors import MixedSaveError
 
     name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    mine = _compressed_run(tmp_path / "a", 1.0)
-    # Another run whose rank-1 file has the same size: the index holds decimal text (a save's time, frame
-    # digests), so a size may differ by a byte; another run is made until it does not.
-    for attempt in range(20):
-        theirs = _compressed_run(tmp_path / f"b{attempt}", 3.0 + attempt)
-        if (theirs / name).stat().st_size == (mine / name).stat().st_size:
+    # Two runs whose rank-1 files have the same size: the index holds decimal text (a save's time, frame
+    # digests), so sizes spread over a few bytes; runs are made until two share one (pigeonhole: a handful).
+    by_size: dict[int, Path] = {}
+    for attempt in range(40):
+        run = _compressed_run(tmp_path / f"r{attempt}", 1.0 + attempt)
+        size = (run / name).stat().st_size
+        if size in by_size:
+            mine, theirs = by_size[size], run
             break
+        by_size[size] = run
+    else:
+        pytest.fail(f"40 runs, no two rank-1 files of one size: {sorted(by_size)}")
     assert (mine / name).stat().st_size == (theirs / name).stat().st_size  # only a digest tells them apart
     (mine / name).write_bytes((theirs / name).read_bytes())
     with pytest.raises(MixedSaveError, match=name):
         load_deepspeed_file(mine / name)
     capsys.readouterr()
-    assert main(["verify", str(tmp_path / "a")]) == 1
+    assert main(["verify", str(mine.parent)]) == 1
     assert name in capsys.readouterr().out
     assert main(["verify", str(theirs.parent)]) == 0
 
