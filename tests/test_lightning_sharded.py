@@ -7,6 +7,7 @@ stock strategy, with the uninterrupted run's next losses.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -279,10 +281,6 @@ def test_plugin_options_a_sharded_save_cannot_honour_are_refused(tmp_path: Path)
             NvcompCheckpointIO(incremental=True),
             r"NvcompCheckpointIO\(incremental=\.\.\.\) with Lightning sharded.*Drop incremental=True",
         ),
-        (
-            NvcompCheckpointIO(async_save=True),
-            r"NvcompCheckpointIO\(async_save=\.\.\.\) with Lightning sharded.*Drop async_save=True",
-        ),
     ):
         strategy = NvcompModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         strategy.checkpoint_io = plugin
@@ -293,9 +291,10 @@ def test_plugin_options_a_sharded_save_cannot_honour_are_refused(tmp_path: Path)
         full.checkpoint_io = plugin
         check_sharded_checkpoint_io(full)
         plugin.teardown()
-    # Tiers are honoured: each sharded checkpoint directory is copied (test_fit_then_resume_...).
+    # Tiers and async_save are honoured: each sharded checkpoint directory is copied, written in the
+    # background (test_fit_then_resume_..., test_async_sharded_save_commits_in_the_background).
     strategy = NvcompModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    strategy.checkpoint_io = NvcompCheckpointIO(tiers=[Tier(str(tmp_path / "tier"))])
+    strategy.checkpoint_io = NvcompCheckpointIO(tiers=[Tier(str(tmp_path / "tier"))], async_save=True)
     check_sharded_checkpoint_io(strategy)
 
 
@@ -383,6 +382,87 @@ def test_meta_pt_or_dcp_files_of_another_save_are_refused(tmp_path: Path) -> Non
         assert strategy.load_checkpoint(path) == {"epoch": 2}
         assert_tree_equal(saved[2]["state_dict"], strategy.lightning_module_state_dict())
         assert_tree_equal(saved[2]["optimizer_states"][0], strategy.optimizer_state(optimizer))
+
+
+class _Gate:
+    """A stream wrapper that holds every write until ``release`` is set, and then fails them if ``fail`` is."""
+
+    def __init__(self) -> None:
+        self.release, self.writing, self.fail = threading.Event(), threading.Event(), False
+
+    def __call__(self, stream: Any) -> Any:
+        gate = self
+
+        class Held:
+            def write(self, data: Any) -> int:
+                gate.writing.set()
+                assert gate.release.wait(30), "the test never released the write"
+                if gate.fail:
+                    raise OSError("disk full (test)")
+                written: int = stream.write(data)
+                return written
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(stream, name)
+
+        return Held()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_async_sharded_save_commits_in_the_background(tmp_path: Path) -> None:
+    gate, durable = _Gate(), []
+    plugin = NvcompCheckpointIO(async_save=True, stream_wrapper=gate, on_saved=lambda r: durable.append(r.path))
+    strategy, optimizer = _one_process_strategy(1)
+    strategy.checkpoint_io = plugin
+    check_sharded_checkpoint_io(strategy)  # async_save is honoured for sharded saves
+    strategy._begin_run()  # during a run (setup); between runs a save is written at once
+
+    def save(name: str) -> tuple[Path, dict[str, Any]]:
+        state = {"state_dict": strategy.lightning_module_state_dict(), "optimizer_states": [strategy.optimizer_state(optimizer)]}
+        expected = {k: {kk: vv.clone() for kk, vv in v.items()} if k == "state_dict" else v for k, v in state.items()}
+        expected["optimizer_states"] = [copy.deepcopy(state["optimizer_states"][0])]
+        strategy.save_checkpoint({**state, "epoch": name}, tmp_path / name)
+        return tmp_path / name, expected
+
+    first, saved = save("first")
+    # Returned while every write is held: nothing is committed, and Lightning takes nothing for a checkpoint.
+    assert gate.writing.wait(10) and strategy.pending() == 1
+    assert not (first / "meta.pt").exists() and not (first / ".metadata").exists()
+    with torch.no_grad():  # training goes on: the save holds the state of its step, copied before it returned
+        strategy.model.net.weight.add_(1.0)
+    optimizer.step()
+    gate.release.set()
+    strategy.wait()
+    assert strategy.pending() == 0 and durable == [str(first)] and strategy.last_report is not None
+    loader, loaded_optimizer = _one_process_strategy(7)
+    assert loader.load_checkpoint(first) == {"epoch": "first"}
+    assert_tree_equal(saved["state_dict"], loader.lightning_module_state_dict())
+    assert_tree_equal(saved["optimizer_states"][0], loader.optimizer_state(loaded_optimizer))
+
+    # ModelCheckpoint's removal of the checkpoint the pending save replaces waits for its commit.
+    gate.release.clear()
+    second, _ = save("second")
+    assert gate.writing.wait(10)
+    strategy.remove_checkpoint(first)
+    assert (first / "meta.pt").is_file()
+    gate.release.set()
+    strategy.wait()
+    assert not first.exists() and (second / "meta.pt").is_file()
+
+    # A failed background save: nothing committed, its removal skipped, and the next save (on every
+    # rank: they agreed on it) raises it without starting.
+    gate.release.clear()
+    gate.fail = True
+    third, _ = save("third")
+    strategy.remove_checkpoint(second)
+    gate.release.set()
+    with pytest.raises(nc.errors.CheckpointWriteError, match=r"disk full \(test\).*third.*reported by the save to .*fourth"):
+        save("fourth")
+    assert not (third / "meta.pt").exists() and not (tmp_path / "fourth").exists() and (second / "meta.pt").is_file()
+    gate.fail = False
+    strategy._end_run()
+    plugin.teardown()
+    assert durable == [str(first), str(second)]
 
 
 _CHECK_SCRIPT = textwrap.dedent(

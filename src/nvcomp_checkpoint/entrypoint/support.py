@@ -102,8 +102,6 @@ STACKS: tuple[Stack, ...] = (
         "NvcompModelParallelStrategy, NvcompFSDPStrategy",
         DCP_RANK_FILES,
         {
-            "async_save": "every rank writes its shards inside save_checkpoint, and the checkpoint is durable "
-            "when it returns; nothing is left to write in the background. Drop async_save=True",
             "incremental": "its sharded checkpoints are directories of rank files written through "
             "torch.distributed.checkpoint, which are saved in full, never as deltas. Drop incremental=True "
             "(tiers=... still copies each checkpoint), or save one-file checkpoints",
