@@ -230,7 +230,9 @@ def _report(directory: Path, started: float, written: SaveReport | None, blocked
     from ..entrypoint.reports import checkpoint_report
 
     reports = [written] if written is not None else []
-    return checkpoint_report(directory, time.perf_counter() - started, reports=reports, dcp_dirs=[directory], seconds_blocked=blocked)
+    return checkpoint_report(
+        directory, time.perf_counter() - started, reports=reports, dcp_dirs=[directory], seconds_blocked=blocked
+    )
 
 
 def _finish(
