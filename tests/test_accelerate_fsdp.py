@@ -504,17 +504,26 @@ def test_fsdp_functions_are_swapped_for_the_call_only(module: str) -> None:
 
     from accelerate.utils import fsdp_utils
 
-    from nvcomp_checkpoint.integrations import accelerate_fsdp
+    from nvcomp_checkpoint.dcp import fsdp_functions
 
     namespace = importlib.import_module(module)
-    names = accelerate_fsdp.FSDP_FUNCTION_NAMES
+    names = fsdp_functions.FSDP_FUNCTION_NAMES
     assert all(getattr(namespace, n) is getattr(fsdp_utils, n) for n in names)
+    # The core's functions, bound to the fsdp_utils module the framework calls (found through it, also
+    # while ours are in place: the Trainer's module imports no Accelerate integration of ours).
+    assert fsdp_functions.fsdp_helpers_of(namespace) is fsdp_utils
     with pytest.raises(KeyError):
-        with accelerate_fsdp.nvcomp_fsdp_functions(namespace, workers=1):
-            assert namespace.save_fsdp_model.func is accelerate_fsdp.save_fsdp_model
-            assert namespace.load_fsdp_optimizer is accelerate_fsdp.load_fsdp_optimizer
+        with fsdp_functions.nvcomp_fsdp_functions(namespace, fsdp_functions.fsdp_helpers_of(namespace), workers=1):
+            assert namespace.save_fsdp_model.func is fsdp_functions.save_fsdp_model
+            assert namespace.load_fsdp_optimizer.func is fsdp_functions.load_fsdp_optimizer
+            assert namespace.load_fsdp_optimizer.keywords["helpers"] is fsdp_utils
+            assert fsdp_functions.fsdp_helpers_of(namespace) is fsdp_utils
             raise KeyError("inside")
     assert all(getattr(namespace, n) is getattr(fsdp_utils, n) for n in names)
+    # Accelerate's names of the state the core writes.
+    from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+
+    assert (fsdp_functions.FSDP_MODEL_NAME, fsdp_functions.OPTIMIZER_NAME) == (FSDP_MODEL_NAME, OPTIMIZER_NAME)
 
 
 def test_fsdp_setups_without_a_compressed_form_are_refused_at_registration() -> None:
