@@ -103,8 +103,11 @@ STACKS: tuple[Stack, ...] = (
         DCP_RANK_FILES,
         {
             "incremental": "its sharded checkpoints are directories of rank files written through "
-            "torch.distributed.checkpoint, which are saved in full, never as deltas. Drop incremental=True "
-            "(tiers=... still copies each checkpoint), or save one-file checkpoints",
+            "torch.distributed.checkpoint, saved in full: a rank file stored as a delta of the same rank's file "
+            "in the previous checkpoint measured 94% of the full file 10 AdamW steps apart (85% one step apart; "
+            "an 8.4M-parameter fp32 MLP, 2 ranks) and more than the full file on a tiny model, too little to be "
+            "worth a chain every resume reads back. Drop incremental=True (tiers=... still copies each "
+            "checkpoint), or save one-file checkpoints",
         },
         applies=frozenset(OPTIONS) - {"compress_weights"},
     ),
