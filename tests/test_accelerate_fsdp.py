@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -79,15 +80,41 @@ def _full_state(model: Any, opt: Any) -> dict[str, Any]:
     return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, {"model": msd, "optim": osd})
 
 
-def _tier_save(acc: Any, root: str, name: str) -> None:
-    """A sharded save_state with a copy to a local folder tier (made by rank 0, once committed)."""
+class _Held:
+    """A stream wrapper whose writes wait until ``release`` is set (60 s at most, then they fail)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __call__(self, stream: Any) -> Any:
+        release = self.release
+
+        class Held:
+            def write(self, data: Any) -> int:
+                if not release.wait(60):
+                    raise OSError("the writes were held for 60 s: the save did not return before them")
+                written: int = stream.write(data)
+                return written
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(stream, name)
+
+        return Held()
+
+
+def _tier_save(acc: Any, root: str, name: str, held: _Held | None = None) -> Any:
+    """A sharded save_state with a copy to a local folder tier (made by rank 0, once committed);
+    returns the hooks, whose remove() waits for the save and the copy. ``held``: async_save, its
+    writes held until released."""
     import nvcomp_checkpoint as nc
     from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
 
     _use(acc, "SHARDED_STATE_DICT")
-    hooks = register_nvcomp_hooks(acc, tiers=[nc.Tier(os.path.join(root, "tier"))])
+    hooks = register_nvcomp_hooks(
+        acc, tiers=[nc.Tier(os.path.join(root, "tier"))], async_save=held is not None, stream_wrapper=held
+    )
     acc.save_state(os.path.join(root, "local", name))
-    hooks.remove()  # waits for the copy
+    return hooks
 
 
 def _save_on_each_node_of_two_nodes(acc: Any, root: str) -> str | None:
@@ -143,7 +170,7 @@ def _save_run(rank: int, root: str) -> None:
 
     acc, model, opt = _prepared(seed=0)
     _train(acc, model, opt, SAVE_STEPS - 1, first=0)
-    _tier_save(acc, root, "first")  # an older copy, which the resume must pass over
+    _tier_save(acc, root, "first").remove()  # an older copy, which the resume must pass over
     _train(acc, model, opt, 1, first=SAVE_STEPS - 1)
     reports = {}
     for kind in KINDS:
@@ -165,9 +192,16 @@ def _save_run(rank: int, root: str) -> None:
         acc.save_state(os.path.join(out, "plain"))  # Accelerate's own FSDP files, for the hooks to load
     refused = _save_on_each_node_of_two_nodes(acc, root)
     unreported = _save_without_report(acc, root)
-    _tier_save(acc, root, "second")
+    # Saved in the background (async_save): every rank's shards are copied, then training goes on (its
+    # collectives beside the save's own) while the rank files are written; the resume from the tier
+    # gets the state of the save, bit for bit.
+    held = _Held()
+    hooks = _tier_save(acc, root, "second", held)
     state = _full_state(model, opt)
     losses = _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)
+    held.release.set()  # no rank file was written before: save_state returned with every write held
+    hooks.remove()  # waits for the commit (on every rank) and the copy
+    in_background = None if hooks.last_report is None else hooks.last_report.to_dict()
     torch.save(
         {
             "state": state,
@@ -176,6 +210,7 @@ def _save_run(rank: int, root: str) -> None:
             "iteration": acc.save_iteration,
             "refused": refused,
             "unreported": unreported,
+            "in_background": in_background,
         },
         os.path.join(root, f"saved_{rank}.pt"),
     )
@@ -313,6 +348,9 @@ def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
         assert refused is not None and "save_on_each_node=True with FSDP SHARDED_STATE_DICT on 2 nodes" in refused, refused
         assert "Set ProjectConfiguration(save_on_each_node=...) to False" in refused, refused
     assert not (tmp_path / "each_node").exists()
+    # The async save's report (the committing process's): blocked for the copy only, durable later.
+    in_background = [torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)["in_background"] for rank in range(2)]
+    assert in_background[1] is None and in_background[0]["seconds_blocked"] < in_background[0]["seconds"], in_background
     # A report that cannot be built fails no committed save: rank 0 warned for each DCP directory.
     unreported = [torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)["unreported"] for rank in range(2)]
     assert unreported[1] == [] and len(unreported[0]) == 2, unreported
@@ -536,6 +574,5 @@ def test_fsdp_setups_without_a_compressed_form_are_refused_at_registration() -> 
     with pytest.raises(nc.CheckpointError, match="LOCAL_STATE_DICT writes one torch.save file per rank.*SHARDED_STATE_DICT"):
         check_fsdp_hooks(local, async_save=False)
     sharded = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
-    with pytest.raises(nc.CheckpointError, match="async_save is not supported with FSDP"):
-        check_fsdp_hooks(sharded, async_save=True)
+    check_fsdp_hooks(sharded, async_save=True)  # written in the background (test_fsdp2_save_state_resumes_bit_identical)
     check_fsdp_hooks(sharded, async_save=False)

@@ -31,13 +31,14 @@ from ..errors import CheckpointError, FormatError
 from ..policy import CodecPolicy
 from ..report import SaveReport
 from ..storage import LOCAL
-from .rank_files import RankFilesOptions, read_rank_files, write_rank_files
+from .rank_files import BackgroundRankFiles, RankFilesOptions, agree, read_rank_files, write_rank_files
 
 __all__ = [
     "FSDP_FUNCTION_NAMES",
     "FSDP_MODEL_NAME",
     "OPTIMIZER_NAME",
     "ReportFn",
+    "AddJobFn",
     "save_fsdp_model",
     "load_fsdp_model",
     "save_fsdp_optimizer",
@@ -61,6 +62,9 @@ FSDP_FUNCTION_NAMES = ("save_fsdp_model", "save_fsdp_optimizer", "load_fsdp_mode
 _SWAP = threading.RLock()  # held while the FSDP functions are swapped (nvcomp_fsdp_functions)
 #: ``fn(name, report)``: a file or DCP directory (``name`` inside the save's folder) is durable.
 ReportFn = Callable[[str, SaveReport], Any]
+#: ``add_job(name, job)``: the committing process's save takes ``job`` (a background write returning
+#: the report of DCP directory ``name``) as one of its parts.
+AddJobFn = Callable[[str, Callable[[], "SaveReport | None"]], Any]
 
 
 def fsdp_helpers_of(namespace: ModuleType) -> ModuleType:
@@ -88,6 +92,8 @@ def nvcomp_fsdp_functions(
     *,
     workers: int | None = None,
     on_saved: ReportFn | None = None,
+    background: BackgroundRankFiles | None = None,
+    add_job: AddJobFn | None = None,
 ) -> Iterator[None]:
     """Let ``namespace`` (``accelerate.accelerator``, ``transformers.trainer``) call this module's
     four FSDP functions in place of Accelerate's while the block runs.
@@ -95,13 +101,13 @@ def nvcomp_fsdp_functions(
     Both modules call the functions by the names they imported, so the names are what is swapped;
     the previous ones come back when the block ends, also on error. ``helpers``: Accelerate's
     ``fsdp_utils`` module (:func:`fsdp_helpers_of`). ``on_saved`` gets the report of each file or
-    DCP directory saved (see :func:`save_fsdp_model`).
+    DCP directory saved; ``background`` and ``add_job`` write sharded state in the background (see
+    :func:`save_fsdp_model`).
     """
+    saving: dict[str, Any] = dict(policy=policy, workers=workers, on_saved=on_saved, background=background, add_job=add_job)
     ours: dict[str, Callable[..., Any]] = {
-        "save_fsdp_model": functools.partial(save_fsdp_model, helpers=helpers, policy=policy, workers=workers, on_saved=on_saved),
-        "save_fsdp_optimizer": functools.partial(
-            save_fsdp_optimizer, helpers=helpers, policy=policy, workers=workers, on_saved=on_saved
-        ),
+        "save_fsdp_model": functools.partial(save_fsdp_model, helpers=helpers, **saving),
+        "save_fsdp_optimizer": functools.partial(save_fsdp_optimizer, helpers=helpers, **saving),
         "load_fsdp_model": functools.partial(load_fsdp_model, helpers=helpers),
         "load_fsdp_optimizer": functools.partial(load_fsdp_optimizer, helpers=helpers),
     }
@@ -141,6 +147,8 @@ def save_fsdp_model(
     policy: CodecPolicy | None = None,
     workers: int | None = None,
     on_saved: ReportFn | None = None,
+    background: BackgroundRankFiles | None = None,
+    add_job: AddJobFn | None = None,
 ) -> None:
     """``accelerate.utils.save_fsdp_model`` with compressed files (``helpers``: Accelerate's ``fsdp_utils``).
 
@@ -152,6 +160,11 @@ def save_fsdp_model(
     name in ``output_dir``) is durable: a sharded save's report sums every rank's file
     (:func:`~nvcomp_checkpoint.dcp.dcp_report`, read after DCP's ``.metadata`` commit); a full
     one's is the main process's (other processes save nothing and get no call).
+
+    ``background`` (sharded state, ``async_save``): this rank's shards are copied to host memory and
+    written in the background on ``background``'s process group, agreed on by every rank; the process
+    given ``add_job(name, job)`` (the one that commits) hands the write over as ``job``, whose report
+    is the directory's, the others queue it on ``background``, which raises a failure at its next wait.
 
     Raises:
         CheckpointError: ``LOCAL_STATE_DICT`` or ``use_dcp=False`` (per-rank ``torch.save`` files).
@@ -173,7 +186,7 @@ def save_fsdp_model(
                 _report(on_saved, name, save(state_dict, Path(output_dir) / name, policy, workers=workers))
         else:
             name = f"{FSDP_MODEL_NAME}_{model_index}"
-            _dcp_save({"model": state_dict}, Path(output_dir) / name, policy, workers, on_saved)
+            _dcp_save({"model": state_dict}, Path(output_dir) / name, policy, workers, on_saved, background, add_job)
 
 
 def load_fsdp_model(
@@ -239,6 +252,8 @@ def save_fsdp_optimizer(
     policy: CodecPolicy | None = None,
     workers: int | None = None,
     on_saved: ReportFn | None = None,
+    background: BackgroundRankFiles | None = None,
+    add_job: AddJobFn | None = None,
 ) -> None:
     """``accelerate.utils.save_fsdp_optimizer`` with compressed files: ``optimizer_<i>/`` (sharded)
     or ``optimizer.nvc`` (full, written by the main process); ``on_saved`` as for :func:`save_fsdp_model`."""
@@ -253,7 +268,8 @@ def save_fsdp_optimizer(
                 name = _full_name(OPTIMIZER_NAME, optimizer_index)
                 _report(on_saved, name, save(state, Path(output_dir) / name, policy, workers=workers))
         else:
-            _dcp_save({"optimizer": state}, Path(output_dir) / f"{OPTIMIZER_NAME}_{optimizer_index}", policy, workers, on_saved)
+            directory = Path(output_dir) / f"{OPTIMIZER_NAME}_{optimizer_index}"
+            _dcp_save({"optimizer": state}, directory, policy, workers, on_saved, background, add_job)
 
 
 def load_fsdp_optimizer(
@@ -430,19 +446,47 @@ def _report(on_saved: ReportFn | None, name: str, report: SaveReport | None) -> 
 
 
 def _dcp_save(
-    state: dict[str, Any], directory: Path, policy: CodecPolicy | None, workers: int | None, on_saved: ReportFn | None
+    state: dict[str, Any],
+    directory: Path,
+    policy: CodecPolicy | None,
+    workers: int | None,
+    on_saved: ReportFn | None,
+    background: BackgroundRankFiles | None = None,
+    add_job: AddJobFn | None = None,
 ) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    from ..entrypoint.reports import checkpoint_report
+
     LOCAL.makedirs(os.fspath(directory))
     started = time.perf_counter()
-    write_rank_files(state, directory, RankFilesOptions(policy, workers), planner=DefaultSavePlanner())
-    if on_saved is not None:
-        from ..entrypoint.reports import checkpoint_report
+    options = RankFilesOptions(policy, workers)
+    if background is None:
+        write_rank_files(state, directory, options, planner=DefaultSavePlanner())
+        if on_saved is not None:
+            # dcp.save returns on every rank once the coordinator has committed .metadata, which it
+            # does after every rank's file is durable: the directory is whole here.
+            _report(on_saved, directory.name, checkpoint_report(directory, time.perf_counter() - started, dcp_dirs=[directory]))
+        return
+    group = background.process_group()  # every rank, at the same point: a collective the first time
+    writer = options.writer(directory)
+    staged = writer.stage(state)
+    blocked = time.perf_counter() - started
+    where = f"{directory}: FSDP state saved in the background"
 
-        # dcp.save returns on every rank once the coordinator has committed .metadata, which it
-        # does after every rank's file is durable: the directory is whole here.
-        _report(on_saved, directory.name, checkpoint_report(directory, time.perf_counter() - started, dcp_dirs=[directory]))
+    def job() -> SaveReport | None:
+        failed: BaseException | None = None
+        try:
+            write_rank_files(staged, directory, options, process_group=group, planner=DefaultSavePlanner(), writer=writer)
+        except BaseException as exc:  # noqa: BLE001 - DCP raised it on every rank; agreed on all the same
+            failed = exc
+        agree(failed, where, group)
+        return checkpoint_report(directory, time.perf_counter() - started, dcp_dirs=[directory], seconds_blocked=blocked)
+
+    if add_job is not None:
+        add_job(directory.name, job)
+    else:
+        background.submit(job, os.fspath(directory))
 
 
 def _dcp_load(state: dict[str, Any], directory: Path) -> None:

@@ -338,7 +338,7 @@ def save_rank_files_async(
 
 
 class BackgroundRankFiles:
-    """The sharded saves of one entry point written in the background, one at a time.
+    """The sharded saves of one entry point written in the background, in order, on one thread.
 
     Each rank holds one. The background collectives (DCP's plan, gather and commit, and the final
     agreement) run on a gloo process group made for this (as torch's ``dcp.async_save`` is given
@@ -353,9 +353,8 @@ class BackgroundRankFiles:
     def __init__(self, label: str) -> None:
         self.label = label
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: concurrent.futures.Future[None] | None = None
-        self._what = ""
-        self._after: list[tuple[Callable[[], None], str]] = []
+        # Submitted saves not yet waited for: (future, what, actions to run once it is durable).
+        self._pending: list[tuple[concurrent.futures.Future[None], str, list[tuple[Callable[[], None], str]]]] = []
         self._lock = threading.Lock()
         self._group: Any = None
 
@@ -374,71 +373,73 @@ class BackgroundRankFiles:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def submit(self, job: Callable[[], None], what: str) -> None:
-        """Run ``job`` (one save, ``what`` names it) on the background thread; the previous one must be waited for."""
+    def submit(self, job: Callable[[], Any], what: str) -> None:
+        """Run ``job`` (one save, ``what`` names it) on the background thread, after those submitted before."""
+        actions: list[tuple[Callable[[], None], str]] = []
         with self._lock:
-            assert self._pending is None, "BackgroundRankFiles.submit: the previous save was not waited for"
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvckpt-dcp")
-            self._what = what
-            self._pending = self._pool.submit(self._run, job)
+            future = self._pool.submit(self._run, job, actions)
+            self._pending.append((future, what, actions))
 
-    def _run(self, job: Callable[[], None]) -> None:
+    def _run(self, job: Callable[[], Any], actions: list[tuple[Callable[[], None], str]]) -> None:
         try:
             job()
         except BaseException:
             with self._lock:
-                kept, self._after = self._after, []
+                kept, actions[:] = list(actions), []
             for _, what in kept:
                 _LOG.warning("%s: not removed, because the checkpoint save before its removal failed", what)
             raise
         with self._lock:
-            actions, self._after = self._after, []
-        for action, what in actions:
+            todo, actions[:] = list(actions), []
+        for action, what in todo:
             try:
                 action()
             except Exception as exc:  # an old checkpoint left behind must not fail the new one
                 _LOG.warning("%s: could not remove this old checkpoint (%s); the new one is saved", what, exc)
 
     def pending(self) -> int:
-        """Saves not yet durable (0 or 1)."""
+        """Saves not yet durable."""
         with self._lock:
-            return int(self._pending is not None and not self._pending.done())
+            return sum(1 for future, _, _ in self._pending if not future.done())
 
     def after_pending(self, action: Callable[[], None], what: str) -> bool:
-        """Run ``action`` once the pending save is durable (skipped if it fails); False if none is pending."""
+        """Run ``action`` once the saves pending now are durable (skipped if the last fails); False if none is pending."""
         with self._lock:
-            if self._pending is None or self._pending.done():
+            if not self._pending or self._pending[-1][0].done():
                 return False
-            self._after.append((action, what))
+            self._pending[-1][2].append((action, what))
             return True
 
     def wait(self, when: str, consequence: str = "", timeout: float | None = None) -> None:
-        """Wait for the pending save; raise its failure (once), naming ``when`` as the reporter.
+        """Wait for the pending saves; raise the first failure (once), naming ``when`` as the reporter.
 
         Raises:
-            CheckpointWriteError: the background save failed (on every rank: they agreed on it).
+            CheckpointWriteError: a background save failed (on every rank: they agreed on it).
             TimeoutError: still running after ``timeout`` seconds.
         """
         with self._lock:
-            pending, what = self._pending, self._what
-        if pending is None:
-            return
-        try:
-            error = pending.exception(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"{what}: sharded save still running after {timeout} s") from None
+            pending = list(self._pending)
+        first: tuple[BaseException, str] | None = None
+        for future, what, _ in pending:
+            try:
+                error = future.exception(timeout)
+            except concurrent.futures.TimeoutError:
+                raise TimeoutError(f"{what}: sharded save still running after {timeout} s") from None
+            if error is not None and first is None:
+                first = (error, what)
         with self._lock:
-            if self._pending is pending:
-                self._pending = None
-        if error is not None:
+            self._pending = [p for p in self._pending if p not in pending]
+        if first is not None:
+            error, what = first
             raise CheckpointWriteError(
                 f"{str(error).rstrip('.')} ({what}: saved in the background by {self.label}; reported by {when})."
                 f"{' ' + consequence if consequence else ''}"
             ) from error
 
     def close(self, when: str) -> None:
-        """Wait for the pending save and stop the thread; raise its failure (logged instead while
+        """Wait for the pending saves and stop the thread; raise a failure (logged instead while
         another exception propagates, so the first error stays visible). A later save starts it again."""
         propagating = sys.exc_info()[1] is not None
         try:

@@ -118,16 +118,7 @@ STACKS: tuple[Stack, ...] = (
         applies=frozenset(OPTIONS) - {"compress_weights"},
     ),
     Stack("Accelerate", "register_nvcomp_hooks", ONE_FILE, applies=frozenset(OPTIONS) - {"compress_weights"}),
-    Stack(
-        "Accelerate + FSDP",
-        "register_nvcomp_hooks",
-        DCP_RANK_FILES,
-        {
-            "async_save": "async_save is not supported with FSDP (every rank writes its shards inside save_state); "
-            "register the hooks without it",
-        },
-        applies=frozenset(OPTIONS) - {"compress_weights"},
-    ),
+    Stack("Accelerate + FSDP", "register_nvcomp_hooks", DCP_RANK_FILES, applies=frozenset(OPTIONS) - {"compress_weights"}),
     Stack(
         "Accelerate + DeepSpeed",
         "register_nvcomp_hooks",

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
+import weakref
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator
@@ -22,7 +24,8 @@ from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dcp import fsdp_functions
-from nvcomp_checkpoint.dcp.fsdp_functions import FSDP_FUNCTION_NAMES, ReportFn, check_one_committer, is_sharded
+from nvcomp_checkpoint.dcp.fsdp_functions import FSDP_FUNCTION_NAMES, AddJobFn, ReportFn, check_one_committer, is_sharded
+from nvcomp_checkpoint.dcp.rank_files import BackgroundRankFiles
 from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.errors import CheckpointError
 
@@ -39,6 +42,8 @@ __all__ = [
     "check_one_committer",
     "is_sharded",
     "replaced_files",
+    "rank_files_background",
+    "wait_for_rank_files",
     "FSDP_FUNCTION_NAMES",
 ]
 
@@ -64,12 +69,44 @@ def fsdp_manifest_fields(accelerator: Any) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def nvcomp_fsdp_functions(
-    namespace: ModuleType, policy: nc.CodecPolicy | None = None, *, workers: int | None = None, on_saved: ReportFn | None = None
+    namespace: ModuleType,
+    policy: nc.CodecPolicy | None = None,
+    *,
+    workers: int | None = None,
+    on_saved: ReportFn | None = None,
+    background: BackgroundRankFiles | None = None,
+    add_job: AddJobFn | None = None,
 ) -> Iterator[None]:
     """Let ``namespace`` (``accelerate.accelerator``) call the compressing FSDP functions in place of
-    Accelerate's while the block runs (:func:`nvcomp_checkpoint.dcp.fsdp_functions.nvcomp_fsdp_functions`)."""
-    with fsdp_functions.nvcomp_fsdp_functions(namespace, _accelerate_fsdp, policy, workers=workers, on_saved=on_saved):
+    Accelerate's while the block runs (:func:`nvcomp_checkpoint.dcp.fsdp_functions.nvcomp_fsdp_functions`;
+    ``background`` and ``add_job``: sharded state written in the background, see :func:`rank_files_background`)."""
+    with fsdp_functions.nvcomp_fsdp_functions(
+        namespace, _accelerate_fsdp, policy, workers=workers, on_saved=on_saved, background=background, add_job=add_job
+    ):
         yield
+
+
+# Per Accelerator: the FSDP rank files this process writes in the background (register_nvcomp_hooks(async_save=True)).
+_BACKGROUND: "weakref.WeakKeyDictionary[Any, BackgroundRankFiles]" = weakref.WeakKeyDictionary()
+_BACKGROUND_LOCK = threading.Lock()
+
+
+def rank_files_background(accelerator: Any) -> BackgroundRankFiles:
+    """The background saves of ``accelerator``'s sharded FSDP state on this process (one per accelerator:
+    its gloo process group is made once, by every rank at its first async save_state)."""
+    with _BACKGROUND_LOCK:
+        if accelerator not in _BACKGROUND:
+            _BACKGROUND[accelerator] = BackgroundRankFiles("register_nvcomp_hooks")
+        return _BACKGROUND[accelerator]
+
+
+def wait_for_rank_files(accelerator: Any, when: str, consequence: str = "") -> None:
+    """Wait for this process's FSDP rank files written in the background, and raise their failure
+    (agreed on by every rank: the processes that commit nothing raise it too), naming ``when``."""
+    with _BACKGROUND_LOCK:
+        background = _BACKGROUND.get(accelerator)
+    if background is not None:
+        background.wait(when, consequence)
 
 
 # -- the four functions: Accelerate's signatures, plus the codec policy --------------------------
