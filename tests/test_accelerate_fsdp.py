@@ -138,6 +138,37 @@ def _save_on_each_node_of_two_nodes(acc: Any, root: str) -> str | None:
         os.environ["LOCAL_WORLD_SIZE"] = before or ""
 
 
+def _failed_on_one_rank(acc: Any, root: str) -> str:
+    """An async sharded save whose rank-1 file cannot be written: nothing is committed, and every rank
+    (the committing one through its save, the other through its own background write) raises it."""
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+
+    def broken(stream: Any) -> Any:
+        if acc.process_index != 1:
+            return stream
+
+        class Full:
+            def write(self, data: Any) -> int:
+                raise OSError("disk full on rank 1 (test)")
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(stream, name)
+
+        return Full()
+
+    _use(acc, "SHARDED_STATE_DICT")
+    hooks = register_nvcomp_hooks(acc, async_save=True, stream_wrapper=broken)
+    acc.save_state(os.path.join(root, "failed"))
+    try:
+        hooks.wait()
+        return "not raised"
+    except nc.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        hooks.remove()
+
+
 def _save_without_report(acc: Any, root: str) -> list[str]:
     """A sharded save whose report cannot be built (a rank file unreadable right after DCP's commit):
     it still commits on every rank, and the committing process warns; returns this rank's warnings."""
@@ -192,6 +223,7 @@ def _save_run(rank: int, root: str) -> None:
         acc.save_state(os.path.join(out, "plain"))  # Accelerate's own FSDP files, for the hooks to load
     refused = _save_on_each_node_of_two_nodes(acc, root)
     unreported = _save_without_report(acc, root)
+    failed = _failed_on_one_rank(acc, root)
     # Saved in the background (async_save): every rank's shards are copied, then training goes on (its
     # collectives beside the save's own) while the rank files are written; the resume from the tier
     # gets the state of the save, bit for bit.
@@ -211,6 +243,7 @@ def _save_run(rank: int, root: str) -> None:
             "refused": refused,
             "unreported": unreported,
             "in_background": in_background,
+            "failed": failed,
         },
         os.path.join(root, f"saved_{rank}.pt"),
     )
@@ -351,6 +384,12 @@ def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
     # The async save's report (the committing process's): blocked for the copy only, durable later.
     in_background = [torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)["in_background"] for rank in range(2)]
     assert in_background[1] is None and in_background[0]["seconds_blocked"] < in_background[0]["seconds"], in_background
+    # A write that failed on rank 1 only, in the background: raised on both ranks, nothing committed.
+    for rank in range(2):
+        failed = torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)["failed"]
+        assert failed.startswith("CheckpointWriteError") and "rank 1: " in failed, (rank, failed)
+        assert "disk full on rank 1 (test)" in failed and "reported by wait()" in failed, (rank, failed)
+    assert not (tmp_path / "failed").exists()
     # A report that cannot be built fails no committed save: rank 0 warned for each DCP directory.
     unreported = [torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)["unreported"] for rank in range(2)]
     assert unreported[1] == [] and len(unreported[0]) == 2, unreported

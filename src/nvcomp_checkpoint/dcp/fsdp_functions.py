@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import torch
 
@@ -62,6 +62,7 @@ FSDP_FUNCTION_NAMES = ("save_fsdp_model", "save_fsdp_optimizer", "load_fsdp_mode
 _SWAP = threading.RLock()  # held while the FSDP functions are swapped (nvcomp_fsdp_functions)
 #: ``fn(name, report)``: a file or DCP directory (``name`` inside the save's folder) is durable.
 ReportFn = Callable[[str, SaveReport], Any]
+StreamWrapper = Callable[[IO[bytes]], IO[bytes]]
 #: ``add_job(name, job)``: the committing process's save takes ``job`` (a background write returning
 #: the report of DCP directory ``name``) as one of its parts.
 AddJobFn = Callable[[str, Callable[[], "SaveReport | None"]], Any]
@@ -91,6 +92,7 @@ def nvcomp_fsdp_functions(
     policy: CodecPolicy | None = None,
     *,
     workers: int | None = None,
+    stream_wrapper: StreamWrapper | None = None,
     on_saved: ReportFn | None = None,
     background: BackgroundRankFiles | None = None,
     add_job: AddJobFn | None = None,
@@ -104,7 +106,9 @@ def nvcomp_fsdp_functions(
     DCP directory saved; ``background`` and ``add_job`` write sharded state in the background (see
     :func:`save_fsdp_model`).
     """
-    saving: dict[str, Any] = dict(policy=policy, workers=workers, on_saved=on_saved, background=background, add_job=add_job)
+    saving: dict[str, Any] = dict(
+        policy=policy, workers=workers, stream_wrapper=stream_wrapper, on_saved=on_saved, background=background, add_job=add_job
+    )
     ours: dict[str, Callable[..., Any]] = {
         "save_fsdp_model": functools.partial(save_fsdp_model, helpers=helpers, **saving),
         "save_fsdp_optimizer": functools.partial(save_fsdp_optimizer, helpers=helpers, **saving),
@@ -146,6 +150,7 @@ def save_fsdp_model(
     helpers: ModuleType,
     policy: CodecPolicy | None = None,
     workers: int | None = None,
+    stream_wrapper: StreamWrapper | None = None,
     on_saved: ReportFn | None = None,
     background: BackgroundRankFiles | None = None,
     add_job: AddJobFn | None = None,
@@ -183,10 +188,15 @@ def save_fsdp_model(
         if full:
             if accelerator.process_index == 0:
                 name = _full_name(FSDP_MODEL_NAME, model_index)
-                _report(on_saved, name, save(state_dict, Path(output_dir) / name, policy, workers=workers))
+                _report(
+                    on_saved,
+                    name,
+                    save(state_dict, Path(output_dir) / name, policy, workers=workers, stream_wrapper=stream_wrapper),
+                )
         else:
             name = f"{FSDP_MODEL_NAME}_{model_index}"
-            _dcp_save({"model": state_dict}, Path(output_dir) / name, policy, workers, on_saved, background, add_job)
+            options = RankFilesOptions(policy, workers, stream_wrapper)
+            _dcp_save({"model": state_dict}, Path(output_dir) / name, options, on_saved, background, add_job)
 
 
 def load_fsdp_model(
@@ -251,6 +261,7 @@ def save_fsdp_optimizer(
     helpers: ModuleType,
     policy: CodecPolicy | None = None,
     workers: int | None = None,
+    stream_wrapper: StreamWrapper | None = None,
     on_saved: ReportFn | None = None,
     background: BackgroundRankFiles | None = None,
     add_job: AddJobFn | None = None,
@@ -266,10 +277,13 @@ def save_fsdp_optimizer(
         if _is_full(fsdp_plugin):
             if accelerator.process_index == 0:
                 name = _full_name(OPTIMIZER_NAME, optimizer_index)
-                _report(on_saved, name, save(state, Path(output_dir) / name, policy, workers=workers))
+                _report(
+                    on_saved, name, save(state, Path(output_dir) / name, policy, workers=workers, stream_wrapper=stream_wrapper)
+                )
         else:
             directory = Path(output_dir) / f"{OPTIMIZER_NAME}_{optimizer_index}"
-            _dcp_save({"optimizer": state}, directory, policy, workers, on_saved, background, add_job)
+            options = RankFilesOptions(policy, workers, stream_wrapper)
+            _dcp_save({"optimizer": state}, directory, options, on_saved, background, add_job)
 
 
 def load_fsdp_optimizer(
@@ -448,8 +462,7 @@ def _report(on_saved: ReportFn | None, name: str, report: SaveReport | None) -> 
 def _dcp_save(
     state: dict[str, Any],
     directory: Path,
-    policy: CodecPolicy | None,
-    workers: int | None,
+    options: RankFilesOptions,
     on_saved: ReportFn | None,
     background: BackgroundRankFiles | None = None,
     add_job: AddJobFn | None = None,
@@ -460,7 +473,6 @@ def _dcp_save(
 
     LOCAL.makedirs(os.fspath(directory))
     started = time.perf_counter()
-    options = RankFilesOptions(policy, workers)
     if background is None:
         write_rank_files(state, directory, options, planner=DefaultSavePlanner())
         if on_saved is not None:

@@ -14,9 +14,10 @@ import os
 import re
 import threading
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import torch
 from accelerate.utils import fsdp_utils as _accelerate_fsdp
@@ -27,7 +28,7 @@ from nvcomp_checkpoint.dcp import fsdp_functions
 from nvcomp_checkpoint.dcp.fsdp_functions import FSDP_FUNCTION_NAMES, AddJobFn, ReportFn, check_one_committer, is_sharded
 from nvcomp_checkpoint.dcp.rank_files import BackgroundRankFiles
 from nvcomp_checkpoint.entrypoint.support import check_options
-from nvcomp_checkpoint.errors import CheckpointError
+from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError
 
 __all__ = [
     "save_fsdp_model",
@@ -73,6 +74,7 @@ def nvcomp_fsdp_functions(
     policy: nc.CodecPolicy | None = None,
     *,
     workers: int | None = None,
+    stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
     on_saved: ReportFn | None = None,
     background: BackgroundRankFiles | None = None,
     add_job: AddJobFn | None = None,
@@ -81,32 +83,59 @@ def nvcomp_fsdp_functions(
     Accelerate's while the block runs (:func:`nvcomp_checkpoint.dcp.fsdp_functions.nvcomp_fsdp_functions`;
     ``background`` and ``add_job``: sharded state written in the background, see :func:`rank_files_background`)."""
     with fsdp_functions.nvcomp_fsdp_functions(
-        namespace, _accelerate_fsdp, policy, workers=workers, on_saved=on_saved, background=background, add_job=add_job
+        namespace,
+        _accelerate_fsdp,
+        policy,
+        workers=workers,
+        stream_wrapper=stream_wrapper,
+        on_saved=on_saved,
+        background=background,
+        add_job=add_job,
     ):
         yield
 
 
+@dataclass
+class _Background:
+    saves: BackgroundRankFiles
+    iteration: int | None = None  # the project iteration of the oldest save not waited for
+
+
 # Per Accelerator: the FSDP rank files this process writes in the background (register_nvcomp_hooks(async_save=True)).
-_BACKGROUND: "weakref.WeakKeyDictionary[Any, BackgroundRankFiles]" = weakref.WeakKeyDictionary()
+_BACKGROUND: "weakref.WeakKeyDictionary[Any, _Background]" = weakref.WeakKeyDictionary()
 _BACKGROUND_LOCK = threading.Lock()
 
 
 def rank_files_background(accelerator: Any) -> BackgroundRankFiles:
-    """The background saves of ``accelerator``'s sharded FSDP state on this process (one per accelerator:
-    its gloo process group is made once, by every rank at its first async save_state)."""
+    """The background saves of ``accelerator``'s sharded FSDP state on this process, for the
+    save_state now starting (one per accelerator: its gloo process group is made once, by every rank
+    at its first async save_state)."""
     with _BACKGROUND_LOCK:
         if accelerator not in _BACKGROUND:
-            _BACKGROUND[accelerator] = BackgroundRankFiles("register_nvcomp_hooks")
-        return _BACKGROUND[accelerator]
+            _BACKGROUND[accelerator] = _Background(BackgroundRankFiles("register_nvcomp_hooks"))
+        background = _BACKGROUND[accelerator]
+        if background.iteration is None:
+            background.iteration = accelerator.project_configuration.iteration
+        return background.saves
 
 
 def wait_for_rank_files(accelerator: Any, when: str, consequence: str = "") -> None:
     """Wait for this process's FSDP rank files written in the background, and raise their failure
-    (agreed on by every rank: the processes that commit nothing raise it too), naming ``when``."""
+    (agreed on by every rank: the processes that commit nothing raise it too), naming ``when``.
+
+    As on the committing process, after a failure the next ``save_state`` reuses the failed one's
+    number (``project_configuration.iteration``), so that every rank names it alike."""
     with _BACKGROUND_LOCK:
         background = _BACKGROUND.get(accelerator)
-    if background is not None:
-        background.wait(when, consequence)
+        if background is None:
+            return
+        iteration, background.iteration = background.iteration, None
+    try:
+        background.saves.wait(when, consequence)
+    except CheckpointWriteError:
+        if iteration is not None:
+            accelerator.project_configuration.iteration = iteration
+        raise
 
 
 # -- the four functions: Accelerate's signatures, plus the codec policy --------------------------
@@ -123,6 +152,7 @@ def save_fsdp_model(
     *,
     policy: nc.CodecPolicy | None = None,
     workers: int | None = None,
+    stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
     on_saved: ReportFn | None = None,
 ) -> None:
     """``accelerate.utils.save_fsdp_model`` with compressed files
@@ -138,6 +168,7 @@ def save_fsdp_model(
         helpers=_accelerate_fsdp,
         policy=policy,
         workers=workers,
+        stream_wrapper=stream_wrapper,
         on_saved=on_saved,
     )
 
@@ -168,6 +199,7 @@ def save_fsdp_optimizer(
     *,
     policy: nc.CodecPolicy | None = None,
     workers: int | None = None,
+    stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
     on_saved: ReportFn | None = None,
 ) -> None:
     """``accelerate.utils.save_fsdp_optimizer`` with compressed files: ``optimizer_<i>/`` (sharded)
@@ -183,6 +215,7 @@ def save_fsdp_optimizer(
         helpers=_accelerate_fsdp,
         policy=policy,
         workers=workers,
+        stream_wrapper=stream_wrapper,
         on_saved=on_saved,
     )
 

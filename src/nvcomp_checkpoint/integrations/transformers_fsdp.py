@@ -80,7 +80,10 @@ def save_fsdp_state(trainer: Any, save: Callable[[str], None], output_dir: str) 
     saved: dict[str, nc.SaveReport] = {}
     on_saved = saved.__setitem__ if trainer.args.should_save else None
     helpers = fsdp_helpers_of(transformers.trainer)
-    with nvcomp_fsdp_functions(transformers.trainer, helpers, callback.policy, workers=callback.workers, on_saved=on_saved):
+    stream_wrapper = getattr(callback, "stream_wrapper", None)
+    with nvcomp_fsdp_functions(
+        transformers.trainer, helpers, callback.policy, workers=callback.workers, stream_wrapper=stream_wrapper, on_saved=on_saved
+    ):
         save(output_dir)
     if saved:
         with _REPORTS_LOCK:
