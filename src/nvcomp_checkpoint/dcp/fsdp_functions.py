@@ -482,9 +482,15 @@ def _dcp_save(
         return
     group = background.process_group()  # every rank, at the same point: a collective the first time
     writer = options.writer(directory)
-    staged = writer.stage(state)
-    blocked = time.perf_counter() - started
     where = f"{directory}: FSDP state saved in the background"
+    staged, error = None, None
+    try:
+        staged = writer.stage(state)
+    except BaseException as exc:  # noqa: BLE001 - no rank may go on to the background collectives alone
+        error = exc
+    agree(error, where)
+    assert staged is not None  # else agree raised
+    blocked = time.perf_counter() - started
 
     def job() -> SaveReport | None:
         failed: BaseException | None = None

@@ -317,9 +317,15 @@ def save_rank_files_async(
         error = exc
     agree(error, where)
     writer = options.writer(path)
-    staged = writer.stage(state)
-    if record is not None and _rank() == 0:
-        record = Record(record.name, copy.deepcopy(record.state), record.key)
+    staged = None
+    try:
+        staged = writer.stage(state)
+        if record is not None and _rank() == 0:
+            record = Record(record.name, copy.deepcopy(record.state), record.key)
+    except BaseException as exc:  # noqa: BLE001 - no rank may go on to the background collectives alone
+        error = exc
+    agree(error, where)
+    assert staged is not None  # else agree raised
     blocked = time.perf_counter() - started
 
     def job() -> None:

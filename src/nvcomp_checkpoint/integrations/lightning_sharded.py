@@ -2,9 +2,11 @@
 
 Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy`` save sharded state with
 ``torch.distributed.checkpoint`` themselves and never call the ``CheckpointIO``; these drop-ins
-take the same arguments and write (and read) that state compressed. An ``NvcompCheckpointIO``
-passed as a plugin gives them its policy, gets each sharded save's report (``on_saved``,
-``last_report``, ``NvcompCheckpointMetrics``) and copies each checkpoint directory to its ``tiers``.
+take the same arguments and write (and read) that state compressed, through the core's DCP rank
+files backend (:mod:`nvcomp_checkpoint.dcp.rank_files`). An ``NvcompCheckpointIO`` passed as a
+plugin gives them its policy, gets each sharded save's report (``on_saved``, ``last_report``,
+``NvcompCheckpointMetrics``), copies each checkpoint directory to its ``tiers``, and with its
+``async_save`` has each sharded save written in the background.
 """
 
 from __future__ import annotations
