@@ -337,8 +337,14 @@ def save_rank_files_async(
         written = _finish(path, record, options, where, group, failed)
         if _rank() == 0 and on_committed is not None:
             report = _report(path, started, written, blocked)
-            if report is not None:
+            if report is None:
+                return
+            try:
                 on_committed(report)
+            except Exception as exc:  # noqa: BLE001 - committed on every rank: a failure of this rank alone would split them
+                _LOG.warning(
+                    "%s: committed, but what follows its commit failed (%s: %s)", path, type(exc).__name__, exc, exc_info=True
+                )
 
     background.submit(job, os.fspath(path))
 
