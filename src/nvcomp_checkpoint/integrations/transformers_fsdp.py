@@ -21,6 +21,7 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.dcp.fsdp_functions import (
+    FSDP_FUNCTION_NAMES,
     check_one_committer,
     fsdp_helpers_of,
     is_sharded,
@@ -28,6 +29,13 @@ from nvcomp_checkpoint.dcp.fsdp_functions import (
     nvcomp_fsdp_functions,
 )
 from nvcomp_checkpoint.entrypoint import checkpoint_report
+
+# The Trainer takes its FSDP functions from Accelerate, which transformers imports only where it is
+# installed: without them this module has nothing to swap.
+if not all(callable(getattr(transformers.trainer, name, None)) for name in FSDP_FUNCTION_NAMES):
+    raise ImportError(
+        "transformers.trainer has no FSDP functions of Accelerate's: accelerate is not installed", name="accelerate"
+    )
 
 __all__ = [
     "fsdp_enabled",
