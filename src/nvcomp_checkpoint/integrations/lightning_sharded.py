@@ -70,15 +70,22 @@ class StrategyOptions:
         super().__init__(*args, **kwargs)
         self._nvckpt_policy = policy
         self.workers = workers
-        self.last_report: SaveReport | None = None
-        #: Sharded saves written in the background (an ``NvcompCheckpointIO(async_save=True)`` plugin).
-        self._background = BackgroundRankFiles(type(self).__name__)
-        # Between runs (before setup, after teardown) a save has no training to overlap: written at once.
-        self._between_runs = True
 
     @property
     def policy(self) -> CodecPolicy | None:
         return policy_of(self._nvckpt_policy, self)
+
+
+class ShardedSaves(StrategyOptions):
+    """What our two sharded strategies add to :class:`StrategyOptions`: ``last_report``, and the sharded
+    saves an ``NvcompCheckpointIO(async_save=True)`` plugin has written in the background."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.last_report: SaveReport | None = None
+        self._background = BackgroundRankFiles(type(self).__name__)
+        # Between runs (before setup, after teardown) a save has no training to overlap: written at once.
+        self._between_runs = True
 
     def pending(self) -> int:
         """Sharded saves not yet durable (0 or 1; 0 without ``async_save``)."""
@@ -250,7 +257,7 @@ def _remove_checkpoint(strategy: Any, filepath: Any, remove: Any) -> None:
     strategy._remove_after_pending(filepath, remove)
 
 
-class NvcompModelParallelStrategy(StrategyOptions, ModelParallelStrategy):
+class NvcompModelParallelStrategy(ShardedSaves, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism) with compressed sharded checkpoints.
 
     Takes ModelParallelStrategy's arguments, plus:
@@ -332,7 +339,7 @@ class NvcompModelParallelStrategy(StrategyOptions, ModelParallelStrategy):
         return _load_meta(path, weights_only)
 
 
-class NvcompFSDPStrategy(StrategyOptions, FSDPStrategy):
+class NvcompFSDPStrategy(ShardedSaves, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` (FSDP1) with compressed sharded checkpoints (``state_dict_type="sharded"``).
 
     Takes FSDPStrategy's arguments, plus ``policy`` and ``workers``, and reports and copies to the
