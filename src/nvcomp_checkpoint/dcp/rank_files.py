@@ -24,8 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable
 
+import torch.distributed as dist
+
 from ..api import is_nvcomp_checkpoint, save
 from ..api import open as open_checkpoint
+from ..entrypoint.commit import commit_on_every_rank, distributed, gather_outcomes, this_rank
 from ..errors import CheckpointWriteError, MixedSaveError
 from ..policy import CodecPolicy
 from ..report import SaveReport
@@ -125,38 +128,30 @@ def check_tie(record: str | os.PathLike[str], key: str, directory: str | os.Path
 
 
 def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return distributed() and dist.get_world_size() > 1
 
 
 def agree(error: BaseException | None, where: str, process_group: Any = None) -> None:
-    """One agreement of every rank of ``process_group`` on a step's outcome (a collective, also a barrier).
+    """One agreement of every rank on a step's outcome (a collective of ``process_group``, or of the
+    default group, spanning every rank; also a barrier): the core's
+    :func:`~nvcomp_checkpoint.entrypoint.commit.gather_outcomes`.
 
     Raises:
         BaseException: this rank's own ``error``, on this rank.
         CheckpointWriteError: on the other ranks, when any rank failed, naming the ranks and why
             (as DCP's ``_DistWrapper`` raises a rank's failure on every rank).
     """
-    if not _distributed():
+    if error is not None and not isinstance(error, Exception):
+        raise error  # an interrupt: no rank waits for an agreement this rank will not reach
+
+    def mine() -> None:
         if error is not None:
             raise error
-        return
-    import torch.distributed as dist
 
-    world = dist.get_world_size(process_group)
-    outcomes: list[Any] = [None] * world
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    dist.all_gather_object(outcomes, mine, group=process_group)
-    if error is not None:
-        raise error
-    failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
+    _, own, outcomes = gather_outcomes(mine, share=False, process_group=process_group)
+    if own is not None:
+        raise own
+    failed = [(rank, outcome.error) for rank, outcome in enumerate(outcomes) if not outcome.ok]
     if failed:
         said = "; ".join(f"rank {rank}: {message}" for rank, message in failed)
         raise CheckpointWriteError(f"{where}: not saved, because a rank failed ({said}); nothing was committed.")
@@ -243,15 +238,25 @@ def _finish(
     process_group: Any,
     error: BaseException | None,
 ) -> SaveReport | None:
-    """The record by the coordinator (unless a step failed), then the agreement: raises on every rank if any failed."""
-    written = None
-    if error is None and record is not None and _rank() == 0:
-        try:
-            written = _commit_record(directory, record, options)
-        except BaseException as exc:  # noqa: BLE001 - agreed on below, raised on every rank
-            error = exc
-    agree(error, where, process_group)
-    return written
+    """The one collective commit (:func:`~nvcomp_checkpoint.entrypoint.commit.commit_on_every_rank`):
+    every rank's files durable (DCP's ``.metadata`` is committed, or ``error`` says why not), one
+    agreement, the coordinator writes the record last, a barrier that carries its outcome; raises on
+    every rank if any failed. Returns the record's report on the coordinator."""
+    written: list[SaveReport] = []
+
+    def durable() -> dict[str, dict[str, Any]]:
+        if error is not None:
+            raise error
+        return {}  # the rank files' sizes and checksums are in DCP's .metadata and their own indexes
+
+    def finalize(records: Any, world: int) -> None:
+        if record is not None:
+            written.append(_commit_record(directory, record, options))
+
+    if error is not None and not isinstance(error, Exception):
+        raise error
+    commit_on_every_rank(where, durable, finalize, process_group=process_group)
+    return written[0] if written else None
 
 
 def save_rank_files(
@@ -276,13 +281,13 @@ def save_rank_files(
     where = f"{path}: sharded checkpoint"
     error: BaseException | None = None
     try:
-        prepare_folder(path, coordinator=_rank() == 0, record=None if record is None else record.name)
+        prepare_folder(path, coordinator=this_rank() == 0, record=None if record is None else record.name)
     except BaseException as exc:  # noqa: BLE001 - agreed on below
         error = exc
     agree(error, where)
     write_rank_files(state, path, options, planner=planner)
     written = _finish(path, record, options, where, None, None)
-    if _rank() != 0:
+    if this_rank() != 0:
         return None
     return _report(path, started, written, None)
 
@@ -312,7 +317,7 @@ def save_rank_files_async(
     group = background.process_group()
     error: BaseException | None = None
     try:
-        prepare_folder(path, coordinator=_rank() == 0, record=None if record is None else record.name)
+        prepare_folder(path, coordinator=this_rank() == 0, record=None if record is None else record.name)
     except BaseException as exc:  # noqa: BLE001 - agreed on below
         error = exc
     agree(error, where)
@@ -320,7 +325,7 @@ def save_rank_files_async(
     staged = None
     try:
         staged = writer.stage(state)
-        if record is not None and _rank() == 0:
+        if record is not None and this_rank() == 0:
             record = Record(record.name, copy.deepcopy(record.state), record.key)
     except BaseException as exc:  # noqa: BLE001 - no rank may go on to the background collectives alone
         error = exc
@@ -335,7 +340,7 @@ def save_rank_files_async(
         except BaseException as exc:  # noqa: BLE001 - DCP raised it on every rank; agreed on below all the same
             failed = exc
         written = _finish(path, record, options, where, group, failed)
-        if _rank() == 0 and on_committed is not None:
+        if this_rank() == 0 and on_committed is not None:
             report = _report(path, started, written, blocked)
             if report is None:
                 return
@@ -380,8 +385,6 @@ class BackgroundRankFiles:
         """The gloo group of the background collectives, made on first use (a collective: every rank
         calls this at the same point, which each sharded save is)."""
         if self._group is None and _distributed():
-            import torch.distributed as dist
-
             self._group = dist.new_group(backend="gloo")
         return self._group
 
