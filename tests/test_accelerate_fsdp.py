@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -79,15 +80,41 @@ def _full_state(model: Any, opt: Any) -> dict[str, Any]:
     return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, {"model": msd, "optim": osd})
 
 
-def _tier_save(acc: Any, root: str, name: str) -> None:
-    """A sharded save_state with a copy to a local folder tier (made by rank 0, once committed)."""
+class _Held:
+    """A stream wrapper whose writes wait until ``release`` is set (60 s at most, then they fail)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __call__(self, stream: Any) -> Any:
+        release = self.release
+
+        class Held:
+            def write(self, data: Any) -> int:
+                if not release.wait(60):
+                    raise OSError("the writes were held for 60 s: the save did not return before them")
+                written: int = stream.write(data)
+                return written
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(stream, name)
+
+        return Held()
+
+
+def _tier_save(acc: Any, root: str, name: str, held: _Held | None = None) -> Any:
+    """A sharded save_state with a copy to a local folder tier (made by rank 0, once committed);
+    returns the hooks, whose remove() waits for the save and the copy. ``held``: async_save, its
+    writes held until released."""
     import nvcomp_checkpoint as nc
     from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
 
     _use(acc, "SHARDED_STATE_DICT")
-    hooks = register_nvcomp_hooks(acc, tiers=[nc.Tier(os.path.join(root, "tier"))])
+    hooks = register_nvcomp_hooks(
+        acc, tiers=[nc.Tier(os.path.join(root, "tier"))], async_save=held is not None, stream_wrapper=held
+    )
     acc.save_state(os.path.join(root, "local", name))
-    hooks.remove()  # waits for the copy
+    return hooks
 
 
 def _save_on_each_node_of_two_nodes(acc: Any, root: str) -> str | None:
@@ -109,6 +136,37 @@ def _save_on_each_node_of_two_nodes(acc: Any, root: str) -> str | None:
         hooks.remove()
         acc.project_configuration.save_on_each_node = False
         os.environ["LOCAL_WORLD_SIZE"] = before or ""
+
+
+def _failed_on_one_rank(acc: Any, root: str) -> str:
+    """An async sharded save whose rank-1 file cannot be written: nothing is committed, and every rank
+    (the committing one through its save, the other through its own background write) raises it."""
+    import nvcomp_checkpoint as nc
+    from nvcomp_checkpoint.accelerate import register_nvcomp_hooks
+
+    def broken(stream: Any) -> Any:
+        if acc.process_index != 1:
+            return stream
+
+        class Full:
+            def write(self, data: Any) -> int:
+                raise OSError("disk full on rank 1 (test)")
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(stream, name)
+
+        return Full()
+
+    _use(acc, "SHARDED_STATE_DICT")
+    hooks = register_nvcomp_hooks(acc, async_save=True, stream_wrapper=broken)
+    acc.save_state(os.path.join(root, "failed"))
+    try:
+        hooks.wait()
+        return "not raised"
+    except nc.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        hooks.remove()
 
 
 def _save_without_report(acc: Any, root: str) -> list[str]:
@@ -143,7 +201,7 @@ def _save_run(rank: int, root: str) -> None:
 
     acc, model, opt = _prepared(seed=0)
     _train(acc, model, opt, SAVE_STEPS - 1, first=0)
-    _tier_save(acc, root, "first")  # an older copy, which the resume must pass over
+    _tier_save(acc, root, "first").remove()  # an older copy, which the resume must pass over
     _train(acc, model, opt, 1, first=SAVE_STEPS - 1)
     reports = {}
     for kind in KINDS:
@@ -165,9 +223,17 @@ def _save_run(rank: int, root: str) -> None:
         acc.save_state(os.path.join(out, "plain"))  # Accelerate's own FSDP files, for the hooks to load
     refused = _save_on_each_node_of_two_nodes(acc, root)
     unreported = _save_without_report(acc, root)
-    _tier_save(acc, root, "second")
+    failed = _failed_on_one_rank(acc, root)
+    # Saved in the background (async_save): every rank's shards are copied, then training goes on (its
+    # collectives beside the save's own) while the rank files are written; the resume from the tier
+    # gets the state of the save, bit for bit.
+    held = _Held()
+    hooks = _tier_save(acc, root, "second", held)
     state = _full_state(model, opt)
     losses = _train(acc, model, opt, NEXT_STEPS, first=SAVE_STEPS)
+    held.release.set()  # no rank file was written before: save_state returned with every write held
+    hooks.remove()  # waits for the commit (on every rank) and the copy
+    in_background = None if hooks.last_report is None else hooks.last_report.to_dict()
     torch.save(
         {
             "state": state,
@@ -176,6 +242,8 @@ def _save_run(rank: int, root: str) -> None:
             "iteration": acc.save_iteration,
             "refused": refused,
             "unreported": unreported,
+            "in_background": in_background,
+            "failed": failed,
         },
         os.path.join(root, f"saved_{rank}.pt"),
     )
@@ -313,6 +381,15 @@ def test_fsdp2_save_state_resumes_bit_identical(tmp_path: Path) -> None:
         assert refused is not None and "save_on_each_node=True with FSDP SHARDED_STATE_DICT on 2 nodes" in refused, refused
         assert "Set ProjectConfiguration(save_on_each_node=...) to False" in refused, refused
     assert not (tmp_path / "each_node").exists()
+    # The async save's report (the committing process's): blocked for the copy only, durable later.
+    in_background = [torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)["in_background"] for rank in range(2)]
+    assert in_background[1] is None and in_background[0]["seconds_blocked"] < in_background[0]["seconds"], in_background
+    # A write that failed on rank 1 only, in the background: raised on both ranks, nothing committed.
+    for rank in range(2):
+        failed = torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)["failed"]
+        assert failed.startswith("CheckpointWriteError") and "rank 1: " in failed, (rank, failed)
+        assert "disk full on rank 1 (test)" in failed and "reported by wait()" in failed, (rank, failed)
+    assert not (tmp_path / "failed").exists()
     # A report that cannot be built fails no committed save: rank 0 warned for each DCP directory.
     unreported = [torch.load(tmp_path / f"saved_{rank}.pt", weights_only=False)["unreported"] for rank in range(2)]
     assert unreported[1] == [] and len(unreported[0]) == 2, unreported
@@ -504,17 +581,26 @@ def test_fsdp_functions_are_swapped_for_the_call_only(module: str) -> None:
 
     from accelerate.utils import fsdp_utils
 
-    from nvcomp_checkpoint.integrations import accelerate_fsdp
+    from nvcomp_checkpoint.dcp import fsdp_functions
 
     namespace = importlib.import_module(module)
-    names = accelerate_fsdp.FSDP_FUNCTION_NAMES
+    names = fsdp_functions.FSDP_FUNCTION_NAMES
     assert all(getattr(namespace, n) is getattr(fsdp_utils, n) for n in names)
+    # The core's functions, bound to the fsdp_utils module the framework calls (found through it, also
+    # while ours are in place: the Trainer's module imports no Accelerate integration of ours).
+    assert fsdp_functions.fsdp_helpers_of(namespace) is fsdp_utils
     with pytest.raises(KeyError):
-        with accelerate_fsdp.nvcomp_fsdp_functions(namespace, workers=1):
-            assert namespace.save_fsdp_model.func is accelerate_fsdp.save_fsdp_model
-            assert namespace.load_fsdp_optimizer is accelerate_fsdp.load_fsdp_optimizer
+        with fsdp_functions.nvcomp_fsdp_functions(namespace, fsdp_functions.fsdp_helpers_of(namespace), workers=1):
+            assert namespace.save_fsdp_model.func is fsdp_functions.save_fsdp_model
+            assert namespace.load_fsdp_optimizer.func is fsdp_functions.load_fsdp_optimizer
+            assert namespace.load_fsdp_optimizer.keywords["helpers"] is fsdp_utils
+            assert fsdp_functions.fsdp_helpers_of(namespace) is fsdp_utils
             raise KeyError("inside")
     assert all(getattr(namespace, n) is getattr(fsdp_utils, n) for n in names)
+    # Accelerate's names of the state the core writes.
+    from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+
+    assert (fsdp_functions.FSDP_MODEL_NAME, fsdp_functions.OPTIMIZER_NAME) == (FSDP_MODEL_NAME, OPTIMIZER_NAME)
 
 
 def test_fsdp_setups_without_a_compressed_form_are_refused_at_registration() -> None:
@@ -527,6 +613,5 @@ def test_fsdp_setups_without_a_compressed_form_are_refused_at_registration() -> 
     with pytest.raises(nc.CheckpointError, match="LOCAL_STATE_DICT writes one torch.save file per rank.*SHARDED_STATE_DICT"):
         check_fsdp_hooks(local, async_save=False)
     sharded = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
-    with pytest.raises(nc.CheckpointError, match="async_save is not supported with FSDP"):
-        check_fsdp_hooks(sharded, async_save=True)
+    check_fsdp_hooks(sharded, async_save=True)  # written in the background (test_fsdp2_save_state_resumes_bit_identical)
     check_fsdp_hooks(sharded, async_save=False)

@@ -261,13 +261,10 @@ def _integration_framework(module: str) -> str:
     return module.split(".")[2].split("_")[0] if module.count(".") >= 2 else ""
 
 
-# The HF Trainer saves FSDP state with Accelerate's fsdp_utils functions: its FSDP module swaps in
-# the Accelerate integration's (the one pair of integrations allowed to depend on each other).
-# (Accelerate, the Trainer and Lightning attach DeepSpeed's checkpoint engine through the core's
-# DeepSpeed backend, entrypoint.deepspeed_engine, not through the DeepSpeed integration.)
-BUILT_ON = {
-    (f"{PACKAGE}.integrations.transformers_fsdp", f"{PACKAGE}.integrations.accelerate_fsdp"),
-}
+# No integration builds on another: Accelerate, the Trainer and Lightning attach DeepSpeed's checkpoint
+# engine through the core's DeepSpeed backend (entrypoint.deepspeed_engine), and the Trainer's FSDP state
+# goes through the core's FSDP functions (dcp.fsdp_functions), as Accelerate's does.
+BUILT_ON: set[tuple[str, str]] = set()
 
 
 def test_integrations_do_not_import_each_other() -> None:

@@ -7,6 +7,7 @@ stock strategy, with the uninterrupted run's next losses.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,7 @@ from nvcomp_checkpoint.lightning import (  # noqa: E402
 
 _SCRIPT = textwrap.dedent(
     '''
-    import json, os, sys, warnings
+    import json, os, sys, threading, warnings
     from pathlib import Path
     warnings.filterwarnings("ignore")
     import torch
@@ -106,12 +108,51 @@ _SCRIPT = textwrap.dedent(
                 torch.save(state, self.out.parent / f"{self.out.name}_ema_loaded.pt")
 
 
-    def fit(strategy, out, epochs, ckpt_path=None, losses_name=None, plugins=()):
+    class Kill(L.Callback):
+        """The async run dies in the middle of its second save: once the first is committed and on the
+        tier, every write is held (forever), and the processes exit when training ends, the save in flight."""
+
+        def __init__(self, strategy, plugin, root, durable):
+            self.strategy, self.plugin, self.root, self.durable = strategy, plugin, root, durable
+            self.held = threading.Event()
+
+        def wrap(self, stream):
+            held = self.held
+
+            class Held:
+                def write(self, data):
+                    if held.is_set():
+                        threading.Event().wait()
+                    return stream.write(data)
+
+                def __getattr__(self, name):
+                    return getattr(stream, name)
+
+            return Held()
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch == 1:
+                self.strategy.wait()
+                self.plugin.wait()
+                self.held.set()
+
+        def on_train_end(self, trainer, pl_module):
+            rank = trainer.global_rank
+            reports = {"strategy": self.strategy.last_report, "plugin": self.plugin.last_report}
+            reports = {k: None if r is None else r.to_dict() for k, r in reports.items()}
+            out = dict(reports, on_saved=self.durable, pending=self.strategy.pending(), losses=pl_module.losses)
+            (self.root / f"reports_{rank}.json").write_text(json.dumps(out))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+
+    def fit(strategy, out, epochs, ckpt_path=None, losses_name=None, plugins=(), callbacks=()):
         model = Net()
         trainer = L.Trainer(
             accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False, plugins=list(plugins),
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-            callbacks=[ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1), Ema(out)],
+            callbacks=[ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1), Ema(out), *callbacks],
         )
         trainer.fit(model, ckpt_path=ckpt_path)
         if losses_name and trainer.global_rank == 0:
@@ -122,16 +163,21 @@ _SCRIPT = textwrap.dedent(
     mode, root = sys.argv[1], Path(sys.argv[2])
     kwargs = dict(data_parallel_size=2, tensor_parallel_size=1)
     if mode == "first":
-        fit(ModelParallelStrategy(**kwargs), root / "plain", 1)
-        # The plugin gets each sharded save's report and copies checkpoint directories to the tier
-        # (every 60 minutes: step 3's, the first, not step 6's).
+        # The uninterrupted run, with Lightning's own strategy.
+        fit(ModelParallelStrategy(**kwargs), root / "plain", 2, losses_name=root / "full.json")
+        # Ours saves in the background (async_save); the plugin gets each sharded save's report and
+        # copies checkpoint directories to the tier. Killed in the middle of its second save (Kill).
         durable = []
-        plugin = NvcompCheckpointIO(tiers=[Tier(str(root / "tier"), every_minutes=60)], on_saved=lambda r: durable.append(r.path))
         strategy = NvcompModelParallelStrategy(**kwargs)
-        rank = fit(strategy, root / "ours", 2, losses_name=root / "full.json", plugins=[plugin])
-        reports = {"strategy": strategy.last_report, "plugin": plugin.last_report}
-        reports = {k: None if r is None else r.to_dict() for k, r in reports.items()}
-        (root / f"reports_{rank}.json").write_text(json.dumps(dict(reports, on_saved=durable)))
+        kill = Kill(strategy, None, root, durable)
+        kill.plugin = plugin = NvcompCheckpointIO(
+            async_save=True,
+            stream_wrapper=kill.wrap,
+            tiers=[Tier(str(root / "tier"), every_minutes=60)],
+            on_saved=lambda r: durable.append(r.path),
+        )
+        fit(strategy, root / "ours", 2, plugins=[plugin], callbacks=[kill])
+        raise SystemExit("the async run was to be killed at the end of its training")
     else:
         # The local checkpoints are gone: every rank resumes from the newest copy on the tier.
         plugin = NvcompCheckpointIO(tiers=[Tier(str(root / "tier"))])
@@ -178,6 +224,10 @@ def test_fit_then_resume_in_fresh_processes_gives_the_same_losses(tmp_path: Path
     _run(script, "first", tmp_path)
     ours = tmp_path / "ours" / "epoch=0-step=3.ckpt"
     plain = tmp_path / "plain" / "epoch=0-step=3.ckpt"
+    # Killed in the middle of its async save of step 6: a directory that is no checkpoint (no meta.pt,
+    # no .metadata), while step 3's, committed in the background, is whole.
+    killed = tmp_path / "ours" / "epoch=1-step=6.ckpt"
+    assert killed.is_dir() and not (killed / "meta.pt").exists() and not (killed / ".metadata").exists()
     assert is_compressed_dcp_checkpoint(ours)
     assert (ours / "meta.pt").is_file() and len(list(ours.glob("*.nvcdcp"))) == 2
     assert (plain / ".metadata").is_file() and not is_compressed_dcp_checkpoint(plain)
@@ -186,16 +236,14 @@ def test_fit_then_resume_in_fresh_processes_gives_the_same_losses(tmp_path: Path
     assert main(["verify", "-q", str(ours)]) == 0
     assert main(["verify", "-q", str(plain)]) == 0
     _check_reports(tmp_path)
-    assert _tier_steps(tmp_path) == [3, 6]  # the first save, due at once; the newest at the end of the run
-    shutil.rmtree(tmp_path / "ours")  # the local checkpoints, as on a fresh node
-    # The copy of the last step is lost too, so the fresh node resumes mid-run, from step 3.
-    from nvcomp_checkpoint.tiers import open_tier
-
-    open_tier(str(tmp_path / "tier")).remove_unit(6, directory=True)
+    assert _tier_steps(tmp_path) == [3]  # the first save, due at once; the run died before its end
+    shutil.rmtree(tmp_path / "ours")  # the local checkpoints, as on a fresh node: it resumes from step 3
 
     _run(script, "resume", tmp_path)
     full = json.loads((tmp_path / "full.json").read_text())
     assert [s for s, _ in full] == list(range(6))
+    # The async run trained as the uninterrupted one until it was killed (its save overlapped step 4 to 6).
+    assert json.loads((tmp_path / "reports_0.json").read_text())["losses"] == full
     # plugin.resume_path(), on every rank, is the tier's copy; it resumes with the uninterrupted run's losses.
     assert {json.loads((tmp_path / f"newest_{r}.json").read_text()) for r in range(2)} == {
         str(tmp_path / "tier" / "step-0000000003")
@@ -239,15 +287,17 @@ def _tier_steps(root: Path) -> list[int]:
 
 
 def _check_reports(root: Path) -> None:
-    """Rank 0's report of each sharded save (strategy and plugin alike) is what the directory holds; rank 1 has none."""
+    """Rank 0's report of the committed sharded save (strategy and plugin alike) is what the directory
+    holds; rank 1 has none; the save in flight when the run was killed has none."""
     from nvcomp_checkpoint.dcp import read_dcp_files
 
-    first, last = (root / "ours" / name for name in ("epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"))
+    last = root / "ours" / "epoch=0-step=3.ckpt"
     got = [json.loads((root / f"reports_{rank}.json").read_text()) for rank in range(2)]
-    assert got[1] == {"strategy": None, "plugin": None, "on_saved": []}, got[1]
-    assert got[0]["on_saved"] == [str(first), str(last)]
+    assert {k: v for k, v in got[1].items() if k != "losses"} == {"strategy": None, "plugin": None, "on_saved": [], "pending": 1}
+    assert got[0]["on_saved"] == [str(last)] and got[0]["pending"] == 1
     report = got[0]["strategy"]
     assert report == got[0]["plugin"] and report["path"] == str(last)
+    assert report["seconds_blocked"] < report["seconds"]  # training went on while it was written
     with nc.open(last / "meta.pt") as meta:
         meta_raw = meta.raw_bytes
     assert report["stored_bytes"] == sum(p.stat().st_size for p in last.iterdir())
@@ -279,10 +329,6 @@ def test_plugin_options_a_sharded_save_cannot_honour_are_refused(tmp_path: Path)
             NvcompCheckpointIO(incremental=True),
             r"NvcompCheckpointIO\(incremental=\.\.\.\) with Lightning sharded.*Drop incremental=True",
         ),
-        (
-            NvcompCheckpointIO(async_save=True),
-            r"NvcompCheckpointIO\(async_save=\.\.\.\) with Lightning sharded.*Drop async_save=True",
-        ),
     ):
         strategy = NvcompModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         strategy.checkpoint_io = plugin
@@ -293,9 +339,10 @@ def test_plugin_options_a_sharded_save_cannot_honour_are_refused(tmp_path: Path)
         full.checkpoint_io = plugin
         check_sharded_checkpoint_io(full)
         plugin.teardown()
-    # Tiers are honoured: each sharded checkpoint directory is copied (test_fit_then_resume_...).
+    # Tiers and async_save are honoured: each sharded checkpoint directory is copied, written in the
+    # background (test_fit_then_resume_..., test_async_sharded_save_commits_in_the_background).
     strategy = NvcompModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    strategy.checkpoint_io = NvcompCheckpointIO(tiers=[Tier(str(tmp_path / "tier"))])
+    strategy.checkpoint_io = NvcompCheckpointIO(tiers=[Tier(str(tmp_path / "tier"))], async_save=True)
     check_sharded_checkpoint_io(strategy)
 
 
@@ -383,6 +430,87 @@ def test_meta_pt_or_dcp_files_of_another_save_are_refused(tmp_path: Path) -> Non
         assert strategy.load_checkpoint(path) == {"epoch": 2}
         assert_tree_equal(saved[2]["state_dict"], strategy.lightning_module_state_dict())
         assert_tree_equal(saved[2]["optimizer_states"][0], strategy.optimizer_state(optimizer))
+
+
+class _Gate:
+    """A stream wrapper that holds every write until ``release`` is set, and then fails them if ``fail`` is."""
+
+    def __init__(self) -> None:
+        self.release, self.writing, self.fail = threading.Event(), threading.Event(), False
+
+    def __call__(self, stream: Any) -> Any:
+        gate = self
+
+        class Held:
+            def write(self, data: Any) -> int:
+                gate.writing.set()
+                assert gate.release.wait(30), "the test never released the write"
+                if gate.fail:
+                    raise OSError("disk full (test)")
+                written: int = stream.write(data)
+                return written
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(stream, name)
+
+        return Held()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_async_sharded_save_commits_in_the_background(tmp_path: Path) -> None:
+    gate, durable = _Gate(), []
+    plugin = NvcompCheckpointIO(async_save=True, stream_wrapper=gate, on_saved=lambda r: durable.append(r.path))
+    strategy, optimizer = _one_process_strategy(1)
+    strategy.checkpoint_io = plugin
+    check_sharded_checkpoint_io(strategy)  # async_save is honoured for sharded saves
+    strategy._begin_run()  # during a run (setup); between runs a save is written at once
+
+    def save(name: str) -> tuple[Path, dict[str, Any]]:
+        state = {"state_dict": strategy.lightning_module_state_dict(), "optimizer_states": [strategy.optimizer_state(optimizer)]}
+        expected = {k: {kk: vv.clone() for kk, vv in v.items()} if k == "state_dict" else v for k, v in state.items()}
+        expected["optimizer_states"] = [copy.deepcopy(state["optimizer_states"][0])]
+        strategy.save_checkpoint({**state, "epoch": name}, tmp_path / name)
+        return tmp_path / name, expected
+
+    first, saved = save("first")
+    # Returned while every write is held: nothing is committed, and Lightning takes nothing for a checkpoint.
+    assert gate.writing.wait(10) and strategy.pending() == 1
+    assert not (first / "meta.pt").exists() and not (first / ".metadata").exists()
+    with torch.no_grad():  # training goes on: the save holds the state of its step, copied before it returned
+        strategy.model.net.weight.add_(1.0)
+    optimizer.step()
+    gate.release.set()
+    strategy.wait()
+    assert strategy.pending() == 0 and durable == [str(first)] and strategy.last_report is not None
+    loader, loaded_optimizer = _one_process_strategy(7)
+    assert loader.load_checkpoint(first) == {"epoch": "first"}
+    assert_tree_equal(saved["state_dict"], loader.lightning_module_state_dict())
+    assert_tree_equal(saved["optimizer_states"][0], loader.optimizer_state(loaded_optimizer))
+
+    # ModelCheckpoint's removal of the checkpoint the pending save replaces waits for its commit.
+    gate.release.clear()
+    second, _ = save("second")
+    assert gate.writing.wait(10)
+    strategy.remove_checkpoint(first)
+    assert (first / "meta.pt").is_file()
+    gate.release.set()
+    strategy.wait()
+    assert not first.exists() and (second / "meta.pt").is_file()
+
+    # A failed background save: nothing committed, its removal skipped, and the next save (on every
+    # rank: they agreed on it) raises it without starting.
+    gate.release.clear()
+    gate.fail = True
+    third, _ = save("third")
+    strategy.remove_checkpoint(second)
+    gate.release.set()
+    with pytest.raises(nc.errors.CheckpointWriteError, match=r"disk full \(test\).*third.*reported by the save to .*fourth"):
+        save("fourth")
+    assert not (third / "meta.pt").exists() and not (tmp_path / "fourth").exists() and (second / "meta.pt").is_file()
+    gate.fail = False
+    strategy._end_run()
+    plugin.teardown()
+    assert durable == [str(first), str(second)]
 
 
 _CHECK_SCRIPT = textwrap.dedent(

@@ -57,8 +57,11 @@ def this_rank() -> int:
     return dist.get_rank() if distributed() else 0
 
 
-def gather_outcomes(action: Callable[[], _T], *, share: bool = True) -> tuple[_T | None, Exception | None, list[RankOutcome]]:
-    """Run this rank's ``action`` and learn every rank's outcome: one ``all_gather_object`` on the default group.
+def gather_outcomes(
+    action: Callable[[], _T], *, share: bool = True, process_group: Any = None
+) -> tuple[_T | None, Exception | None, list[RankOutcome]]:
+    """Run this rank's ``action`` and learn every rank's outcome: one ``all_gather_object`` on the default group
+    (or on ``process_group``, spanning every rank: a background save's own, see :mod:`nvcomp_checkpoint.dcp.rank_files`).
 
     Collective where :func:`distributed` (every rank must call it); otherwise this rank's outcome alone.
     An ``Exception`` of ``action`` is caught (every rank must learn of it before going on) and returned;
@@ -85,8 +88,8 @@ def gather_outcomes(action: Callable[[], _T], *, share: bool = True) -> tuple[_T
     )
     if not distributed():
         return result, error, [mine]
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, mine)
+    outcomes: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(outcomes, mine, group=process_group)
     return result, error, outcomes
 
 
@@ -96,6 +99,7 @@ def commit_on_every_rank(
     finalize: Callable[[FileRecords, int], None],
     *,
     coordinator: int = 0,
+    process_group: Any = None,
 ) -> FileRecords:
     """Commit a checkpoint whose parts every rank writes: visible on every rank, or raised on every rank.
 
@@ -123,6 +127,9 @@ def commit_on_every_rank(
         durable: This rank's step 1.
         finalize: The coordinator's step 3.
         coordinator: The rank that finalizes.
+        process_group: The group of the agreement and the barrier, spanning every rank (default: the
+            default group); a commit made in the background uses one of its own, so that its collectives
+            never meet the training's.
 
     Returns:
         Every rank's file records, merged (the same on every rank).
@@ -130,7 +137,9 @@ def commit_on_every_rank(
     Raises:
         CheckpointWriteError: On every rank, when a rank's parts failed or the finalize did.
     """
-    _, error, outcomes = gather_outcomes(lambda: {name: dict(record) for name, record in durable().items()})
+    _, error, outcomes = gather_outcomes(
+        lambda: {name: dict(record) for name, record in durable().items()}, process_group=process_group
+    )
     failed = [(rank, outcome.error) for rank, outcome in enumerate(outcomes) if not outcome.ok]
     if error is not None:
         raise CheckpointWriteError(
@@ -156,7 +165,7 @@ def commit_on_every_rank(
             finalize_error = exc
     told = [None if finalize_error is None else f"{type(finalize_error).__name__}: {finalize_error}"]
     if distributed():
-        dist.broadcast_object_list(told, src=coordinator)
+        dist.broadcast_object_list(told, src=coordinator, group=process_group)
     if finalize_error is not None:
         raise CheckpointWriteError(f"{where}: finalizing the commit failed ({told[0]}); not committed") from finalize_error
     if told[0] is not None:

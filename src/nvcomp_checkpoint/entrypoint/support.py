@@ -102,11 +102,12 @@ STACKS: tuple[Stack, ...] = (
         "NvcompModelParallelStrategy, NvcompFSDPStrategy",
         DCP_RANK_FILES,
         {
-            "async_save": "every rank writes its shards inside save_checkpoint, and the checkpoint is durable "
-            "when it returns; nothing is left to write in the background. Drop async_save=True",
             "incremental": "its sharded checkpoints are directories of rank files written through "
-            "torch.distributed.checkpoint, which are saved in full, never as deltas. Drop incremental=True "
-            "(tiers=... still copies each checkpoint), or save one-file checkpoints",
+            "torch.distributed.checkpoint, saved in full: a rank file stored as a delta of the same rank's file "
+            "in the previous checkpoint measured 94% of the full file 10 AdamW steps apart (85% one step apart; "
+            "an 8.4M-parameter fp32 MLP, 2 ranks) and more than the full file on a tiny model, too little to be "
+            "worth a chain every resume reads back. Drop incremental=True (tiers=... still copies each "
+            "checkpoint), or save one-file checkpoints",
         },
         applies=frozenset(OPTIONS) - {"compress_weights"},
     ),
@@ -117,16 +118,7 @@ STACKS: tuple[Stack, ...] = (
         applies=frozenset(OPTIONS) - {"compress_weights"},
     ),
     Stack("Accelerate", "register_nvcomp_hooks", ONE_FILE, applies=frozenset(OPTIONS) - {"compress_weights"}),
-    Stack(
-        "Accelerate + FSDP",
-        "register_nvcomp_hooks",
-        DCP_RANK_FILES,
-        {
-            "async_save": "async_save is not supported with FSDP (every rank writes its shards inside save_state); "
-            "register the hooks without it",
-        },
-        applies=frozenset(OPTIONS) - {"compress_weights"},
-    ),
+    Stack("Accelerate + FSDP", "register_nvcomp_hooks", DCP_RANK_FILES, applies=frozenset(OPTIONS) - {"compress_weights"}),
     Stack(
         "Accelerate + DeepSpeed",
         "register_nvcomp_hooks",

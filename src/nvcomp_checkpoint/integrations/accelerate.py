@@ -173,11 +173,11 @@ def register_nvcomp_hooks(
         restores Accelerate's own ``save_state``/``load_state``.
 
     Raises:
-        CheckpointError: The accelerator uses Megatron-LM or XLA, or FSDP with ``async_save``, or
+        CheckpointError: The accelerator uses Megatron-LM or XLA, or
             DeepSpeed with ``leader_load`` (:class:`~nvcomp_checkpoint.errors.UnsupportedOptionError`,
             from the one check of ``entrypoint.support``), or already has these hooks. (FSDP state is
-            compressed: sharded through :class:`~nvcomp_checkpoint.dcp.NvcompWriter`, full into ``.nvc``
-            files; see :mod:`nvcomp_checkpoint.integrations.accelerate_fsdp`. DeepSpeed's checkpoint is
+            compressed: sharded through :class:`~nvcomp_checkpoint.dcp.NvcompWriter`, in the background with
+            ``async_save``, full into ``.nvc`` files; see :mod:`nvcomp_checkpoint.integrations.accelerate_fsdp`. DeepSpeed's checkpoint is
             written compressed by :func:`nvcomp_checkpoint.deepspeed.attach`'s engine, attached to each
             DeepSpeed engine ``prepare`` creates, with ``async_save`` and ``incremental`` passed on to
             it; the folder, its tier copies and its rotation stay these hooks': see ``docs/accelerate.md``.)
@@ -392,7 +392,7 @@ class NvcompStateHooks:
             CheckpointWriteError: A background save failed; what it would have replaced is untouched.
             TimeoutError: Saves still pending after ``timeout`` seconds.
         """
-        if self._tags is not None:
+        if self._settles_on_every_rank:
             self._settle_on_every_rank("wait()")
         self.session.wait(timeout)
 
@@ -421,7 +421,7 @@ class NvcompStateHooks:
     def close(self, when: str = "close()") -> None:
         """Wait for pending saves and copies, stop the background threads, raise a failure (``when`` reports it)."""
         try:
-            if self._tags is not None:
+            if self._settles_on_every_rank:
                 self._settle_on_every_rank(when)
         finally:
             self.session.close(when)  # while a failure above propagates, its own are logged
@@ -454,25 +454,43 @@ class NvcompStateHooks:
                     setattr(acc, name, previous)
             del acc.__dict__["_nvcomp_state_hooks"]
 
+    @property
+    def _settles_on_every_rank(self) -> bool:
+        # DeepSpeed, and FSDP with async_save: every process writes its part of a save in the background.
+        return self._tags is not None or (self.async_save and self.accelerator.distributed_type == DistributedType.FSDP)
+
     def _settle_on_every_rank(self, when: str, consequence: str = "") -> None:
-        """DeepSpeed: commit the engines' tags in flight, wait for the pending saves, and raise a failure on every process.
+        """DeepSpeed: commit the engines' tags in flight; FSDP with ``async_save``: wait for this process's
+        rank files written in the background; then wait for the pending saves, and raise a failure on every process.
 
         Collective. A save fails on the process that commits it (the main one), in the background:
         every process raises here, and takes the failed save's number as the next one, as the main
         process does, so that all name the next folder alike.
         """
-        assert self._tags is not None
+        assert self._settles_on_every_rank
+        rank_files: list[BaseException] = []
         try:
-            try:
-                self._tags.commit_in_flight()  # an engine's failed commit raises on every rank
-            except BaseException:
-                # The folder that waited for the tag failed with it: one failure, raised once (this one).
-                self.session.settle()
-                with contextlib.suppress(CheckpointWriteError):
-                    self.session.raise_errors(when)
-                raise
+            if self._tags is not None:
+                try:
+                    self._tags.commit_in_flight()  # an engine's failed commit raises on every rank
+                except BaseException:
+                    # The folder that waited for the tag failed with it: one failure, raised once (this one).
+                    self.session.settle()
+                    with contextlib.suppress(CheckpointWriteError):
+                        self.session.raise_errors(when)
+                    raise
+            else:
+                try:  # every rank agreed on their outcome: a failure is this process's to raise too
+                    accelerate_fsdp.wait_for_rank_files(self.accelerator, when, consequence)
+                except CheckpointWriteError as exc:
+                    rank_files.append(exc)
             self.session.settle()
-            _on_every_process(lambda: self.session.raise_errors(when, consequence), when)
+
+            def raise_errors() -> None:
+                _reraise(rank_files)
+                self.session.raise_errors(when, consequence)
+
+            _on_every_process(raise_errors, when)
         except BaseException:
             if _distributed(self.accelerator):
                 config = self.accelerator.project_configuration
@@ -500,8 +518,9 @@ class NvcompStateHooks:
         acc = self.accelerator
         config = acc.project_configuration
         entered = time.perf_counter()
-        if self._tags is not None:
-            # The previous save's tags and folder commit land before this one starts, on every process.
+        if self._settles_on_every_rank:
+            # The previous save's tags (or FSDP rank files) and folder commit land before this one starts,
+            # on every process.
             self._settle_on_every_rank("the next save_state")
         elif self.async_save:
             # One save in flight: its commit and rotation must land before this one starts.
@@ -669,9 +688,20 @@ class NvcompStateHooks:
         try:
             # The committing process's group gets each FSDP file's or DCP directory's report (all ranks' files).
             on_saved = call.group.add_report if call.group is not None else None
+            # async_save: every rank's shards copied, then written in the background; the committing
+            # process's group takes each DCP directory's write as a part (its commit waits for it).
+            group, session = call.group, self.session
+            background = accelerate_fsdp.rank_files_background(acc) if fsdp and self.async_save else None
+            add_job = None if group is None else (lambda name, job: session.add_job(group, name, job))
             with (
                 accelerate_fsdp.nvcomp_fsdp_functions(
-                    accelerate.accelerator, self.policy, workers=self.workers, on_saved=on_saved
+                    accelerate.accelerator,
+                    self.policy,
+                    workers=self.workers,
+                    stream_wrapper=self.stream_wrapper,
+                    on_saved=on_saved,
+                    background=background,
+                    add_job=add_job,
                 )
                 if fsdp
                 else self._tags.saving(call.staging, call.target)
@@ -740,7 +770,7 @@ class NvcompStateHooks:
         """
         acc = self.accelerator
         deepspeed = self._tags is not None
-        if deepspeed:
+        if self._settles_on_every_rank:
             # The directory to load may be the one a pending save is about to commit; its failure
             # on the committing process is raised on every process.
             self._settle_on_every_rank("load_state")

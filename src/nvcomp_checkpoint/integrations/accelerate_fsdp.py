@@ -1,35 +1,34 @@
-"""Accelerate's FSDP state (FSDP1 and FSDP2) written and read by nvcomp-checkpoint.
+"""Accelerate's FSDP state (FSDP1 and FSDP2) written and read by nvcomp-checkpoint: what is Accelerate's own.
 
-Accelerate's ``save_state`` and the HF ``Trainer`` write FSDP state with four functions of
-``accelerate.utils.fsdp_utils`` that hard-code DCP's ``FileSystemWriter``; this module has the same
-four functions, writing ``SHARDED_STATE_DICT`` through :class:`~nvcomp_checkpoint.dcp.NvcompWriter`
-and ``FULL_STATE_DICT`` through :func:`nvcomp_checkpoint.save`, and :func:`nvcomp_fsdp_functions`
-puts them in place of Accelerate's for the length of one call.
+The four functions that replace Accelerate's ``fsdp_utils`` (``SHARDED_STATE_DICT`` as DCP rank
+files, ``FULL_STATE_DICT`` through :func:`nvcomp_checkpoint.save`) live in the core
+(:mod:`nvcomp_checkpoint.dcp.fsdp_functions`, shared with the HF Trainer's FSDP checkpoints); here
+they are bound to Accelerate's ``fsdp_utils``, with what ``register_nvcomp_hooks`` adds: its checks,
+the manifest's FSDP fields, the names of a ``save_state`` directory's FSDP entries.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import logging
 import os
 import re
 import threading
-import time
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import torch
 from accelerate.utils import fsdp_utils as _accelerate_fsdp
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
-from nvcomp_checkpoint.entrypoint import checkpoint_report
+from nvcomp_checkpoint.dcp import fsdp_functions
+from nvcomp_checkpoint.dcp.fsdp_functions import FSDP_FUNCTION_NAMES, AddJobFn, ReportFn, check_one_committer, is_sharded
+from nvcomp_checkpoint.dcp.rank_files import BackgroundRankFiles
 from nvcomp_checkpoint.entrypoint.support import check_options
-from nvcomp_checkpoint.errors import CheckpointError, FormatError
-from nvcomp_checkpoint.storage import LOCAL
+from nvcomp_checkpoint.errors import CheckpointError, CheckpointWriteError
 
 __all__ = [
     "save_fsdp_model",
@@ -44,15 +43,10 @@ __all__ = [
     "check_one_committer",
     "is_sharded",
     "replaced_files",
+    "rank_files_background",
+    "wait_for_rank_files",
     "FSDP_FUNCTION_NAMES",
 ]
-
-#: The names under which Accelerate's ``save_state``/``load_state`` and the Trainer call them.
-_LOG = logging.getLogger("nvcomp_checkpoint")
-FSDP_FUNCTION_NAMES = ("save_fsdp_model", "save_fsdp_optimizer", "load_fsdp_model", "load_fsdp_optimizer")
-_SWAP = threading.RLock()  # held while the FSDP functions are swapped (nvcomp_fsdp_functions)
-#: ``fn(name, report)``: a file or DCP directory (``name`` inside the save's folder) is durable.
-ReportFn = Callable[[str, nc.SaveReport], Any]
 
 # What these functions write: the DCP directories keep Accelerate's names (pytorch_model_fsdp_0/,
 # optimizer_0/: Accelerate and the Trainer find checkpoints by them), the full state dicts take
@@ -70,44 +64,78 @@ def is_fsdp_state_name(name: str) -> bool:
 def fsdp_manifest_fields(accelerator: Any) -> dict[str, Any]:
     """What a manifest records of an FSDP save: the FSDP version and the state dict type."""
     plugin = accelerator.state.fsdp_plugin
-    return {"fsdp": {"version": int(plugin.fsdp_version), "state_dict_type": _type_name(plugin)}}
+    kind = plugin.state_dict_type
+    return {"fsdp": {"version": int(plugin.fsdp_version), "state_dict_type": str(getattr(kind, "name", kind)).rsplit(".", 1)[-1]}}
 
 
 @contextlib.contextmanager
 def nvcomp_fsdp_functions(
-    namespace: ModuleType, policy: nc.CodecPolicy | None = None, *, workers: int | None = None, on_saved: ReportFn | None = None
+    namespace: ModuleType,
+    policy: nc.CodecPolicy | None = None,
+    *,
+    workers: int | None = None,
+    stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
+    on_saved: ReportFn | None = None,
+    background: BackgroundRankFiles | None = None,
+    add_job: AddJobFn | None = None,
 ) -> Iterator[None]:
-    """Let ``namespace`` (``accelerate.accelerator``, ``transformers.trainer``) call this module's
-    four FSDP functions in place of Accelerate's while the block runs.
+    """Let ``namespace`` (``accelerate.accelerator``) call the compressing FSDP functions in place of
+    Accelerate's while the block runs (:func:`nvcomp_checkpoint.dcp.fsdp_functions.nvcomp_fsdp_functions`;
+    ``background`` and ``add_job``: sharded state written in the background, see :func:`rank_files_background`)."""
+    with fsdp_functions.nvcomp_fsdp_functions(
+        namespace,
+        _accelerate_fsdp,
+        policy,
+        workers=workers,
+        stream_wrapper=stream_wrapper,
+        on_saved=on_saved,
+        background=background,
+        add_job=add_job,
+    ):
+        yield
 
-    Both modules call the functions by the names they imported, so the names are what is swapped;
-    the previous ones come back when the block ends, also on error. ``on_saved`` gets the report
-    of each file or DCP directory saved (see :func:`save_fsdp_model`).
-    """
-    ours: dict[str, Callable[..., Any]] = {
-        "save_fsdp_model": functools.partial(save_fsdp_model, policy=policy, workers=workers, on_saved=on_saved),
-        "save_fsdp_optimizer": functools.partial(save_fsdp_optimizer, policy=policy, workers=workers, on_saved=on_saved),
-        "load_fsdp_model": load_fsdp_model,
-        "load_fsdp_optimizer": load_fsdp_optimizer,
-    }
-    missing = [name for name in FSDP_FUNCTION_NAMES if not callable(getattr(namespace, name, None))]
-    if missing:
-        raise CheckpointError(
-            f"{namespace.__name__} no longer calls {', '.join(missing)}: this version of it saves FSDP state "
-            "another way, which nvcomp-checkpoint does not know. Pin the version nvcomp-checkpoint supports "
-            "(accelerate 1.x, transformers 5.x) or save without nvcomp-checkpoint."
-        )
-    # The names are the module's, shared by every thread: one swap at a time (nested ones, in the
-    # same thread, unwind in order), so a thread never puts back another thread's functions.
-    with _SWAP:
-        previous = {name: getattr(namespace, name) for name in FSDP_FUNCTION_NAMES}
-        for name, function in ours.items():
-            setattr(namespace, name, function)
-        try:
-            yield
-        finally:
-            for name, function in previous.items():
-                setattr(namespace, name, function)
+
+@dataclass
+class _Background:
+    saves: BackgroundRankFiles
+    iteration: int | None = None  # the project iteration of the oldest save not waited for
+
+
+# Per Accelerator: the FSDP rank files this process writes in the background (register_nvcomp_hooks(async_save=True)).
+_BACKGROUND: "weakref.WeakKeyDictionary[Any, _Background]" = weakref.WeakKeyDictionary()
+_BACKGROUND_LOCK = threading.Lock()
+
+
+def rank_files_background(accelerator: Any) -> BackgroundRankFiles:
+    """The background saves of ``accelerator``'s sharded FSDP state on this process, for the
+    save_state now starting (one per accelerator: its gloo process group is made once, by every rank
+    at its first async save_state)."""
+    with _BACKGROUND_LOCK:
+        if accelerator not in _BACKGROUND:
+            _BACKGROUND[accelerator] = _Background(BackgroundRankFiles("register_nvcomp_hooks"))
+        background = _BACKGROUND[accelerator]
+        if background.iteration is None:
+            background.iteration = accelerator.project_configuration.iteration
+        return background.saves
+
+
+def wait_for_rank_files(accelerator: Any, when: str, consequence: str = "") -> None:
+    """Wait for this process's FSDP rank files written in the background, and raise their failure
+    (agreed on by every rank: the processes that commit nothing raise it too), naming ``when``.
+
+    As on the committing process, after a failure the next ``save_state`` reuses the failed one's
+    number (``project_configuration.iteration``), so that every rank names it alike."""
+    with _BACKGROUND_LOCK:
+        background = _BACKGROUND.get(accelerator)
+        if background is None:
+            return
+        iteration, background.iteration = background.iteration, None
+    try:
+        background.saves.wait(when, consequence)
+    except CheckpointWriteError:
+        if iteration is not None:
+            accelerator.project_configuration.iteration = iteration
+        raise
 
 
 # -- the four functions: Accelerate's signatures, plus the codec policy --------------------------
@@ -124,40 +152,25 @@ def save_fsdp_model(
     *,
     policy: nc.CodecPolicy | None = None,
     workers: int | None = None,
+    stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
     on_saved: ReportFn | None = None,
 ) -> None:
-    """``accelerate.utils.save_fsdp_model`` with compressed files.
-
-    ``SHARDED_STATE_DICT``: every rank writes its shards into ``pytorch_model_fsdp_<i>/`` through
-    :class:`~nvcomp_checkpoint.dcp.NvcompWriter`. ``FULL_STATE_DICT``: the main process writes
-    ``pytorch_model_fsdp.nvc`` (``_<i>`` for later models) with :func:`nvcomp_checkpoint.save`.
-
-    ``on_saved(name, report)``, on a process that passes it, once ``name`` (the directory or file
-    name in ``output_dir``) is durable: a sharded save's report sums every rank's file
-    (:func:`~nvcomp_checkpoint.dcp.dcp_report`, read after DCP's ``.metadata`` commit); a full
-    one's is the main process's (other processes save nothing and get no call).
-
-    Raises:
-        CheckpointError: ``LOCAL_STATE_DICT`` or ``use_dcp=False`` (per-rank ``torch.save`` files).
-    """
-    _check_supported(fsdp_plugin, use_dcp, output_dir)
-    full = _is_full(fsdp_plugin)
-    if not full:
-        _check_accelerator_committer(accelerator, output_dir)
-    LOCAL.makedirs(os.fspath(output_dir))
-    if full:
-        _set_full_config(fsdp_plugin, accelerator)  # as Accelerate: offload and rank 0 only when distributed
-    with _state_dict_context(fsdp_plugin, model):
-        state_dict = _accelerate_fsdp._get_model_state_dict(
-            model, adapter_only=adapter_only, sd_options=_accelerate_fsdp._prepare_sd_options(fsdp_plugin)
-        )
-        if full:
-            if accelerator.process_index == 0:
-                name = _full_name(FSDP_MODEL_NAME, model_index)
-                _report(on_saved, name, nc.save(state_dict, Path(output_dir) / name, policy, workers=workers))
-        else:
-            name = f"{FSDP_MODEL_NAME}_{model_index}"
-            _dcp_save({"model": state_dict}, Path(output_dir) / name, policy, workers, on_saved)
+    """``accelerate.utils.save_fsdp_model`` with compressed files
+    (:func:`nvcomp_checkpoint.dcp.fsdp_functions.save_fsdp_model`)."""
+    fsdp_functions.save_fsdp_model(
+        fsdp_plugin,
+        accelerator,
+        model,
+        output_dir,
+        model_index,
+        adapter_only,
+        use_dcp,
+        helpers=_accelerate_fsdp,
+        policy=policy,
+        workers=workers,
+        stream_wrapper=stream_wrapper,
+        on_saved=on_saved,
+    )
 
 
 def load_fsdp_model(
@@ -169,45 +182,10 @@ def load_fsdp_model(
     adapter_only: bool = False,
     use_dcp: bool = True,
 ) -> Any:
-    """``accelerate.utils.load_fsdp_model`` that reads what :func:`save_fsdp_model` wrote, and plain state.
-
-    Sharded: ``pytorch_model_fsdp_<i>/`` is read with :class:`~nvcomp_checkpoint.dcp.NvcompReader`
-    (compressed or plain). Full: ``pytorch_model_fsdp.nvc``, else Accelerate's own ``.bin``.
-    """
-    full = _is_full(fsdp_plugin)
-    compressed = Path(input_dir) / _full_name(FSDP_MODEL_NAME, model_index)
-    if full and not compressed.is_file():
-        _check_state_dict_type(fsdp_plugin, Path(input_dir), FSDP_MODEL_NAME, model_index)
-        return _accelerate_fsdp.load_fsdp_model(fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp)
-    _check_supported(fsdp_plugin, use_dcp, input_dir)
-    if not full:
-        _check_state_dict_type(fsdp_plugin, Path(input_dir), FSDP_MODEL_NAME, model_index)
-    accelerator.wait_for_everyone()
-    if full:
-        _set_full_config(fsdp_plugin, accelerator)
-    sd_options = _accelerate_fsdp._prepare_sd_options(fsdp_plugin)
-    with _state_dict_context(fsdp_plugin, model):
-        if full:
-            fsdp1 = int(fsdp_plugin.fsdp_version) == 1
-            if fsdp1 and accelerator.process_index != 0 and not _is_fsdp1_module(model):
-                # Accelerate's rule: an unwrapped FSDP1 model is loaded on rank 0 and synced from it.
-                if not fsdp_plugin.sync_module_states:
-                    raise ValueError(
-                        "Set the `sync_module_states` flag to `True` so that model states are synced across processes "
-                        "when initializing FSDP object"
-                    )
-                return None
-            # FSDP2 broadcasts from rank 0: the others pass an empty state dict.
-            state_dict = nc.load(compressed) if fsdp1 or accelerator.is_main_process else {}
-        else:
-            state_dict = {
-                "model": _accelerate_fsdp._get_model_state_dict(model, adapter_only=adapter_only, sd_options=sd_options)
-            }
-            _dcp_load(state_dict, Path(input_dir) / f"{FSDP_MODEL_NAME}_{model_index}")
-            state_dict = state_dict["model"]
-        result = _accelerate_fsdp._set_model_state_dict(model, state_dict, adapter_only=adapter_only, sd_options=sd_options)
-    accelerator.wait_for_everyone()
-    return result
+    """``accelerate.utils.load_fsdp_model`` that reads what :func:`save_fsdp_model` wrote, and plain state."""
+    return fsdp_functions.load_fsdp_model(
+        fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp, helpers=_accelerate_fsdp
+    )
 
 
 def save_fsdp_optimizer(
@@ -221,22 +199,25 @@ def save_fsdp_optimizer(
     *,
     policy: nc.CodecPolicy | None = None,
     workers: int | None = None,
+    stream_wrapper: Callable[[IO[bytes]], IO[bytes]] | None = None,
     on_saved: ReportFn | None = None,
 ) -> None:
     """``accelerate.utils.save_fsdp_optimizer`` with compressed files: ``optimizer_<i>/`` (sharded)
     or ``optimizer.nvc`` (full, written by the main process); ``on_saved`` as for :func:`save_fsdp_model`."""
-    _check_supported(fsdp_plugin, use_dcp, output_dir)
-    if not _is_full(fsdp_plugin):
-        _check_accelerator_committer(accelerator, output_dir)
-    LOCAL.makedirs(os.fspath(output_dir))
-    with _state_dict_context(fsdp_plugin, model):
-        state = _optimizer_state(fsdp_plugin, model, optimizer)
-        if _is_full(fsdp_plugin):
-            if accelerator.process_index == 0:
-                name = _full_name(OPTIMIZER_NAME, optimizer_index)
-                _report(on_saved, name, nc.save(state, Path(output_dir) / name, policy, workers=workers))
-        else:
-            _dcp_save({"optimizer": state}, Path(output_dir) / f"{OPTIMIZER_NAME}_{optimizer_index}", policy, workers, on_saved)
+    fsdp_functions.save_fsdp_optimizer(
+        fsdp_plugin,
+        accelerator,
+        optimizer,
+        model,
+        output_dir,
+        optimizer_index,
+        use_dcp,
+        helpers=_accelerate_fsdp,
+        policy=policy,
+        workers=workers,
+        stream_wrapper=stream_wrapper,
+        on_saved=on_saved,
+    )
 
 
 def load_fsdp_optimizer(
@@ -250,186 +231,9 @@ def load_fsdp_optimizer(
     use_dcp: bool = True,
 ) -> None:
     """``accelerate.utils.load_fsdp_optimizer`` that reads what :func:`save_fsdp_optimizer` wrote, and plain state."""
-    full = _is_full(fsdp_plugin)
-    compressed = Path(input_dir) / _full_name(OPTIMIZER_NAME, optimizer_index)
-    if full and not compressed.is_file():
-        _check_state_dict_type(fsdp_plugin, Path(input_dir), OPTIMIZER_NAME, optimizer_index)
-        return _accelerate_fsdp.load_fsdp_optimizer(
-            fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, adapter_only, use_dcp
-        )
-    _check_supported(fsdp_plugin, use_dcp, input_dir)
-    if not full:
-        _check_state_dict_type(fsdp_plugin, Path(input_dir), OPTIMIZER_NAME, optimizer_index)
-    accelerator.wait_for_everyone()
-    sd_options = _accelerate_fsdp._prepare_sd_options(fsdp_plugin)
-    with _state_dict_context(fsdp_plugin, model):
-        if full:
-            # None on the ranks that receive the state from rank 0 (rank0_only), as Accelerate passes it.
-            state: Any = None
-            if accelerator.process_index == 0 or not fsdp_plugin.optim_state_dict_config.rank0_only:
-                state = nc.load(compressed)
-        else:
-            holder = {"optimizer": _optimizer_state(fsdp_plugin, model, optimizer)}
-            _dcp_load(holder, Path(input_dir) / f"{OPTIMIZER_NAME}_{optimizer_index}")
-            state = holder["optimizer"]
-        if int(fsdp_plugin.fsdp_version) == 1:
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model=model, optim=optimizer, optim_state_dict=state))
-        else:
-            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-            set_optimizer_state_dict(model, optimizer, state, options=sd_options)
-    accelerator.wait_for_everyone()
-
-
-# -- helpers ------------------------------------------------------------------------------------
-
-
-def _type_name(fsdp_plugin: Any) -> str:
-    kind = fsdp_plugin.state_dict_type
-    return str(getattr(kind, "name", kind)).rsplit(".", 1)[-1]
-
-
-def _is_full(fsdp_plugin: Any) -> bool:
-    return _type_name(fsdp_plugin) == "FULL_STATE_DICT"
-
-
-def is_sharded(fsdp_plugin: Any) -> bool:
-    """Whether ``fsdp_plugin`` saves ``SHARDED_STATE_DICT`` (every rank writes its part of one DCP directory)."""
-    return _type_name(fsdp_plugin) == "SHARDED_STATE_DICT"
-
-
-def _full_name(stem: str, index: int) -> str:
-    return f"{stem}.nvc" if index == 0 else f"{stem}_{index}.nvc"
-
-
-def _check_supported(fsdp_plugin: Any, use_dcp: bool, where: str | os.PathLike[str]) -> None:
-    kind = _type_name(fsdp_plugin)
-    if kind not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
-        raise CheckpointError(
-            f"{where}: FSDP state_dict_type {kind} writes one torch.save file per rank, which nvcomp-checkpoint "
-            "does not compress. Set fsdp_state_dict_type to SHARDED_STATE_DICT (compressed through "
-            "torch.distributed.checkpoint) or FULL_STATE_DICT, or save without nvcomp-checkpoint's hooks."
-        )
-    if not use_dcp and kind == "SHARDED_STATE_DICT":
-        raise CheckpointError(
-            f"{where}: use_dcp=False writes one torch.save file per rank, which nvcomp-checkpoint does not "
-            "compress. Leave use_dcp=True (the default), or save without nvcomp-checkpoint's hooks."
-        )
-
-
-def check_one_committer(save_on_each_node: bool, num_processes: int, where: str | os.PathLike[str], setting: str) -> None:
-    """Sharded state needs one committing process: refuse ``save_on_each_node`` on several nodes.
-
-    Every rank writes its shards into one directory, which DCP's coordinator commits; with
-    ``save_on_each_node`` each node's main process would also stage, commit and copy to the tiers
-    that same directory (on shared storage, racing the others; on node-local disks, each node's
-    folder would hold only its own ranks' shards). The nodes are counted from ``LOCAL_WORLD_SIZE``
-    (set by ``torchrun`` and ``accelerate launch``); without it the job is taken for one node.
-
-    Raises:
-        CheckpointError: ``save_on_each_node`` on more than one node, naming ``setting`` to change.
-    """
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes) or num_processes)
-    if save_on_each_node and num_processes > local:
-        raise CheckpointError(
-            f"{where}: save_on_each_node=True with FSDP SHARDED_STATE_DICT on {-(-num_processes // local)} nodes: every rank "
-            "writes its shards into one checkpoint directory, on storage all nodes share, committed (and copied to the "
-            f"tiers) by one process; each node's main process would commit it too. Set {setting} to False."
-        )
-
-
-def _check_accelerator_committer(accelerator: Any, where: str | os.PathLike[str]) -> None:
-    config = getattr(accelerator, "project_configuration", None)
-    check_one_committer(
-        bool(getattr(config, "save_on_each_node", False)),
-        accelerator.num_processes,
-        where,
-        "ProjectConfiguration(save_on_each_node=...)",
+    fsdp_functions.load_fsdp_optimizer(
+        fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, adapter_only, use_dcp, helpers=_accelerate_fsdp
     )
-
-
-def _check_state_dict_type(fsdp_plugin: Any, directory: Path, stem: str, index: int) -> None:
-    """A directory saved with the other state dict type: say so, instead of 'No such file'."""
-    sharded = directory / f"{stem}_{index}"
-    full = [directory / _full_name(stem, index), directory / (_full_name(stem, index)[: -len(".nvc")] + ".bin")]
-    if _is_full(fsdp_plugin) and not any(p.is_file() for p in full) and sharded.is_dir():
-        raise FormatError(
-            f"{directory}: holds {sharded.name}/, sharded state (SHARDED_STATE_DICT), but this run's FSDP plugin "
-            "loads FULL_STATE_DICT. Set fsdp_state_dict_type to SHARDED_STATE_DICT to load it."
-        )
-    if not _is_full(fsdp_plugin) and not sharded.is_dir() and any(p.is_file() for p in full):
-        raise FormatError(
-            f"{directory}: holds {next(p.name for p in full if p.is_file())}, a full state dict (FULL_STATE_DICT), "
-            "but this run's FSDP plugin loads SHARDED_STATE_DICT. Set fsdp_state_dict_type to FULL_STATE_DICT to load it."
-        )
-
-
-def _set_full_config(fsdp_plugin: Any, accelerator: Any) -> None:
-    # FSDP raises with offload_to_cpu on a single GPU; Accelerate enables both only when distributed.
-    multi = accelerator.num_processes > 1
-    fsdp_plugin.state_dict_config.offload_to_cpu = multi
-    fsdp_plugin.state_dict_config.rank0_only = multi
-
-
-def _state_dict_context(fsdp_plugin: Any, model: torch.nn.Module) -> Any:
-    if int(fsdp_plugin.fsdp_version) != 1:
-        return contextlib.nullcontext()
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    return FSDP.state_dict_type(
-        model, fsdp_plugin.state_dict_type, fsdp_plugin.state_dict_config, fsdp_plugin.optim_state_dict_config
-    )
-
-
-def _is_fsdp1_module(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    return type(model) is FSDP
-
-
-def _optimizer_state(fsdp_plugin: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-    if int(fsdp_plugin.fsdp_version) == 2:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(model, optimizer, options=_accelerate_fsdp._prepare_sd_options(fsdp_plugin))
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    return FSDP.optim_state_dict(model, optimizer)
-
-
-def _report(on_saved: ReportFn | None, name: str, report: nc.SaveReport | None) -> None:
-    # The state is committed: a failing report callback is logged, never a failed save (the other
-    # ranks are already on their way to the next collective).
-    if on_saved is None or report is None:
-        return
-    try:
-        on_saved(name, report)
-    except Exception as exc:  # noqa: BLE001
-        _LOG.warning("%s: committed, but its save report could not be recorded (%s: %s)", report.path, type(exc).__name__, exc)
-
-
-def _dcp_save(
-    state: dict[str, Any], directory: Path, policy: nc.CodecPolicy | None, workers: int | None, on_saved: ReportFn | None
-) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    LOCAL.makedirs(os.fspath(directory))
-    started = time.perf_counter()
-    dcp.save(state, storage_writer=NvcompWriter(directory, policy, workers=workers), planner=DefaultSavePlanner())
-    if on_saved is not None:
-        # dcp.save returns on every rank once the coordinator has committed .metadata, which it
-        # does after every rank's file is durable: the directory is whole here.
-        _report(on_saved, directory.name, checkpoint_report(directory, time.perf_counter() - started, dcp_dirs=[directory]))
-
-
-def _dcp_load(state: dict[str, Any], directory: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    dcp.load(state, storage_reader=NvcompReader(directory), planner=DefaultLoadPlanner())
 
 
 def replaced_files(previous_manifest: dict[str, Any], staging: Path) -> list[str]:
@@ -445,7 +249,7 @@ def replaced_files(previous_manifest: dict[str, Any], staging: Path) -> list[str
 
 def check_fsdp_hooks(fsdp_plugin: Any, async_save: bool) -> None:
     """What ``register_nvcomp_hooks`` refuses of an FSDP Accelerator, before the first save."""
-    _check_supported(fsdp_plugin, True, "register_nvcomp_hooks")
+    fsdp_functions.check_supported(fsdp_plugin, True, "register_nvcomp_hooks")
     check_options("Accelerate + FSDP", "register_nvcomp_hooks", async_save=async_save)
 
 

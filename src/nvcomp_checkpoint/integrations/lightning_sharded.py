@@ -2,15 +2,17 @@
 
 Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy`` save sharded state with
 ``torch.distributed.checkpoint`` themselves and never call the ``CheckpointIO``; these drop-ins
-take the same arguments and write (and read) that state compressed. An ``NvcompCheckpointIO``
-passed as a plugin gives them its policy, gets each sharded save's report (``on_saved``,
-``last_report``, ``NvcompCheckpointMetrics``) and copies each checkpoint directory to its ``tiers``.
+take the same arguments and write (and read) that state compressed, through the core's DCP rank
+files backend (:mod:`nvcomp_checkpoint.dcp.rank_files`). An ``NvcompCheckpointIO`` passed as a
+plugin gives them its policy, gets each sharded save's report (``on_saved``, ``last_report``,
+``NvcompCheckpointMetrics``), copies each checkpoint directory to its ``tiers``, and with its
+``async_save`` has each sharded save written in the background.
 """
 
 from __future__ import annotations
 
-import hashlib
-import time
+import logging
+import os
 from pathlib import Path
 from typing import Any, ContextManager, Mapping, Optional, cast
 
@@ -19,12 +21,19 @@ from typing_extensions import override
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import CodecPolicy, SaveReport
-from nvcomp_checkpoint.dcp import NvcompReader, NvcompWriter
-from nvcomp_checkpoint.dcp.layout import METADATA_NAME
-from nvcomp_checkpoint.entrypoint import as_policy, checkpoint_report, torch_weights_only
+from nvcomp_checkpoint.dcp import NvcompReader
+from nvcomp_checkpoint.dcp.rank_files import (
+    BackgroundRankFiles,
+    RankFilesOptions,
+    Record,
+    check_tie,
+    read_rank_files,
+    save_rank_files,
+    save_rank_files_async,
+)
+from nvcomp_checkpoint.entrypoint import as_policy, torch_weights_only
 from nvcomp_checkpoint.entrypoint.support import check_options
-from nvcomp_checkpoint.errors import CheckpointError, MixedSaveError
-from nvcomp_checkpoint.storage import storage_for, write_errors
+from nvcomp_checkpoint.errors import CheckpointError
 from nvcomp_checkpoint.version import install_hint
 
 try:
@@ -67,6 +76,50 @@ class StrategyOptions:
         return policy_of(self._nvckpt_policy, self)
 
 
+class ShardedSaves(StrategyOptions):
+    """What our two sharded strategies add to :class:`StrategyOptions`: ``last_report``, and the sharded
+    saves an ``NvcompCheckpointIO(async_save=True)`` plugin has written in the background."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.last_report: SaveReport | None = None
+        self._background = BackgroundRankFiles(type(self).__name__)
+        # Between runs (before setup, after teardown) a save has no training to overlap: written at once.
+        self._between_runs = True
+
+    def pending(self) -> int:
+        """Sharded saves not yet durable (0 or 1; 0 without ``async_save``)."""
+        return self._background.pending()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until the sharded save written in the background is committed; raise its failure.
+
+        Every rank must call it (each waits for its own part; a failure on any rank raises on every rank).
+
+        Raises:
+            nvcomp_checkpoint.errors.CheckpointWriteError: the background save failed on some rank.
+            TimeoutError: still running after ``timeout`` seconds.
+        """
+        self._background.wait("wait()", timeout=timeout)
+
+    def _wait_for_background(self, when: str, consequence: str = "") -> None:
+        self._background.wait(when, consequence)
+
+    def _begin_run(self) -> None:
+        self._between_runs = False
+
+    def _end_run(self) -> None:
+        """Before Lightning's teardown: the save in flight committed (or its failure raised), then the plugin's teardown."""
+        self._between_runs = True
+        self._background.close("teardown, at the end of the run")
+
+    def _remove_after_pending(self, filepath: Any, remove: Any) -> None:
+        """``remove(filepath)`` (ModelCheckpoint's old top-k directory) once the save in flight, which
+        usually replaces it, is committed; skipped (kept) if that save fails."""
+        if not self._background.after_pending(lambda: remove(filepath), os.fspath(filepath)):
+            remove(filepath)
+
+
 def nvcomp_plugin(strategy: Any) -> Any:
     """The strategy's ``NvcompCheckpointIO`` (found by the method it offers sharded strategies,
     inside wrappers), or None."""
@@ -89,6 +142,22 @@ def _check_plugin_options(strategy: Any) -> None:
         incremental=getattr(plugin, "incremental", None) is not None,
         async_save=getattr(plugin, "async_save", False),
     )
+
+
+def _teardown(strategy: Any, lightning_teardown: Any) -> None:
+    """The save in flight committed (its failure raised, on every rank), then Lightning's teardown
+    and the plugin's; a failure of ours still lets both run."""
+    try:
+        strategy._end_run()
+    except BaseException:
+        try:
+            lightning_teardown()
+            _teardown_checkpoint_io(strategy)
+        except Exception:  # noqa: BLE001 - the first error stays visible
+            logging.getLogger("nvcomp_checkpoint").exception("%s: teardown after a failed save", type(strategy).__name__)
+        raise
+    lightning_teardown()
+    _teardown_checkpoint_io(strategy)
 
 
 def _teardown_checkpoint_io(strategy: Any) -> None:
@@ -118,89 +187,18 @@ def _refuse_compressed_full_file(path: Path, strategy: str) -> None:
             )
 
 
-def _save_sharded(
-    strategy: Any,
-    converted: dict[str, Any],
-    checkpoint: dict[str, Any],
-    path: Path,
-    policy: CodecPolicy | None,
-    workers: int | None,
-    stream_wrapper: Any = None,
-) -> SaveReport | None:
-    """The sharded state through NvcompWriter, then Lightning's ``meta.pt`` (loops, callbacks ...).
-
-    ``meta.pt`` is what makes the directory a checkpoint to Lightning: rank 0 removes a previous
-    one before any shard is written and writes the new one last, atomically, so a save that dies
-    midway leaves a directory that Lightning does not take for a checkpoint. It is written with
-    :func:`nvcomp_checkpoint.save` (compressed, checksummed; callbacks such as an EMA can hold a
-    full copy of the weights there) under Lightning's name, which its ``_is_sharded_checkpoint``
-    tests for. Its index records a digest of the DCP ``.metadata`` it was saved with (which names
-    every rank file by this save's id): a load refuses a ``meta.pt`` or DCP files of another save.
-
-    Returns:
-        On global rank 0, the save's report: every rank's file and ``meta.pt``, read from their
-        indexes once ``meta.pt`` is committed; ``None`` on the other ranks.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    started = time.perf_counter()
-    storage, _ = storage_for(str(path))
-    meta = str(path / _METADATA_FILENAME)
-    if strategy.global_rank == 0:
-        with write_errors(str(path), "preparing the checkpoint directory"):
-            if path.is_file():
-                storage.remove(str(path))
-            storage.makedirs(str(path))
-            storage.remove(meta)
-    strategy.barrier("nvckpt_sharded_save_start")
-    dcp.save(converted, storage_writer=NvcompWriter(path, policy, workers=workers, stream_wrapper=stream_wrapper))
-    written = None
-    if strategy.global_rank == 0:
-        # fsync + rename: the directory's commit
-        tie = {_META_KEY: {"dcp_metadata_blake2b": _dcp_metadata_digest(path)}}
-        written = nc.save(checkpoint, meta, policy, workers=workers, stream_wrapper=stream_wrapper, metadata=tie)
-    strategy.barrier("nvckpt_sharded_save_end")
-    if written is None:
-        return None
-    # After the barrier, and never raising: reading the rank files' indexes cannot fail a committed save.
-    return checkpoint_report(path, time.perf_counter() - started, reports=[written], dcp_dirs=[path])
-
-
 #: The key of meta.pt's index metadata that ties it to the DCP save beside it.
 _META_KEY = "lightning_sharded"
 
 
-def _dcp_metadata_digest(path: Path) -> str | None:
-    """BLAKE2b-128 of the directory's DCP ``.metadata`` (``None`` if there is none: DCP's load names that)."""
-    storage, spath = storage_for(str(path / METADATA_NAME))
-    if not storage.exists(spath):
-        return None
-    with storage.open_read(spath) as f:
-        return hashlib.blake2b(f.read(), digest_size=16).hexdigest()
-
-
 def _check_same_save(path: Path) -> None:
-    """``meta.pt`` and the DCP files come from one save (see :func:`_save_sharded`); checked before
-    any state is loaded. A ``meta.pt`` without the digest (older releases, Lightning's own) is not checked.
+    """``meta.pt`` and the DCP files come from one save (see :func:`_save_lightning_checkpoint`);
+    checked before any state is loaded. A ``meta.pt`` without the tie (older releases, Lightning's own) is not checked.
 
     Raises:
         MixedSaveError: ``meta.pt`` records another ``.metadata`` than the one beside it.
     """
-    meta = path / _METADATA_FILENAME
-    if not nc.is_nvcomp_checkpoint(meta):
-        return
-    with nc.open(meta) as reader:
-        tie = reader.metadata.get(_META_KEY)
-    recorded = tie.get("dcp_metadata_blake2b") if isinstance(tie, dict) else None
-    if recorded is None:
-        return
-    found = _dcp_metadata_digest(path)
-    if found is not None and found != recorded:
-        raise MixedSaveError(
-            f"{meta}: belongs to another save than {path / METADATA_NAME} and the rank files beside it (one or the "
-            "other was copied in from another checkpoint); resuming would mix two training states. Restore the "
-            "directory as one save wrote it, or load another checkpoint."
-        )
+    check_tie(path / _METADATA_FILENAME, _META_KEY, path)
 
 
 def _load_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
@@ -213,7 +211,20 @@ def _load_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
 def _save_lightning_checkpoint(
     strategy: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any, model_key: str
 ) -> None:
-    """A Lightning checkpoint dict saved as a compressed sharded directory (weights under ``model_key``, as Lightning's strategy does)."""
+    """A Lightning checkpoint dict saved as a compressed sharded directory (weights under ``model_key``, as Lightning's strategy does).
+
+    The sharded state goes to the DCP rank files backend; Lightning's ``meta.pt`` (loops, callbacks
+    ...) is its record: written last by rank 0, compressed and checksummed (callbacks such as an EMA
+    can hold a full copy of the weights there), under Lightning's name, which its
+    ``_is_sharded_checkpoint`` tests for, so a save that dies midway leaves a directory that
+    Lightning does not take for a checkpoint. Its index records a digest of the DCP ``.metadata``
+    it was saved with: a load refuses a ``meta.pt`` or DCP files of another save.
+
+    With an ``NvcompCheckpointIO(async_save=True)`` plugin, during a run: returns once every rank's
+    shards are copied to host memory; the rank files, ``.metadata`` and ``meta.pt`` are written in
+    the background, and the plugin gets the report (and copies the directory to its tiers) once
+    every rank agreed that it is durable.
+    """
     if storage_options is not None:
         raise TypeError(
             f"`{type(strategy).__name__}.save_checkpoint(..., storage_options=...)` is not supported for sharded "
@@ -224,16 +235,29 @@ def _save_lightning_checkpoint(
     converted = {model_key: checkpoint.pop("state_dict")}
     converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     workers = strategy.workers if strategy.workers is not None or plugin is None else plugin.workers
-    report = _save_sharded(
-        strategy, converted, checkpoint, path, strategy.policy, workers, None if plugin is None else plugin.stream_wrapper
-    )
-    if report is not None:  # global rank 0, once every rank's part and meta.pt are committed
+    options = RankFilesOptions(strategy.policy, workers, None if plugin is None else plugin.stream_wrapper)
+    record = Record(_METADATA_FILENAME, checkpoint, _META_KEY)
+
+    def committed(report: SaveReport) -> None:  # global rank 0, once every rank's part and meta.pt are committed
         strategy.last_report = report
         if plugin is not None:
             plugin.saved_by_strategy(report, checkpoint, path)
 
+    if getattr(plugin, "async_save", False) and not strategy._between_runs:
+        save_rank_files_async(strategy._background, converted, path, options, record=record, on_committed=committed)
+        return
+    strategy._wait_for_background(f"the save to {path}", "That save was not started.")
+    report = save_rank_files(converted, path, options, record=record)
+    if report is not None:
+        committed(report)
 
-class NvcompModelParallelStrategy(StrategyOptions, ModelParallelStrategy):
+
+def _remove_checkpoint(strategy: Any, filepath: Any, remove: Any) -> None:
+    """Lightning's removal of an old checkpoint (global rank 0), queued behind the save in flight."""
+    strategy._remove_after_pending(filepath, remove)
+
+
+class NvcompModelParallelStrategy(ShardedSaves, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism) with compressed sharded checkpoints.
 
     Takes ModelParallelStrategy's arguments, plus:
@@ -254,27 +278,30 @@ class NvcompModelParallelStrategy(StrategyOptions, ModelParallelStrategy):
             sharded save (every rank's file and ``meta.pt``); ``None`` before one and on the other
             ranks. An ``NvcompCheckpointIO`` plugin gets it too (its ``last_report``, ``on_saved``,
             ``NvcompCheckpointMetrics``), and copies each checkpoint directory to its ``tiers``
-            (``trainer.fit(ckpt_path=plugin.resume_path())`` resumes from the newest copy). The
-            plugin's ``incremental`` and ``async_save`` are refused for sharded saves.
+            (``trainer.fit(ckpt_path=plugin.resume_path())`` resumes from the newest copy). With the
+            plugin's ``async_save``, each sharded save returns once every rank's shards are copied to
+            host memory and is committed in the background (one at a time; :meth:`wait`, the next save,
+            a load and the end of the run wait for it, and raise its failure on every rank). The
+            plugin's ``incremental`` is refused for sharded saves.
 
     Example:
         >>> strategy = NvcompModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         >>> Trainer(strategy=strategy, devices=2).fit(model)
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.last_report: SaveReport | None = None
-
     @override
     def setup(self, trainer: Any) -> None:
         check_sharded_checkpoint_io(self)  # before the first step, not at the first save
         super().setup(trainer)
+        self._begin_run()
 
     @override
     def teardown(self) -> None:
-        super().teardown()
-        _teardown_checkpoint_io(self)
+        _teardown(self, super().teardown)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        _remove_checkpoint(self, filepath, super().remove_checkpoint)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -288,8 +315,9 @@ class NvcompModelParallelStrategy(StrategyOptions, ModelParallelStrategy):
         if not _is_sharded_dir(path):
             _refuse_compressed_full_file(path, type(self).__name__)
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # A checkpoint still being written must not be read as missing or as the older one.
+        self._wait_for_background(f"load_checkpoint({os.fspath(path)!r})", "Nothing was loaded.")
         _check_same_save(path)  # before any state changes
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -299,19 +327,19 @@ class NvcompModelParallelStrategy(StrategyOptions, ModelParallelStrategy):
 
         assert self.model is not None and self.lightning_module is not None
         module_state = {"state_dict": get_model_state_dict(self.model)}
-        dcp.load(module_state, storage_reader=NvcompReader(path))
+        read_rank_files(module_state, path)
         self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
             optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            dcp.load(optim_state, storage_reader=NvcompReader(path))
+            read_rank_files(optim_state, path)
             set_optimizer_state_dict(
                 self.model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
             )
         return _load_meta(path, weights_only)
 
 
-class NvcompFSDPStrategy(StrategyOptions, FSDPStrategy):
+class NvcompFSDPStrategy(ShardedSaves, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` (FSDP1) with compressed sharded checkpoints (``state_dict_type="sharded"``).
 
     Takes FSDPStrategy's arguments, plus ``policy`` and ``workers``, and reports and copies to the
@@ -330,17 +358,20 @@ class NvcompFSDPStrategy(StrategyOptions, FSDPStrategy):
                 "fully_shard in configure_model) with data_parallel_size=<processes>, tensor_parallel_size=1"
             )
         super().__init__(*args, **kwargs)
-        self.last_report: SaveReport | None = None
 
     @override
     def setup(self, trainer: Any) -> None:
         check_sharded_checkpoint_io(self)
         super().setup(trainer)
+        self._begin_run()
 
     @override
     def teardown(self) -> None:
-        super().teardown()
-        _teardown_checkpoint_io(self)
+        _teardown(self, super().teardown)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        _remove_checkpoint(self, filepath, super().remove_checkpoint)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -354,8 +385,9 @@ class NvcompFSDPStrategy(StrategyOptions, FSDPStrategy):
         if not _is_sharded_dir(path):
             _refuse_compressed_full_file(path, type(self).__name__)
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # A checkpoint still being written must not be read as missing or as the older one.
+        self._wait_for_background(f"load_checkpoint({os.fspath(path)!r})", "Nothing was loaded.")
         _check_same_save(path)  # before any state changes
-        import torch.distributed.checkpoint as dcp
         from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
         from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -364,7 +396,7 @@ class NvcompFSDPStrategy(StrategyOptions, FSDPStrategy):
         # Lightning annotates its helper as a Generator; it returns FSDP's state_dict_type context manager.
         with cast(ContextManager[None], _get_sharded_state_dict_context(self.model)):
             module_state = {"model": self.model.state_dict()}
-            dcp.load(module_state, storage_reader=NvcompReader(path))
+            read_rank_files(module_state, path)
             self.model.load_state_dict(module_state["model"], strict=self.lightning_module.strict_loading)
             if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self.optimizers:
                 for idx, optimizer in enumerate(self.optimizers):

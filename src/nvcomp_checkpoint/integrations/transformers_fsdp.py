@@ -2,8 +2,8 @@
 
 The Trainer saves and loads FSDP state with Accelerate's four ``fsdp_utils`` functions, imported
 into ``transformers.trainer``; :class:`~nvcomp_checkpoint.transformers.NvcompTrainerMixin` runs
-those steps with the functions of :mod:`nvcomp_checkpoint.integrations.accelerate_fsdp` in their
-place (the reason this module imports the Accelerate integration).
+those steps with the core's (:mod:`nvcomp_checkpoint.dcp.fsdp_functions`: DCP rank files) in their
+place, bound to the ``fsdp_utils`` module the Trainer calls.
 """
 
 from __future__ import annotations
@@ -20,13 +20,22 @@ import transformers.trainer
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.entrypoint import checkpoint_report
-from nvcomp_checkpoint.integrations.accelerate_fsdp import (
+from nvcomp_checkpoint.dcp.fsdp_functions import (
+    FSDP_FUNCTION_NAMES,
     check_one_committer,
+    fsdp_helpers_of,
     is_sharded,
     load_fsdp_optimizer,
     nvcomp_fsdp_functions,
 )
+from nvcomp_checkpoint.entrypoint import checkpoint_report
+
+# The Trainer takes its FSDP functions from Accelerate, which transformers imports only where it is
+# installed: without them this module has nothing to swap.
+if not all(callable(getattr(transformers.trainer, name, None)) for name in FSDP_FUNCTION_NAMES):
+    raise ImportError(
+        "transformers.trainer has no FSDP functions of Accelerate's: accelerate is not installed", name="accelerate"
+    )
 
 __all__ = [
     "fsdp_enabled",
@@ -78,7 +87,11 @@ def save_fsdp_state(trainer: Any, save: Callable[[str], None], output_dir: str) 
         )
     saved: dict[str, nc.SaveReport] = {}
     on_saved = saved.__setitem__ if trainer.args.should_save else None
-    with nvcomp_fsdp_functions(transformers.trainer, callback.policy, workers=callback.workers, on_saved=on_saved):
+    helpers = fsdp_helpers_of(transformers.trainer)
+    stream_wrapper = getattr(callback, "stream_wrapper", None)
+    with nvcomp_fsdp_functions(
+        transformers.trainer, helpers, callback.policy, workers=callback.workers, stream_wrapper=stream_wrapper, on_saved=on_saved
+    ):
         save(output_dir)
     if saved:
         with _REPORTS_LOCK:
@@ -108,7 +121,7 @@ def wait_for_every_rank(trainer: Any) -> None:
 
 def loading_fsdp_state() -> Any:
     """A context in which the Trainer's FSDP loads read compressed and plain state."""
-    return nvcomp_fsdp_functions(transformers.trainer)
+    return nvcomp_fsdp_functions(transformers.trainer, fsdp_helpers_of(transformers.trainer))
 
 
 def load_fsdp_optimizer_and_scheduler(trainer: Any, checkpoint: str | os.PathLike[str]) -> bool:
@@ -118,7 +131,14 @@ def load_fsdp_optimizer_and_scheduler(trainer: Any, checkpoint: str | os.PathLik
     directory = Path(checkpoint)
     if not (directory / _FULL_OPTIMIZER).is_file() or not (directory / _SCHEDULER).is_file():
         return False
-    load_fsdp_optimizer(trainer.accelerator.state.fsdp_plugin, trainer.accelerator, trainer.optimizer, trainer.model, directory)
+    load_fsdp_optimizer(
+        trainer.accelerator.state.fsdp_plugin,
+        trainer.accelerator,
+        trainer.optimizer,
+        trainer.model,
+        directory,
+        helpers=fsdp_helpers_of(transformers.trainer),
+    )
     with warnings.catch_warnings(record=True) as caught:
         trainer.lr_scheduler.load_state_dict(torch.load(directory / _SCHEDULER, weights_only=True))
     reissue_pt_warnings(caught)
