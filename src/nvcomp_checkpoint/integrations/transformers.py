@@ -23,7 +23,6 @@ from typing import IO, Any, Callable, NoReturn, TypeVar
 import torch
 
 import nvcomp_checkpoint as nc
-from nvcomp_checkpoint.delta import chain_policy_of
 from nvcomp_checkpoint.dirconvert import (
     PLACEHOLDER_TAG,
     SUFFIX,
@@ -35,11 +34,12 @@ from nvcomp_checkpoint.dirconvert import (
     is_placeholder,
 )
 from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
-from nvcomp_checkpoint.entrypoint import SaveEntryPoint, checked_on_every_rank, load_tree
+from nvcomp_checkpoint.entrypoint import checked_on_every_rank, load_tree
 from nvcomp_checkpoint.entrypoint.loading import failed_on_any_rank, leader_load_applies
+from nvcomp_checkpoint.entrypoint.session import CheckpointSession, SessionOptions
 from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.report import format_bytes
-from nvcomp_checkpoint.tiers import Tier
+from nvcomp_checkpoint.tiers import Tier, TierCopies
 from nvcomp_checkpoint.version import install_hint
 
 try:  # transformers_fsdp imports Accelerate's FSDP helpers (the Trainer saves FSDP state with them)
@@ -140,7 +140,7 @@ def compress_checkpoint(
     Args:
         checkpoint_dir: A ``checkpoint-N`` directory written by ``Trainer``.
         policy, workers, stream_wrapper: As for every integration
-            (:class:`nvcomp_checkpoint.entrypoint.SaveEntryPoint`).
+            (:class:`nvcomp_checkpoint.entrypoint.session.SessionOptions`).
         verify: Decode each compressed file and compare it bit for bit with the plain file before
             replacing the plain file.
         weights: Compress the model weights too. Without them the directory stays loadable by
@@ -372,7 +372,7 @@ def _step_of(name: str) -> int | None:
 # -- the callback ------------------------------------------------------------------------------
 
 
-class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
+class NvcompTrainerCallback(TrainerCallback):
     """Compresses the optimizer state (and, with :class:`NvcompTrainer`, the model weights) of every checkpoint.
 
     With a stock ``Trainer`` (or ``SFTTrainer`` ...), the model weights stay as the Trainer wrote
@@ -393,7 +393,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
 
     Args:
         policy, workers, async_save, on_saved, stream_wrapper, tiers: As for every integration
-            (:class:`nvcomp_checkpoint.entrypoint.SaveEntryPoint`). ``async_save`` converts each
+            (:class:`nvcomp_checkpoint.entrypoint.session.SessionOptions`). ``async_save`` converts each
             checkpoint in the background (see above); ``on_saved`` runs once the compressed files are
             durable and the plain ones removed. ``output_dir`` is tier 0 (with ``save_total_limit``
             as its retention); copies are named by the step N, and
@@ -431,13 +431,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         incremental: bool | nc.ChainPolicy = False,
         leader_load: bool = False,
     ) -> None:
-        check_options(
-            "HF Trainer",
-            "NvcompTrainerCallback",
-            incremental=chain_policy_of(incremental, None, None, "NvcompTrainerCallback") is not None,
-        )
-        SaveEntryPoint.__init__(
-            self,
+        options = SessionOptions.of(
             "NvcompTrainerCallback",
             policy,
             workers=workers,
@@ -445,8 +439,11 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
             on_saved=on_saved,
             stream_wrapper=stream_wrapper,
             tiers=tiers,
-            log_as="compressed",
+            incremental=incremental,
         )
+        check_options("HF Trainer", "NvcompTrainerCallback", incremental=options.incremental is not None)
+        #: The saves, tier copies and their errors: the callback holds the one session every integration holds.
+        self.session = CheckpointSession("NvcompTrainerCallback", options, log_as="compressed")
         self.verify = verify
         self.leader_load = leader_load
         self.compress_weights = compress_weights
@@ -455,6 +452,60 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
         self._deepspeed = False  # the Trainer runs DeepSpeed: its engine writes compressed files itself
         self._said_weights_stay_plain = False  # logged once per callback, at its first save
         _CALLBACKS.add(self)
+
+    # -- the session's public surface, as the callback has always offered it ----------------------
+    @property
+    def policy(self) -> nc.CodecPolicy:
+        return self.session.policy
+
+    @property
+    def workers(self) -> int | None:
+        return self.session.options.workers
+
+    @property
+    def async_save(self) -> bool:
+        return self.session.async_save
+
+    @property
+    def on_saved(self) -> Callable[[nc.SaveReport], Any] | None:
+        return self.session.options.on_saved
+
+    @property
+    def stream_wrapper(self) -> Callable[[IO[bytes]], IO[bytes]] | None:
+        return self.session.options.stream_wrapper
+
+    @property
+    def tiers(self) -> TierCopies | None:
+        return self.session.tiers
+
+    @property
+    def last_report(self) -> nc.SaveReport | None:
+        return self.session.last_report
+
+    def pending(self) -> int:
+        """Saves not yet durable (0 without ``async_save``)."""
+        return self.session.pending()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every pending save (and copy to ``tiers``) is durable; raise the first background failure.
+
+        See :meth:`~nvcomp_checkpoint.entrypoint.session.CheckpointSession.wait`.
+        """
+        self.session.wait(timeout)
+
+    def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
+        """The newest checkpoint copy on ``tiers`` that checks, for ``trainer.train(resume_from_checkpoint=...)``
+        on a fresh node, or ``None`` (a fresh start). See
+        :meth:`~nvcomp_checkpoint.entrypoint.session.CheckpointSession.resume_path`.
+
+        Raises:
+            ValueError: No ``tiers`` were given.
+        """
+        return self.session.resume_path(local_dir)
+
+    def close(self, when: str = "close()") -> None:
+        """Wait for pending saves and copies, stop the background threads, raise a failure (``when`` reports it)."""
+        self.session.close(when)
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Reject the setups whose checkpoints this callback cannot convert, or that could not resume."""
@@ -562,7 +613,7 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
             _every_rank_waits(args.world_size)
         if not args.should_save:
             return  # other ranks: the main process owns the checkpoint files
-        self._wait_for_saves("on_save")  # normally nothing is pending here: see on_step_end
+        self.session.wait_for_saves("on_save")  # normally nothing is pending here: see on_step_end
         directory = _saved_checkpoint(_output_dir(args), state.global_step)
         if directory is None:
             logger.warning("NvcompTrainerCallback: no checkpoint-%d directory under %s", state.global_step, args.output_dir)
@@ -585,15 +636,15 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
             )
 
         # Copies to the tiers start once the converted directory is durable (the group's completion).
-        after = self._after_durable(state.global_step, directory)
+        after = self.session.after_durable(state.global_step, directory)
         if not self.async_save:
-            self._saved(convert(), after)
+            self.session.saved(convert(), after)
             return
-        self._save_group(directory, entered, after, lambda group: self._run_job(group, directory.name, convert))
+        self.session.checkpoint(directory, entered, after, lambda group: self.session.add_job(group, directory.name, convert))
         if control.should_training_stop:
             # The last save: nothing left to overlap with, and what follows (loading the best
             # model, the final rotation, the end of the process) must see a finished directory.
-            self._wait_for_saves("on_save at the end of training")
+            self.session.wait_for_saves("on_save at the end of training")
 
     def _check_deepspeed_attached(self) -> None:
         from nvcomp_checkpoint.entrypoint.deepspeed_engine import NvcompCheckpointEngine, is_deepspeed_engine  # noqa: PLC0415
@@ -615,17 +666,17 @@ class NvcompTrainerCallback(SaveEntryPoint, TrainerCallback):
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Before the Trainer saves (and rotates), let the pending conversion finish."""
         if control.should_save:
-            self._wait_for_saves("the next save")
+            self.session.wait_for_saves("the next save")
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """As :meth:`on_step_end`, for ``save_strategy="epoch"``."""
         if control.should_save:
-            self._wait_for_saves("the next save")
+            self.session.wait_for_saves("the next save")
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """With ``save_strategy="best"`` the decision to save comes after evaluation: wait here."""
         if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
-            self._wait_for_saves("the next save")
+            self.session.wait_for_saves("the next save")
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Wait for the pending conversion (and the copies to ``tiers``) and raise its error.
@@ -643,7 +694,7 @@ def _wait_for_conversions() -> None:
     """Wait for every background conversion of this process (their errors stay for their callback)."""
     for callback in list(_CALLBACKS):
         if callback.pending():
-            callback._settle_saves()
+            callback.session.settle()
 
 
 _T = TypeVar("_T")
