@@ -197,9 +197,15 @@ class Batches(torch.utils.data.Dataset):
 
 
 def hf_run(mode: str, root: str) -> None:
+    """``first``: stock, then ours with ``async_save`` and ``tiers`` (``ROOT/tier``); rank 1 is killed with
+    SIGKILL in the last save, before the engine commits its tag. ``resume``: ours from the tier's newest
+    copy (the test removed ``ROOT/ours``: a fresh node), NvcompTrainer from the stock folder."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from nvcomp_checkpoint.transformers import NvcompTrainer, NvcompTrainerCallback
+
+    tier = [nc.Tier(os.path.join(root, "tier"), name="shared")]
+    rank = torch.distributed.get_rank()
 
     class Losses(TrainerCallback):
         def __init__(self) -> None:
@@ -209,7 +215,29 @@ def hf_run(mode: str, root: str) -> None:
             if logs and "loss" in logs:
                 self.losses.append(logs["loss"])
 
-    def trainer(kind: str, out: str, max_steps: int) -> tuple[Trainer, Losses]:
+    class KilledInTheLastSave(TrainerCallback):
+        """Before our callback's on_save of the last step: the tag of that step is written (in the
+        background), not committed. Rank 0 records what the test checks; rank 1 dies."""
+
+        def __init__(self, losses: Losses, ours: NvcompTrainerCallback) -> None:
+            self.losses, self.ours = losses, ours
+
+        def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            if state.global_step != STEPS + 2:
+                return
+            if rank == 0:
+                assert self.ours.tiers is not None
+                self.ours.tiers.wait()  # the copy of checkpoint-3, committed at a step since
+                with open(os.path.join(root, "ref.json"), "w") as f:
+                    json.dump(self.losses.losses[STEPS:], f)
+                report = self.ours.last_report
+                with open(os.path.join(root, "reports.json"), "w") as f:
+                    json.dump([os.path.basename(report.path) if report else None], f)
+            torch.distributed.barrier()
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def trainer(kind: str, out: str, max_steps: int, **nvcomp: object) -> tuple[Trainer, Losses]:
         torch.manual_seed(0)
         args = TrainingArguments(
             output_dir=os.path.join(root, out),
@@ -224,26 +252,34 @@ def hf_run(mode: str, root: str) -> None:
             disable_tqdm=True,
         )
         losses = Losses()
-        callbacks = [losses] + ([NvcompTrainerCallback(async_save=kind == "refused")] if kind != "stock" else [])
+        callbacks: list[TrainerCallback] = [losses]
+        if kind != "stock":
+            ours = NvcompTrainerCallback(**nvcomp)  # type: ignore[arg-type]
+            callbacks += [KilledInTheLastSave(losses, ours), ours] if kind == "killed" else [ours]
         cls = NvcompTrainer if kind == "nvcomp-trainer" else Trainer
         return cls(model=Net(), args=args, train_dataset=Batches(), callbacks=callbacks), losses
 
     if mode == "first":
         plain, _ = trainer("stock", "plain", STEPS)
         plain.train()
-        ours, losses = trainer("callback", "ours", STEPS + 2)
+        ours, _ = trainer("killed", "ours", STEPS + 2, async_save=True, tiers=tier)
         ours.train()
-        write_json(root, "ref.json", losses.losses[STEPS:])
-        return
+        raise AssertionError("rank 1 should have been killed in the last save")
     try:  # refused when the Trainer is built, before any step
-        trainer("refused", "refused", STEPS)
-        raise AssertionError("async_save with DeepSpeed should be refused")
+        trainer("refused", "refused", STEPS, leader_load=True)
+        raise AssertionError("leader_load with DeepSpeed should be refused")
     except CheckpointError as exc:
-        assert "async_save" in str(exc), exc  # noqa: PT017
+        assert "leader_load" in str(exc), exc  # noqa: PT017
     resumed = {}
-    for name, kind in (("ours", "callback"), ("plain", "nvcomp-trainer")):
-        t, losses = trainer(kind, f"resumed-{name}", STEPS + 2)
-        t.train(resume_from_checkpoint=os.path.join(root, name, f"checkpoint-{STEPS}"))
+    # A fresh node: the newest copy on the tier that checks (step 3; the killed step 5 never reached it).
+    path = NvcompTrainerCallback(tiers=tier).resume_path()
+    assert path is not None, "no copy of checkpoint-3 on the tier"
+    for name, kind, start, nvcomp in (
+        ("ours", "callback", path, {"async_save": True, "tiers": tier}),
+        ("plain", "nvcomp-trainer", os.path.join(root, "plain", f"checkpoint-{STEPS}"), {}),
+    ):
+        t, losses = trainer(kind, f"resumed-{name}", STEPS + 2, **nvcomp)
+        t.train(resume_from_checkpoint=start)
         resumed[name] = losses.losses
     write_json(root, "resumed.json", resumed)
 

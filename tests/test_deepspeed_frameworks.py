@@ -123,8 +123,17 @@ def test_accelerate_save_state_writes_deepspeed_compressed_and_resumes_after_a_k
 
 
 @pytest.mark.slow
-def test_hf_trainer_with_deepspeed_writes_the_deepspeed_part_compressed_and_resumes(tmp_path: Path) -> None:
-    run_python(*TORCHRUN, "hf", "first", str(tmp_path), cwd=tmp_path, **ENV)
+def test_hf_trainer_with_deepspeed_saves_async_to_tiers_and_a_fresh_node_resumes_after_a_kill(tmp_path: Path) -> None:
+    first = fresh_process.run_ranks(
+        (str(SCRIPT), "hf", "first", str(tmp_path)),
+        2,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONWARNINGS="ignore", **ENV),
+        timeout=300,
+    )
+    # Rank 1 is killed in the last save by design: the run must end with that SIGKILL, not finish or fail otherwise.
+    assert fresh_process.ended_by_signal(first) == signal.SIGKILL, first.stdout[-2000:] + first.stderr[-4000:]
+    assert "should have been killed" not in first.stderr
     ours, plain = tmp_path / "ours" / "checkpoint-3", tmp_path / "plain" / "checkpoint-3"
     _check_tags(ours / "global_step3", plain / "global_step3")
     # The callback converts nothing of the Trainer's own: the weights stay the export from_pretrained reads.
@@ -132,7 +141,22 @@ def test_hf_trainer_with_deepspeed_writes_the_deepspeed_part_compressed_and_resu
     safetensors_torch = pytest.importorskip("safetensors.torch")
     weights = safetensors_torch.load_file(ours / "model.safetensors")
     assert_tree_equal(weights, safetensors_torch.load_file(plain / "model.safetensors"))  # the same 3 steps
+    # checkpoint-3 was recorded once its tag was committed (at a later step: async_save), and copied whole.
+    assert json.loads((tmp_path / "reports.json").read_text()) == ["checkpoint-3"]
+    from nvcomp_checkpoint.tiers import open_tier, verify_unit
+
+    shared = open_tier(str(tmp_path / "tier"))
+    assert shared.steps() == [3]  # the killed step 5 never reached the tier
+    copy = Path(shared.unit_path(3, True))
+    assert sorted(p.relative_to(copy) for p in copy.rglob("*")) == sorted(p.relative_to(ours) for p in ours.rglob("*"))
+    # The killed save's tag was written but never committed: no manifest, no `latest`.
+    killed = tmp_path / "ours" / "checkpoint-5"
+    assert (killed / "global_step5").is_dir() and not (killed / "global_step5" / MANIFEST_NAME).exists()
+    assert not (killed / "latest").exists()
+    # A fresh node: tier 0 is gone; ours resumes from the tier's copy of step 3.
+    shutil.rmtree(tmp_path / "ours")
     _resumes(tmp_path, "hf")
+    assert shared.steps() == [3, 5] and verify_unit(shared, shared.manifest(5)) is None  # the resumed run's copy
     # NvcompTrainer resumed from the plain folder and writes ours from then on.
     _check_tags(tmp_path / "resumed-plain" / "checkpoint-5" / "global_step5", plain / "global_step3")
 

@@ -141,7 +141,6 @@ STACKS: tuple[Stack, ...] = (
         "NvcompTrainerCallback, NvcompTrainer",
         DEEPSPEED_PARTITIONS,
         {
-            **_ds("async_save", "tiers"),
             "incremental": "is not supported: the Trainer deletes old checkpoint-N folders itself, which would delete "
             "bases that kept deltas need. Save in full here",
             "compress_weights": "model.safetensors stays the plain export from_pretrained reads under DeepSpeed; "

@@ -38,7 +38,7 @@ from nvcomp_checkpoint.entrypoint import checked_on_every_rank, load_tree
 from nvcomp_checkpoint.entrypoint.loading import failed_on_any_rank, leader_load_applies
 from nvcomp_checkpoint.entrypoint.session import CheckpointSession, SessionOptions
 from nvcomp_checkpoint.entrypoint.support import check_options
-from nvcomp_checkpoint.report import format_bytes
+from nvcomp_checkpoint.report import format_bytes, merge_reports
 from nvcomp_checkpoint.tiers import Tier, TierCopies
 from nvcomp_checkpoint.version import install_hint
 
@@ -386,6 +386,10 @@ class NvcompTrainerCallback(TrainerCallback):
     With ``async_save=True``, each conversion runs in the background; the callback waits for it
     before the Trainer saves (and rotates) again, and at the end of training (``docs/transformers.md``).
 
+    Under DeepSpeed the attached engine writes the ZeRO partitions compressed (in the background with
+    ``async_save``) and converts nothing else; ``checkpoint-N`` is recorded (``last_report``, ``on_saved``)
+    and copied to ``tiers`` once the engine has committed its tag on every rank.
+
     Example:
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds,
         ...                   callbacks=[NvcompTrainerCallback(async_save=True)])
@@ -450,6 +454,12 @@ class NvcompTrainerCallback(TrainerCallback):
         self._weights = bool(compress_weights)
         self._resumes_itself = False  # the Trainer is an NvcompTrainerMixin: it loads what we wrote
         self._deepspeed = False  # the Trainer runs DeepSpeed: its engine writes compressed files itself
+        # DeepSpeed only. Every rank keeps both (each rank's engine reports each committed tag): the
+        # checkpoint-N folders whose tag the engine has not committed yet (folder -> step, whether this
+        # process records it), and the tags committed before on_save saw their folder (folder -> report).
+        self._ds_waiting: dict[str, tuple[int, bool]] = {}
+        self._ds_committed: dict[str, nc.SaveReport] = {}
+        self._ds_engines: Callable[[], list[Any]] = list
         self._said_weights_stay_plain = False  # logged once per callback, at its first save
         _CALLBACKS.add(self)
 
@@ -483,14 +493,16 @@ class NvcompTrainerCallback(TrainerCallback):
         return self.session.last_report
 
     def pending(self) -> int:
-        """Saves not yet durable (0 without ``async_save``)."""
-        return self.session.pending()
+        """Saves not yet durable (0 without ``async_save``); under DeepSpeed, with the tags not yet committed."""
+        return self.session.pending() + len(self._ds_waiting)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every pending save (and copy to ``tiers``) is durable; raise the first background failure.
 
-        See :meth:`~nvcomp_checkpoint.entrypoint.session.CheckpointSession.wait`.
+        Under DeepSpeed with ``async_save`` the tag in flight is committed first, which is a collective:
+        call it on every rank. See :meth:`~nvcomp_checkpoint.entrypoint.session.CheckpointSession.wait`.
         """
+        self._commit_deepspeed()
         self.session.wait(timeout)
 
     def resume_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
@@ -549,12 +561,15 @@ class NvcompTrainerCallback(TrainerCallback):
         checkpoint right after it, before any callback runs: our engine is attached there. The
         Trainer's other files (``model.safetensors``, the export ``from_pretrained`` reads, the
         scheduler, RNG states) stay as it writes them; this callback converts nothing itself.
+
+        The engine writes the ZeRO partition files (with ``async_save``, in the background) and commits
+        the tag on every rank; ``checkpoint-N`` becomes a checkpoint of the session (its report, its
+        copies to the tiers) only once the engine's ``on_saved`` says the tag is committed
+        (:meth:`_deepspeed_committed`). A failure on any rank fails that commit on every rank.
         """
         check_options(
             "HF Trainer + DeepSpeed",
             f"{args.output_dir}: NvcompTrainerCallback",
-            async_save=self.async_save,
-            tiers=self.tiers,
             leader_load=self.leader_load,
             compress_weights=self.compress_weights,
         )
@@ -564,12 +579,61 @@ class NvcompTrainerCallback(TrainerCallback):
                 "(Trainer(..., callbacks=[NvcompTrainerCallback()])), so it can attach to the DeepSpeed engine "
                 "before a resume loads the checkpoint."
             )
-        from nvcomp_checkpoint.entrypoint.deepspeed_engine import attach_after  # noqa: PLC0415
+        from nvcomp_checkpoint.entrypoint.deepspeed_engine import attach_after, is_deepspeed_engine  # noqa: PLC0415
 
         self._deepspeed = True
         self._weights = False
         accelerator = trainer.accelerator
-        attach_after(accelerator, "prepare", lambda: list(accelerator._models), policy=self.policy, workers=self.workers)
+        self._ds_engines = lambda: [m for m in accelerator._models if is_deepspeed_engine(m)]
+        attach_after(
+            accelerator,
+            "prepare",
+            lambda: list(accelerator._models),
+            policy=self.policy,
+            workers=self.workers,
+            async_save=self.async_save,
+            on_saved=self._deepspeed_committed,
+        )
+
+    def _deepspeed_committed(self, report: nc.SaveReport) -> None:
+        """The engine's ``on_saved``: a tag is committed on every rank (``report.path``: ``checkpoint-N/global_stepN``).
+
+        Runs on every rank, in the training thread: inside ``save_checkpoint`` without ``async_save`` (before
+        :meth:`on_save` sees the folder), at a later optimizer step or in :meth:`_commit_deepspeed` with it.
+        """
+        directory = os.path.dirname(os.path.abspath(report.path))
+        waiting = self._ds_waiting.pop(directory, None)
+        if waiting is None:
+            self._ds_committed[directory] = report
+        else:
+            self._record_deepspeed(directory, report, *waiting)
+
+    def _record_deepspeed(self, directory: str, report: nc.SaveReport, step: int, records: bool) -> None:
+        """``checkpoint-N`` is complete (its tag committed, the Trainer's files written): the main process
+        records it (``last_report``, ``on_saved``) and hands it to the tiers, which copy the whole folder."""
+        if not records:
+            return
+        folder = merge_reports(directory, [report], report.seconds, report.seconds_blocked)
+        self.session.saved(folder, self.session.after_durable(step, directory))
+
+    def _commit_deepspeed(self) -> None:
+        """Commit the tag the engine still writes in the background (``async_save``): a collective, every rank calls it.
+
+        A failure on any rank raises here on every rank, and that checkpoint is never recorded nor copied.
+        """
+        if not (self._deepspeed and self.async_save):
+            return
+        from nvcomp_checkpoint.entrypoint.deepspeed_engine import NvcompCheckpointEngine  # noqa: PLC0415
+
+        try:
+            for engine in self._ds_engines():
+                if isinstance(engine.checkpoint_engine, NvcompCheckpointEngine):
+                    engine.checkpoint_engine.wait()
+        finally:
+            # Every tag saved so far is committed now, or failed (raised on every rank, now or at an earlier step).
+            for directory in self._ds_waiting:
+                logger.error("%s: its DeepSpeed tag was not committed; the checkpoint is not recorded nor copied", directory)
+            self._ds_waiting.clear()
 
     def _check_stock_resume(self, args: TrainingArguments, trainer: Trainer) -> None:
         """A stock Trainer cannot read compressed weights: say so now, not with its own error at train()."""
@@ -604,7 +668,8 @@ class NvcompTrainerCallback(TrainerCallback):
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Convert the checkpoint the Trainer has just written (after its rotation)."""
-        if self._deepspeed:  # written compressed by the DeepSpeed engine already
+        if self._deepspeed:  # written compressed by the DeepSpeed engine
+            self._on_deepspeed_save(args, state, control)
             return
         entered = time.perf_counter()
         if self.tiers is not None:
@@ -646,6 +711,24 @@ class NvcompTrainerCallback(TrainerCallback):
             # model, the final rotation, the end of the process) must see a finished directory.
             self.session.wait_for_saves("on_save at the end of training")
 
+    def _on_deepspeed_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> None:
+        """Record ``checkpoint-N`` now if its tag is committed, else once the engine commits it (every rank)."""
+        if self.tiers is not None:
+            # As in on_save: every rank's files (rng_state_<rank>.pth) are written before the folder is copied.
+            _every_rank_waits(args.world_size)
+        found = _saved_checkpoint(_output_dir(args), state.global_step)
+        directory = os.path.abspath(found if found is not None else Path(_output_dir(args), f"checkpoint-{state.global_step}"))
+        committed = self._ds_committed.pop(directory, None)
+        if committed is not None:
+            self._record_deepspeed(directory, committed, state.global_step, args.should_save)
+        elif self.async_save:
+            self._ds_waiting[directory] = (state.global_step, bool(args.should_save))
+            if control.should_training_stop:
+                # The last save: what follows (the best model's load, the end of the process) sees it committed.
+                self._commit_deepspeed()
+        # else: the engine saved no tag (save_only_model): the folder cannot resume DeepSpeed, nothing to record.
+        self._ds_committed.clear()  # tags of folders no on_save will ask for
+
     def _check_deepspeed_attached(self) -> None:
         from nvcomp_checkpoint.entrypoint.deepspeed_engine import NvcompCheckpointEngine, is_deepspeed_engine  # noqa: PLC0415
 
@@ -666,16 +749,19 @@ class NvcompTrainerCallback(TrainerCallback):
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Before the Trainer saves (and rotates), let the pending conversion finish."""
         if control.should_save:
+            self._commit_deepspeed()
             self.session.wait_for_saves("the next save")
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """As :meth:`on_step_end`, for ``save_strategy="epoch"``."""
         if control.should_save:
+            self._commit_deepspeed()
             self.session.wait_for_saves("the next save")
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """With ``save_strategy="best"`` the decision to save comes after evaluation: wait here."""
         if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+            self._commit_deepspeed()
             self.session.wait_for_saves("the next save")
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -683,6 +769,7 @@ class NvcompTrainerCallback(TrainerCallback):
 
         A failed conversion leaves its directory with the Trainer's plain files, which resume.
         """
+        self._commit_deepspeed()
         self.close("on_train_end")
 
 
