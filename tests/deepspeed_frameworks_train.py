@@ -199,7 +199,8 @@ class Batches(torch.utils.data.Dataset):
 def hf_run(mode: str, root: str) -> None:
     """``first``: stock, then ours with ``async_save`` and ``tiers`` (``ROOT/tier``); rank 1 is killed with
     SIGKILL in the last save, before the engine commits its tag. ``resume``: ours from the tier's newest
-    copy (the test removed ``ROOT/ours``: a fresh node), NvcompTrainer from the stock folder."""
+    copy (the test removed ``ROOT/ours``: a fresh node), whose last save fails on rank 1 and raises on
+    both ranks; NvcompTrainer from the stock folder."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from nvcomp_checkpoint.transformers import NvcompTrainer, NvcompTrainerCallback
@@ -237,6 +238,15 @@ def hf_run(mode: str, root: str) -> None:
             if rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    class FailsOnRank1(TrainerCallback):
+        """Rank 1's partition file of the last save cannot be written (a folder holds its name): the
+        background write fails on rank 1 alone, and the commit must raise on both ranks."""
+
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            if state.global_step == STEPS + 2 and rank == 1:
+                tag = os.path.join(args.output_dir, f"checkpoint-{STEPS + 2}", f"global_step{STEPS + 2}")
+                os.makedirs(os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+
     def trainer(kind: str, out: str, max_steps: int, **nvcomp: object) -> tuple[Trainer, Losses]:
         torch.manual_seed(0)
         args = TrainingArguments(
@@ -255,7 +265,7 @@ def hf_run(mode: str, root: str) -> None:
         callbacks: list[TrainerCallback] = [losses]
         if kind != "stock":
             ours = NvcompTrainerCallback(**nvcomp)  # type: ignore[arg-type]
-            callbacks += [KilledInTheLastSave(losses, ours), ours] if kind == "killed" else [ours]
+            callbacks += {"killed": [KilledInTheLastSave(losses, ours), ours], "fails": [FailsOnRank1(), ours]}.get(kind, [ours])
         cls = NvcompTrainer if kind == "nvcomp-trainer" else Trainer
         return cls(model=Net(), args=args, train_dataset=Batches(), callbacks=callbacks), losses
 
@@ -275,11 +285,16 @@ def hf_run(mode: str, root: str) -> None:
     path = NvcompTrainerCallback(tiers=tier).resume_path()
     assert path is not None, "no copy of checkpoint-3 on the tier"
     for name, kind, start, nvcomp in (
-        ("ours", "callback", path, {"async_save": True, "tiers": tier}),
+        ("ours", "fails", path, {"async_save": True, "tiers": tier}),
         ("plain", "nvcomp-trainer", os.path.join(root, "plain", f"checkpoint-{STEPS}"), {}),
     ):
         t, losses = trainer(kind, f"resumed-{name}", STEPS + 2, **nvcomp)
-        t.train(resume_from_checkpoint=start)
+        try:
+            t.train(resume_from_checkpoint=start)
+            assert kind != "fails", "the failed commit of the last save should have raised"
+        except CheckpointWriteError as exc:
+            # On both ranks, though only rank 1's file failed; the losses before that save are logged.
+            assert kind == "fails" and f"global_step{STEPS + 2}" in str(exc), exc  # noqa: PT017
         resumed[name] = losses.losses
     write_json(root, "resumed.json", resumed)
 
