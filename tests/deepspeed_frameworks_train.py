@@ -206,6 +206,7 @@ def hf_run(mode: str, root: str) -> None:
     from nvcomp_checkpoint.transformers import NvcompTrainer, NvcompTrainerCallback
 
     tier = [nc.Tier(os.path.join(root, "tier"), name="shared")]
+    sync_tier = [nc.Tier(os.path.join(root, "tier-sync"), name="shared")]
     rank = torch.distributed.get_rank()
 
     class Losses(TrainerCallback):
@@ -286,7 +287,8 @@ def hf_run(mode: str, root: str) -> None:
     assert path is not None, "no copy of checkpoint-3 on the tier"
     for name, kind, start, nvcomp in (
         ("ours", "fails", path, {"async_save": True, "tiers": tier}),
-        ("plain", "nvcomp-trainer", os.path.join(root, "plain", f"checkpoint-{STEPS}"), {}),
+        # Without async_save the engine commits inside the Trainer's save: the folder is copied at on_save.
+        ("plain", "nvcomp-trainer", os.path.join(root, "plain", f"checkpoint-{STEPS}"), {"tiers": sync_tier}),
     ):
         t, losses = trainer(kind, f"resumed-{name}", STEPS + 2, **nvcomp)
         try:

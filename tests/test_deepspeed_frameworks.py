@@ -159,8 +159,13 @@ def test_hf_trainer_with_deepspeed_saves_async_to_tiers_and_a_fresh_node_resumes
     # The resumed run's last save failed on rank 1 (raised on both ranks): never recorded, never copied.
     assert shared.steps() == [3] and verify_unit(shared, shared.manifest(3)) is None
     assert not (tmp_path / "resumed-ours" / "checkpoint-5" / "latest").exists()
-    # NvcompTrainer resumed from the plain folder and writes ours from then on.
-    _check_tags(tmp_path / "resumed-plain" / "checkpoint-5" / "global_step5", plain / "global_step3")
+    # NvcompTrainer resumed from the plain folder and writes ours from then on, copied whole to its tier.
+    written = tmp_path / "resumed-plain" / "checkpoint-5"
+    _check_tags(written / "global_step5", plain / "global_step3")
+    synced = open_tier(str(tmp_path / "tier-sync"))
+    assert synced.steps() == [5]
+    copy = Path(synced.unit_path(5, True))
+    assert sorted(p.relative_to(copy) for p in copy.rglob("*")) == sorted(p.relative_to(written) for p in written.rglob("*"))
 
 
 @pytest.mark.slow

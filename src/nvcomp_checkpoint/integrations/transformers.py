@@ -631,8 +631,9 @@ class NvcompTrainerCallback(TrainerCallback):
                     engine.checkpoint_engine.wait()
         finally:
             # Every tag saved so far is committed now, or failed (raised on every rank, now or at an earlier step).
-            for directory in self._ds_waiting:
-                logger.error("%s: its DeepSpeed tag was not committed; the checkpoint is not recorded nor copied", directory)
+            for directory, (_, records) in self._ds_waiting.items():
+                if records:
+                    logger.error("%s: its DeepSpeed tag was not committed; the checkpoint is not recorded nor copied", directory)
             self._ds_waiting.clear()
 
     def _check_stock_resume(self, args: TrainingArguments, trainer: Trainer) -> None:
@@ -719,15 +720,18 @@ class NvcompTrainerCallback(TrainerCallback):
         found = _saved_checkpoint(_output_dir(args), state.global_step)
         directory = os.path.abspath(found if found is not None else Path(_output_dir(args), f"checkpoint-{state.global_step}"))
         committed = self._ds_committed.pop(directory, None)
-        if committed is not None:
-            self._record_deepspeed(directory, committed, state.global_step, args.should_save)
-        elif self.async_save:
+        self._ds_committed.clear()  # tags of folders no on_save will ask for
+        if getattr(args, "save_only_model", False):
+            return  # the engine saved no tag: the folder cannot resume DeepSpeed, nothing to record
+        if self.async_save:
+            # The save's tag is in flight whatever was committed before (an earlier save_checkpoint of the
+            # same folder, ZeRO-3's save_model, is committed by the next one's start): wait for its commit.
             self._ds_waiting[directory] = (state.global_step, bool(args.should_save))
             if control.should_training_stop:
                 # The last save: what follows (the best model's load, the end of the process) sees it committed.
                 self._commit_deepspeed()
-        # else: the engine saved no tag (save_only_model): the folder cannot resume DeepSpeed, nothing to record.
-        self._ds_committed.clear()  # tags of folders no on_save will ask for
+        elif committed is not None:
+            self._record_deepspeed(directory, committed, state.global_step, args.should_save)
 
     def _check_deepspeed_attached(self) -> None:
         from nvcomp_checkpoint.entrypoint.deepspeed_engine import NvcompCheckpointEngine, is_deepspeed_engine  # noqa: PLC0415
