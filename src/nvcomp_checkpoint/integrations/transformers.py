@@ -570,6 +570,8 @@ class NvcompTrainerCallback(TrainerCallback):
         check_options(
             "HF Trainer + DeepSpeed",
             f"{args.output_dir}: NvcompTrainerCallback",
+            async_save=self.async_save,
+            tiers=self.tiers,
             leader_load=self.leader_load,
             compress_weights=self.compress_weights,
         )
