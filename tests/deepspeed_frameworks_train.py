@@ -197,8 +197,9 @@ class Batches(torch.utils.data.Dataset):
 
 
 def hf_run(mode: str, root: str) -> None:
-    """``first``: stock, then ours with ``async_save`` and ``tiers`` (``ROOT/tier``); rank 1 is killed with
-    SIGKILL in the last save, before the engine commits its tag. ``resume``: ours from the tier's newest
+    """``first``: stock, then ours (NvcompTrainer) with ``async_save``, ``tiers`` (``ROOT/tier``) and
+    ``incremental``, saving at steps 1 and 3 with ``save_total_limit=1``; rank 1 is killed with SIGKILL in
+    the last save, before the engine commits its tag. ``resume``: ours from the tier's newest
     copy (the test removed ``ROOT/ours``: a fresh node), whose last save fails on rank 1 and raises on
     both ranks; NvcompTrainer from the stock folder."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -248,13 +249,21 @@ def hf_run(mode: str, root: str) -> None:
                 tag = os.path.join(args.output_dir, f"checkpoint-{STEPS + 2}", f"global_step{STEPS + 2}")
                 os.makedirs(os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
 
-    def trainer(kind: str, out: str, max_steps: int, **nvcomp: object) -> tuple[Trainer, Losses]:
+    class AlsoSavesAtStep1(TrainerCallback):
+        """A save at step 1 too: checkpoint-3 is then a delta of checkpoint-1 (``incremental``)."""
+
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            if state.global_step == 1:
+                control.should_save = True
+
+    def trainer(kind: str, out: str, max_steps: int, limit: int | None = None, **nvcomp: object) -> tuple[Trainer, Losses]:
         torch.manual_seed(0)
         args = TrainingArguments(
             output_dir=os.path.join(root, out),
             per_device_train_batch_size=BATCH,
             max_steps=max_steps,
             save_steps=STEPS,
+            save_total_limit=limit,
             logging_steps=1,
             learning_rate=1e-2,
             lr_scheduler_type="constant",
@@ -266,14 +275,18 @@ def hf_run(mode: str, root: str) -> None:
         callbacks: list[TrainerCallback] = [losses]
         if kind != "stock":
             ours = NvcompTrainerCallback(**nvcomp)  # type: ignore[arg-type]
-            callbacks += {"killed": [KilledInTheLastSave(losses, ours), ours], "fails": [FailsOnRank1(), ours]}.get(kind, [ours])
-        cls = NvcompTrainer if kind == "nvcomp-trainer" else Trainer
+            callbacks += {
+                "killed": [AlsoSavesAtStep1(), KilledInTheLastSave(losses, ours), ours],
+                "fails": [FailsOnRank1(), ours],
+            }.get(kind, [ours])
+        cls = NvcompTrainer if kind in ("nvcomp-trainer", "killed") else Trainer
         return cls(model=Net(), args=args, train_dataset=Batches(), callbacks=callbacks), losses
 
     if mode == "first":
         plain, _ = trainer("stock", "plain", STEPS)
         plain.train()
-        ours, _ = trainer("killed", "ours", STEPS + 2, async_save=True, tiers=tier)
+        # NvcompTrainer rotates (save_total_limit=1) keeping checkpoint-1, the base of checkpoint-3's deltas.
+        ours, _ = trainer("killed", "ours", STEPS + 2, 1, async_save=True, tiers=tier, incremental=True)
         ours.train()
         raise AssertionError("rank 1 should have been killed in the last save")
     try:  # refused when the Trainer is built, before any step
@@ -281,6 +294,11 @@ def hf_run(mode: str, root: str) -> None:
         raise AssertionError("leader_load with DeepSpeed should be refused")
     except CheckpointError as exc:
         assert "leader_load" in str(exc), exc  # noqa: PT017
+    try:  # a stock Trainer rotating deletes folders deltas need
+        trainer("refused", "refused", STEPS, 1, incremental=True)
+        raise AssertionError("incremental with a stock Trainer's save_total_limit should be refused")
+    except CheckpointError as exc:
+        assert "incremental" in str(exc) and "NvcompTrainer" in str(exc), exc  # noqa: PT017
     resumed = {}
     # A fresh node: the newest copy on the tier that checks (step 3; the killed step 5 never reached it).
     path = NvcompTrainerCallback(tiers=tier).resume_path()

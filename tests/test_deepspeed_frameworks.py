@@ -143,21 +143,24 @@ def test_hf_trainer_with_deepspeed_saves_async_to_tiers_and_a_fresh_node_resumes
     assert_tree_equal(weights, safetensors_torch.load_file(plain / "model.safetensors"))  # the same 3 steps
     # checkpoint-3 was recorded once its tag was committed (at a later step: async_save), and copied whole.
     assert json.loads((tmp_path / "reports.json").read_text()) == ["checkpoint-3"]
+    from nvcomp_checkpoint.incremental import unit_base_of
     from nvcomp_checkpoint.tiers import open_tier, verify_unit
 
+    # incremental: checkpoint-3 is a delta of checkpoint-1, which NvcompTrainer's rotation kept (save_total_limit=1).
+    assert unit_base_of(str(ours)) == str(tmp_path / "ours" / "checkpoint-1")
     shared = open_tier(str(tmp_path / "tier"))
-    assert shared.steps() == [3]  # the killed step 5 never reached the tier
+    assert shared.steps() == [1, 3]  # the killed step 5 never reached the tier
     copy = Path(shared.unit_path(3, True))
     assert sorted(p.relative_to(copy) for p in copy.rglob("*")) == sorted(p.relative_to(ours) for p in ours.rglob("*"))
     # The killed save's tag was written but never committed: no manifest, no `latest`.
     killed = tmp_path / "ours" / "checkpoint-5"
     assert (killed / "global_step5").is_dir() and not (killed / "global_step5" / MANIFEST_NAME).exists()
     assert not (killed / "latest").exists()
-    # A fresh node: tier 0 is gone; ours resumes from the tier's copy of step 3.
+    # A fresh node: tier 0 is gone; ours resumes from the tier's copy of step 3 (laid out with its base).
     shutil.rmtree(tmp_path / "ours")
     _resumes(tmp_path, "hf")
     # The resumed run's last save failed on rank 1 (raised on both ranks): never recorded, never copied.
-    assert shared.steps() == [3] and verify_unit(shared, shared.manifest(3)) is None
+    assert shared.steps() == [1, 3] and verify_unit(shared, shared.manifest(3)) is None
     assert not (tmp_path / "resumed-ours" / "checkpoint-5" / "latest").exists()
     # NvcompTrainer resumed from the plain folder and writes ours from then on, copied whole to its tier.
     written = tmp_path / "resumed-plain" / "checkpoint-5"

@@ -114,13 +114,18 @@ def test_wrong_forms_are_refused_at_construction(tmp_path: Path, name: str) -> N
         build(incremental=True, delta_base="last")
 
 
-def test_the_trainer_callback_refuses_every_incremental_form() -> None:
+def test_the_trainer_callback_refuses_every_incremental_form_without_deepspeed(tmp_path: Path) -> None:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
     from nvcomp_checkpoint.transformers import NvcompTrainerCallback
 
-    NvcompTrainerCallback(incremental=False)
+    # Converted when made; refused when the Trainer is built (on_init_end), which tells DeepSpeed apart.
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
+    NvcompTrainerCallback(incremental=False).on_init_end(args, TrainerState(), TrainerControl())
     for form in (True, nc.ChainPolicy(3)):
+        callback = NvcompTrainerCallback(incremental=form)
         with pytest.raises(ValueError, match="is not supported: the Trainer deletes old checkpoint-N"):
-            NvcompTrainerCallback(incremental=form)
+            callback.on_init_end(args, TrainerState(), TrainerControl())
     with pytest.raises(TypeError, match="takes True, False or a ChainPolicy"):
         NvcompTrainerCallback(incremental="yes")  # type: ignore[arg-type]
 

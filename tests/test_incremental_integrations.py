@@ -205,10 +205,14 @@ def test_accelerate_save_state_with_total_limit_keeps_the_folders_kept_deltas_ne
     assert_tree_equal(expected_opt, objs[2].state_dict())
 
 
-def test_hf_callback_refuses_incremental_with_the_fix():
+def test_hf_callback_refuses_incremental_with_the_fix(tmp_path):
     transformers_cb = pytest.importorskip("nvcomp_checkpoint.transformers")
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    # Refused when the Trainer is built (on_init_end): without DeepSpeed; under DeepSpeed NvcompTrainer keeps chains.
+    callback = transformers_cb.NvcompTrainerCallback(incremental=True)
     with pytest.raises(ValueError, match="CheckpointManager"):
-        transformers_cb.NvcompTrainerCallback(incremental=True)
+        callback.on_init_end(TrainingArguments(output_dir=str(tmp_path), report_to=[]), TrainerState(), TrainerControl())
 
 
 class _DiskFull:

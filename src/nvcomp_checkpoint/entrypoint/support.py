@@ -138,11 +138,22 @@ STACKS: tuple[Stack, ...] = (
     ),
     Stack(
         "HF Trainer + DeepSpeed",
-        "NvcompTrainerCallback, NvcompTrainer",
+        "NvcompTrainer + NvcompTrainerCallback",
         DEEPSPEED_PARTITIONS,
         {
-            "incremental": "is not supported: the Trainer deletes old checkpoint-N folders itself, which would delete "
-            "bases that kept deltas need. Save in full here",
+            "compress_weights": "model.safetensors stays the plain export from_pretrained reads under DeepSpeed; "
+            "drop compress_weights",
+        },
+    ),
+    Stack(
+        "HF Trainer + DeepSpeed, stock Trainer",
+        "NvcompTrainerCallback",
+        DEEPSPEED_PARTITIONS,
+        {
+            "incremental": "is not supported with a stock Trainer that rotates: it deletes old checkpoint-N folders "
+            "itself (save_total_limit), which would delete bases that kept deltas need. Use "
+            "nvcomp_checkpoint.transformers.NvcompTrainer (its rotation keeps the folders kept deltas need), or "
+            "save_total_limit=None",
             "compress_weights": "model.safetensors stays the plain export from_pretrained reads under DeepSpeed; "
             "drop compress_weights",
         },

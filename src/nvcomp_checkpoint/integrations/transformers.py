@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import struct
 import sys
 import time
@@ -38,6 +39,7 @@ from nvcomp_checkpoint.entrypoint import checked_on_every_rank, load_tree
 from nvcomp_checkpoint.entrypoint.loading import failed_on_any_rank, leader_load_applies
 from nvcomp_checkpoint.entrypoint.session import CheckpointSession, SessionOptions
 from nvcomp_checkpoint.entrypoint.support import check_options
+from nvcomp_checkpoint.incremental import keep_with_bases
 from nvcomp_checkpoint.report import format_bytes, merge_reports
 from nvcomp_checkpoint.tiers import Tier, TierCopies
 from nvcomp_checkpoint.version import install_hint
@@ -406,8 +408,12 @@ class NvcompTrainerCallback(TrainerCallback):
         compress_weights: ``None`` (default): compress the weights only when the Trainer is an
             :class:`NvcompTrainerMixin`, which can resume from them. ``True`` with a stock
             Trainer is refused when the Trainer is created.
-        incremental: ``True`` or a :class:`~nvcomp_checkpoint.ChainPolicy` is refused (``ValueError``): the
-            Trainer deletes old ``checkpoint-N`` folders itself, which could delete a base that a kept delta needs.
+        incremental: ``True`` or a :class:`~nvcomp_checkpoint.ChainPolicy`: under DeepSpeed, each ZeRO file of a
+            tag is a delta against the same file of the previous tag; with :class:`NvcompTrainer` (which hands the
+            Trainer's ``save_total_limit`` rotation to the callback, keeping the folders kept deltas need), or
+            with ``save_total_limit=None``. Refused when the Trainer is built (``ValueError``) without DeepSpeed,
+            and with a stock Trainer that rotates: it deletes old ``checkpoint-N`` folders itself, which could
+            delete a base that a kept delta needs.
         leader_load: On resume of replicated (DDP) state, one process per node reads each
             compressed file and sends it to the node's other processes over the process group
             (:func:`nvcomp_checkpoint.load_broadcast`), instead of every process reading the same
@@ -445,7 +451,6 @@ class NvcompTrainerCallback(TrainerCallback):
             tiers=tiers,
             incremental=incremental,
         )
-        check_options("HF Trainer", "NvcompTrainerCallback", incremental=options.incremental is not None)
         #: The saves, tier copies and their errors: the callback holds the one session every integration holds.
         self.session = CheckpointSession("NvcompTrainerCallback", options, log_as="compressed")
         self.verify = verify
@@ -460,6 +465,9 @@ class NvcompTrainerCallback(TrainerCallback):
         self._ds_waiting: dict[str, tuple[int, bool]] = {}
         self._ds_committed: dict[str, nc.SaveReport] = {}
         self._ds_engines: Callable[[], list[Any]] = list
+        #: DeepSpeed with ``incremental`` under NvcompTrainer: the Trainer's rotation is ours, chains kept whole.
+        self.rotates = False
+        self._rotation: tuple[int | None, str | None] = (None, None)  # save_total_limit, best_model_checkpoint
         self._said_weights_stay_plain = False  # logged once per callback, at its first save
         _CALLBACKS.add(self)
 
@@ -532,6 +540,7 @@ class NvcompTrainerCallback(TrainerCallback):
                 f"{args.output_dir}: hub_strategy={args.hub_strategy!r} uploads each checkpoint directory in the "
                 "background while NvcompTrainerCallback rewrites it. Use hub_strategy='every_save' or 'end'."
             )
+        check_options("HF Trainer", f"{args.output_dir}: NvcompTrainerCallback", incremental=self.session.incremental is not None)
         self._resumes_itself = isinstance(trainer, NvcompTrainerMixin)
         if self.compress_weights and trainer is not None and not self._resumes_itself:
             raise nc.CheckpointError(
@@ -567,14 +576,23 @@ class NvcompTrainerCallback(TrainerCallback):
         copies to the tiers) only once the engine's ``on_saved`` says the tag is committed
         (:meth:`_deepspeed_committed`). A failure on any rank fails that commit on every rank.
         """
-        check_options(
-            "HF Trainer + DeepSpeed",
-            f"{args.output_dir}: NvcompTrainerCallback",
-            async_save=self.async_save,
-            tiers=self.tiers,
-            leader_load=self.leader_load,
-            compress_weights=self.compress_weights,
-        )
+        self._resumes_itself = isinstance(trainer, NvcompTrainerMixin)
+        chains = self.session.incremental is not None
+        options: dict[str, Any] = {
+            "async_save": self.async_save,
+            "tiers": self.tiers,
+            "leader_load": self.leader_load,
+            "compress_weights": self.compress_weights,
+        }
+        where = f"{args.output_dir}: NvcompTrainerCallback"
+        if self._resumes_itself:
+            check_options("HF Trainer + DeepSpeed", where, incremental=chains, **options)
+        else:
+            # A stock Trainer deletes old folders itself: refused only where it does (save_total_limit).
+            check_options(
+                "HF Trainer + DeepSpeed, stock Trainer", where, incremental=chains and bool(args.save_total_limit), **options
+            )
+        self.rotates = chains and self._resumes_itself
         if trainer is None:
             raise nc.CheckpointError(
                 f"{args.output_dir}: NvcompTrainerCallback with DeepSpeed must be passed to the Trainer "
@@ -594,6 +612,7 @@ class NvcompTrainerCallback(TrainerCallback):
             policy=self.policy,
             workers=self.workers,
             async_save=self.async_save,
+            incremental=self.session.options.incremental or False,
             on_saved=self._deepspeed_committed,
         )
 
@@ -616,7 +635,28 @@ class NvcompTrainerCallback(TrainerCallback):
         if not records:
             return
         folder = merge_reports(directory, [report], report.seconds, report.seconds_blocked)
+        # With incremental, the tiers get the folder with its base (found through global_stepN's deltas).
         self.session.saved(folder, self.session.after_durable(step, directory))
+        if self.rotates:
+            self._rotate(os.path.dirname(directory))
+
+    def _rotate(self, run_dir: str) -> None:
+        """The Trainer's ``save_total_limit`` rotation, keeping the folders that kept deltas need (``incremental``).
+
+        :class:`NvcompTrainerMixin` turns the Trainer's own rotation off for it; it runs once the newest
+        folder is recorded, so its base is read from its committed files. Each folder goes through the
+        session's one deletion order (after the copies to the tiers that read it).
+        """
+        limit, best = self._rotation
+        if not limit or limit <= 0:
+            return
+        found = [os.path.abspath(p) for _, p in numbered_dirs(Path(run_dir), _step_of)]
+        keep = found[-limit:] + ([os.path.abspath(best)] if best else [])
+        kept = keep_with_bases(keep, self.session.incremental.storage_options if self.session.incremental else None)
+        for path in found:
+            if os.path.normpath(path) not in {os.path.normpath(k) for k in kept}:
+                logger.info("Deleting older checkpoint [%s] due to args.save_total_limit", path)
+                self.session.remove(path, lambda p: shutil.rmtree(p, ignore_errors=True))
 
     def _commit_deepspeed(self) -> None:
         """Commit the tag the engine still writes in the background (``async_save``): a collective, every rank calls it.
@@ -723,6 +763,7 @@ class NvcompTrainerCallback(TrainerCallback):
         directory = os.path.abspath(found if found is not None else Path(_output_dir(args), f"checkpoint-{state.global_step}"))
         committed = self._ds_committed.pop(directory, None)
         self._ds_committed.clear()  # tags of folders no on_save will ask for
+        self._rotation = (args.save_total_limit, state.best_model_checkpoint)
         if getattr(args, "save_only_model", False):
             return  # the engine saved no tag: the folder cannot resume DeepSpeed, nothing to record
         if self.async_save:
@@ -1009,7 +1050,15 @@ class NvcompTrainerMixin:
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         # The Trainer rotates old checkpoints inside this call: none may still be converting.
         _wait_for_conversions()
-        super()._save_checkpoint(*args, **kwargs)  # type: ignore[misc]
+        rotates = any(isinstance(cb, NvcompTrainerCallback) and cb.rotates for cb in self.callback_handler.callbacks)
+        limit = self.args.save_total_limit
+        if rotates:
+            # incremental: the callback rotates once the folder is committed, keeping the bases of kept deltas.
+            self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.args.save_total_limit = limit
         if transformers_fsdp.fsdp_enabled(self):
             # A collective, under FSDP only (whose saves are collectives already): every rank's FSDP
             # files are written before the main process's on_save converts and reports the directory.
