@@ -845,3 +845,24 @@ def test_an_optimizer_state_of_another_checkpoint_is_refused_naming_it(
     for stock in (True, False):  # the callback on a stock Trainer, and NvcompTrainer
         with pytest.raises(nc.errors.MixedSaveError, match=re.escape(f"{ckpt / 'optimizer.pt.nvc'}: written for step 8")):
             mod.run(str(tmp_path / "probe"), 8, 4, resume=str(ckpt), stock=stock)
+
+
+def test_the_callbacks_rotation_keeps_the_folders_kept_deltas_need_and_deletes_the_rest(tmp_path: Path) -> None:
+    # What NvcompTrainer's rotation runs under DeepSpeed with incremental (save_total_limit=1), on DeepSpeed's
+    # layout: checkpoint-4's tag is a delta of checkpoint-3's, checkpoint-2 the best model, checkpoint-1 free.
+    from nvcomp_checkpoint.transformers import NvcompTrainerCallback
+
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    for step in (1, 2, 3, 4):
+        tag = tmp_path / f"checkpoint-{step}" / f"global_step{step}"
+        tag.mkdir(parents=True)
+        base = tmp_path / "checkpoint-3" / "global_step3" / "zero.pt" if step == 4 else None
+        nc.save(state, tag / "zero.pt", base=base)
+    callback = NvcompTrainerCallback(incremental=True)
+    callback.rotates, callback._rotation = True, (1, str(tmp_path / "checkpoint-2"))
+    callback._rotate(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]
+    assert_tree_equal(nc.load(tmp_path / "checkpoint-4" / "global_step4" / "zero.pt"), state)  # its chain whole
+    callback._rotation = (2, None)
+    callback._rotate(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4"]
