@@ -756,9 +756,10 @@ class NvcompTrainerCallback(TrainerCallback):
 
     def _on_deepspeed_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> None:
         """Record ``checkpoint-N`` now if its tag is committed, else once the engine commits it (every rank)."""
-        if self.tiers is not None:
-            # As in on_save: every rank's files (rng_state_<rank>.pth) are written before the folder is copied.
-            _every_rank_waits(args.world_size)
+        if self.tiers is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # As in on_save: every rank's files (rng_state_<rank>.pth) are written before the folder is copied;
+            # DeepSpeed's process group, which the Trainer may count as one process (CPU-only machines).
+            torch.distributed.barrier()
         found = _saved_checkpoint(_output_dir(args), state.global_step)
         directory = os.path.abspath(found if found is not None else Path(_output_dir(args), f"checkpoint-{state.global_step}"))
         committed = self._ds_committed.pop(directory, None)
@@ -769,12 +770,12 @@ class NvcompTrainerCallback(TrainerCallback):
         if self.async_save:
             # The save's tag is in flight whatever was committed before (an earlier save_checkpoint of the
             # same folder, ZeRO-3's save_model, is committed by the next one's start): wait for its commit.
-            self._ds_waiting[directory] = (state.global_step, bool(args.should_save))
+            self._ds_waiting[directory] = (state.global_step, _records(args))
             if control.should_training_stop:
                 # The last save: what follows (the best model's load, the end of the process) sees it committed.
                 self._commit_deepspeed()
         elif committed is not None:
-            self._record_deepspeed(directory, committed, state.global_step, args.should_save)
+            self._record_deepspeed(directory, committed, state.global_step, _records(args))
 
     def _check_deepspeed_attached(self) -> None:
         from nvcomp_checkpoint.entrypoint.deepspeed_engine import NvcompCheckpointEngine, is_deepspeed_engine  # noqa: PLC0415
@@ -849,6 +850,16 @@ def _settled(world_size: int, leader_load: bool, decide: Callable[[], _T], where
     _wait_for_conversions()
     _every_rank_waits(world_size)
     return checked_on_every_rank(decide, where, leader_load)
+
+
+def _records(args: TrainingArguments) -> bool:
+    """Whether this process records a DeepSpeed checkpoint (its report, its copies to the tiers, the rotation):
+    the Trainer's main process, and of DeepSpeed's process group rank 0 alone (with ``save_on_each_node``, or
+    where the Trainer counts one process per rank as on CPU-only machines, several processes save as the
+    main one; one copy per tier)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return False
+    return bool(args.should_save)
 
 
 def _every_rank_waits(world_size: int) -> None:
