@@ -11,7 +11,7 @@ import torch
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.deadline import MAX_WAIT_S, Deadline, timeout_seconds
-from nvcomp_checkpoint.entrypoint.base import SaveEntryPoint
+from nvcomp_checkpoint.entrypoint import CheckpointSession, SessionOptions
 from nvcomp_checkpoint.tiers import TierCopies
 
 NO_LIMIT = [None, math.inf, 1e300, 10**30]
@@ -112,7 +112,7 @@ def test_async_saves_and_entry_points(tmp_path):
                 with pytest.raises(error, match=rf"{name}\(timeout=\.\.\.\) must be a number"):
                     call(value)
     nc.AsyncSaver().close(timeout=math.inf)
-    entry = SaveEntryPoint("X", tiers=[nc.Tier(tmp_path / "copies")])
+    entry = CheckpointSession("X", SessionOptions.of("X", tiers=[nc.Tier(tmp_path / "copies")]))
     for t in NO_LIMIT:
         entry.wait(timeout=t)
     for value, error in REFUSED:

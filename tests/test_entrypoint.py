@@ -1,4 +1,4 @@
-"""Tests of entrypoint: the options, saves, errors and tier copies every integration shares."""
+"""Tests of entrypoint: the session (options, saves, errors, tier copies, removals) every integration holds."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.entrypoint import (
-    SaveEntryPoint,
+    CheckpointSession,
+    SessionOptions,
     as_policy,
     checked_on_every_rank,
     checkpoint_report,
@@ -56,25 +57,33 @@ class Gated:
         return self.stream.write(data)
 
 
-class Saver(SaveEntryPoint):
-    """The smallest integration: saves a tree to a file and removes old ones, as the Lightning plugin does."""
+class Saver:
+    """The smallest integration: saves a tree to a file and removes old ones, as the Lightning plugin does,
+    holding a :class:`CheckpointSession` as every integration does."""
+
+    def __init__(self, label: str, policy: Any = None, **options: Any) -> None:
+        self.session = CheckpointSession(label, SessionOptions.of(label, policy, **options))
+
+    def __getattr__(self, name: str) -> Any:  # wait, pending, close, resume_path, last_report ...
+        return getattr(self.session, name)
 
     def save(self, tree: Any, path: Path, step: int) -> None:
+        session = self.session
         started = time.perf_counter()
-        after = self._after_durable(step, path)
-        base = None if self.incremental is None else self.incremental.base_for(path)
-        options = self._options(path, base=base)
-        if not self.async_save:
-            self._saved(self._save_now(tree, path, options), after)
+        after = session.after_durable(step, path)
+        base = None if session.incremental is None else session.incremental.base_for(path)
+        options = session.save_options(path, base=base)
+        if not session.async_save:
+            session.saved(session.save_now(tree, path, options), after)
             return
-        self._save_group(path, started, after, lambda g: self._save_file(g, "file", tree, path, options))
+        session.checkpoint(path, started, after, lambda g: session.add_file(g, "file", tree, path, options))
 
     def remove(self, path: Path, deleted: list[str]) -> None:
         def delete(p: str) -> None:
             deleted.append(p)
             os.remove(p)
 
-        self._remove_checkpoint(path, delete)
+        self.session.remove(path, delete)
 
 
 def _tree() -> dict[str, torch.Tensor]:
@@ -86,9 +95,9 @@ def test_policy_takes_a_policy_a_dict_or_nothing() -> None:
     assert as_policy({"other": "none"}, "X") == nc.CodecPolicy(other="none")
     assert as_policy("zstd:3", "X") == nc.CodecPolicy.uniform(nc.CodecSpec(level=3))
     with pytest.raises(TypeError, match=r"X\(policy=...\): expected a CodecPolicy, a dict .* got int 3"):
-        SaveEntryPoint("X", 3)  # type: ignore[arg-type]
+        SessionOptions.of("X", 3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"X\(policy=...\): codec spec 'zstd:fast'"):
-        SaveEntryPoint("X", "zstd:fast")
+        SessionOptions.of("X", "zstd:fast")
 
 
 def test_per_save_options_give_a_policy_and_metadata() -> None:
@@ -221,8 +230,7 @@ def test_a_removal_waits_for_the_saves_pending_and_is_skipped_if_one_fails(tmp_p
 
 def test_a_removal_waits_for_the_deltas_that_need_it(tmp_path: Path) -> None:
     deleted: list[str] = []
-    saver = Saver("Saver")
-    saver.incremental = incremental_files("Saver", True, None, "previous")
+    saver = Saver("Saver", incremental=True)
     full, delta = tmp_path / "step-1.nvc", tmp_path / "step-2.nvc"
     saver.save(_tree(), full, step=1)
     saver.save(_tree(), delta, step=2)  # a delta against step 1
@@ -241,7 +249,7 @@ def test_a_removal_waits_for_the_copies_to_the_tiers(tmp_path: Path) -> None:
 
     (tmp_path / "ckpt").mkdir()
     saver = Saver("Saver")
-    saver.tiers = TierCopies([nc.Tier(tmp_path / "copies")], "Saver", on_copy_progress=hold)
+    saver.session.tiers = TierCopies([nc.Tier(tmp_path / "copies")], "Saver", on_copy_progress=hold)
     first = tmp_path / "ckpt" / "step-1.nvc"
     saver.save(_tree(), first, step=1)  # durable: its copy starts, held
     assert copying.wait(60)

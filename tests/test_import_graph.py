@@ -321,8 +321,8 @@ def test_no_decisions_on_our_own_error_text() -> None:
 
 
 def _private_state_of_the_base() -> set[str]:
-    """The private attributes ``SaveEntryPoint`` sets on itself (``self._saves = ...``)."""
-    tree = ast.parse((ROOT / "entrypoint" / "base.py").read_text())
+    """The private attributes ``CheckpointSession`` sets on itself (``self._saves = ...``)."""
+    tree = ast.parse((ROOT / "entrypoint" / "session.py").read_text())
     return {
         target.attr
         for node in ast.walk(tree)
@@ -336,15 +336,15 @@ def _private_state_of_the_base() -> set[str]:
     }
 
 
-def test_integrations_use_the_protected_interface_of_their_base_only() -> None:
-    # SaveEntryPoint's sequence of saves is its own: the integrations call its named protected methods.
+def test_integrations_use_the_public_interface_of_the_session_only() -> None:
+    # The session's sequence of saves is its own: the integrations call its public methods.
     private = _private_state_of_the_base()
     assert "_saves" in private  # the rule sees what it guards
     bad = []
     for path in sorted((ROOT / "integrations").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Attribute) and node.attr in private:
-                bad.append(f"{_module_name(path)}:{node.lineno} reads {node.attr} of SaveEntryPoint; use its protected methods")
+                bad.append(f"{_module_name(path)}:{node.lineno} reads {node.attr} of CheckpointSession; use its public methods")
     assert not bad, "\n".join(bad)
 
 

@@ -68,7 +68,7 @@ def incremental_files(
     ``"previous"``) or a :class:`~nvcomp_checkpoint.ChainPolicy`, converted by
     :func:`~nvcomp_checkpoint.delta.chain_policy_of`, as the manager's is. ``options``: of :class:`IncrementalFiles`.
 
-    With ``tiers=`` too, each delta is adopted with its base (:meth:`SaveEntryPoint._after_durable`):
+    With ``tiers=`` too, each delta is adopted with its base (:meth:`CheckpointSession.after_durable`):
     a tier gets a delta after its chain, and ``resume_path()`` lays a delta out with its chain.
 
     Raises:
