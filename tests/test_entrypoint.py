@@ -260,3 +260,20 @@ def test_a_removal_waits_for_the_copies_to_the_tiers(tmp_path: Path) -> None:
     assert deleted == [str(first)] and not first.exists()
     found = saver.resume_path()
     assert found is not None and torch.equal(nc.load(found)["w"], _tree()["w"])
+
+
+def test_a_session_view_reads_the_session_and_refuses_to_be_set() -> None:
+    from nvcomp_checkpoint.entrypoint import SessionView
+
+    class Entry:
+        policy = SessionView[nc.CodecPolicy]("options.policy")
+        last_report = SessionView["nc.SaveReport | None"]("last_report")
+
+        def __init__(self) -> None:
+            self.session = CheckpointSession("Entry", SessionOptions.of("Entry", "zstd:3"))
+
+    entry = Entry()
+    assert entry.policy == nc.CodecPolicy.uniform("zstd:3") and entry.last_report is None
+    with pytest.raises(AttributeError, match=r"Entry\.policy is read-only: it is the session's options\.policy"):
+        entry.policy = nc.CodecPolicy()
+    assert "options.policy" in (Entry.policy.__doc__ or "")

@@ -18,11 +18,12 @@ from __future__ import annotations
 from .loading import checked_on_every_rank, leader_load_applies, load_as_torch, load_tree, torch_weights_only
 from .options import POLICY_OPTION_KEYS, as_policy, incremental_files, policy_and_metadata
 from .reports import checkpoint_report, report_metrics
-from .session import CheckpointSession, SessionOptions
+from .session import CheckpointSession, SessionOptions, SessionView
 
 __all__ = [
     "CheckpointSession",
     "SessionOptions",
+    "SessionView",
     "as_policy",
     "policy_and_metadata",
     "POLICY_OPTION_KEYS",

@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 import time
-from typing import IO, Any, Callable, Mapping
+from typing import IO, Any, Callable, Generic, Mapping, TypeVar, overload
 
 from ..api import save_with_options
 from ..deadline import Deadline
@@ -35,9 +35,10 @@ from ..savegroup import SavedCallback, SaveGroup, SaveSequence
 from ..saveoptions import SaveOptions
 from ..tiers import Tier, TierCopies
 
-__all__ = ["CheckpointSession", "SessionOptions"]
+__all__ = ["CheckpointSession", "SessionOptions", "SessionView"]
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -379,3 +380,40 @@ class CheckpointSession:
 
         if not self._saves.after_pending(after_saves, where):
             after_saves()
+
+
+class SessionView(Generic[_T]):
+    """A read-only attribute of an entry point that is its session's, declared in one line::
+
+        class NvcompCheckpointIO(CheckpointIO):
+            policy = SessionView[CodecPolicy]("options.policy")
+            tiers = SessionView[TierCopies | None]("tiers")
+
+    reads ``self.session.options.policy`` / ``self.session.tiers``. Setting it raises ``AttributeError``:
+    the options are frozen when the session is built.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._path = tuple(path.split("."))
+        self.__doc__ = f"The session's ``{path}`` (read-only)."
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> SessionView[_T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> _T: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value: Any = obj.session  # type: ignore[attr-defined]
+        for part in self._path:
+            value = getattr(value, part)
+        return value
+
+    def __set__(self, obj: object, value: Any) -> None:
+        raise AttributeError(
+            f"{type(obj).__name__}.{getattr(self, '_name', self._path[-1])} is read-only: it is the session's "
+            f"{'.'.join(self._path)}, fixed when the entry point is made; pass it there"
+        )

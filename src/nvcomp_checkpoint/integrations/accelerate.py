@@ -51,7 +51,7 @@ import nvcomp_checkpoint as nc
 from nvcomp_checkpoint import ChainPolicy
 from nvcomp_checkpoint.delta import retained
 from nvcomp_checkpoint.dirstore import MARKER_NAME, DirectoryStore, InstallError, numbered_dirs, remove_quietly, rotate
-from nvcomp_checkpoint.entrypoint import CheckpointSession, SessionOptions, checked_on_every_rank, load_tree
+from nvcomp_checkpoint.entrypoint import CheckpointSession, SessionOptions, SessionView, checked_on_every_rank, load_tree
 from nvcomp_checkpoint.entrypoint.commit import gather_outcomes
 from nvcomp_checkpoint.entrypoint.loading import leader_load_applies
 from nvcomp_checkpoint.entrypoint.support import check_options
@@ -331,41 +331,15 @@ class NvcompStateHooks:
             self._restore_prepare = _attach_deepspeed(accelerator, options)
 
     # -- the options and the session's public surface, as before -------------------------------
-    @property
-    def policy(self) -> nc.CodecPolicy:
-        return self.session.options.policy
-
-    @property
-    def workers(self) -> int | None:
-        return self.session.options.workers
-
-    @property
-    def async_save(self) -> bool:
-        return self.session.options.async_save
-
-    @property
-    def on_saved(self) -> Callable[[nc.SaveReport], Any] | None:
-        return self.session.options.on_saved
-
-    @property
-    def stream_wrapper(self) -> Callable[[IO[bytes]], IO[bytes]] | None:
-        return self.session.options.stream_wrapper
-
-    @property
-    def max_pending(self) -> int:
-        return self.session.options.max_pending
-
-    @property
-    def tiers(self) -> TierCopies | None:
-        return self.session.tiers
-
-    @property
-    def incremental(self) -> IncrementalFiles | None:
-        return self.session.incremental
-
-    @property
-    def last_report(self) -> nc.SaveReport | None:
-        return self.session.last_report
+    policy = SessionView[nc.CodecPolicy]("options.policy")
+    workers = SessionView[int | None]("options.workers")
+    async_save = SessionView[bool]("options.async_save")
+    on_saved = SessionView[Callable[[nc.SaveReport], Any] | None]("options.on_saved")
+    stream_wrapper = SessionView[Callable[[IO[bytes]], IO[bytes]] | None]("options.stream_wrapper")
+    max_pending = SessionView[int]("options.max_pending")
+    tiers = SessionView[TierCopies | None]("tiers")
+    incremental = SessionView[IncrementalFiles | None]("incremental")
+    last_report = SessionView[nc.SaveReport | None]("last_report")
 
     @property
     def last_reports(self) -> dict[str, nc.SaveReport]:

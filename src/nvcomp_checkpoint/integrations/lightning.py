@@ -28,6 +28,7 @@ from nvcomp_checkpoint.entrypoint import (
     POLICY_OPTION_KEYS,
     CheckpointSession,
     SessionOptions,
+    SessionView,
     checked_on_every_rank,
     load_as_torch,
     policy_and_metadata,
@@ -209,41 +210,15 @@ class NvcompCheckpointIO(CheckpointIO):
         self.commit_in_flight: Callable[[], None] | None = None
 
     # -- the session's options and state, as this class has always offered them ------------------
-    @property
-    def policy(self) -> CodecPolicy:
-        return self.session.options.policy
-
-    @property
-    def workers(self) -> int | None:
-        return self.session.options.workers
-
-    @property
-    def async_save(self) -> bool:
-        return self.session.options.async_save
-
-    @property
-    def max_pending(self) -> int:
-        return self.session.options.max_pending
-
-    @property
-    def on_saved(self) -> SavedCallback | None:
-        return self.session.options.on_saved
-
-    @property
-    def stream_wrapper(self) -> Callable[[IO[bytes]], IO[bytes]] | None:
-        return self.session.options.stream_wrapper
-
-    @property
-    def tiers(self) -> TierCopies | None:
-        return self.session.tiers
-
-    @property
-    def incremental(self) -> IncrementalFiles | None:
-        return self.session.incremental
-
-    @property
-    def last_report(self) -> SaveReport | None:
-        return self.session.last_report
+    policy = SessionView[CodecPolicy]("options.policy")
+    workers = SessionView[int | None]("options.workers")
+    async_save = SessionView[bool]("options.async_save")
+    max_pending = SessionView[int]("options.max_pending")
+    on_saved = SessionView[SavedCallback | None]("options.on_saved")
+    stream_wrapper = SessionView[Callable[[IO[bytes]], IO[bytes]] | None]("options.stream_wrapper")
+    tiers = SessionView[TierCopies | None]("tiers")
+    incremental = SessionView[IncrementalFiles | None]("incremental")
+    last_report = SessionView[SaveReport | None]("last_report")
 
     def pending(self) -> int:
         """Saves not yet durable (0 without ``async_save``)."""

@@ -37,7 +37,7 @@ from nvcomp_checkpoint.dirconvert import (
 from nvcomp_checkpoint.dirstore import MARKER_NAME, numbered_dirs
 from nvcomp_checkpoint.entrypoint import checked_on_every_rank, load_tree
 from nvcomp_checkpoint.entrypoint.loading import failed_on_any_rank, leader_load_applies
-from nvcomp_checkpoint.entrypoint.session import CheckpointSession, SessionOptions
+from nvcomp_checkpoint.entrypoint.session import CheckpointSession, SessionOptions, SessionView
 from nvcomp_checkpoint.entrypoint.support import check_options
 from nvcomp_checkpoint.incremental import keep_with_bases
 from nvcomp_checkpoint.report import format_bytes, merge_reports
@@ -472,33 +472,13 @@ class NvcompTrainerCallback(TrainerCallback):
         _CALLBACKS.add(self)
 
     # -- the session's public surface, as the callback has always offered it ----------------------
-    @property
-    def policy(self) -> nc.CodecPolicy:
-        return self.session.policy
-
-    @property
-    def workers(self) -> int | None:
-        return self.session.options.workers
-
-    @property
-    def async_save(self) -> bool:
-        return self.session.async_save
-
-    @property
-    def on_saved(self) -> Callable[[nc.SaveReport], Any] | None:
-        return self.session.options.on_saved
-
-    @property
-    def stream_wrapper(self) -> Callable[[IO[bytes]], IO[bytes]] | None:
-        return self.session.options.stream_wrapper
-
-    @property
-    def tiers(self) -> TierCopies | None:
-        return self.session.tiers
-
-    @property
-    def last_report(self) -> nc.SaveReport | None:
-        return self.session.last_report
+    policy = SessionView[nc.CodecPolicy]("policy")
+    workers = SessionView[int | None]("options.workers")
+    async_save = SessionView[bool]("async_save")
+    on_saved = SessionView[Callable[[nc.SaveReport], Any] | None]("options.on_saved")
+    stream_wrapper = SessionView[Callable[[IO[bytes]], IO[bytes]] | None]("options.stream_wrapper")
+    tiers = SessionView[TierCopies | None]("tiers")
+    last_report = SessionView[nc.SaveReport | None]("last_report")
 
     def pending(self) -> int:
         """Saves not yet durable (0 without ``async_save``); under DeepSpeed, with the tags not yet committed."""
