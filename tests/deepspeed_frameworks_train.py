@@ -390,6 +390,8 @@ def lightning_run(mode: str, root: str) -> None:
         def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
             if trainer.global_step == STEPS and not GPU:
                 self.plugin.wait()  # every rank: the tag in flight committed, then the copies to the tier done
+                # Rank 0 alone copies to the tier: no rank is killed (which ends the others) before its wait is over.
+                torch.distributed.barrier()
                 ckpts = os.path.join(root, "ckpts")
                 write_json(root, "killed.json", {"ckpts": sorted(os.listdir(ckpts)), "reports": self.plugin.last_report.path})
                 os.kill(os.getpid(), signal.SIGKILL)
