@@ -2,8 +2,9 @@
 
     PYTHONPATH=src python benchmarks/bench_unsplit.py [--mib 64]
 
-Joins the 4 byte planes of float32 data back into elements with ours (``ByteplaneFilter.join``:
-widen, shift and OR in blocks), a strided write per plane, ``np.stack(axis=1)``, and, when installed,
+Joins the 4 byte planes of float32 data back into elements with ours (``ByteplaneFilter.join``: the
+compiled one-pass kernel when it is built, and its numpy fallback: widen, shift and OR in blocks), with
+and without the exponent rotation, a strided write per plane, ``np.stack(axis=1)``, and, when installed,
 ``numcodecs.Shuffle.decode`` (compiled). Prints GB/s (min of 7) and checks every result bit for bit.
 """
 
@@ -15,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from nvcomp_checkpoint.filters import ByteplaneFilter
+from nvcomp_checkpoint.filters import KERNELS, ByteplaneFilter, RotatedByteplaneFilter
 
 
 def _best(fn: Callable[[], object], nbytes: int, runs: int = 7) -> float:
@@ -37,8 +38,20 @@ def main() -> None:
     planes = ByteplaneFilter(4).split(data)
     out = np.empty_like(data)
 
+    rotated = RotatedByteplaneFilter(4, 1)
+    rotated_planes = rotated.split(data)
+
     def ours() -> None:
         ByteplaneFilter(4).join(out, planes)
+
+    def ours_numpy() -> None:
+        ByteplaneFilter(4)._join_numpy(out, planes)
+
+    def ours_rotated() -> None:
+        rotated.join(out, rotated_planes)
+
+    def ours_rotated_numpy() -> None:
+        rotated._join_numpy(out, rotated_planes)
 
     def strided() -> None:
         view = out.reshape(-1, 4)
@@ -48,7 +61,9 @@ def main() -> None:
     def stacked() -> None:
         np.stack(planes, axis=1, out=out.reshape(-1, 4))
 
-    candidates: list[tuple[str, Callable[[], object]]] = [("ours", ours), ("strided", strided), ("np.stack", stacked)]
+    candidates: list[tuple[str, Callable[[], object]]] = [(f"ours ({KERNELS})", ours), ("ours (numpy)", ours_numpy)]
+    candidates += [(f"ours, rotated ({KERNELS})", ours_rotated), ("ours, rotated (numpy)", ours_rotated_numpy)]
+    candidates += [("strided", strided), ("np.stack", stacked)]
     try:
         from numcodecs import Shuffle
 
@@ -61,7 +76,7 @@ def main() -> None:
         result = fn()
         joined = out if result is None else np.frombuffer(result, dtype=np.uint8)
         assert np.array_equal(joined, data), name
-        print(f"{name:10s} {speed:5.2f} GB/s")
+        print(f"{name:28s} {speed:5.2f} GB/s")
 
 
 if __name__ == "__main__":

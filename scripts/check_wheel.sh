@@ -57,7 +57,7 @@ for needed in ("nvcomp_checkpoint/py.typed", "nvcomp_checkpoint/cli/main.py", "n
 if any(n.startswith(("tests/", "benchmarks/", "examples/")) for n in names):
     problems.append("the wheel carries tests, benchmarks or examples")
 members = tarfile.open(sdist).getnames()
-for needed in ("README.md", "pyproject.toml", "src/nvcomp_checkpoint/__init__.py"):
+for needed in ("README.md", "pyproject.toml", "setup.py", "src/nvcomp_checkpoint/__init__.py", "src/nvcomp_checkpoint/filters/_planes.c"):
     if not any(m.endswith("/" + needed) for m in members):
         problems.append(f"{needed} missing from the sdist")
 if problems:
@@ -103,6 +103,10 @@ state = {"w": torch.randn(256, 256), "step": 3}
 report = nc.save(state, "c.nvc")
 back = nc.load("c.nvc")
 assert torch.equal(back["w"], state["w"]) and back["step"] == 3 and report.stored_bytes == os.path.getsize("c.nvc")
+import shutil
+from nvcomp_checkpoint.filters import KERNELS
+# The wheel was built here, where a C compiler is: its byte-plane kernel must be in it and load.
+assert KERNELS == "compiled" or not shutil.which("cc"), f"the wheel's byte-plane code is {KERNELS!r}, not the compiled kernel"
 from nvcomp_checkpoint.lightning import NvcompCheckpointIO  # the integration and its extra's requirement
 NvcompCheckpointIO()
 group = importlib.metadata.entry_points(group="lightning.pytorch.callbacks_factory")

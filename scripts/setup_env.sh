@@ -3,7 +3,8 @@
 # torch is pinned first to the CPU build this machine kind ships; an unpinned torch would pull
 # a multi-GB CUDA build. A second run with the same extras and the same pyproject.toml does not
 # reinstall: a stamp in .venv records what was installed, and the package must still import
-# from this checkout's src/.
+# from this checkout's src/. The install compiles the byte-plane kernel (setup.py) into src/ when a C
+# compiler is there; without one it still succeeds and the numpy code runs instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
@@ -13,7 +14,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 stamp=".venv/.nvcomp-checkpoint-installed-${extras:-base}"
-want="$(python -c 'import hashlib, sys; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')"
+# What the install depends on: the declared dependencies and the compiled byte-plane kernel's build.
+want="$(python -c 'import hashlib; print(hashlib.sha256(b"".join(open(p, "rb").read() for p in ("pyproject.toml", "setup.py", "src/nvcomp_checkpoint/filters/_planes.c"))).hexdigest())')"
 here="$(PYTHONPATH= python -c 'import os, nvcomp_checkpoint; print(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(nvcomp_checkpoint.__file__)))))' 2>/dev/null || true)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ "$here" = "$(pwd -P)" ] && python -c "import torch" 2>/dev/null; then
   exit 0

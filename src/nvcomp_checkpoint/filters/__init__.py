@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from .byteplane import FILTER_IDS, ByteplaneFilter, plane_width
+from .byteplane import FILTER_IDS, KERNELS, ByteplaneFilter, plane_width
 from .rotate import ROTATE_WIDTHS, RotatedByteplaneFilter, exponent_rotation
 
 __all__ = [
     "ByteplaneFilter",
     "FILTER_IDS",
+    "KERNELS",
     "ROTATE_WIDTHS",
     "RotatedByteplaneFilter",
     "exponent_rotation",

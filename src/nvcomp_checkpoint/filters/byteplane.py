@@ -8,13 +8,16 @@ element, so files are the same on every machine.
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
+from types import ModuleType
 from typing import Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["ByteplaneFilter", "FILTER_IDS", "plane_width"]
+__all__ = ["ByteplaneFilter", "FILTER_IDS", "KERNELS", "plane_width"]
 
 #: Filter ids of the format: "rotplane" is byte planes of rotated words (filters/rotate.py).
 FILTER_IDS = ("none", "byteplane", "rotplane")
@@ -27,6 +30,18 @@ _JOIN_BLOCK = 1 << 17
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian torch build is supported
     raise ImportError("nvcomp-checkpoint's byte-plane filter assumes a little-endian machine")
+
+#: Set to 1 to run the numpy code even where the compiled kernels are built (to compare them).
+PURE_PYTHON_ENV = "NVCOMP_CHECKPOINT_PURE_PYTHON"
+_planes: ModuleType | None = None
+if os.environ.get(PURE_PYTHON_ENV, "") in ("", "0"):
+    try:  # the one-pass split/join (_planes.c), built at install when a C compiler is there (setup.py)
+        _planes = importlib.import_module(f"{__package__}._planes")
+    except ImportError:
+        _planes = None
+#: Which code splits and joins byte planes: "compiled" (one pass, filters/_planes.c) or "numpy"
+#: (the same bytes, about 3x slower to join: the install found no C compiler, or PURE_PYTHON_ENV is set).
+KERNELS = "compiled" if _planes is not None else "numpy"
 
 
 def plane_width(dtype: torch.dtype) -> int:
@@ -51,10 +66,21 @@ class ByteplaneFilter:
             raise ValueError(f"byte-plane width must be positive, got {width}")
         self.width = width
 
+    #: Left rotation of the element words before they are split (a subclass's business).
+    rotation = 0
+
     def split(self, data: np.ndarray) -> list[np.ndarray]:
         """Planes of ``data`` (1-D uint8, length a multiple of ``width``), each contiguous."""
         if self.width == 1:
             return [data]
+        if _planes is not None and self.width in _WORDS:
+            planes = np.empty((self.width, data.size // self.width), dtype=np.uint8)
+            _planes.split(data, list(planes), self.rotation)
+            return list(planes)
+        return self._split_numpy(data)
+
+    def _split_numpy(self, data: np.ndarray) -> list[np.ndarray]:
+        """:meth:`split` in numpy (the fallback, and the reference the compiled kernel is tested against)."""
         n = data.size // self.width
         planes = np.empty((self.width, n), dtype=np.uint8)
         if self.width not in _WORDS:
@@ -78,6 +104,15 @@ class ByteplaneFilter:
 
     def join(self, out: np.ndarray, planes: Sequence[np.ndarray | bytes | bytearray | memoryview]) -> None:
         """Inverse of :meth:`split`: write every plane of one run of elements into ``out`` (1-D uint8)."""
+        if _planes is not None and self.width in _WORDS:
+            if len(planes) != self.width:
+                raise ValueError(f"byte-plane join needs {self.width} planes, got {len(planes)}")
+            _planes.join(out, planes, self.rotation)  # checks every length; ValueError on a mismatch
+            return
+        self._join_numpy(out, planes)
+
+    def _join_numpy(self, out: np.ndarray, planes: Sequence[np.ndarray | bytes | bytearray | memoryview]) -> None:
+        """:meth:`join` in numpy (the fallback, and the reference the compiled kernel is tested against)."""
         srcs = [np.frombuffer(p, dtype=np.uint8) if not isinstance(p, np.ndarray) else p for p in planes]
         if self.width == 1:
             out[:] = srcs[0]

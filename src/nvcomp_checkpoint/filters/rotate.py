@@ -46,15 +46,15 @@ class RotatedByteplaneFilter(ByteplaneFilter):
         if not 0 < rotate < 8 * width:
             raise ValueError(f"rotation of {width}-byte words must be 1 to {8 * width - 1} bits, got {rotate}")
         super().__init__(width)
-        self.rotate = rotate
+        self.rotate = self.rotation = rotate
         self._bits = 8 * width
         self._word = _NUMPY_WORDS[width]
         self._block = SPLIT_BLOCK_BYTES // width
 
-    def split(self, data: np.ndarray) -> list[np.ndarray]:
-        """Planes of the rotated words of ``data`` (1-D uint8, length a multiple of ``width``)."""
+    def _split_numpy(self, data: np.ndarray) -> list[np.ndarray]:
+        """Planes of the rotated words of ``data`` (1-D uint8, length a multiple of ``width``), in numpy."""
         if self.rotate >= 8:
-            return super().split(data)
+            return super()._split_numpy(data)
         # Under a byte of rotation, plane k > 0 is the word shifted right by 8k - r and narrowed,
         # as fast as a plain plane, and plane 0 is (low byte << r) | (top r bits), in uint8: the
         # rotated words are never formed (fp32 split in 2.6 ms per 4 MiB instead of 3.8 ms).
