@@ -10,6 +10,7 @@ import torch
 
 from nvcomp_checkpoint.cli.bench import plot_figure, recommend, why_none
 from nvcomp_checkpoint.cli.main import main
+from nvcomp_checkpoint.filters import KERNELS
 
 
 def _candidate(codec: str, level: int | None, filt: str, ratio: float, gbps: float) -> dict:
@@ -61,6 +62,8 @@ def test_bench_prints_why_it_recommends_none(tmp_path: Path, capsys: pytest.Capt
     assert main(["bench", str(path), "--storage-gbps", "10000", "--codecs", "zstd:1", "--repeat", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["recommended"]["why_none"]["weights"].startswith("weights: none, because the fastest codec")
+    # Which byte-plane code ran is part of the result (the numpy fallback is slower on load).
+    assert result["plane_kernels"] == KERNELS
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import torch
 
 import nvcomp_checkpoint as nc
 from nvcomp_checkpoint.errors import CheckpointError, FormatError, UnsafeCheckpointError
+from nvcomp_checkpoint.filters import KERNELS
 
 from . import _policy
 from ._ui import EXIT_OK, Reporter, check_workers, gbps, make_table, print_json, stderr_console, stdout_console
@@ -459,6 +460,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "storage_gbps": args.storage_gbps,
         "workers": workers,
         "gpu": gpu,
+        "plane_kernels": KERNELS,
         "components": components,
         "recommended": {
             "choices": {
@@ -514,6 +516,7 @@ def run_bench(args: argparse.Namespace) -> int:
         make_table(
             f"{args.path}: {result['workers']} CPU threads"
             + (f", GPU {result['gpu']}" if result["gpu"] else ", no GPU")
+            + f", {KERNELS} byte planes"
             + f"; write s = whole component at {args.storage_gbps:g} GB/s storage",
             ["component", "codec/filter", "ratio", "compress GB/s", "decompress GB/s", "write s", "best"],
             rows,
@@ -532,6 +535,13 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     for reason in reasons.values():
         console.print(reason, markup=False, highlight=False)
+    if KERNELS != "compiled":
+        console.print(
+            "note: byte planes are split and joined by numpy here (no C compiler at install, or NVCOMP_CHECKPOINT_PURE_PYTHON"
+            " set): loads are slower than with the compiled kernel; reinstall with a C compiler (cc) on the PATH",
+            markup=False,
+            highlight=False,
+        )
     if any(v["codec"] in nc.GPU_ONLY_CODECS for v in rec["choices"].values()):
         console.print(
             "note: the recommended policy uses a GPU-only codec: such files load only on a CUDA machine (--portable avoids it)",
