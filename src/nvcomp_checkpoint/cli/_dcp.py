@@ -97,7 +97,7 @@ def _plain_info(metadata: Any, index: Any, info: Any) -> TensorInfo:
     if chunk is None:  # a bytes item (pickled object written by the planner)
         return TensorInfo(index.fqn, "other", "bytes", (info.length,), info.length, info.length, codec)
     dtype = md.properties.dtype
-    raw = math.prod(chunk.sizes) * torch.empty((), dtype=dtype).element_size()
+    raw = math.prod(chunk.sizes) * dtype.itemsize
     key = index.fqn + (f"@{','.join(map(str, index.offset))}" if any(index.offset or ()) else "")
     return TensorInfo(key, component, str(dtype).removeprefix("torch."), tuple(chunk.sizes), raw, info.length, codec)
 
