@@ -1,0 +1,109 @@
+"""Rotated or plain byte planes chosen per tensor from a sample, against the per-component rule.
+
+Saves one checkpoint with the default policy, once with ``choose_rotation=True`` (each tensor of
+1 MiB or more gets whichever filter a sample of it says) and once with ``False`` (each
+component's filter: rotated weights and second moments, plain first moments and gradients),
+interleaved (A B A B ...) so both see the same load from other processes; prints the ratio per
+component of each, the per-tensor optimum (every tensor saved whole both ways, the smaller
+kept), and the save's CPU and wall seconds (min and median over the rounds).
+
+    python benchmarks/bench_rotation.py                     # moe, bf16 weights (as bench_limits.py)
+    python benchmarks/bench_rotation.py --checkpoint dense  # the dense pair's later checkpoint (bench_peers.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import checkpoints  # noqa: E402  (benchmarks/ is not a package)
+import nvcomp_checkpoint as nc  # noqa: E402
+from bench_limits import bf16_weights  # noqa: E402
+
+
+def load_state(name: str) -> dict[str, Any]:
+    if name in checkpoints.PAIRS:
+        return checkpoints.load_pair(name)["later"]
+    return bf16_weights(checkpoints.load_cached(name))
+
+
+def per_component(path: Path) -> dict[str, tuple[int, int]]:
+    """``{component: (raw bytes, stored bytes)}`` of a saved file."""
+    out: dict[str, tuple[int, int]] = {}
+    with nc.open(path) as reader:
+        for t in reader.index.tensors:
+            raw, stored = out.get(t.component, (0, 0))
+            out[t.component] = (raw + t.nbytes, stored + t.stored_bytes)
+    return out
+
+
+def per_tensor(path: Path) -> dict[str, tuple[str, int, int]]:
+    """``{key: (component, raw bytes, stored bytes)}`` of a saved file."""
+    with nc.open(path) as reader:
+        return {t.key: (t.component, t.nbytes, t.stored_bytes) for t in reader.index.tensors}
+
+
+def optimum(state: Any, tmp: Path, workers: int) -> dict[str, tuple[int, int]]:
+    """Per component, every tensor in whichever of rotated or plain planes stores it smaller (both saved whole)."""
+    sizes = []
+    for filt in ("rotplane", "byteplane"):
+        policy = nc.CodecPolicy.uniform(nc.CodecSpec("zstd", 1, filt), choose_rotation=False)
+        nc.save(state, tmp / f"all-{filt}.nvc", policy, workers=workers)
+        sizes.append(per_tensor(tmp / f"all-{filt}.nvc"))
+    out: dict[str, tuple[int, int]] = {}
+    for key, (comp, raw, rotated) in sizes[0].items():
+        plain = sizes[1][key][2]
+        r, s = out.get(comp, (0, 0))
+        out[comp] = (r + raw, s + min(rotated, plain))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default="moe", choices=sorted(set(checkpoints.CHECKPOINTS) | set(checkpoints.PAIRS)))
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--workers", type=int, default=None, help="compression threads (default: every core)")
+    p.add_argument("--dir", type=Path, default=None, help="where the files go (default: a temporary directory)")
+    args = p.parse_args(argv)
+    workers = args.workers or len(os.sched_getaffinity(0))
+    state = load_state(args.checkpoint)
+    print(f"load average at the start {os.getloadavg()}", flush=True)
+    variants = {"per tensor": nc.CodecPolicy(), "per component": nc.CodecPolicy(choose_rotation=False)}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    ratios: dict[str, dict[str, tuple[int, int]]] = {}
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp_dir:
+        tmp = Path(tmp_dir)
+        for r in range(args.rounds):
+            for name, policy in variants.items() if r % 2 == 0 else reversed(variants.items()):
+                path = tmp / f"{name.replace(' ', '-')}.nvc"
+                wall, cpu = time.perf_counter(), time.process_time()
+                nc.save(state, path, policy, workers=workers)
+                times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+                ratios[name] = per_component(path)
+        ratios["per-tensor optimum"] = optimum(state, tmp, workers)
+    print(f"load average at the end {os.getloadavg()}\n")
+    comps = [c for c in ratios["per component"] if ratios["per component"][c][0] >= 1 << 20]
+    print("| filter chosen | " + " | ".join(comps) + " | whole |")
+    print("|---|" + "---|" * (len(comps) + 1))
+    for name, got in ratios.items():
+        whole = sum(raw for raw, _ in got.values()) / sum(stored for _, stored in got.values())
+        print(f"| {name} | " + " | ".join(f"{got[c][0] / got[c][1]:.4f}" for c in comps) + f" | {whole:.4f} |")
+    print(f"\n| save ({workers} workers, {args.rounds} rounds) | CPU s min | CPU s median | wall s min | wall s median |")
+    print("|---|---|---|---|---|")
+    for name, got in times.items():
+        walls, cpus = [w for w, _ in got], [c for _, c in got]
+        print(f"| {name} | {min(cpus):.3f} | {statistics.median(cpus):.3f} | {min(walls):.3f} | {statistics.median(walls):.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
