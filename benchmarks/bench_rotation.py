@@ -1,14 +1,14 @@
 """Rotated or plain byte planes chosen per tensor from a sample, against the per-component rule.
 
 Saves one checkpoint with the default policy, once with ``choose_rotation=True`` (each tensor of
-1 MiB or more gets whichever filter a sample of it says) and once with ``False`` (each
-component's filter: rotated weights and second moments, plain first moments and gradients),
+1 MiB or more gets whichever filter a sample of it says) and once as it is (each component's
+filter: rotated weights and second moments, plain first moments and gradients),
 interleaved (A B A B ...) so both see the same load from other processes; prints the ratio per
 component of each, the per-tensor optimum (every tensor saved whole both ways, the smaller
 kept), and the save's CPU and wall seconds (min and median over the rounds).
 
-    python benchmarks/bench_rotation.py                     # moe, bf16 weights (as bench_limits.py)
-    python benchmarks/bench_rotation.py --checkpoint dense  # the dense pair's later checkpoint (bench_peers.py)
+    python benchmarks/bench_rotation.py                          # moe, bf16 weights (as bench_limits.py)
+    python benchmarks/bench_rotation.py --checkpoint dense-pair  # the later checkpoint of bench_peers.py's dense pair
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -29,11 +29,13 @@ import checkpoints  # noqa: E402  (benchmarks/ is not a package)
 import nvcomp_checkpoint as nc  # noqa: E402
 from bench_limits import bf16_weights  # noqa: E402
 
-
-def load_state(name: str) -> dict[str, Any]:
-    if name in checkpoints.PAIRS:
-        return checkpoints.load_pair(name)["later"]
-    return bf16_weights(checkpoints.load_cached(name))
+#: The states measured: bench_limits.py's (moe with bf16 weights), and the later checkpoint of each
+#: pair of bench_peers.py (bf16 weights, fp32 moments, bf16 gradients).
+STATES: dict[str, Callable[[], dict[str, Any]]] = {
+    "moe": lambda: bf16_weights(checkpoints.load_cached("moe")),
+    "dense-pair": lambda: checkpoints.load_pair("dense")["later"],
+    "moe-pair": lambda: checkpoints.load_pair("moe")["later"],
+}
 
 
 def per_component(path: Path) -> dict[str, tuple[int, int]]:
@@ -69,15 +71,15 @@ def optimum(state: Any, tmp: Path, workers: int) -> dict[str, tuple[int, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default="moe", choices=sorted(set(checkpoints.CHECKPOINTS) | set(checkpoints.PAIRS)))
+    p.add_argument("--checkpoint", default="moe", choices=sorted(STATES))
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--workers", type=int, default=None, help="compression threads (default: every core)")
     p.add_argument("--dir", type=Path, default=None, help="where the files go (default: a temporary directory)")
     args = p.parse_args(argv)
     workers = args.workers or len(os.sched_getaffinity(0))
-    state = load_state(args.checkpoint)
+    state = STATES[args.checkpoint]()
     print(f"load average at the start {os.getloadavg()}", flush=True)
-    variants = {"per tensor": nc.CodecPolicy(), "per component": nc.CodecPolicy(choose_rotation=False)}
+    variants = {"per tensor": nc.CodecPolicy(choose_rotation=True), "per component": nc.CodecPolicy()}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     ratios: dict[str, dict[str, tuple[int, int]]] = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp_dir:

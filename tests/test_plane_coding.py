@@ -190,8 +190,7 @@ def test_a_delta_codes_its_plain_planes_as_a_full_save_of_the_same_policy_does(t
     shape = (LARGE_FRAME_BYTES + 5, 2)
     base = {"model": {"w": (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)}}
     later = {"model": {"w": (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)}}
-    # Plain planes in the full save too: it would rotate them where a sample says so, a delta never does.
-    policy = nc.CodecPolicy.uniform(nc.CodecSpec("zstd", 19, "byteplane", adaptive=True), choose_rotation=False)
+    policy = nc.CodecPolicy.uniform(nc.CodecSpec("zstd", 19, "byteplane", adaptive=True))
     nc.save(base, tmp_path / "base.nvc", policy=policy)
     nc.save(later, tmp_path / "full.nvc", policy=policy)
     nc.save(later, tmp_path / "delta.nvc", policy=policy, base=tmp_path / "base.nvc")

@@ -313,8 +313,7 @@ class CodecPolicy:
     """Codec settings for each component, user classification patterns and per-tensor overrides.
 
     The defaults (zstd level 1 over byte planes for every component, the planes of weights and
-    second moments rotated, ``filter="rotplane"``, each tensor of 1 MiB or more rotated or not as
-    a sample of it says: ``choose_rotation``) were measured on real checkpoints (see
+    second moments rotated, ``filter="rotplane"``) were measured on real checkpoints (see
     ``benchmarks/README.md``) and are portable: a file written with them loads on any machine,
     with or without a GPU, by a reader of format version 4 (files with rotated planes are version 4).
 
@@ -328,12 +327,15 @@ class CodecPolicy:
             more than it saves).
         device: Where compression runs: ``"auto"`` (a CUDA tensor on its GPU with nvCOMP, a CPU
             tensor on the CPU), ``"cpu"`` or ``"cuda"``.
-        choose_rotation: ``True`` (the default): a bf16 or fp32 tensor of 1 MiB or more whose spec's
-            filter is ``"byteplane"`` or ``"rotplane"``, compressed on the CPU, gets whichever of the
-            two stores a 64 KiB sample of it smaller; the spec's filter wins ties and small gains
-            (``planechoice.py``). Its file is format version 4, as any file that may hold rotated
-            planes. Tensors compressed on a GPU, smaller ones and those of a delta keep the spec's
-            filter. ``False``: every tensor keeps its spec's filter.
+        choose_rotation: ``False`` (the default): every tensor keeps its spec's filter. ``True``: a
+            bf16 or fp32 tensor of 1 MiB or more whose spec's filter is ``"byteplane"`` or
+            ``"rotplane"``, compressed on the CPU, gets whichever of the two stores a 64 KiB sample
+            of it smaller; the spec's filter wins ties and small gains (``planechoice.py``). The file
+            is format version 4, as any file that may hold rotated planes. Tensors compressed on a
+            GPU, smaller ones and those stored against a base keep the spec's filter. Measured
+            (benchmarks/README.md, "Rotation per tensor"): first moments 0.02-0.17% smaller, but the
+            bf16 gradients of one checkpoint in three 0.05% larger (a sample cannot see the repeats
+            far apart that favour plain planes there), and saves take 3-4% more CPU: off by default.
 
     Raises:
         ValueError: a field has the wrong type or value; the message names the field (as
@@ -351,7 +353,7 @@ class CodecPolicy:
     overrides: Mapping[str, CodecSpec] = field(default_factory=dict)
     min_compress_bytes: int = 2048
     device: str = "auto"
-    choose_rotation: bool = True
+    choose_rotation: bool = False
 
     def __post_init__(self) -> None:
         # Every field is checked here, so a policy read from JSON fails when it is built, with
@@ -395,9 +397,8 @@ class CodecPolicy:
         default's (gradients 7%), and saves take 15-50x as long (loads are as fast); a lower
         ``level`` trades ratio for time (table in benchmarks/README.md, "Peer coders"). The
         default policy stays level 1, which saves faster than ``torch.save`` + ``zstd -1``.
-        Files load anywhere, like the default's. Like the default, each tensor of 1 MiB or more
-        is rotated or not as a sample of it says (``choose_rotation``; the sample is ranked at
-        ``level``).
+        Files load anywhere, like the default's. ``choose_rotation`` stays off, as in the default
+        (``max_ratio(choose_rotation=True)`` turns it on; the samples are then ranked at ``level``).
         """
         spec = CodecSpec(codec="zstd", level=level, filter="byteplane", adaptive=True)
         specs: dict[str, Any] = {c.value: spec for c in Component}
