@@ -5,7 +5,8 @@ Saves one checkpoint with the default policy, once with ``choose_rotation=True``
 filter: rotated weights and second moments, plain first moments and gradients),
 interleaved (A B A B ...) so both see the same load from other processes; prints the ratio per
 component of each, the per-tensor optimum (every tensor saved whole both ways, the smaller
-kept), and the save's CPU and wall seconds (min and median over the rounds).
+kept), the save's CPU and wall seconds (min and median over the rounds), and the CPU seconds of
+the sampling alone (once per round, on one thread).
 
     python benchmarks/bench_rotation.py                          # moe, bf16 weights (as bench_limits.py)
     python benchmarks/bench_rotation.py --checkpoint dense-pair  # the later checkpoint of bench_peers.py's dense pair
@@ -25,9 +26,15 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import torch  # noqa: E402
+
 import checkpoints  # noqa: E402  (benchmarks/ is not a package)
 import nvcomp_checkpoint as nc  # noqa: E402
 from bench_limits import bf16_weights  # noqa: E402
+from nvcomp_checkpoint.codecs import cpu_codec  # noqa: E402
+from nvcomp_checkpoint.format.skeleton import flatten  # noqa: E402
+from nvcomp_checkpoint.planechoice import choose_rotation  # noqa: E402
+from nvcomp_checkpoint.writer import plan_tensors  # noqa: E402
 
 #: The states measured: bench_limits.py's (moe with bf16 weights), and the later checkpoint of each
 #: pair of bench_peers.py (bf16 weights, fp32 moments, bf16 gradients).
@@ -52,6 +59,21 @@ def per_tensor(path: Path) -> dict[str, tuple[str, int, int]]:
     """``{key: (component, raw bytes, stored bytes)}`` of a saved file."""
     with nc.open(path) as reader:
         return {t.key: (t.component, t.nbytes, t.stored_bytes) for t in reader.index.tensors}
+
+
+def sampling(state: Any) -> Callable[[], None]:
+    """The writer's sampling alone: every tensor it would choose for, ranked as it does, on one thread."""
+    policy = nc.CodecPolicy(choose_rotation=True)
+    _, tensors = flatten(state)
+    chosen = [item for item in plan_tensors(tensors, policy, "bench") if item.chooses_rotation]
+
+    def run() -> None:
+        for item in chosen:
+            codec = cpu_codec(item.spec.codec, item.spec.level, item.spec.adaptive)
+            flat = item.tensor.reshape(-1).view(torch.uint8).numpy()
+            choose_rotation(flat, item.width, item.may_rotate, item.spec.filter == "rotplane", codec)
+
+    return run
 
 
 def optimum(state: Any, tmp: Path, workers: int) -> dict[str, tuple[int, int]]:
@@ -81,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at the start {os.getloadavg()}", flush=True)
     variants = {"per tensor": nc.CodecPolicy(choose_rotation=True), "per component": nc.CodecPolicy()}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    sample_all = sampling(state)
+    sampled: list[float] = []
     ratios: dict[str, dict[str, tuple[int, int]]] = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp_dir:
         tmp = Path(tmp_dir)
@@ -91,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                 nc.save(state, path, policy, workers=workers)
                 times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
                 ratios[name] = per_component(path)
+            cpu = time.thread_time()
+            sample_all()
+            sampled.append(time.thread_time() - cpu)
         ratios["per-tensor optimum"] = optimum(state, tmp, workers)
     print(f"load average at the end {os.getloadavg()}\n")
     comps = [c for c in ratios["per component"] if ratios["per component"][c][0] >= 1 << 20]
@@ -104,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, got in times.items():
         walls, cpus = [w for w, _ in got], [c for _, c in got]
         print(f"| {name} | {min(cpus):.3f} | {statistics.median(cpus):.3f} | {min(walls):.3f} | {statistics.median(walls):.3f} |")
+    print(f"\nthe sampling alone (one thread): CPU s min {min(sampled):.4f}, median {statistics.median(sampled):.4f}")
     return 0
 
 
