@@ -950,6 +950,7 @@ def test_workers_must_be_positive(capsys: pytest.CaptureFixture[str], tmp_path: 
         ('{"overrides": {"w*": 5}}', ["overrides", "'w*'", "CodecSpec"]),
         ('{"patterns": 3}', ["patterns", "dict"]),
         ('{"patterns": {"w*": 3}}', ["patterns", "'w*'"]),
+        ('{"choose_rotation": "yes"}', ["choose_rotation", "bool"]),  # every CodecPolicy field is a key
     ],
 )
 def test_policy_fields_are_checked_before_reading_input(

@@ -4,7 +4,7 @@ Every import counts, also those inside functions. Layers, lowest first (a module
 layer and those below):
 
     base        errors, version, tensors, workers, codecs/*, filters/*, metrics, failures, safepaths, deadline, credentials, boundedjson, progressbar
-    format      format/*, policy, storage, report, filetype, pending, filedigest, dirstore, delta
+    format      format/*, policy, planechoice, storage, report, filetype, pending, filedigest, dirstore, delta
     pipeline    writer, reader, snapshot, saveoptions
     api         api, async_save, savegroup, entrypoint/* (base, session, options, loading, commit, reports, support,
                 deepspeed_engine), dirconvert, tiers/*,
@@ -48,7 +48,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "progressbar",
         ),
     ),
-    ("format", ("format", "policy", "storage", "report", "filetype", "pending", "filedigest", "dirstore", "delta")),
+    (
+        "format",
+        ("format", "policy", "planechoice", "storage", "report", "filetype", "pending", "filedigest", "dirstore", "delta"),
+    ),
     ("pipeline", ("writer", "reader", "snapshot", "saveoptions")),
     (
         "api",

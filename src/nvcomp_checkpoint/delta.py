@@ -26,6 +26,7 @@ from .filters.sub import SUB_WIDTHS, sub_bytes, undo_planes_, undo_planes_np_
 from .filters.xor import xor_bytes, xor_planes_, xor_planes_np_
 from .format.chain import MAX_CHAIN_DEPTH, SUB, XOR, BaseRef, TensorDelta
 from .format.layout import TensorEntry
+from .planechoice import smallest_form
 from .safepaths import inside_path
 from .storage import is_url
 
@@ -226,8 +227,7 @@ def encode_cpu_chunk_against(data: np.ndarray, base: np.ndarray, item: Any) -> l
         candidates = [(op, pieces[i]) for op, pieces in split]
         if sample and len(plain) > 2 * sample:
             # Ties keep the earlier form, as pick_frames does.
-            estimates = [min(codec.estimate(piece[:sample].data), sample) for _, piece in candidates]
-            candidates = [candidates[estimates.index(min(estimates))]]
+            candidates = [candidates[smallest_form(codec, [[piece[:sample]] for _, piece in candidates])]]
         ((frame, op),) = pick_frames([(op, [piece], [codec.encode(piece.data)]) for op, piece in candidates], len)
         out.append((frame, len(plain), xxhash.xxh3_64_intdigest(frame), op))
     return out

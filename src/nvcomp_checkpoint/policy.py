@@ -15,11 +15,15 @@ import sys
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .codecs import CODEC_IDS, check_level, codec_facts
 from .codecs.registry import CHUNK_CAP_BYTES, MIN_CHUNK_BYTES
-from .filters import FILTER_IDS
+from .filters import FILTER_IDS, exponent_rotation
+from .planechoice import ROTATION_CHOICE_MIN_BYTES
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Component", "CodecSpec", "CodecPolicy", "classify", "key_string"]
 
@@ -323,6 +327,15 @@ class CodecPolicy:
             more than it saves).
         device: Where compression runs: ``"auto"`` (a CUDA tensor on its GPU with nvCOMP, a CPU
             tensor on the CPU), ``"cpu"`` or ``"cuda"``.
+        choose_rotation: ``False`` (the default): every tensor keeps its spec's filter. ``True``: a
+            bf16 or fp32 tensor of 1 MiB or more whose spec's filter is ``"byteplane"`` or
+            ``"rotplane"``, compressed on the CPU, gets whichever of the two stores a 64 KiB sample
+            of it smaller; the spec's filter wins ties and small gains (``planechoice.py``). The file
+            is format version 4, as any file that may hold rotated planes. Tensors compressed on a
+            GPU, smaller ones and those stored against a base keep the spec's filter. Measured
+            (benchmarks/README.md, "Rotation per tensor"): first moments 0.02-0.17% smaller, but the
+            bf16 gradients of one checkpoint in three 0.05% larger (a sample cannot see the repeats
+            far apart that favour plain planes there), and saves take 3-4% more CPU: off by default.
 
     Raises:
         ValueError: a field has the wrong type or value; the message names the field (as
@@ -340,6 +353,7 @@ class CodecPolicy:
     overrides: Mapping[str, CodecSpec] = field(default_factory=dict)
     min_compress_bytes: int = 2048
     device: str = "auto"
+    choose_rotation: bool = False
 
     def __post_init__(self) -> None:
         # Every field is checked here, so a policy read from JSON fails when it is built, with
@@ -363,6 +377,8 @@ class CodecPolicy:
             raise ValueError(f"device must be a str ('auto', 'cpu' or 'cuda[:N]'), got {_described(self.device)}")
         if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not isinstance(self.choose_rotation, bool):
+            raise ValueError(f"choose_rotation must be a bool, got {_described(self.choose_rotation)}")
 
     @classmethod
     def uniform(cls, spec: CodecSpec | Mapping[str, Any] | str, **kwargs: Any) -> "CodecPolicy":
@@ -381,7 +397,8 @@ class CodecPolicy:
         default's (gradients 7%), and saves take 15-50x as long (loads are as fast); a lower
         ``level`` trades ratio for time (table in benchmarks/README.md, "Peer coders"). The
         default policy stays level 1, which saves faster than ``torch.save`` + ``zstd -1``.
-        Files load anywhere, like the default's.
+        Files load anywhere, like the default's. ``choose_rotation`` stays off, as in the default
+        (``max_ratio(choose_rotation=True)`` turns it on; the samples are then ranked at ``level``).
         """
         spec = CodecSpec(codec="zstd", level=level, filter="byteplane", adaptive=True)
         specs: dict[str, Any] = {c.value: spec for c in Component}
@@ -443,6 +460,7 @@ class CodecPolicy:
         out["overrides"] = {k: v.to_dict() for k, v in self.overrides.items()}
         out["min_compress_bytes"] = self.min_compress_bytes
         out["device"] = self.device
+        out["choose_rotation"] = self.choose_rotation
         return out
 
     def with_overrides(self, **changes: Any) -> "CodecPolicy":
@@ -468,6 +486,14 @@ class CodecPolicy:
         if nbytes < self.min_compress_bytes:
             return _RAW
         return getattr(self, component.value)
+
+    def rotation_to_choose(self, spec: CodecSpec, dtype: torch.dtype, nbytes: int) -> int:
+        """Bits a tensor of ``dtype`` and ``nbytes`` stored with ``spec`` may be rotated by, the writer
+        choosing rotated or plain planes from a sample of it (:attr:`choose_rotation`); 0: the
+        spec's filter stands."""
+        if not self.choose_rotation or spec.codec == "none" or spec.filter not in ("byteplane", "rotplane"):
+            return 0
+        return exponent_rotation(dtype) if nbytes >= ROTATION_CHOICE_MIN_BYTES else 0
 
 
 _POLICY_FIELDS = tuple(f.name for f in fields(CodecPolicy))

@@ -44,6 +44,7 @@ from .format.layout import (
     pack_footer,
 )
 from .format.skeleton import encode_skeleton, flatten
+from .planechoice import choose_rotation
 from .policy import CodecPolicy, CodecSpec, Component, key_string, warn_unmatched_overrides
 from .report import ComponentStats
 from .tensors import SOURCE_DEVICE_ATTR, flat_bytes, unique_key
@@ -89,6 +90,8 @@ class PlannedTensor:
     base_xxh3: int = 0
     #: Filter "rotplane": bits each element is rotated by (filters.exponent_rotation); 0 = none.
     rotate: int = 0
+    #: Bits the writer may rotate it by instead, choosing from a sample (CodecPolicy.choose_rotation).
+    may_rotate: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -107,6 +110,12 @@ class PlannedTensor:
 
     def plane_filter(self) -> ByteplaneFilter:
         return plane_filter(self.filter_id, self.width, self.rotate)
+
+    @property
+    def chooses_rotation(self) -> bool:
+        """Whether the writer picks rotated or plain planes for it from a sample (planechoice.py): it
+        may be rotated, is compressed on the CPU from host memory, and has no base (a delta's planes are plain)."""
+        return bool(self.may_rotate) and self.device is None and self.base_key is None and self.tensor.device.type == "cpu"
 
 
 def _check_tensor(key: str, t: torch.Tensor, where: str) -> None:
@@ -161,7 +170,10 @@ def plan_tensors(tensors: Sequence[tuple[tuple[Any, ...], torch.Tensor]], policy
         key = unique_key(key, used)
         device, chunk = _placement(key, t, spec, policy, where)
         rotate = exponent_rotation(t.dtype) if spec.filter == "rotplane" else 0
-        planned.append(PlannedTensor(key, t, component, spec, plane_width(t.dtype), chunk, device, rotate=rotate))
+        may_rotate = policy.rotation_to_choose(spec, t.dtype, nbytes)
+        planned.append(
+            PlannedTensor(key, t, component, spec, plane_width(t.dtype), chunk, device, rotate=rotate, may_rotate=may_rotate)
+        )
     if policy.overrides:
         warn_unmatched_overrides(policy, [p.key for p in planned], where)
     return planned
@@ -589,9 +601,10 @@ class CheckpointWriter:
 
     def _version(self, planned: list[PlannedTensor]) -> int | None:
         """The file's format version, decided before its first byte (the magic holds it): 4 when
-        some tensor has filter "rotplane", else 3 when some tensor may get "sub" frames (an
-        older reader then refuses the file), 2 for another delta, None (1) for a full file."""
-        if any(item.rotate for item in planned):
+        some tensor has filter "rotplane" or may get it (chosen when its jobs are queued), else 3
+        when some tensor may get "sub" frames (an older reader then refuses the file), 2 for
+        another delta, None (1) for a full file."""
+        if any(item.rotate or item.chooses_rotation for item in planned):
             return ROTATE_FORMAT_VERSION
         if self.base is None:
             return None
@@ -756,6 +769,12 @@ class CheckpointWriter:
                 continue
             on_cpu = flat.device.type == "cpu"
             host = flat.numpy() if on_cpu else None
+            if item.chooses_rotation and host is not None:
+                if self._wait_for is not None:
+                    self._wait_for(idx)  # the sample reads the tensor: an async snapshot's copy of it must be done
+                codec = cpu_codec(item.spec.codec, item.spec.level, item.spec.adaptive)
+                # Before its first job: every chunk of a tensor has the filter its index entry records.
+                item.rotate = choose_rotation(host, item.width, item.may_rotate, item.spec.filter == "rotplane", codec)
             base_host = base.numpy() if base is not None else None
             for start in range(0, item.nbytes, item.chunk_bytes):
                 end = min(start + item.chunk_bytes, item.nbytes)

@@ -6,6 +6,7 @@ so a wrong option fails in a second, not after loading a 100 GB checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -62,7 +63,7 @@ def parse_policy(text: str | None) -> nc.CodecPolicy:
     if not isinstance(data, dict):
         raise CheckpointError(f"{source}: expected a JSON object like CodecPolicy.to_dict()")
     data = dict(data)
-    known = [c.value for c in nc.Component] + ["patterns", "overrides", "min_compress_bytes", "device"]
+    known = [f.name for f in dataclasses.fields(nc.CodecPolicy)]  # every field: a new one is known here too
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise CheckpointError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; policy keys are: {', '.join(known)}")

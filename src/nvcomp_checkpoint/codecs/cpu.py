@@ -13,7 +13,7 @@ import zstandard
 from ..errors import FormatError
 from .registry import CHUNK_CAP_BYTES
 
-__all__ = ["ZstdCpuCodec", "NoneCpuCodec", "LARGE_FRAME_BYTES", "PICK_SAMPLE_BYTES", "ZSTD_MAX_LEVEL"]
+__all__ = ["ZstdCpuCodec", "NoneCpuCodec", "LARGE_FRAME_BYTES", "PICK_SAMPLE_BYTES", "ZSTD_MAX_LEVEL", "spread_sample"]
 
 #: Level-1 frames at least this large (libzstd's largest source-size class) are compressed with
 #: libzstd's level-1 parameters for that class except for a small hash table, of 2**10 or 2**6
@@ -118,7 +118,7 @@ class ZstdCpuCodec:
             frames = [self._cctx_named(name).compress(data) for name in _SMALL_LEVEL1_ORDER]
             return min(frames, key=len)
         if data.nbytes >= LARGE_FRAME_BYTES and (self.level == 1 or self.adaptive):
-            sample = _sample(data.cast("B"))
+            sample = spread_sample(data.cast("B"), PICK_SAMPLE_BYTES)
             fast = [self._cctx_named(name) for name in _LARGE_LEVEL1_ORDER]
             sizes = [len(c.compress(sample)) for c in fast]
             best = min(range(len(fast)), key=lambda i: (sizes[i], i))
@@ -182,11 +182,14 @@ class ZstdCpuCodec:
         out[:] = self.decode(frame, raw_size)
 
 
-def _sample(data: memoryview) -> bytes:
-    """:data:`PICK_SAMPLE_BYTES` of ``data`` in four pieces spread over it: planes change along
-    a tensor (the zero rows of an embedding's moments may all lie past its first rows)."""
-    piece = PICK_SAMPLE_BYTES // 4
-    step = (len(data) - piece) // 3
+def spread_sample(data: memoryview, nbytes: int, align: int = 1) -> bytes:
+    """About ``nbytes`` of ``data`` (1-D bytes) in four pieces spread over it, or all of it if not
+    larger: planes change along a tensor (the zero rows of an embedding's moments may all lie past
+    its first rows). With ``align``, pieces start and end on multiples of it (whole elements)."""
+    piece = nbytes // 4 // align * align
+    if len(data) <= 4 * piece or piece == 0:
+        return bytes(data)
+    step = (len(data) - piece) // 3 // align * align
     return b"".join(data[i * step : i * step + piece] for i in range(4))
 
 
