@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,49 @@ def test_metadata_that_is_not_json_fails_before_writing(tmp_path):
         with pytest.raises(UnsupportedObjectError, match="metadata must be JSON"):
             nc.save({"w": torch.ones(10)}, target, metadata=bad)
     assert target.read_bytes() == before and _leftovers(tmp_path, "ckpt.nvc") == []
+
+
+class _FailingStream:
+    """Passes writes to the real stream and fails the ``fail_at``-th with EIO, noting each write's thread."""
+
+    def __init__(self, stream: Any, fail_at: int) -> None:
+        self.stream, self.fail_at = stream, fail_at
+        self.threads: list[threading.Thread] = []
+
+    def write(self, data: Any) -> int:
+        self.threads.append(threading.current_thread())
+        if len(self.threads) == self.fail_at:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return self.stream.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def test_error_in_the_writing_thread_surfaces_in_the_caller(tmp_path):
+    # Frames are written by the writer's own thread while the caller queues compression jobs:
+    # its error must reach the caller, name the file, stop the writes and leave no file behind.
+    target = tmp_path / "ckpt.nvc"
+    tree, before = _previous(target)
+    streams: list[_FailingStream] = []
+
+    def wrap(stream: Any) -> _FailingStream:
+        streams.append(_FailingStream(stream, fail_at=6))
+        return streams[-1]
+
+    big = {f"w{i}": torch.randn(1 << 20, generator=torch.Generator().manual_seed(i)) for i in range(4)}  # 16 MiB
+    with pytest.raises(CheckpointWriteError) as info:
+        nc.save(big, target, workers=2, stream_wrapper=wrap)
+    msg = str(info.value)
+    assert str(target) in msg and "Input/output error" in msg and "untouched" in msg
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.EIO
+    threads = streams[0].threads
+    assert len(threads) == 6  # nothing written after the failed write
+    # The guard and magic come from the caller; the frames, the failed one too, from the writing thread.
+    assert threads[0] is threading.main_thread()
+    assert threads[-1] is not threading.main_thread() and threads[-1].name.startswith("nvckpt-write")
+    assert target.read_bytes() == before and _leftovers(tmp_path, "ckpt.nvc") == []
+    assert_tree_equal(tree, nc.load(target))
 
 
 # -- out of space --------------------------------------------------------------------------------

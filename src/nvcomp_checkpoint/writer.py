@@ -49,7 +49,7 @@ from .policy import CodecPolicy, CodecSpec, Component, key_string, warn_unmatche
 from .report import ComponentStats
 from .tensors import SOURCE_DEVICE_ATTR, flat_bytes, unique_key
 from .version import __version__, install_hint
-from .workers import GPU_BATCH_BYTES, default_workers, is_inline, worker_pool
+from .workers import GPU_BATCH_BYTES, default_workers, worker_pool
 
 __all__ = [
     "PlannedTensor",
@@ -251,6 +251,16 @@ def checked_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str
 # (frame bytes, raw size, xxh3-64 of the frame, op against the base) in order; the hash is taken
 # in the worker thread so the thread that writes does nothing but write.
 _Encoded = list[tuple[bytes | memoryview | np.ndarray, int, int, str]]
+
+
+@dataclass
+class _InFlight:
+    """A job between its submission and its write: its weight in the window, its compression
+    (in a worker) and its write (in the writing thread, which waits for the compression)."""
+
+    weight: int
+    encoded: Future[_Encoded]
+    written: Future[list[int]]
 
 
 def _encode_cpu_chunk(data: np.ndarray, item: PlannedTensor) -> _Encoded:
@@ -537,6 +547,7 @@ class CheckpointWriter:
         self.depth = max(1, depth)
         self.progress = progress
         self._pos = 0
+        self._write_failed = False
         self._wait_for: Callable[[int], None] | None = None
 
     def _write(self, data: bytes | memoryview | np.ndarray) -> int:
@@ -617,42 +628,52 @@ class CheckpointWriter:
         # them, queued on the caller's current stream, must be done first.
         for device in {item.tensor.device for item in planned if item.tensor.is_cuda}:
             torch.cuda.current_stream(device).synchronize()
-        with worker_pool(self.workers, "nvckpt-compress") as pool:
-            window: deque[tuple[int, int, bool, Future[_Encoded]]] = deque()
+        self._write_failed = False
+        # One thread writes, in file order, while this one queues jobs: the exit of the inner
+        # pool (the writer) comes first, so no write is still running when the stream closes.
+        with worker_pool(self.workers, "nvckpt-compress") as pool, worker_pool(1, "nvckpt-write") as writes:
+            window: deque[_InFlight] = deque()
             try:
-                self._fill_and_drain(pool, window, planned, frames_of)
+                self._fill_and_drain(pool, writes, window, planned, frames_of)
             except BaseException:
-                # Before the pool's shutdown waits for its workers: none may stay blocked on a
-                # pinned slot, and queued jobs need not run.
+                # Before the pools' shutdown waits for their threads: no write may start after
+                # this, none may stay blocked on a pinned slot, and queued jobs need not run.
+                self._write_failed = True
                 self._ring.abort()
-                for _, _, _, fut in window:
-                    fut.cancel()
+                for job in window:
+                    job.written.cancel()
+                    job.encoded.cancel()
                 raise
 
     def _fill_and_drain(
         self,
         pool: Executor,
-        window: deque[tuple[int, int, bool, Future[_Encoded]]],
+        writes: Executor,
+        window: deque[_InFlight],
         planned: list[PlannedTensor],
         frames_of: list[list[Frame]],
     ) -> None:
         # The window is bounded in bytes, not in jobs: with a job count, one full chunk at
         # the head held back the small tensors behind it and left workers idle (2 workers
         # ran at 1.45x one; bounded in bytes, 1.6x). GPU batches are bounded by the pinned ring.
+        # A job leaves the window once written (not once compressed): the bound holds the
+        # compressed bytes waiting for the writer too, so writing off this thread adds no memory.
         unit = max((item.chunk_bytes for item in planned), default=1)
         budget = self.workers * self.depth * unit
-        # Jobs run in this thread while the interpreter exits (workers.worker_pool): write each
-        # at once, or a GPU batch would wait for a pinned slot that only this thread frees.
-        inline = is_inline(pool)
+        # Jobs run in this thread while the interpreter exits (workers.worker_pool): each job is
+        # then compressed and written at submit, as a GPU batch waits for a slot only a write frees.
         in_flight = 0
         for idx, nbytes, on_gpu, job in self._jobs_once_copied(planned):
             weight = min(nbytes, unit)
-            window.append((idx, weight, on_gpu, pool.submit(job)))
+            encoded = pool.submit(job)
+            written = writes.submit(self._write_job, idx, on_gpu, encoded, frames_of)
+            window.append(_InFlight(weight, encoded, written))
             in_flight += weight
-            while window and (inline or in_flight > budget or len(window) > MAX_JOBS_IN_FLIGHT):
-                in_flight -= self._drain_one(window, frames_of)
+            # Writes done already are reaped at once: an error surfaces before more is queued.
+            while window and (window[0].written.done() or in_flight > budget or len(window) > MAX_JOBS_IN_FLIGHT):
+                in_flight -= self._reap(window)
         while window:
-            self._drain_one(window, frames_of)
+            self._reap(window)
 
     def _finish(
         self,
@@ -713,18 +734,41 @@ class CheckpointWriter:
         self._write(frame)
         return Frame(offset, len(frame), len(data), xxhash.xxh3_64_intdigest(frame))
 
-    def _drain_one(self, window: deque[tuple[int, int, bool, Future[_Encoded]]], frames_of: list[list[Frame]]) -> int:
-        """Write the oldest job's frames; returns that job's weight in the window."""
-        idx, weight, on_gpu, fut = window.popleft()
-        for data, raw_size, digest, op in fut.result():
-            offset = self._pos
-            size = self._write(data)
-            frames_of[idx].append(Frame(offset, size, raw_size, digest, op))
-            if self.progress is not None:
-                self.progress(raw_size)
+    def _write_job(self, idx: int, on_gpu: bool, encoded: Future[_Encoded], frames_of: list[list[Frame]]) -> list[int]:
+        """In the writing thread: write one job's frames once compressed; returns their raw sizes.
+
+        Jobs are written in the order they were queued (one thread). After a failed write, or
+        once the calling thread has given up, later jobs write nothing: the file is discarded.
+        """
+        if self._write_failed:
+            return []
+        try:
+            frames = encoded.result()
+            if self._write_failed:  # the calling thread gave up while this job was compressed
+                return []
+            sizes = []
+            for data, raw_size, digest, op in frames:
+                offset = self._pos
+                size = self._write(data)
+                frames_of[idx].append(Frame(offset, size, raw_size, digest, op))
+                sizes.append(raw_size)
+            # The future keeps its result until the calling thread reaps it: the bytes go now.
+            frames.clear()
+        except BaseException:
+            self._write_failed = True
+            raise
         if on_gpu:
             self._ring.written()
-        return weight
+        return sizes
+
+    def _reap(self, window: deque[_InFlight]) -> int:
+        """Wait until the oldest job is written (raising its error, the writer's or the
+        compression's, in this thread); returns its weight in the window."""
+        job = window.popleft()
+        for raw_size in job.written.result():
+            if self.progress is not None:
+                self.progress(raw_size)
+        return job.weight
 
     def _jobs_once_copied(self, planned: list[PlannedTensor]) -> Iterator[tuple[int, int, bool, Callable[[], _Encoded]]]:
         """:meth:`_jobs`, each tensor's first job held until its snapshot copy is done.
