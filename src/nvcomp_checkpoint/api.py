@@ -143,6 +143,7 @@ def write_checkpoint(
     options: SaveOptions,
     pre_encoded: dict[int, Any] | None = None,
     plan: TreePlan | None = None,
+    depth: int = 2,
 ) -> SaveReport:
     """:func:`save` without waiting for async saves or logging (the async saver's worker runs this).
 
@@ -150,6 +151,7 @@ def write_checkpoint(
         options: Everything the caller asked of this save, built once by :meth:`SaveOptions.of`.
         pre_encoded: Frames an async snapshot compressed on the GPU already, by tensor number.
         plan: ``obj`` already flattened and planned (an async snapshot's), not done again.
+        depth: Chunks in flight per compression worker (:class:`CheckpointWriter`).
     """
     where = os.fspath(path)
     storage, spath = storage_for(path, options.storage_options)
@@ -177,6 +179,7 @@ def write_checkpoint(
                     progress=options.progress,
                     pre_encoded=pre_encoded,
                     base=source,
+                    depth=depth,
                 )
                 _, stats, raw = writer.write(obj, options.metadata, plan=plan)
                 stored = writer.bytes_written

@@ -41,6 +41,12 @@ __all__ = [
 
 _LOG = logging.getLogger("nvcomp_checkpoint")
 
+#: Chunks in flight per compression worker of a background save (a synchronous save has 2): the
+#: snapshot is held already, so the window is all an async save adds; with the writes made by
+#: their own thread one chunk each keeps the workers busy (benchmarks/README.md, "Save pipeline
+#: and window memory").
+ASYNC_DEPTH = 1
+
 DoneCallback = Callable[["AsyncSaveHandle"], Any]
 
 
@@ -392,7 +398,9 @@ class AsyncSaver:
                     tuple(planned_copy(p, t, options.policy, handle.path) for p, t in zip(snapshot.checked, snapshot.tensors)),
                     snapshot.wait_copied,
                 )
-                report = write_checkpoint(None, handle.path, options=options, pre_encoded=snapshot.pre_encoded, plan=plan)
+                report = write_checkpoint(
+                    None, handle.path, options=options, pre_encoded=snapshot.pre_encoded, plan=plan, depth=ASYNC_DEPTH
+                )
                 handle._returned.wait()
                 report = replace(report, seconds=time.perf_counter() - handle._started, seconds_blocked=handle._blocked)
             except BaseException as exc:  # noqa: BLE001 - a waiter must never hang on a dead save
