@@ -1,8 +1,10 @@
-"""Local saves start writing their pages to the device while they are still being written, so the
-fsync that ends a save waits for the tail of the file, not the whole of it."""
+"""The tail of a local save: its pages start for the device while it is still written, so the fsync
+that ends it waits for the last of them only, and the file it replaces is unlinked in another thread."""
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -49,3 +51,37 @@ def test_writeback_failures_do_not_fail_the_save(tmp_path: Path, monkeypatch: py
     tree = {"w": torch.randn(256 << 10)}
     nc.save(tree, tmp_path / "a.nvc")
     assert_tree_equal(nc.load(tmp_path / "a.nvc"), tree)
+
+
+def test_a_replaced_file_is_unlinked_off_the_saving_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Freeing the blocks of the file a save replaces took 30-65 ms per 155 MB here, at the end of the save.
+    monkeypatch.setattr(storage, "RETIRE_BYTES", 1 << 10)
+    path = tmp_path / "a.nvc"
+    old, new = {"w": torch.randn(64 << 10)}, {"w": torch.randn(64 << 10) + 1}
+    nc.save(old, path)
+    unlinked: list[tuple[str, str]] = []
+    real_unlink = Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        unlinked.append((self.name, threading.current_thread().name))
+        real_unlink(self, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+
+    def settle() -> None:
+        for thread in threading.enumerate():
+            if thread.name == "nvckpt-unlink":
+                thread.join()
+
+    nc.save(new, path)
+    settle()
+    assert len(unlinked) == 1 and storage.is_temp_name(unlinked[0][0]) and unlinked[0][1] == "nvckpt-unlink"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.nvc"]
+    assert_tree_equal(nc.load(path), new)
+    # A file with another name keeps its blocks there: it is replaced as before, nothing to unlink.
+    os.link(path, tmp_path / "kept.nvc")
+    nc.save(old, path)
+    settle()
+    assert len(unlinked) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["a.nvc", "kept.nvc"]
+    assert_tree_equal(nc.load(path), old)
+    assert_tree_equal(nc.load(tmp_path / "kept.nvc"), new)
