@@ -81,11 +81,12 @@ def save(
         metadata: JSON-safe values stored in the index (read back with ``open(path).metadata``).
         storage_options: Passed to fsspec for URLs (credentials, endpoint ...).
         workers: Compression threads (default: every core).
-        progress: Called with the raw bytes of each chunk as it is written (from the compression
-            threads), or ``True``: a progress bar on stderr (bytes, speed, time left) while the save
+        progress: Called with the raw bytes of each frame once it is written (in the calling
+            thread), or ``True``: a progress bar on stderr (bytes, speed, time left) while the save
             runs, when stderr is a terminal.
         stream_wrapper: Wraps the output stream (benchmarks throttle storage with it); the
-            wrapper's ``write`` must pass every byte on, in order.
+            wrapper's ``write`` must pass every byte on, in order (it is called from the writer's
+            own thread for the frames, one call at a time).
         base: An earlier checkpoint of the same run: the file is written as a delta of it
             (docs/format.md, "Delta files"). Each tensor whose key, dtype and shape match one of
             the base is stored, byte plane by byte plane, plain, XORed with the base's or as the

@@ -2,7 +2,8 @@
 
 Call order: :func:`plan_tensors` classifies every tensor and picks its spec and device, then
 :class:`CheckpointWriter` writes the magic, the skeleton frame, every tensor's frames (in
-order, from a bounded window of compression jobs) and, last, the index and footer.
+order, from a bounded window of compression jobs, by a thread of its own) and, last, the index
+and footer.
 """
 
 from __future__ import annotations
@@ -467,7 +468,7 @@ class PinnedRing:
         self._cond = threading.Condition()
 
     def ticket(self) -> int:
-        """The next batch's sequence number (taken in file order, on the writing thread)."""
+        """The next batch's sequence number (taken in file order, by the thread that queues the jobs)."""
         seq, self._issued = self._issued, self._issued + 1
         return seq
 
@@ -515,12 +516,13 @@ class CheckpointWriter:
     """Writes one checkpoint to a binary stream.
 
     Args:
-        stream: Where bytes go, written strictly sequentially.
+        stream: Where bytes go, written strictly sequentially (the frames from the writer's own
+            thread, one call at a time; the caller's thread writes the head and the index).
         policy: The codec policy.
         where: The path, for error messages and the report.
         workers: Compression threads (default: every core, at most 16).
         depth: Chunks in flight per worker; bounds the extra memory of a save.
-        progress: Called with the raw bytes of each frame as it is written.
+        progress: Called with the raw bytes of each frame once it is written, in the calling thread.
         pre_encoded: ``{id(tensor): [batch frames ...]}`` for tensors already compressed on their
             GPU (by :func:`pre_encode_on_gpu`, for an async snapshot); planned like any other.
         base: The checkpoint this one is written as a delta of (``delta.BaseSource``), or None.
