@@ -533,7 +533,8 @@ class CheckpointReader:
                 f"with no CPU decoder; load it on a CUDA machine with the cu12 (or cu13) extra ({install_hint('cu12')}), "
                 "then convert it to a portable codec (nvckpt compress --policy zstd)."
             )
-        out = _allocate(entry, self.path)
+        flat = _allocate(entry, self.path)
+        out = flat.numpy()
         futures: list[Future[None]] = []
         if entry.frames:
             chunk_bytes = self._chunk_reader(entry)
@@ -574,7 +575,7 @@ class CheckpointReader:
         def finish() -> torch.Tensor:
             for fut in futures:
                 fut.result()
-            t = _typed(torch.from_numpy(out), entry)
+            t = _typed(flat, entry)
             return t if device.type == "cpu" else t.to(device)
 
         return finish
@@ -679,10 +680,14 @@ def _not_ours(kind: str) -> str:
     return "not an nvcomp-checkpoint file (it does not start with the NVCKPT magic); `nvckpt inspect` says what it is"
 
 
-def _allocate(entry: TensorEntry, where: str) -> np.ndarray:
+def _allocate(entry: TensorEntry, where: str) -> torch.Tensor:
+    """The result's memory: torch's allocator, not numpy's. numpy advises huge pages for large arrays,
+    and where the kernel compacts memory on such a fault (transparent_hugepage/defrag "madvise", the
+    common default) a fresh 1.5 GiB result took 0.22 to 11.9 s against a steady 0.9-1.2 s
+    (benchmarks/README.md, scale sweep). ``THP_MEM_ALLOC_ENABLE=1`` asks torch for huge pages."""
     try:
-        return np.empty(entry.nbytes, dtype=np.uint8)
-    except MemoryError as exc:
+        return torch.empty(entry.nbytes, dtype=torch.uint8)
+    except (MemoryError, RuntimeError) as exc:
         # A legitimate huge tensor and a forged index look alike here; say both.
         raise CheckpointError(
             f"{where}: tensor {entry.key!r} needs {entry.nbytes} bytes of memory, which cannot be "
