@@ -100,7 +100,7 @@ def test_local_reads_in_the_workers_and_fsspec_reads_decode_the_same(tmp_path: P
                 assert local._fd is not None  # read by the workers, chunk by chunk
                 assert_tree_equal(local.load(), tree)
             with CheckpointReader(url, workers=workers) as remote:
-                assert remote._fd is None  # read a tensor at a time, as object stores are
+                assert remote._fd is None  # read by the workers through the stream, a batch of chunks at a time
                 assert_tree_equal(remote.load(), tree)
     finally:
         fsspec.filesystem("memory").rm(url, recursive=True)

@@ -6,8 +6,11 @@ checked against the file before anything is allocated.
 
 from __future__ import annotations
 
+import functools
 import os
+import stat
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import Executor, Future
 from typing import Any, Callable, Iterator, Mapping
@@ -53,6 +56,19 @@ MapLocation = None | str | torch.device | Mapping[str, str] | Callable[..., Any]
 #: enough to keep every core busy on models made of many small tensors, little memory.
 READ_AHEAD_BYTES = 64 << 20
 READ_AHEAD_TENSORS = 64
+
+#: Storage other than a local file (object stores, fsspec URLs): a decoding worker reads the
+#: chunks it decodes, of one tensor or of several small ones stored back to back, in one ranged
+#: request of up to this many raw bytes (their stored bytes are fewer). 8 MiB is the part size
+#: S3's performance guidance names for ranged GETs: about 128-190 requests per GB stored, so
+#: per-request latency and price stay small next to the transfer, while memory holds one such
+#: read per worker (not a tensor's whole stored bytes), and reading overlaps decoding.
+REMOTE_READ_BYTES = 8 << 20
+
+#: A tensor's frames may lie in at most 1 + one per this many stored bytes separate places of the
+#: file (the writer stores them back to back: one place). More is a forged or corrupt index that
+#: would cost a request per piece (a request per byte, at worst).
+MIN_PIECE_BYTES = 64 << 10
 
 
 def _target_device(entry: TensorEntry, map_location: MapLocation) -> torch.device:
@@ -132,8 +148,14 @@ class CheckpointReader:
         except BaseException:
             self._stream.close()
             raise
-        #: Local files are read by the decoding workers themselves (:meth:`_pread`).
-        self._fd = _local_fd(self.storage, self._stream)
+        #: Local files (also ``file://`` through fsspec) are read by the decoding workers
+        #: themselves (:meth:`_pread`).
+        self._fd = _local_fd(self._stream)
+        #: Object stores are read by the decoding workers with stateless ranged requests
+        #: (:meth:`_read_range`); other storage through the stream, one read at a time.
+        self._fetch = _ranged_fetch(self._stream) if self._fd is None else None
+        #: Chunks queued for reading in batches of consecutive stored bytes, per worker pool.
+        self._batches: weakref.WeakKeyDictionary[Executor, _Batches] = weakref.WeakKeyDictionary()
         #: Each decoding worker's read and plane buffers, reused from chunk to chunk.
         self._scratch = _Scratch()
         self._by_key = {t.key: (i, t) for i, t in enumerate(self.index.tensors)}
@@ -395,11 +417,12 @@ class CheckpointReader:
         """Read, checksum and decode ``entry``'s chunks, one per worker at a time, keeping none."""
         codec = cpu_codec(entry.codec.id)
 
+        if self._fd is None:
+            self._check_pieces(entry)
+
         def check(i: int, frames: tuple[Frame, ...]) -> None:
-            first = min(f.offset for f in frames)
-            span = memoryview(self._read_at(first, max(f.offset + f.size for f in frames) - first))
-            for p, f in enumerate(frames):
-                self._checked_frame(entry, codec, i, p, f, span[f.offset - first : f.offset - first + f.size])
+            for p, (f, data) in enumerate(zip(frames, self._chunk_data(frames))):
+                self._checked_frame(entry, codec, i, p, f, data)
 
         in_flight: deque[Future[None]] = deque()
         try:
@@ -454,24 +477,78 @@ class CheckpointReader:
         except FormatError as exc:
             raise self._undecodable(entry, i, p, f, exc) from exc
 
-    def _chunk_reader(self, entry: TensorEntry) -> Callable[[tuple[Frame, ...]], tuple[int, memoryview]]:
-        """How a decoding worker gets one chunk's stored bytes: ``frames -> (offset of the first, bytes)``.
-
-        A local file is read chunk by chunk in the workers (``os.preadv`` into a buffer of each
-        worker's, no lock), so reading overlaps decoding and memory holds a chunk per worker. Other
-        storage is read a tensor at a time here, in one request, as before.
-        """
+    def _chunk_data(self, frames: tuple[Frame, ...]) -> list[memoryview]:
+        """The stored bytes of each of ``frames`` (one chunk's), read in this (worker) thread."""
         if self._fd is None:
-            first, span = self._span(entry)
-            view = memoryview(span)
-            return lambda frames: (first, view)
+            return self._frames_data(frames)
+        first = min(f.offset for f in frames)
+        view = self._pread(first, max(f.offset + f.size for f in frames) - first)
+        return [view[f.offset - first : f.offset - first + f.size] for f in frames]
 
-        def read(frames: tuple[Frame, ...]) -> tuple[int, memoryview]:
-            first = min(f.offset for f in frames)
-            size = max(f.offset + f.size for f in frames) - first
-            return first, self._pread(first, size)
+    def _frames_data(self, frames: list[Frame] | tuple[Frame, ...]) -> list[memoryview]:
+        """The stored bytes of each of ``frames``, from storage other than a local file.
 
-        return read
+        Frames stored back to back are read in one request of at most :data:`REMOTE_READ_BYTES`
+        (or one frame, if larger); no byte between frames is read, so a forged index cannot make
+        a request span the file.
+        """
+        order = sorted(range(len(frames)), key=lambda k: frames[k].offset)
+        out: list[memoryview] = [memoryview(b"")] * len(frames)
+        k = 0
+        while k < len(order):
+            start = end = frames[order[k]].offset
+            j = k
+            while j < len(order):
+                f = frames[order[j]]
+                if f.offset != end or (j > k and f.offset + f.size - start > REMOTE_READ_BYTES):
+                    break
+                end += f.size
+                j += 1
+            view = memoryview(self._read_range(start, end - start))
+            for m in order[k:j]:
+                f = frames[m]
+                out[m] = view[f.offset - start : f.offset - start + f.size]
+            k = j
+        return out
+
+    def _read_range(self, offset: int, size: int) -> Any:
+        """``size`` bytes at ``offset`` of a file that is not local: a ranged request of its own
+        where the storage takes them (thread-safe), else a read of the stream under the lock."""
+        if self._fetch is None:
+            return self._read_at(offset, size)
+        if size == 0:
+            return b""
+        try:
+            data = self._fetch(offset, offset + size)
+        except Exception as exc:
+            if type(exc).__name__ == "FileExpired":  # fsspec's: the object's ETag changed
+                raise CheckpointError(
+                    f"{self.path}: the file was replaced or changed since it was opened (reading {size} bytes at "
+                    f"{offset}); open it again"
+                ) from exc
+            raise
+        if len(data) != size:
+            raise FormatError(f"{self.path}: file is truncated (wanted {size} bytes at {offset}, got {len(data)})")
+        return data
+
+    def _check_pieces(self, entry: TensorEntry) -> None:
+        """Refuse a tensor whose frames lie in more separate places of the file than
+        :data:`MIN_PIECE_BYTES` allows: each costs a request where reads are requests."""
+        frames = sorted(entry.frames, key=lambda f: f.offset)
+        pieces = 1 + sum(1 for a, b in zip(frames, frames[1:]) if b.offset != a.offset + a.size)
+        if pieces > 1 + entry.stored_bytes // MIN_PIECE_BYTES:
+            raise FormatError(
+                f"{self.path}: tensor {entry.key!r}: its {len(frames)} frames ({entry.stored_bytes} bytes) lie in "
+                f"{pieces} separate places of the file (the writer stores a tensor's frames back to back), which "
+                "would take a read request each; the index is corrupt or forged"
+            )
+
+    def _batches_of(self, pool: Executor) -> _Batches:
+        with self._io_lock:
+            batches = self._batches.get(pool)
+            if batches is None:
+                batches = self._batches[pool] = _Batches(pool, self._frames_data)
+            return batches
 
     def _pread(self, offset: int, size: int) -> memoryview:
         """``size`` bytes at ``offset`` of the local file, in this thread's read buffer."""
@@ -496,11 +573,6 @@ class CheckpointReader:
         except FormatError as exc:
             raise FormatError(f"{self.path}: {what} at byte {frame.offset} does not decode: {exc}") from exc
 
-    def _span(self, entry: TensorEntry) -> tuple[int, bytes]:
-        first = min(f.offset for f in entry.frames)
-        last = max(f.offset + f.size for f in entry.frames)
-        return first, self._read_at(first, last - first)
-
     def _decode(self, entry: TensorEntry, device: torch.device, pool: Executor) -> torch.Tensor:
         return self._start_decode(entry, device, pool)()
 
@@ -520,6 +592,8 @@ class CheckpointReader:
         self, entry: TensorEntry, device: torch.device, pool: Executor, after_chunk: Callable[..., None] | None = None
     ) -> Callable[[], torch.Tensor]:
         """:meth:`_start_decode` of the bytes as stored (a delta tensor's before its transforms are undone)."""
+        if self._fd is None and entry.frames:
+            self._check_pieces(entry)  # before a request is made
         if device.type == "cuda" and gpu_available():
             gpu_tensor = self._decode_gpu(entry, device)
             return lambda: gpu_tensor
@@ -536,19 +610,18 @@ class CheckpointReader:
         flat = _allocate(entry, self.path)
         out = flat.numpy()
         futures: list[Future[None]] = []
+        flush: Callable[[], None] | None = None
         if entry.frames:
-            chunk_bytes = self._chunk_reader(entry)
             codec = cpu_codec(entry.codec.id)
             filt = plane_filter(entry.filter, entry.width, entry.rotate)
             planes = entry.planes
             scratch = self._scratch
 
-            def decode_chunk(i: int, start: int, length: int, frames: tuple[Frame, ...]) -> None:
+            def decode_chunk(i: int, start: int, length: int, frames: tuple[Frame, ...], datas: list[memoryview]) -> None:
                 dest = out[start : start + length]
-                base, view = chunk_bytes(frames)
                 if planes == 1:
                     # Straight into the tensor's memory: no intermediate buffer.
-                    self._checked_frame_into(entry, codec, i, 0, frames[0], view[frames[0].offset - base :], dest)
+                    self._checked_frame_into(entry, codec, i, 0, frames[0], datas[0], dest)
                 else:
                     # Compressed planes are decoded into this worker's scratch buffer, raw planes
                     # stay where they were read; one pass (ByteplaneFilter.join, rotations undone
@@ -556,8 +629,7 @@ class CheckpointReader:
                     buf = scratch.array("planes", sum(f.raw_size for f in frames if not f.is_raw))
                     raws: list[np.ndarray] = []
                     at = 0
-                    for p, f in enumerate(frames):
-                        data = view[f.offset - base : f.offset - base + f.size]
+                    for p, (f, data) in enumerate(zip(frames, datas)):
                         if f.is_raw:
                             self._check_frame(entry, i, p, f, data)
                             raws.append(np.frombuffer(data, dtype=np.uint8))
@@ -570,9 +642,26 @@ class CheckpointReader:
                 if after_chunk is not None:
                     after_chunk(start, frames, dest)
 
-            futures = [pool.submit(decode_chunk, i, s, n, fr) for i, (s, n, fr) in enumerate(entry.chunks())]
+            if self._fd is not None:
+                # A local file: each worker reads its chunk (os.preadv into a buffer of its own, no
+                # lock), so reading overlaps decoding and memory holds a chunk per worker.
+                def read_and_decode(i: int, start: int, length: int, frames: tuple[Frame, ...]) -> None:
+                    decode_chunk(i, start, length, frames, self._chunk_data(frames))
+
+                futures = [pool.submit(read_and_decode, i, s, n, fr) for i, (s, n, fr) in enumerate(entry.chunks())]
+            else:
+                # Other storage: the workers read consecutive chunks, of this and the next tensors,
+                # in requests of up to REMOTE_READ_BYTES (_Batches).
+                batches = self._batches_of(pool)
+                futures = [
+                    batches.add(fr, n, functools.partial(decode_chunk, i, s, n, fr))
+                    for i, (s, n, fr) in enumerate(entry.chunks())
+                ]
+                flush = functools.partial(batches.flush, through=batches.added)
 
         def finish() -> torch.Tensor:
+            if flush is not None:
+                flush()  # where this tensor's last chunks are still gathered
             for fut in futures:
                 fut.result()
             t = _typed(flat, entry)
@@ -695,14 +784,86 @@ def _allocate(entry: TensorEntry, where: str) -> torch.Tensor:
         ) from exc
 
 
-def _local_fd(storage: Storage, stream: Any) -> int | None:
-    """The file descriptor of a local file opened for reading, where ``os.preadv`` can read it."""
-    if not storage.is_local or not hasattr(os, "preadv"):
+def _local_fd(stream: Any) -> int | None:
+    """The file descriptor of a local file opened for reading (also ``file://`` through fsspec),
+    where ``os.preadv`` can read it; ``None`` for other storage."""
+    if not hasattr(os, "preadv"):
         return None
     try:
-        return int(stream.fileno())
-    except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
+        fd = int(stream.fileno())
+        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except (AttributeError, OSError, TypeError, ValueError):  # io.UnsupportedOperation is an OSError
         return None
+
+
+def _ranged_fetch(stream: Any) -> Callable[[int, int], bytes] | None:
+    """``(start, end) -> bytes`` of the opened object, safe to call from several threads at once,
+    where the storage has it: the files of fsspec's asynchronous back ends (s3fs, gcsfs, adlfs,
+    HTTP), whose ranged fetch is a request of its own that names the object as it was opened
+    (s3fs: its ETag, so a replaced object fails instead of mixing two files). ``None`` otherwise."""
+    try:
+        from fsspec.spec import AbstractBufferedFile
+    except ImportError:
+        return None
+    if isinstance(stream, AbstractBufferedFile) and getattr(stream.fs, "async_impl", False):
+        fetch: Callable[[int, int], bytes] = stream._fetch_range
+        return fetch
+    return None
+
+
+class _Batches:
+    """Chunks to decode, gathered in the order they are added (that of the file) into batches of
+    up to :data:`REMOTE_READ_BYTES` raw bytes; a worker reads a batch's frames (:meth:`CheckpointReader._frames_data`:
+    one request where they are stored back to back) and decodes its chunks.
+
+    Used by the one thread that adds, as the worker pool it belongs to is.
+    """
+
+    def __init__(self, pool: Executor, read: Callable[[list[Frame]], list[memoryview]]) -> None:
+        self.pool = pool
+        self.read = read
+        self.items: list[tuple[tuple[Frame, ...], Callable[[list[memoryview]], None], Future[None]]] = []
+        self.raw = 0
+        #: Chunks added and handed to workers so far.
+        self.added = self.handed = 0
+
+    def add(self, frames: tuple[Frame, ...], raw: int, job: Callable[[list[memoryview]], None]) -> Future[None]:
+        """Queue ``job`` (called with the stored bytes of each of ``frames``, ``raw`` bytes decoded)."""
+        if self.items and self.raw + raw > REMOTE_READ_BYTES:
+            self.flush()
+        fut: Future[None] = Future()
+        self.items.append((frames, job, fut))
+        self.raw += raw
+        self.added += 1
+        if self.raw >= REMOTE_READ_BYTES:
+            self.flush()
+        return fut
+
+    def flush(self, through: int | None = None) -> None:
+        """Hand the gathered chunks to a worker (only if the ``through``-th chunk added is among them:
+        a tensor finished waits for its own chunks, the next tensors' small ones keep gathering)."""
+        if self.items and (through is None or through > self.handed):
+            items, self.items, self.raw = self.items, [], 0
+            self.handed = self.added
+            self.pool.submit(self._run, items)
+
+    def _run(self, items: list[tuple[tuple[Frame, ...], Callable[[list[memoryview]], None], Future[None]]]) -> None:
+        live = [item for item in items if item[2].set_running_or_notify_cancel()]
+        try:
+            datas = self.read([f for frames, _, _ in live for f in frames])
+        except BaseException as exc:  # noqa: BLE001 - each chunk's future carries the read's failure
+            for _, _, fut in live:
+                fut.set_exception(exc)
+            return
+        at = 0
+        for frames, job, fut in live:
+            try:
+                job(datas[at : at + len(frames)])
+            except BaseException as exc:  # noqa: BLE001 - reported by the future, as pool.submit does
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+            at += len(frames)
 
 
 class _Scratch(threading.local):
