@@ -121,23 +121,23 @@ def test_a_large_tensor_is_read_in_ranged_requests_by_the_workers(s3: S3, tmp_pa
 
 
 def test_small_tensors_stored_back_to_back_share_a_request(s3: S3, tmp_path: Path) -> None:
-    tree = {f"b{i}": torch.full((64,), float(i)) for i in range(300)}
+    tree = {f"b{i}": torch.full((64,), float(i)) for i in range(130)}
     url = s3.put("small.nvc", _saved(tmp_path, tree))
     with CheckpointReader(url, storage_options=s3.options) as reader:
         before = s3.gets("small.nvc")
         loaded = reader.load()
         requests = s3.gets("small.nvc") - before
-        many = dict(reader.read_many([f"b{i}" for i in range(0, 300, 2)]))
+        many = dict(reader.read_many([f"b{i}" for i in range(0, 130, 2)]))
     assert_tree_equal(loaded, tree)
-    assert_tree_equal(many, {f"b{i}": tree[f"b{i}"] for i in range(0, 300, 2)})
+    assert_tree_equal(many, {f"b{i}": tree[f"b{i}"] for i in range(0, 130, 2)})
     # A tensor finished hands its batch to a worker; load() finishes one once 64 are ahead of it.
-    assert requests <= 1 + 300 // reader_module.READ_AHEAD_TENSORS, f"{requests} requests for 300 tensors of 256 bytes"
+    assert requests <= 1 + 130 // reader_module.READ_AHEAD_TENSORS, f"{requests} requests for 130 tensors of 256 bytes"
 
 
 def test_tiny_frames_back_to_back_load_in_one_request(s3: S3, tmp_path: Path) -> None:
-    # A valid index may cut a tensor into chunks of one element: 8192 frames of one byte each,
+    # A valid index may cut a tensor into chunks of one element: 2048 frames of one byte each,
     # stored back to back. They are read together, not a request per frame.
-    values = torch.arange(8192, dtype=torch.int32).to(torch.uint8)
+    values = torch.arange(2048, dtype=torch.int32).to(torch.uint8)
     data = _saved(tmp_path, {"w": values}, _RAW)
 
     def one_byte_chunks(doc: dict[str, Any]) -> None:
