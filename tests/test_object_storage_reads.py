@@ -228,3 +228,16 @@ def test_an_object_replaced_after_open_is_refused_naming_it(s3: S3, tmp_path: Pa
         s3.put("replaced.nvc", data[: len(data) // 2])
         with pytest.raises(CheckpointError, match="replaced.nvc: the file was replaced or changed since it was opened"):
             reader.load()
+
+
+def test_a_delta_and_its_base_load_from_s3(s3: S3) -> None:
+    # The delta's chunks are undone against its base's, each base tensor read through ranged requests too.
+    g = torch.Generator().manual_seed(5)
+    first = {"w": torch.randn(600_000, generator=g), "b": torch.randn(100, generator=g)}
+    second = {"w": first["w"] + torch.randn(600_000, generator=g) * 1e-4, "b": first["b"].clone()}
+    base, delta = f"s3://{BUCKET}/chain/a.nvc", f"s3://{BUCKET}/chain/b.nvc"
+    nc.save(first, base, storage_options=s3.options)
+    nc.save(second, delta, base=base, storage_options=s3.options)
+    with CheckpointReader(delta, storage_options=s3.options) as reader:
+        assert reader.chain is not None and reader.entry("w").delta is not None
+        assert_tree_equal(reader.load(), second)
