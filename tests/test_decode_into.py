@@ -3,6 +3,8 @@ buffer, and a load whose memory beyond its result is a few chunks per worker, no
 
 from __future__ import annotations
 
+import json
+import struct
 import tracemalloc
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+import xxhash
 import zstandard
 
 import nvcomp_checkpoint as nc
@@ -128,3 +131,45 @@ def test_a_load_holds_a_few_chunks_per_worker_beyond_its_result(tmp_path: Path) 
     extra = peak - result
     # Per worker: one chunk's stored bytes read and one chunk's decoded planes.
     assert extra < workers * 2 * chunk + 4 * MIB, f"{extra / MIB:.1f} MiB beyond the result"
+
+
+def _with_index(path: Path, edit) -> None:
+    """``path`` with its index JSON edited by ``edit``, its digest and footer valid again."""
+    data = path.read_bytes()
+    offset, _, _, magic = struct.unpack("<QQQ8s", data[-32:])
+    doc = json.loads(data[offset:-32])
+    edit(doc)
+    index = json.dumps(doc, separators=(",", ":")).encode()
+    path.write_bytes(data[:offset] + index + struct.pack("<QQQ8s", offset, len(index), xxhash.xxh3_64_intdigest(index), magic))
+
+
+def test_forged_planes_far_apart_are_read_without_the_bytes_between(tmp_path: Path) -> None:
+    # The one chunk of "a" claims its own first byte plane and the second of "b", with 8 MiB of
+    # "big" stored between them. Before, each worker read the whole span into its buffer: a
+    # forged index could make every worker allocate the file's size.
+    g = torch.Generator().manual_seed(6)
+    tree = {
+        "a": torch.randn(32 << 10, generator=g).half(),
+        "big": torch.randint(0, 255, (8 * MIB,), dtype=torch.uint8, generator=g),
+        "b": torch.randn(32 << 10, generator=g).half(),
+    }
+    path = tmp_path / "far.nvc"
+    nc.save(tree, path, policy=nc.CodecPolicy.uniform("zstd:1:byteplane"))
+
+    def a_takes_a_plane_of_b(doc) -> None:
+        a, big, b = (next(t for t in doc["tensors"] if t["key"] == k) for k in ("a", "big", "b"))
+        assert a["frames"][0][0] < big["frames"][0][0] < b["frames"][1][0]
+        a["frames"] = [a["frames"][0], b["frames"][1]]
+        b.update(shape=[0], frames=[])
+
+    _with_index(path, a_takes_a_plane_of_b)
+    with CheckpointReader(path, workers=1) as reader:
+        tracemalloc.start()
+        try:
+            loaded = reader.read("a")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    planes = torch.stack([tree["a"].view(torch.uint8)[0::2], tree["b"].view(torch.uint8)[1::2]], dim=1)
+    assert torch.equal(loaded.view(torch.uint8), planes.reshape(-1))
+    assert peak < 2 * MIB, f"{peak / MIB:.1f} MiB to read 64 KiB"

@@ -480,8 +480,20 @@ class CheckpointReader:
         if self._fd is None:
             return self._frames_data(frames)
         first = min(f.offset for f in frames)
-        view = self._pread(first, max(f.offset + f.size for f in frames) - first)
-        return [view[f.offset - first : f.offset - first + f.size] for f in frames]
+        size = max(f.offset + f.size for f in frames) - first
+        stored = sum(f.size for f in frames)
+        if size == stored:  # back to back, as written: one read
+            view = self._pread(first, size)
+            return [view[f.offset - first : f.offset - first + f.size] for f in frames]
+        # Planes apart (a forged index): each read on its own, never the bytes between them, so
+        # the buffer holds the chunk's stored bytes, not a span that may be the whole file.
+        view = self._scratch.array("read", stored).data
+        out = []
+        at = 0
+        for f in frames:
+            out.append(self._pread_into(view[at : at + f.size], f.offset))
+            at += f.size
+        return out
 
     def _frames_data(self, frames: list[Frame] | tuple[Frame, ...]) -> list[memoryview]:
         """The stored bytes of each of ``frames``, from storage other than a local file.
@@ -552,8 +564,12 @@ class CheckpointReader:
 
     def _pread(self, offset: int, size: int) -> memoryview:
         """``size`` bytes at ``offset`` of the local file, in this thread's read buffer."""
+        return self._pread_into(self._scratch.array("read", size).data, offset)
+
+    def _pread_into(self, view: memoryview, offset: int) -> memoryview:
+        """``view`` filled with the local file's bytes at ``offset``."""
         assert self._fd is not None
-        view = self._scratch.array("read", size).data
+        size = len(view)
         done = 0
         while done < size:
             got = os.preadv(self._fd, [view[done:]], offset + done)
