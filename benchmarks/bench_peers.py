@@ -5,20 +5,29 @@ byte-plane graph, a struct transpose then its generic ``Compress`` graph, and it
 ``Float32Deconstruct`` / ``BFloat16Deconstruct`` then ``Compress``), blosc2 (shuffle, bitshuffle
 and shuffle+bytedelta, each with zstd at clevel 1 and 5), safetensors + zstd -1 and torch.save +
 zstd -1. Every method's ratio is given per component (bf16 weights, fp32 AdamW moments, bf16
-gradients) and for the whole file; save and load are wall times (best of ``--repeat``), and
-every method's load is checked bit for bit against the saved state.
+gradients) and for the whole file; save and load are timed in wall seconds and in CPU seconds of
+this process and its children (the ``zstd`` tool), min and median of ``--repeat`` rounds in which
+the methods take turns (A B C ... A B C ...), so that each sees the same load; every load is
+checked bit for bit against the saved state. The load average is printed at the start and end of
+each checkpoint, and the targets of issue 32 that these methods decide are checked at the end:
+our default's load faster than every compressed peer's, and ``max_ratio()`` at or above the
+best-of-peers combination.
 
 The peers are optional (``pip install 'nvcomp-checkpoint[bench]'``); a peer that does not import
 is named and skipped. Run ``python benchmarks/bench_peers.py``; ``--max-mb`` keeps a subset of
-the parameters (the same ones in weights, moments and gradients) so that a run stays short.
+the parameters (the same ones in weights, moments and gradients) so that a run stays short. Each
+run is stored with its commit, machine and load (``results_store``; ``--store`` makes it the
+baseline that ``compare.py`` compares later runs with).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +48,7 @@ import nvcomp_checkpoint as nc  # noqa: E402
 from methods import map_tensors  # noqa: E402
 from nvcomp_checkpoint import delta as delta_module  # noqa: E402
 from nvcomp_checkpoint.report import format_table  # noqa: E402
+from results_store import environment, metric, write_run  # noqa: E402
 
 __all__ = ["main", "subset_state", "PEER_METHODS"]
 
@@ -420,24 +430,105 @@ PEER_METHODS = [p.name for p in _peers()]
 
 
 # -- the run ----------------------------------------------------------------------------------
-def measure(peer: Peer, state: Any, workdir: Path, repeat: int) -> dict[str, Any]:
-    save, load = peer.build()
-    path = workdir / "out.bin"
-    saves, loads = [], []
-    sizes: dict[str, int] | None = None
-    for _ in range(repeat):
-        for leftover in workdir.iterdir():
-            leftover.unlink()
-        start = time.perf_counter()
-        out = save(state, path)
-        saves.append(time.perf_counter() - start)
-        sizes = out if isinstance(out, dict) else None
-        start = time.perf_counter()
-        back = load(path)
-        loads.append(time.perf_counter() - start)
-        identical(state, back, peer.name)
-        del back
-    return {"file_bytes": path.stat().st_size, "components": sizes, "save_s": min(saves), "load_s": min(loads)}
+def cpu_seconds() -> float:
+    """CPU seconds of this process (all its threads) and of its waited-for children (``zstd``)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else []
+
+
+#: The distributions whose versions decide the numbers, printed and stored with each run.
+VERSIONS = ("torch", "numpy", "zstandard", "zipnn", "openzl", "blosc2", "safetensors", "nvcomp-checkpoint")
+
+
+def versions() -> dict[str, str]:
+    out: dict[str, str] = {}
+    for dist in VERSIONS:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    out["zstd tool"] = (
+        subprocess.run(["zstd", "--version"], capture_output=True, text=True).stdout.split(" v")[-1].split(",")[0].strip()
+        if shutil.which("zstd")
+        else "not installed"
+    )
+    try:
+        from nvcomp_checkpoint.filters import _planes  # noqa: F401  (the compiled split/join, when built)
+
+        out["byte planes"] = "compiled"
+    except ImportError:
+        out["byte planes"] = "numpy"
+    return out
+
+
+def _available(peer: Peer) -> bool:
+    if peer.needs == "max_ratio" and not hasattr(nc.CodecPolicy, "max_ratio"):
+        print(f"skipped {peer.name}: this nvcomp_checkpoint has no CodecPolicy.max_ratio", flush=True)
+        return False
+    if peer.needs and peer.needs not in ("zstd", "max_ratio"):
+        try:
+            __import__(peer.needs)
+        except ImportError:
+            print(f"skipped {peer.name}: {peer.needs} does not import (pip install 'nvcomp-checkpoint[bench]')", flush=True)
+            return False
+    if peer.needs == "zstd" and shutil.which("zstd") is None:
+        print(f"skipped {peer.name}: no zstd command-line tool", flush=True)
+        return False
+    return True
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    out = fn()
+    return out, time.perf_counter() - wall, cpu_seconds() - cpu
+
+
+def measure_all(peers: list[Peer], state: Any, workdir: Path, repeat: int, label: str) -> dict[str, dict[str, Any]]:
+    """Every peer's save and load, ``repeat`` rounds, the peers taking turns within each round
+    (each round starts one peer later, so no peer always follows the same one)."""
+    built = {p.name: p.build() for p in peers}
+    samples: dict[str, dict[str, list[float]]] = {p.name: {"save": [], "save_cpu": [], "load": [], "load_cpu": []} for p in peers}
+    exact = dict.fromkeys(built, 0)
+    results: dict[str, dict[str, Any]] = {}
+    for r in range(repeat):
+        order = peers[r % len(peers) :] + peers[: r % len(peers)]
+        for peer in order:
+            save, load = built[peer.name]
+            path = workdir / (peer.name.replace(" ", "_").replace("/", "_") + ".bin")
+            for leftover in workdir.glob(path.name + "*"):
+                leftover.unlink()
+            out, wall, cpu = _timed(lambda: save(state, path))
+            s = samples[peer.name]
+            s["save"].append(wall)
+            s["save_cpu"].append(cpu)
+            back, wall, cpu = _timed(lambda: load(path))
+            s["load"].append(wall)
+            s["load_cpu"].append(cpu)
+            try:
+                identical(state, back, peer.name)
+                exact[peer.name] += 1
+            except AssertionError as e:
+                print(f"  {label}: NOT BIT-EXACT: {e}", flush=True)
+            del back
+            results[peer.name] = {"file_bytes": path.stat().st_size, "components": out if isinstance(out, dict) else None}
+            path.unlink()
+            print(
+                f"  {label} round {r + 1}: {peer.name}: save {s['save'][-1]:.2f}s ({s['save_cpu'][-1]:.2f} CPU-s)  "
+                f"load {s['load'][-1]:.2f}s ({s['load_cpu'][-1]:.2f} CPU-s)",
+                flush=True,
+            )
+    for name, res in results.items():
+        for key, values in samples[name].items():
+            res[f"{key}_s"] = min(values)
+            res[f"{key}_s_median"] = statistics.median(values)
+            res[f"{key}_s_all"] = values
+        res["exact"] = exact[name]
+        res["rounds"] = repeat
+    return results
 
 
 def run(name: str, max_mb: float, repeat: int, only: list[str] | None) -> dict[str, Any]:
@@ -446,31 +537,14 @@ def run(name: str, max_mb: float, repeat: int, only: list[str] | None) -> dict[s
         state = subset_state(state, int(max_mb * 1e6))
     raw_by_comp = tensor_bytes_by_component(state)
     total = all_tensor_bytes(state)
-    results: dict[str, Any] = {"checkpoint": name, "tensor_bytes": total, "raw_by_component": raw_by_comp, "methods": {}}
+    results: dict[str, Any] = {"checkpoint": name, "tensor_bytes": total, "raw_by_component": raw_by_comp, "repeat": repeat}
+    peers = [p for p in _peers() if (not only or p.name in only) and _available(p)]
+    results["loadavg_start"] = loadavg()
+    print(f"{name}: load average at start {results['loadavg_start']}", flush=True)
     with tempfile.TemporaryDirectory(prefix="nvckpt-peers-", dir=os.environ.get("BENCH_DIR")) as tmp:
-        for peer in _peers():
-            if only and peer.name not in only:
-                continue
-            if peer.needs == "max_ratio" and not hasattr(nc.CodecPolicy, "max_ratio"):
-                print(f"skipped {peer.name}: this nvcomp_checkpoint has no CodecPolicy.max_ratio", flush=True)
-                continue
-            if peer.needs and peer.needs not in ("zstd", "max_ratio"):
-                try:
-                    __import__(peer.needs)
-                except ImportError:
-                    print(
-                        f"skipped {peer.name}: {peer.needs} does not import (pip install 'nvcomp-checkpoint[bench]')", flush=True
-                    )
-                    continue
-            if peer.needs == "zstd" and shutil.which("zstd") is None:
-                print(f"skipped {peer.name}: no zstd command-line tool", flush=True)
-                continue
-            res = measure(peer, state, Path(tmp), repeat)
-            results["methods"][peer.name] = res
-            print(
-                f"  {name}: {peer.name}: {total / res['file_bytes']:.4f}  save {res['save_s']:.2f}s  load {res['load_s']:.2f}s",
-                flush=True,
-            )
+        results["methods"] = measure_all(peers, state, Path(tmp), repeat, name)
+    results["loadavg_end"] = loadavg()
+    print(f"{name}: load average at end {results['loadavg_end']}", flush=True)
     return results
 
 
@@ -624,40 +698,116 @@ def delta_tables(results: dict[str, Any]) -> str:
     return format_table(header, rows)
 
 
+def best_of_peers(results: dict[str, Any]) -> tuple[dict[str, tuple[float, str]], float] | None:
+    """The best peer's ratio (and its name) per component, and the whole ratio of a file made of
+    those (the tensors no peer compresses counted raw); None without a per-tensor peer."""
+    raw = results["raw_by_component"]
+    comps = [c for c in COMPONENTS if c in raw]
+    peers = {n: r for n, r in results["methods"].items() if not n.startswith("ours") and r["components"]}
+    if not peers:
+        return None
+    best: dict[str, tuple[float, str]] = {}
+    stored = 0
+    for c in comps:
+        name, size = min(((n, r["components"][c]) for n, r in peers.items() if r["components"].get(c)), key=lambda x: x[1])
+        best[c] = (raw[c] / size, name)
+        stored += size
+    other = results["tensor_bytes"] - sum(raw[c] for c in comps)
+    return best, results["tensor_bytes"] / (stored + other)
+
+
 def tables(results: dict[str, Any]) -> str:
     raw = results["raw_by_component"]
     comps = [c for c in COMPONENTS if c in raw]
     ref = results["methods"].get("torch.save+zstd -1")
+    mb = results["tensor_bytes"] / 1e6
     rows = []
     for name, res in results["methods"].items():
         per = res["components"] or {}
         cells = [f"{raw[c] / per[c]:.4f}" if per.get(c) else "-" for c in comps]
-        rel_save = f"{res['save_s'] / ref['save_s']:.2f}x" if ref else "-"
-        rel_load = f"{res['load_s'] / ref['load_s']:.2f}x" if ref else "-"
         rows.append(
             [
                 name,
                 *cells,
                 f"{results['tensor_bytes'] / res['file_bytes']:.4f}",
-                f"{res['save_s']:.2f}",
-                rel_save,
-                f"{res['load_s']:.2f}",
-                rel_load,
+                f"{res['save_s']:.2f} / {res['save_s_median']:.2f}",
+                f"{res['save_cpu_s']:.2f}",
+                f"{res['load_s']:.3f} / {res['load_s_median']:.3f}",
+                f"{res['load_cpu_s']:.3f}",
+                f"{mb / res['load_s']:.0f}",
+                f"{res['load_s'] / ref['load_s']:.2f}x" if ref else "-",
+                f"{res['exact']}/{res['rounds']}",
             ]
         )
-    # The best peer on each component, and what a file of those would weigh.
-    peers = {n: r for n, r in results["methods"].items() if not n.startswith("ours") and r["components"]}
-    if peers:
-        best = []
-        stored = 0
-        for c in comps:
-            name, size = min(((n, r["components"][c]) for n, r in peers.items() if r["components"].get(c)), key=lambda x: x[1])
-            best.append(f"{raw[c] / size:.4f} ({name})")
-            stored += size
-        other = results["tensor_bytes"] - sum(raw[c] for c in comps)
-        rows.append(["best peer per component", *best, f"{results['tensor_bytes'] / (stored + other):.4f}", "", "", "", ""])
-    header = ["method", *comps, "whole", "save s", "vs zstd", "load s", "vs zstd"]
+    best = best_of_peers(results)
+    if best:
+        per_comp, whole = best
+        rows.append(
+            ["best peer per component", *(f"{per_comp[c][0]:.4f} ({per_comp[c][1]})" for c in comps), f"{whole:.4f}"] + [""] * 7
+        )
+    header = [
+        "method",
+        *comps,
+        "whole",
+        "save s min/med",
+        "save CPU s",
+        "load s min/med",
+        "load CPU s",
+        "load MB/s",
+        "load vs zstd",
+        "bit-exact",
+    ]
     return format_table(header, rows)
+
+
+def targets(results: dict[str, Any]) -> list[str]:
+    """Issue 32's targets that these methods decide, each "met" or "NOT met" with the numbers."""
+    methods = results["methods"]
+    lines = []
+    ours = methods.get("ours (default)")
+    peers = {n: r for n, r in methods.items() if not n.startswith("ours")}
+    if ours and peers:
+        for key, what in (("load_s", "wall min"), ("load_s_median", "wall median"), ("load_cpu_s", "CPU min")):
+            fastest = min(peers, key=lambda n: peers[n][key])
+            ok = ours[key] < peers[fastest][key]
+            lines.append(
+                f"load above every compressed peer ({what}): {'met' if ok else 'NOT met'}: ours (default) "
+                f"{ours[key]:.3f} s, fastest peer {fastest} {peers[fastest][key]:.3f} s ({ours[key] / peers[fastest][key]:.2f}x)"
+            )
+    mr = methods.get("ours (max_ratio)")
+    best = best_of_peers(results)
+    if mr and best:
+        per_comp, whole = best
+        mine = results["tensor_bytes"] / mr["file_bytes"]
+        lines.append(
+            f"max_ratio() at or above the best-of-peers combination (whole): {'met' if mine >= whole else 'NOT met'}: "
+            f"{mine:.4f} vs {whole:.4f} ({(mine / whole - 1) * 100:+.2f}%)"
+        )
+        raw = results["raw_by_component"]
+        for c, (ratio, name) in per_comp.items():
+            got = raw[c] / mr["components"][c]
+            lines.append(
+                f"  {c}: max_ratio {got:.4f} vs best peer {ratio:.4f} ({name}): {(got / ratio - 1) * 100:+.2f}%"
+                + ("" if got >= ratio else "  (below)")
+            )
+    return lines
+
+
+def store_metrics(all_results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The run as results_store metrics: ratios exact, times lower-is-better."""
+    out: dict[str, dict[str, Any]] = {}
+    for res in all_results:
+        ckpt = res["checkpoint"]
+        for name, m in res["methods"].items():
+            key = f"{ckpt}/{name}"
+            out[f"{key}/ratio"] = metric(res["tensor_bytes"] / m["file_bytes"], "x", "exact")
+            for comp, size in (m["components"] or {}).items():
+                if comp in res["raw_by_component"] and size:
+                    out[f"{key}/ratio/{comp}"] = metric(res["raw_by_component"][comp] / size, "x", "exact")
+            for t in ("save_s", "save_cpu_s", "load_s", "load_cpu_s"):
+                out[f"{key}/{t}"] = metric(m[t], "s", "lower")
+            out[f"{key}/exact_rounds"] = metric(m["exact"], "rounds", "exact")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -668,8 +818,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="method names to run (default: all)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--delta", action="store_true", help="deltas of each pair's later state against its base instead")
+    ap.add_argument("--store", action="store_true", help="make this run the stored baseline (benchmarks/results/peers.json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(_THREADS)
+    vers = versions()
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()), flush=True)
+    env = environment()
     all_results = []
     for name in args.checkpoints:
         if args.delta:
@@ -680,13 +834,20 @@ def main(argv: list[str] | None = None) -> int:
             continue
         res = run(name, args.max_mb, args.repeat, args.only)
         all_results.append(res)
+    for res in all_results if not args.delta else []:
         print(
-            f"\n{name}: {res['tensor_bytes'] / 1e6:.1f} MB of tensors, ratio = tensor bytes / stored bytes; "
-            f"save and load best of {args.repeat}, 'vs zstd' = time / torch.save+zstd -1's"
+            f"\n{res['checkpoint']}: {res['tensor_bytes'] / 1e6:.1f} MB of tensors, ratio = tensor bytes / stored bytes; "
+            f"{args.repeat} interleaved rounds, times min / median, CPU = process + children CPU seconds (min); "
+            f"load average {res['loadavg_start']} -> {res['loadavg_end']}; 'vs zstd' = time / torch.save+zstd -1's"
         )
         print(tables(res))
+        for line in targets(res):
+            print(line)
     if args.json:
-        args.json.write_text(json.dumps(all_results, indent=1))
+        args.json.write_text(json.dumps({"versions": vers, "env": env, "results": all_results}, indent=1))
+    if not args.delta:
+        env["versions"] = vers
+        print(f"\nstored {write_run('peers', store_metrics(all_results), env, store=args.store)}")
     return 0
 
 
