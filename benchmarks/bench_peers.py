@@ -23,6 +23,7 @@ baseline that ``compare.py`` compares later runs with).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -35,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -47,6 +48,7 @@ import checkpoints  # noqa: E402  (benchmarks/ is not a package)
 import nvcomp_checkpoint as nc  # noqa: E402
 from methods import map_tensors  # noqa: E402
 from nvcomp_checkpoint import delta as delta_module  # noqa: E402
+from nvcomp_checkpoint.filters import byteplane  # noqa: E402
 from nvcomp_checkpoint.report import format_table  # noqa: E402
 from results_store import environment, metric, write_run  # noqa: E402
 
@@ -86,6 +88,9 @@ def subset_state(state: dict[str, Any], max_bytes: int) -> dict[str, Any]:
         step += 1
     keep = list(range(0, len(params), step))
     kept = {params[i] for i in keep}
+    # Parameter 0 is always kept: on dense it is the word-embedding table, 140.6 MB with its moments
+    # and gradient, so any --max-mb under that keeps it alone.
+    print(f"subset: every {step}th parameter, {len(keep)} of {len(params)} ({size(keep) / 1e6:.1f} MB)", flush=True)
     return {
         "model": {k: v for k, v in model.items() if k in kept or not v.is_floating_point()},
         "optimizer": {
@@ -383,13 +388,36 @@ def _int_keys(node: Any) -> Any:
 
 
 # -- ours -------------------------------------------------------------------------------------
-def ours_method(policy: Any) -> tuple[Callable[[Any, Path], dict[str, int]], Callable[[Path], Any]]:
+def ours_method(policy: Any, numpy_planes: bool = False) -> tuple[Callable[[Any, Path], dict[str, int]], Callable[[Path], Any]]:
+    """Our save and load; ``numpy_planes`` runs them with the numpy split/join where the compiled
+    one is built, so that both are measured in the same run (the same bytes either way)."""
+
     def save(obj: Any, path: Path) -> dict[str, int]:
-        nc.save(obj, path, policy=policy)
+        with _planes_kernel(numpy_planes):
+            nc.save(obj, path, policy=policy)
         with nc.open(path) as reader:
             return {name: s.stored_bytes for name, s in reader.summary().items()}
 
-    return save, lambda path: nc.load(path)
+    def load(path: Path) -> Any:
+        with _planes_kernel(numpy_planes):
+            return nc.load(path)
+
+    return save, load
+
+
+@contextlib.contextmanager
+def _planes_kernel(numpy_planes: bool) -> Iterator[None]:
+    # The byte-plane filter holds the compiled module in one global (None: numpy); the environment
+    # switch (byteplane.PURE_PYTHON_ENV) is read once at import, too late for a per-call choice.
+    if not numpy_planes:
+        yield
+        return
+    held = byteplane._planes
+    byteplane._planes = None
+    try:
+        yield
+    finally:
+        byteplane._planes = held
 
 
 @dataclass
@@ -413,6 +441,8 @@ def _peers() -> list[Peer]:
         Peer(name, lambda p=policy: ours_method(p()), "max_ratio" if "max_ratio" in name else "")
         for name, policy in OUR_POLICIES.items()
     ]
+    if getattr(byteplane, "KERNELS", "numpy") == "compiled":
+        peers.append(Peer("ours (default, numpy planes)", lambda: ours_method(None, numpy_planes=True)))
     peers += [
         Peer("torch.save+zstd -1", torch_zstd_method, "zstd"),
         Peer("safetensors+zstd -1", safetensors_zstd_method, "safetensors"),
@@ -456,12 +486,7 @@ def versions() -> dict[str, str]:
         if shutil.which("zstd")
         else "not installed"
     )
-    try:
-        from nvcomp_checkpoint.filters import _planes  # noqa: F401  (the compiled split/join, when built)
-
-        out["byte planes"] = "compiled"
-    except ImportError:
-        out["byte planes"] = "numpy"
+    out["byte planes"] = getattr(byteplane, "KERNELS", "numpy")  # which split/join "ours (default)" runs
     return out
 
 
@@ -487,9 +512,12 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     return out, time.perf_counter() - wall, cpu_seconds() - cpu
 
 
-def measure_all(peers: list[Peer], state: Any, workdir: Path, repeat: int, label: str) -> dict[str, dict[str, Any]]:
+def measure_all(
+    peers: list[Peer], state: Any, workdir: Path, repeat: int, label: str, once: frozenset[str] = frozenset()
+) -> dict[str, dict[str, Any]]:
     """Every peer's save and load, ``repeat`` rounds, the peers taking turns within each round
-    (each round starts one peer later, so no peer always follows the same one)."""
+    (each round starts one peer later, so no peer always follows the same one); the peers named
+    in ``once`` run in the first round only."""
     built = {p.name: p.build() for p in peers}
     samples: dict[str, dict[str, list[float]]] = {p.name: {"save": [], "save_cpu": [], "load": [], "load_cpu": []} for p in peers}
     exact = dict.fromkeys(built, 0)
@@ -497,6 +525,8 @@ def measure_all(peers: list[Peer], state: Any, workdir: Path, repeat: int, label
     for r in range(repeat):
         order = peers[r % len(peers) :] + peers[: r % len(peers)]
         for peer in order:
+            if r and peer.name in once:
+                continue
             save, load = built[peer.name]
             path = workdir / (peer.name.replace(" ", "_").replace("/", "_") + ".bin")
             for leftover in workdir.glob(path.name + "*"):
@@ -527,11 +557,11 @@ def measure_all(peers: list[Peer], state: Any, workdir: Path, repeat: int, label
             res[f"{key}_s_median"] = statistics.median(values)
             res[f"{key}_s_all"] = values
         res["exact"] = exact[name]
-        res["rounds"] = repeat
+        res["rounds"] = len(samples[name]["load"])
     return results
 
 
-def run(name: str, max_mb: float, repeat: int, only: list[str] | None) -> dict[str, Any]:
+def run(name: str, max_mb: float, repeat: int, only: list[str] | None, once: frozenset[str] = frozenset()) -> dict[str, Any]:
     state = checkpoints.load_pair(name)["later"]
     if max_mb:
         state = subset_state(state, int(max_mb * 1e6))
@@ -542,7 +572,7 @@ def run(name: str, max_mb: float, repeat: int, only: list[str] | None) -> dict[s
     results["loadavg_start"] = loadavg()
     print(f"{name}: load average at start {results['loadavg_start']}", flush=True)
     with tempfile.TemporaryDirectory(prefix="nvckpt-peers-", dir=os.environ.get("BENCH_DIR")) as tmp:
-        results["methods"] = measure_all(peers, state, Path(tmp), repeat, name)
+        results["methods"] = measure_all(peers, state, Path(tmp), repeat, name, once)
     results["loadavg_end"] = loadavg()
     print(f"{name}: load average at end {results['loadavg_end']}", flush=True)
     return results
@@ -813,9 +843,17 @@ def store_metrics(all_results: list[dict[str, Any]]) -> dict[str, dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoints", nargs="+", default=["dense", "moe"], choices=sorted(checkpoints.PAIRS))
-    ap.add_argument("--max-mb", type=float, default=100.0, help="keep a subset of the parameters under this many MB (0: all)")
+    ap.add_argument(
+        "--max-mb", type=float, default=0.0, help="keep every k-th parameter, under this many MB if it can (default 0: all)"
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", nargs="*", help="method names to run (default: all)")
+    ap.add_argument(
+        "--once",
+        nargs="*",
+        default=["ours (max_ratio)"],
+        help="methods timed in the first round only (default: %(default)s, whose save is 15-50x the others')",
+    )
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--delta", action="store_true", help="deltas of each pair's later state against its base instead")
     ap.add_argument("--store", action="store_true", help="make this run the stored baseline (benchmarks/results/peers.json)")
@@ -832,12 +870,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{name}: delta against the state 40 steps earlier, {res['tensor_bytes'] / 1e6:.1f} MB of tensors")
             print(delta_tables(res))
             continue
-        res = run(name, args.max_mb, args.repeat, args.only)
+        res = run(name, args.max_mb, args.repeat, args.only, frozenset(args.once))
         all_results.append(res)
     for res in all_results if not args.delta else []:
         print(
             f"\n{res['checkpoint']}: {res['tensor_bytes'] / 1e6:.1f} MB of tensors, ratio = tensor bytes / stored bytes; "
-            f"{args.repeat} interleaved rounds, times min / median, CPU = process + children CPU seconds (min); "
+            f"{args.repeat} interleaved rounds ({', '.join(args.once) or 'none'}: 1), times min / median, CPU = process + children CPU seconds (min); "
             f"load average {res['loadavg_start']} -> {res['loadavg_end']}; 'vs zstd' = time / torch.save+zstd -1's"
         )
         print(tables(res))
