@@ -746,7 +746,8 @@ def best_of_peers(results: dict[str, Any]) -> tuple[dict[str, tuple[float, str]]
     return best, results["tensor_bytes"] / (stored + other)
 
 
-def tables(results: dict[str, Any]) -> str:
+def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of a checkpoint's table (per method; the best peer per component last)."""
     raw = results["raw_by_component"]
     comps = [c for c in COMPONENTS if c in raw]
     ref = results["methods"].get("torch.save+zstd -1")
@@ -787,7 +788,26 @@ def tables(results: dict[str, Any]) -> str:
         "load vs zstd",
         "bit-exact",
     ]
-    return format_table(header, rows)
+    return header, rows
+
+
+def tables(results: dict[str, Any]) -> str:
+    return format_table(*table_rows(results))
+
+
+def markdown(results: dict[str, Any], repeat: int) -> str:
+    """A checkpoint's table and targets in Markdown (what benchmarks/README.md shows)."""
+    header, rows = table_rows(results)
+    lines = [
+        f"{results['checkpoint']}: {results['tensor_bytes'] / 1e6:.1f} MB of tensors, {repeat} rounds, "
+        f"load average {results['loadavg_start']} -> {results['loadavg_end']}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    lines += ["| " + " | ".join(r + [""] * (len(header) - len(r))) + " |" for r in rows]
+    lines += ["", *(f"  - {t.strip()}" if t.startswith(" ") else f"- {t}" for t in targets(results)), ""]
+    return "\n".join(lines)
 
 
 def targets(results: dict[str, Any]) -> list[str]:
@@ -855,6 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         help="methods timed in the first round only (default: %(default)s, whose save is 15-50x the others')",
     )
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--markdown", type=Path, help="write the tables and targets here as Markdown")
     ap.add_argument("--delta", action="store_true", help="deltas of each pair's later state against its base instead")
     ap.add_argument("--store", action="store_true", help="make this run the stored baseline (benchmarks/results/peers.json)")
     args = ap.parse_args(argv)
@@ -883,6 +904,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
     if args.json:
         args.json.write_text(json.dumps({"versions": vers, "env": env, "results": all_results}, indent=1))
+    if args.markdown and not args.delta:
+        args.markdown.write_text("\n".join(markdown(res, args.repeat) for res in all_results))
     if not args.delta:
         env["versions"] = vers
         print(f"\nstored {write_run('peers', store_metrics(all_results), env, store=args.store)}")
