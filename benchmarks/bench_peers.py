@@ -898,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
     for res in all_results if not args.delta else []:
         print(
             f"\n{res['checkpoint']}: {res['tensor_bytes'] / 1e6:.1f} MB of tensors, ratio = tensor bytes / stored bytes; "
-            f"{args.repeat} interleaved rounds ({', '.join(args.once) or 'none'}: 1), times min / median, CPU = process + children CPU seconds (min); "
+            f"{args.repeat} interleaved rounds ({', '.join(n for n in args.once if n in res['methods']) or 'none'}: 1), times min / median, CPU = process + children CPU seconds (min); "
             f"load average {res['loadavg_start']} -> {res['loadavg_end']}; 'vs zstd' = time / torch.save+zstd -1's"
         )
         print(tables(res))
