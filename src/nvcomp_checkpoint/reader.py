@@ -39,7 +39,7 @@ from .format.layout import (
 from .format.skeleton import check_skeleton, decode_skeleton, tensor_paths, unflatten
 from .policy import Component
 from .report import ComponentStats, ComponentSummary
-from .storage import Storage, open_checkpoint_stream, storage_for
+from .storage import Storage, open_checkpoint_stream, ranged_fetch, storage_for
 from .tensors import unique_key
 from .version import install_hint
 from .workers import GPU_BATCH_BYTES, default_workers, worker_pool
@@ -151,7 +151,7 @@ class CheckpointReader:
         self._fd = _local_fd(self.storage, self._stream)
         #: Object stores are read by the decoding workers with stateless ranged requests
         #: (:meth:`_read_range`); other storage through the stream, one read at a time.
-        self._fetch = _ranged_fetch(self._stream) if self._fd is None else None
+        self._fetch = ranged_fetch(self._stream) if self._fd is None else None
         #: Chunks queued for reading in batches of consecutive stored bytes, per worker pool.
         self._batches: weakref.WeakKeyDictionary[Executor, _Batches] = weakref.WeakKeyDictionary()
         #: Each decoding worker's read and plane buffers, reused from chunk to chunk.
@@ -808,21 +808,6 @@ def _local_fd(storage: Storage, stream: Any) -> int | None:
         return int(stream.fileno())
     except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
         return None
-
-
-def _ranged_fetch(stream: Any) -> Callable[[int, int], bytes] | None:
-    """``(start, end) -> bytes`` of the opened object, safe to call from several threads at once,
-    where the storage has it: the files of fsspec's asynchronous back ends (s3fs, gcsfs, adlfs,
-    HTTP), whose ranged fetch is a request of its own that names the object as it was opened
-    (s3fs: its ETag, so a replaced object fails instead of mixing two files). ``None`` otherwise."""
-    try:
-        from fsspec.spec import AbstractBufferedFile
-    except ImportError:
-        return None
-    if isinstance(stream, AbstractBufferedFile) and getattr(stream.fs, "async_impl", False):
-        fetch: Callable[[int, int], bytes] = stream._fetch_range
-        return fetch
-    return None
 
 
 class _Batches:

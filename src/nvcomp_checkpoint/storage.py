@@ -34,6 +34,7 @@ __all__ = [
     "LOCAL",
     "storage_for",
     "open_checkpoint_stream",
+    "ranged_fetch",
     "write_errors",
     "is_url",
     "fsync_path",
@@ -897,3 +898,18 @@ def local_lock(path: str | os.PathLike[str]) -> Iterator[bool]:
         yield locked
     finally:
         os.close(fd)  # releases the lock
+
+
+def ranged_fetch(stream: Any) -> Callable[[int, int], bytes] | None:
+    """``(start, end) -> bytes`` of the opened object, safe to call from several threads at once,
+    where the storage has it: the files of fsspec's asynchronous back ends (s3fs, gcsfs, adlfs,
+    HTTP), whose ranged fetch is a request of its own that names the object as it was opened
+    (s3fs: its ETag, so a replaced object fails instead of mixing two files). ``None`` otherwise."""
+    try:
+        from fsspec.spec import AbstractBufferedFile
+    except ImportError:
+        return None
+    if isinstance(stream, AbstractBufferedFile) and getattr(stream.fs, "async_impl", False):
+        fetch: Callable[[int, int], bytes] = stream._fetch_range
+        return fetch
+    return None
