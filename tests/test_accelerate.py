@@ -959,5 +959,5 @@ def test_import_without_accelerate_names_the_extra_to_install() -> None:
     assert proc.stdout.startswith(
         "ImportError accelerate nvcomp_checkpoint.accelerate needs Accelerate: "
         "pip install -e '.[accelerate]' in a clone of the nvcomp-checkpoint repository, or "
-        "pip install 'nvcomp_checkpoint-"
+        'pip install "$(ls dist/nvcomp_checkpoint-'
     ), proc.stdout
