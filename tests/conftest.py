@@ -172,6 +172,51 @@ def _dist_env() -> dict[str, str]:
 
 
 @contextmanager
+def environ_set(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set, each variable put back as it was afterwards (for module-scoped
+    fixtures, where ``monkeypatch`` is not available)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def traced_peak(fn: Any) -> tuple[Any, int]:
+    """``fn()`` and the peak bytes Python and numpy allocated while it ran (tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        out = fn()
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def traced_load_extra(reader: Any, expected: Any) -> int:
+    """Peak bytes Python and numpy allocated during ``reader.load()`` beyond the result's own traced bytes
+    (torch's allocator, which holds results, is not traced); the result must equal ``expected``."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        loaded = reader.load()
+        held, peak = tracemalloc.get_traced_memory()
+        assert_tree_equal(loaded, expected)
+        del loaded
+        result = held - tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    return peak - result
+
+
+@contextmanager
 def _dist_env_restored() -> Iterator[None]:
     before = _dist_env()
     yield

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import struct
-import tracemalloc
 from pathlib import Path
 
 import fsspec
@@ -16,7 +15,7 @@ import xxhash
 import zstandard
 
 import nvcomp_checkpoint as nc
-from conftest import assert_tree_equal
+from conftest import assert_tree_equal, traced_load_extra, traced_peak
 from nvcomp_checkpoint.codecs.cpu import NoneCpuCodec, ZstdCpuCodec
 from nvcomp_checkpoint.errors import FormatError
 from nvcomp_checkpoint.reader import CheckpointReader
@@ -118,17 +117,7 @@ def test_a_load_holds_a_few_chunks_per_worker_beyond_its_result(tmp_path: Path) 
     chunk = 4 * MIB
     workers = 2
     with CheckpointReader(path, workers=workers) as reader:
-        tracemalloc.start()
-        try:
-            loaded = reader.load()
-            held, peak = tracemalloc.get_traced_memory()
-            assert_tree_equal(loaded, tree)
-            del loaded
-            # The result's own bytes, where they are traced (numpy's allocator is, torch's is not).
-            result = held - tracemalloc.get_traced_memory()[0]
-        finally:
-            tracemalloc.stop()
-    extra = peak - result
+        extra = traced_load_extra(reader, tree)
     # Per worker: one chunk's stored bytes read and one chunk's decoded planes.
     assert extra < workers * 2 * chunk + 4 * MIB, f"{extra / MIB:.1f} MiB beyond the result"
 
@@ -164,12 +153,7 @@ def test_forged_planes_far_apart_are_read_without_the_bytes_between(tmp_path: Pa
 
     _with_index(path, a_takes_a_plane_of_b)
     with CheckpointReader(path, workers=1) as reader:
-        tracemalloc.start()
-        try:
-            loaded = reader.read("a")
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        loaded, peak = traced_peak(lambda: reader.read("a"))
     planes = torch.stack([tree["a"].view(torch.uint8)[0::2], tree["b"].view(torch.uint8)[1::2]], dim=1)
     assert torch.equal(loaded.view(torch.uint8), planes.reshape(-1))
     assert peak < 2 * MIB, f"{peak / MIB:.1f} MiB to read 64 KiB"

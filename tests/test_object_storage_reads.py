@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tracemalloc
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -21,7 +20,7 @@ import xxhash
 
 import nvcomp_checkpoint as nc
 import nvcomp_checkpoint.reader as reader_module
-from conftest import assert_tree_equal, start_moto_server
+from conftest import assert_tree_equal, environ_set, start_moto_server, traced_load_extra, traced_peak
 from nvcomp_checkpoint.errors import CheckpointError, FormatError
 from nvcomp_checkpoint.reader import CheckpointReader
 
@@ -53,22 +52,16 @@ class S3:
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3]:
-    saved = {k: os.environ.get(k) for k in _AWS_ENV}
-    os.environ.update(_AWS_ENV)  # dummies: nothing reaches real AWS credentials
-    log = tmp_path_factory.mktemp("moto") / "moto_server.log"
-    proc, port = start_moto_server(dict(os.environ), log)
-    try:
-        server = S3(f"http://127.0.0.1:{port}", log)
-        server.client.create_bucket(Bucket=BUCKET)
-        yield server
-    finally:
-        proc.kill()
-        proc.wait()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with environ_set(_AWS_ENV):  # dummies: nothing reaches real AWS credentials
+        log = tmp_path_factory.mktemp("moto") / "moto_server.log"
+        proc, port = start_moto_server(dict(os.environ), log)
+        try:
+            server = S3(f"http://127.0.0.1:{port}", log)
+            server.client.create_bucket(Bucket=BUCKET)
+            yield server
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 def _saved(tmp_path: Path, tree: dict[str, Any], policy: nc.CodecPolicy | None = None) -> bytes:
@@ -105,18 +98,8 @@ def test_a_large_tensor_is_read_in_ranged_requests_by_the_workers(s3: S3, tmp_pa
     workers = 2
     with CheckpointReader(url, storage_options=s3.options, workers=workers) as reader:
         before = s3.gets("large.nvc")
-        tracemalloc.start()
-        try:
-            loaded = reader.load()
-            held, peak = tracemalloc.get_traced_memory()
-            assert_tree_equal(loaded, tree)
-            del loaded
-            # The result's own bytes, where they are traced (numpy's allocator is, torch's is not).
-            result = held - tracemalloc.get_traced_memory()[0]
-        finally:
-            tracemalloc.stop()
+        extra = traced_load_extra(reader, tree)
         requests = s3.gets("large.nvc") - before
-    extra = peak - result
     # Per worker: one read of 1 MiB and one chunk's planes; the HTTP client's buffers besides.
     assert extra < workers * (MIB + chunk) + 2 * MIB, f"{extra / MIB:.1f} MiB beyond the result"
     stored = reader.entry("w").stored_bytes
@@ -202,12 +185,7 @@ def test_forged_frames_far_apart_read_no_bytes_between(s3: S3, tmp_path: Path) -
 
     url = s3.put("far.nvc", _with_index(data, a_takes_b))
     with CheckpointReader(url, storage_options=s3.options) as reader:
-        tracemalloc.start()
-        try:
-            loaded = reader.read("a")
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        loaded, peak = traced_peak(lambda: reader.read("a"))
     assert torch.equal(loaded, torch.cat([tree["a"], tree["b"]]))
     assert peak < 2 * MIB, f"{peak / MIB:.1f} MiB to read 128 KiB"
 

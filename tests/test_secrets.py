@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import nvcomp_checkpoint as nc
-from conftest import assert_tree_equal, start_moto_server
+from conftest import assert_tree_equal, environ_set, start_moto_server
 from nvcomp_checkpoint.credentials import REDACTED, StorageOptions, is_secret_key, redacted
 from nvcomp_checkpoint.errors import CheckpointError
 from nvcomp_checkpoint.saveoptions import SaveOptions
@@ -139,32 +139,27 @@ def signed_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
     boot = {"AWS_ACCESS_KEY_ID": "boot", "AWS_SECRET_ACCESS_KEY": "boot", "AWS_DEFAULT_REGION": "us-east-1"}
     env = dict(os.environ, **boot, INITIAL_NO_AUTH_ACTION_COUNT="4")
     proc, port = start_moto_server(env, tmp_path_factory.mktemp("moto") / "moto_server.log")
-    saved = {k: os.environ.get(k) for k in boot}
-    os.environ.update(boot)  # nothing ever reaches real AWS credentials
-    try:
-        endpoint = f"http://127.0.0.1:{port}"
-        iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1")
-        iam.create_user(UserName="trainer")
-        policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
-        iam.put_user_policy(UserName="trainer", PolicyName="s3", PolicyDocument=json.dumps(policy))
-        key = iam.create_access_key(UserName="trainer")["AccessKey"]
-        s3 = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id=key["AccessKeyId"],
-            aws_secret_access_key=key["SecretAccessKey"],
-        )
-        s3.create_bucket(Bucket=BUCKET)
-        yield {"endpoint": endpoint, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
-    finally:
-        proc.kill()
-        proc.wait()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    # nothing ever reaches real AWS credentials
+    with environ_set(boot):
+        try:
+            endpoint = f"http://127.0.0.1:{port}"
+            iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1")
+            iam.create_user(UserName="trainer")
+            policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+            iam.put_user_policy(UserName="trainer", PolicyName="s3", PolicyDocument=json.dumps(policy))
+            key = iam.create_access_key(UserName="trainer")["AccessKey"]
+            s3 = boto3.client(
+                "s3",
+                endpoint_url=endpoint,
+                region_name="us-east-1",
+                aws_access_key_id=key["AccessKeyId"],
+                aws_secret_access_key=key["SecretAccessKey"],
+            )
+            s3.create_bucket(Bucket=BUCKET)
+            yield {"endpoint": endpoint, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 def _options(s3: dict[str, Any], secret: str | None = None) -> dict[str, Any]:
